@@ -1,0 +1,129 @@
+"""KV cache storage: per-layer key and value buffers indexed by slot.
+
+A slot is one token position in the pool: `slot = page * page_size + offset`. Which slots a
+request owns is decided by `PageAllocator` and recorded in `ReqToTokenPool.req_to_token`; the
+pool only stores tensors and knows nothing about requests.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+# Float8 tensors are stored as uint8 and viewed back on read: index_put/index_copy for float8 is
+# not implemented on every backend, while a byte copy always is.
+_FLOAT8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+class KVPool(ABC):
+    """Storage for every layer's K and V, `num_slots` token positions each.
+
+    Implementations hold no locks: the scheduler and model runner of a rank use a pool from one
+    thread.
+    """
+
+    num_slots: int
+    num_layers: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @abstractmethod
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return layer `layer_id`'s (K, V) buffers, each [num_slots, num_kv_heads, head_dim].
+
+        Mutates nothing; the tensors are views of the pool, so writing to them writes the pool.
+        Raises ValueError if `layer_id` is out of range.
+        """
+
+    @abstractmethod
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write `k[i]`, `v[i]` (cast to the pool dtype) into slot `loc[i]` of layer `layer_id`.
+
+        Mutates only those rows of that layer's K and V buffers. `loc` is int64 [N]; `k`, `v` are
+        [N, num_kv_heads, head_dim]. Raises ValueError if `layer_id` is out of range; torch raises
+        RuntimeError on a shape mismatch or an out-of-range slot.
+        """
+
+    @property
+    @abstractmethod
+    def bytes_per_token(self) -> int:
+        """Bytes of K plus V over all layers for one slot."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all K and V buffers."""
+        return self.bytes_per_token * self.num_slots
+
+
+class PagedKVPool(KVPool):
+    """K and V buffers of `num_pages * page_size` slots per layer.
+
+    Every page is usable, page 0 included: nothing here relies on a reserved "null" slot (padding
+    for CUDA graphs, if it comes, should reserve its own page through the allocator).
+    Buffers come from `torch.empty`, so on CPU the pages no request has touched yet are not
+    resident memory.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._store_dtype = torch.uint8 if dtype in _FLOAT8_DTYPES else dtype
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k_buffer = [
+            torch.empty(shape, dtype=self._store_dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffer = [
+            torch.empty(shape, dtype=self._store_dtype, device=self.device) for _ in range(num_layers)
+        ]
+
+    def _check_layer(self, layer_id: int) -> None:
+        if not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id must be in [0, {self.num_layers}), got {layer_id}")
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_layer(layer_id)
+        k, v = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        if self._store_dtype != self.dtype:
+            return k.view(self.dtype), v.view(self.dtype)
+        return k, v
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_layer(layer_id)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if self._store_dtype != self.dtype:
+            k, v = k.view(self._store_dtype), v.view(self._store_dtype)
+        self.k_buffer[layer_id].index_copy_(0, loc, k)
+        self.v_buffer[layer_id].index_copy_(0, loc, v)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize

@@ -1,0 +1,29 @@
+"""The attention backend interface: one object per ModelRunner, shared by every layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model_executor.forward_batch import ForwardBatch
+    from model_executor.layers.attention import Attention
+
+
+class AttentionBackend(ABC):
+    """Writes each step's new K/V into the paged pool and attends over prefix + new tokens."""
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Builds per-step index tensors shared by every layer (called once per forward).
+        Mutates only the backend's own metadata."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [n, heads*d], k/v [n, kv_heads*d] for the batch's new tokens -> [n, heads*d].
+
+        Mutates the KV pool: writes k/v at `batch.out_cache_loc` for `layer.layer_id`.
+        """

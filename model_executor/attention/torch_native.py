@@ -1,0 +1,74 @@
+"""Attention on the CPU (or any device) with torch's scaled_dot_product_attention over the paged
+KV pool.
+
+Decode gathers every request's K/V through `req_to_token` into one padded [bs, L] block and runs
+a single SDPA call for the whole batch (no per-request loop). Extend loops over requests: each
+attends over its cached prefix plus its new tokens with a causal mask shifted by the prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mem_cache.kv_pool import KVPool
+from model_executor.attention.base import AttentionBackend
+from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.attention import Attention
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self._decode_slots: torch.Tensor | None = None  # [bs, L] pool slots, padding repeats slot 0
+        self._decode_mask: torch.Tensor | None = None  # [bs, 1, 1, L] bool, None when no padding
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode:
+            return
+        max_len = max(batch.seq_lens_cpu)
+        slots = self.req_to_token[batch.req_pool_indices, :max_len]
+        if min(batch.seq_lens_cpu) == max_len:
+            self._decode_slots, self._decode_mask = slots, None
+            return
+        valid = torch.arange(max_len, device=slots.device).unsqueeze(0) < batch.seq_lens.unsqueeze(1)
+        # Padding must point at a written slot: the pool is uninitialised memory and NaN * 0 is NaN.
+        self._decode_slots = torch.where(valid, slots, slots[:, :1])
+        self._decode_mask = valid[:, None, None, :]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch) -> torch.Tensor:
+        n = q.shape[0]
+        q = q.view(n, layer.num_heads, layer.head_dim)
+        k = k.view(n, layer.num_kv_heads, layer.head_dim)
+        v = v.view(n, layer.num_kv_heads, layer.head_dim)
+        self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+        gqa = layer.num_heads != layer.num_kv_heads
+        if batch.is_decode:
+            assert self._decode_slots is not None
+            slots = self._decode_slots
+            k_all = k_cache[slots].transpose(1, 2)  # [bs, kv_heads, L, d]
+            v_all = v_cache[slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=self._decode_mask,
+                                                 scale=layer.scaling, enable_gqa=gqa)
+            return out.reshape(n, layer.num_heads * layer.head_dim)
+        outputs = []
+        start = 0
+        for i, (prefix, new) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
+            qi = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
+            if prefix == 0:
+                ki = k[start:start + new].transpose(0, 1).unsqueeze(0)
+                vi = v[start:start + new].transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
+            else:
+                slots = self.req_to_token[batch.req_pool_indices[i], :prefix + new]
+                ki = k_cache[slots].transpose(0, 1).unsqueeze(0)
+                vi = v_cache[slots].transpose(0, 1).unsqueeze(0)
+                # query j (absolute position prefix + j) sees keys 0 .. prefix + j
+                mask = torch.ones(new, prefix + new, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
+            outputs.append(oi.squeeze(0).transpose(0, 1).reshape(new, -1))
+            start += new
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_executor.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer; the math lives in the batch's attention backend."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        assert batch.attn_backend is not None
+        return batch.attn_backend.forward(q, k, v, self, batch)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_executor.layers.sharding import default_weight_loader, set_weight_attrs
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add: `forward(x, residual)` returns
+    (norm(x + residual), x + residual), so the residual stream is updated in one place."""
+
+    def __init__(self, hidden_size: int, eps: float, *, params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Low precision: normalise in fp32 like transformers, scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

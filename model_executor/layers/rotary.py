@@ -1,0 +1,73 @@
+"""Rotary position embedding (neox / rotate-half layout, as transformers' Llama), with Llama 3
+frequency scaling and linear scaling. cos/sin are precomputed for every position once."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """Rope settings from a transformers config, old style (rope_theta + rope_scaling) or new
+    (rope_parameters)."""
+    params: dict[str, Any] = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low_freq_factor = float(params["low_freq_factor"])
+        high_freq_factor = float(params["high_freq_factor"])
+        old_context = float(params["original_max_position_embeddings"])
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = _inv_freq(head_dim, params)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        # float32 tables, cast once to the model dtype: transformers does the same per step.
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, hq*d], k [n, hk*d] -> rotated copies of the same shapes."""
+        n = positions.shape[0]
+        cos = self.cos[positions].unsqueeze(1)  # [n, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q.view(n, -1, self.head_dim), cos, sin).view(n, -1), \
+            self._rotate(k.view(n, -1, self.head_dim), cos, sin).view(n, -1)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,78 @@
+"""Copies checkpoint tensors into a model's (possibly sharded, possibly packed) parameters.
+
+Every parameter must be loaded (every shard of a packed one) and every checkpoint tensor used,
+unless the model says to skip it; otherwise a ValueError lists the names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from model_executor.layers.sharding import default_weight_loader
+
+logger = logging.getLogger("srt.loader")
+
+
+class NamedTensorSource(Protocol):
+    name: str
+
+    @property
+    def shape(self) -> Any: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, Any]:
+    mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
+    for ckpt_part, (param_part, shard_id) in mapping.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, progress: bool = False) -> None:
+    params = dict(model.named_parameters())
+    loaded: dict[str, set[Any]] = {}
+    unused: list[str] = []
+    skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
+    items = tqdm(checkpoint, desc="Loading weights", unit="tensor", disable=not progress)
+    for tensor in items:
+        if skip(tensor.name):
+            continue
+        target, shard_id = _target(model, tensor.name)
+        param = params.get(target)
+        if param is None:
+            unused.append(tensor.name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"shape mismatch: checkpoint tensor {tensor.name!r} of shape {tuple(tensor.shape)} "
+                             f"does not fit parameter {target!r} of shape {tuple(param.shape)} on this rank: {e}"
+                             ) from e
+        loaded.setdefault(target, set()).add(shard_id)
+
+    missing = []
+    for name, param in params.items():
+        expected = set(getattr(param, "shard_ids", ()) or (None,))
+        got = loaded.get(name, set())
+        if got != expected:
+            missing.append(name if expected == {None} else f"{name} (shards {sorted(map(str, expected - got))})")
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model parameter(s) not found in the checkpoint: {', '.join(missing[:20])}")
+    if unused:
+        problems.append(f"{len(unused)} checkpoint tensor(s) not used by the model: {', '.join(unused[:20])}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    logger.debug("loaded %d parameters", len(params))

@@ -1,0 +1,152 @@
+"""Where weights come from: resolving `--model-path` and reading checkpoint tensors lazily.
+
+A `LazyTensor` reads only what a layer's `weight_loader` asks for, so a tensor-parallel rank
+touches just its own shard of each checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from model_executor.loader.gguf_convert import convert_gguf
+from srt.default_model import default_model_path
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def resolve_model_path(model_path: str | None) -> Path:
+    """Turn `--model-path` into an HF-style model directory.
+
+    None means the default model; a `.gguf` file is converted (once, cached); a directory must
+    hold a `config.json`. Raises ValueError naming `--model-path` for anything else.
+    """
+    if model_path is None:
+        return convert_gguf(default_model_path())
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"--model-path {model_path!r} does not exist (downloading from a model hub is not supported: "
+            f"pass a local model directory or a .gguf file)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"--model-path {model_path!r} is a file but not a .gguf file")
+        return convert_gguf(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model-path {model_path!r} is a directory with no config.json")
+    return path.resolve()
+
+
+def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
+    """The model's transformers config; ValueError when config.json is missing or unreadable."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"model_dir {str(model_dir)!r}: cannot read config.json: {error}") from error
+
+
+class LazyTensor:
+    """One checkpoint tensor, read only when (and as far as) asked."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: Any = None,
+                 tensor: torch.Tensor | None = None) -> None:
+        assert (file is None) != (tensor is None), "exactly one of file and tensor"
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+        self._file = file  # an open safetensors handle, shared by the tensors of one file
+        self._tensor = tensor
+
+    @classmethod
+    def from_tensor(cls, name: str, tensor: torch.Tensor) -> LazyTensor:
+        """Wrap an in-memory tensor (tests, synthetic weights) behind the same interface."""
+        return cls(name, tuple(tensor.shape), tensor.dtype, tensor=tensor)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """`load().narrow(dim, start, length)`, reading only that slice from disk."""
+        if not -len(self.shape) <= dim < len(self.shape):
+            raise ValueError(f"dim must be in [{-len(self.shape)}, {len(self.shape)}) for {self}, got {dim}")
+        dim %= len(self.shape)
+        size = self.shape[dim]
+        if not 0 <= start <= size:
+            raise ValueError(f"start must be in [0, {size}] for dim {dim} of {self}, got {start}")
+        if not 0 <= length <= size - start:
+            raise ValueError(f"length must be in [0, {size - start}] for start {start} of {self}, got {length}")
+        if self._tensor is not None:
+            return self._tensor.narrow(dim, start, length)
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._file.get_slice(self.name)[tuple(index)]
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor."""
+        if self._tensor is not None:
+            return self._tensor
+        return self._file.get_tensor(self.name)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files to read, sorted by name; those named by the index when there is one."""
+    directory = Path(model_dir)
+    index_file = directory / SAFETENSORS_INDEX
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"model_dir {str(model_dir)!r}: {SAFETENSORS_INDEX} has no weight_map")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"model_dir {str(model_dir)!r}: {SAFETENSORS_INDEX} names missing files {missing}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_dir {str(model_dir)!r} holds no *.safetensors files")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[LazyTensor]:
+    """Every tensor of every safetensors file, by file name then tensor name.
+
+    Raises ValueError when there are no files or one tensor name appears in two files.
+    """
+    seen: dict[str, str] = {}
+    for path in checkpoint_files(model_dir):
+        handle = safe_open(str(path), framework="pt")
+        for name in sorted(handle.keys()):
+            if name in seen:
+                raise ValueError(f"model_dir {str(model_dir)!r}: tensor {name} is in both {seen[name]} and {path.name}")
+            seen[name] = path.name
+            info = handle.get_slice(name)
+            shape = tuple(int(n) for n in info.get_shape())
+            dtype = _SAFETENSORS_DTYPES.get(info.get_dtype())
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name} has unsupported dtype {info.get_dtype()}")
+            yield LazyTensor(name, shape, dtype, file=handle)

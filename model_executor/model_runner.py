@@ -1,0 +1,141 @@
+"""ModelRunner: owns the model, its KV memory and the sampler of one rank.
+
+forward batch -> logits of each request's last token -> sampled ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mem_cache.allocator import PageAllocator
+from mem_cache.budget import kv_bytes_per_token, profile_num_pages
+from mem_cache.kv_pool import PagedKVPool
+from mem_cache.req_to_token_pool import ReqToTokenPool
+from model_executor.attention.base import AttentionBackend
+from model_executor.attention.torch_native import TorchNativeAttnBackend
+from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
+from model_executor.forward_batch import ForwardBatch
+from model_executor.loader.load_weights import load_weights
+from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
+from model_executor.models.base import CausalLM
+from model_executor.models.registry import get_model_class
+from model_executor.sampler import Sampler, SamplingBatchInfo
+
+logger = logging.getLogger("srt.model_runner")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: Path
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    page_size: int = 1
+    mem_fraction_static: float = 0.8
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    context_length: int | None = None
+    attention_backend: str = "auto"  # "torch_native" | "flashinfer" | "auto"
+    local_world_size: int = 1  # ranks on this host: they share its free memory
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, parallel: ParallelState | None = None) -> None:
+        self.config = config
+        self.parallel = parallel or get_parallel_state()
+        self.device = torch.device(config.device)
+        self.hf_config = load_hf_config(config.model_dir)
+        self.context_length = self._context_length()
+        self._init_model()
+        self._init_memory()
+        self._init_attention_backend()
+        self.sampler = Sampler()
+
+    def _context_length(self) -> int:
+        model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096)
+        wanted = self.config.context_length
+        if wanted is None:
+            return model_len
+        if wanted < 1:
+            raise ValueError(f"--context-length must be positive, got {wanted}")
+        if wanted > model_len:
+            raise ValueError(f"--context-length {wanted} exceeds the model's max_position_embeddings ({model_len})")
+        return wanted
+
+    def _init_model(self) -> None:
+        start = time.perf_counter()
+        model_cls = get_model_class(self.hf_config)
+        with torch.device(self.device):
+            self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype)
+        load_weights(self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first)
+        self.model.eval()
+        self.weight_bytes = model_weight_bytes(self.model)
+        logger.info("loaded %s (%.1f MB on this rank, %s) in %.1f s", model_cls.__name__,
+                    self.weight_bytes / 2**20, self.config.dtype, time.perf_counter() - start)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def _init_memory(self) -> None:
+        num_layers, kv_heads, head_dim = self.model.kv_cache_layout()
+        per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.config.dtype)
+        page_size = self.config.page_size
+        # A request needs at most context_length tokens of KV; below one request's worth nothing can run.
+        self.num_pages = profile_num_pages(
+            device=self.device, mem_fraction_static=self.config.mem_fraction_static, bytes_per_token=per_token,
+            page_size=page_size, local_world_size=self.config.local_world_size,
+            max_total_tokens=self.config.max_total_tokens, cpu_group=self.parallel.world.cpu_group,
+        )
+        self.max_total_tokens = self.num_pages * page_size
+        self.max_running_requests = self.config.max_running_requests
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + page_size,
+                                                device=self.device)
+        self.kv_pool = PagedKVPool(self.num_pages, page_size, num_layers, kv_heads, head_dim,
+                                   self.config.dtype, self.device)
+        self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
+        logger.info("KV cache: %d tokens (%d pages of %d), %.1f MB; %d request slots", self.max_total_tokens,
+                    self.num_pages, page_size, self.max_total_tokens * per_token / 2**20, self.max_running_requests)
+
+    def _init_attention_backend(self) -> None:
+        name = self.config.attention_backend
+        if name == "auto":  # flashinfer becomes the CUDA default once its backend exists
+            name = "torch_native"
+        self.attn_backend: AttentionBackend
+        if name == "torch_native":
+            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token)
+        elif name == "flashinfer":
+            from model_executor.attention.flashinfer_backend import FlashInferAttnBackend
+
+            self.attn_backend = FlashInferAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token)
+        else:
+            raise ValueError(f"unknown --attention-backend {name!r} (choose torch_native or flashinfer)")
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs the model; returns float32 logits [bs, vocab] of each request's last new token."""
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if not batch.is_decode:
+            last = torch.tensor(batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        return self.sampler(logits, info)
+
+    def info(self) -> dict[str, Any]:
+        return {"max_total_tokens": self.max_total_tokens, "num_pages": self.num_pages,
+                "page_size": self.config.page_size, "context_length": self.context_length,
+                "weight_bytes": self.weight_bytes, "vocab_size": self.vocab_size}

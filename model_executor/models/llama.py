@@ -1,0 +1,143 @@
+"""Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral-style dense models).
+
+Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) reuse these blocks with two switches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_executor.distributed.communicator import Communicator
+from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.activation import SiluAndMul
+from model_executor.layers.attention import Attention
+from model_executor.layers.layernorm import RMSNorm
+from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from model_executor.models.base import CausalLM
+from model_executor.models.registry import register_model
+
+
+def head_dim_of(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype, *,
+                 qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, qkv_bias, comm, params_dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bool(getattr(config, "o_proj_bias", False)), comm, params_dtype=dtype,
+                                        what="number of attention heads x head_dim")
+        self.head_dim = head_dim
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
+        max_position = int(getattr(config, "max_position_embeddings", 4096))
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config), dtype)
+        self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
+                              scaling=head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            n = hidden.shape[0]
+            q = self.q_norm(q.reshape(n, -1, self.head_dim)).view(n, -1)
+            k = self.k_norm(k.reshape(n, -1, self.head_dim)).view(n, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, comm, params_dtype=dtype)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, comm, params_dtype=dtype,
+                                           what="intermediate size")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype, *,
+                 qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.mlp = LlamaMLP(config, comm, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype, *, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, params_dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(CausalLM):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name part -> (parameter name part, shard id)
+    packed_modules_mapping: dict[str, tuple[str, object]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, comm, dtype, qkv_bias=qkv_bias, qk_norm=self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm, params_dtype=dtype,
+                                      tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        qkv: QKVParallelLinear = self.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,assignment]
+        return len(self.model.layers), qkv.num_kv_heads, qkv.head_dim

@@ -1,0 +1,1 @@
+"""srt: replicated-scheduler SPMD inference server."""

@@ -1,0 +1,62 @@
+"""Our model executor against transformers on the same weights (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tiny_models import hf_greedy
+
+from model_executor.forward_batch import ForwardMode, make_forward_batch
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from srt.engine import Engine
+from srt.sampling_params import SamplingParams
+
+# fp32 on both sides; differences come from summation order only.
+LOGIT_ATOL = 2e-4
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 1, 40)]
+
+
+def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    seq_lens = [len(p) for p in prompts]
+    loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), seq_lens)
+    batch = make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts),
+                               seq_lens, loc)
+    return runner.forward(batch)
+
+
+def check_model(model_dir: Path, prompts: list[list[int]], *, atol: float) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype=torch.float32, max_total_tokens=4096))
+    ours = our_prefill_logits(runner, prompts)
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff < atol, f"max |logit diff| {diff} >= {atol}"
+
+    engine = Engine(str(model_dir), dtype="float32", max_total_tokens=4096)
+    outputs = engine.generate(prompts, GREEDY)  # all prompts decoded together in one batch
+    for prompt, out in zip(prompts, outputs):
+        assert out.output_ids == hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_mqa", "qwen2", "qwen3"])
+def test_tiny_model_matches_transformers(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    check_model(tiny_model_dirs[arch], prompts_for(320), atol=LOGIT_ATOL)
+
+
+def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    texts = ["The capital of France is", "def fibonacci(n):", "Hello", "Once upon a time, in a land far away, there"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    check_model(smollm2_dir, prompts, atol=1e-3)

@@ -1,0 +1,46 @@
+"""Tensor parallelism on spawned gloo ranks gives the greedy tokens of one rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from srt.engine import Engine
+from srt.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 3, 25)]
+
+
+def run(model_dir: Path, tp: int, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    with Engine(str(model_dir), tp_size=tp, dtype="float32", max_total_tokens=2048) as engine:
+        return [o.output_ids for o in engine.generate(prompt_ids, params)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_mqa", "qwen2", "qwen3"])
+def test_tp2_equals_tp1_tiny(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    ids = prompts(320)
+    assert run(tiny_model_dirs[arch], 2, ids, GREEDY) == run(tiny_model_dirs[arch], 1, ids, GREEDY)
+
+
+def test_tp2_seeded_sampling_equals_tp1(tiny_model_dirs: dict[str, Path]) -> None:
+    ids = prompts(320)
+    assert run(tiny_model_dirs["llama"], 2, ids, SEEDED) == run(tiny_model_dirs["llama"], 1, ids, SEEDED)
+
+
+def test_tp3_smollm2_equals_tp1(smollm2_dir: Path) -> None:
+    ids = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 2287, 3314, 30, 1], [42] * 12]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    assert run(smollm2_dir, 3, ids, params) == run(smollm2_dir, 1, ids, params)
+
+
+def test_indivisible_tp_size_is_a_clear_error(smollm2_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"number of attention heads \(9\) is not divisible by the tensor-parallel size \(2\)"):
+        Engine(str(smollm2_dir), tp_size=2, dtype="float32", max_total_tokens=1024)

@@ -1,0 +1,51 @@
+"""Tiny random-weight checkpoints made with transformers (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, rms_norm_eps=1e-6,
+            tie_word_embeddings=False)
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama_mqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  {"num_key_value_heads": 1, "tie_word_embeddings": True,
+                   "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+}
+
+
+def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    # Larger-than-init weights make the logits spread out, so greedy ties are rare.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """Reference greedy continuation with transformers' own KV cache (no EOS stop)."""
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        result = model(ids, use_cache=True)
+        for _ in range(steps):
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True)
+    return out
