@@ -1,0 +1,90 @@
+"""The scheduler process: distributed start-up, model, sockets, readiness, then the loop."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from model_executor.distributed.parallel_state import init_distributed
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from scheduler.receiver import RequestReceiver
+from scheduler.scheduler import Scheduler
+from srt.engine import resolve_dtype
+from srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("srt.scheduler")
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any) -> set[int]:
+    ids: set[int] = set()
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    for eos in candidates:
+        if eos is not None:
+            ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ids
+
+
+def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
+    return RunnerConfig(
+        model_dir=model_dir, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
+        page_size=args.page_size, mem_fraction_static=args.mem_fraction_static,
+        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+        context_length=args.context_length, attention_backend=args.attention_backend,
+        local_world_size=args.ranks_per_node)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_dir: str, rank_info: Any,
+                          ready_conn: Connection) -> None:
+    tp_rank, pp_rank = int(rank_info.tp_rank), int(rank_info.pp_rank)
+    world_rank = server_args.tp_size * pp_rank + tp_rank
+    try:
+        if server_args.pp_size > 1:
+            raise NotImplementedError("pipeline parallelism (--pp-size > 1) is not implemented yet")
+        device = torch.device(server_args.device)
+        parallel = init_distributed(tp_size=server_args.tp_size, pp_size=server_args.pp_size, world_rank=world_rank,
+                                    init_method=port_args.dist_init_method, device=device,
+                                    timeout_s=server_args.dist_timeout)
+        runner = ModelRunner(runner_config(server_args, Path(model_dir)), parallel)
+        receiver = RequestReceiver(parallel.world, port_args.tokenizer_ipc if world_rank == 0 else None)
+        is_output_rank = tp_rank == 0 and pp_rank == server_args.pp_size - 1
+        send: Any = None
+        if is_output_rank:
+            context = zmq.Context(1)
+            out_socket = context.socket(zmq.PUSH)
+            out_socket.connect(port_args.detokenizer_ipc)
+
+            def send(obj: Any) -> None:
+                out_socket.send_pyobj(obj)
+        tokenizer_path = server_args.tokenizer_path or model_dir
+        eos = eos_token_ids(Path(model_dir), runner.hf_config)
+
+        def load_tokenizer() -> Any:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(tokenizer_path)
+
+        scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer)
+    except Exception:
+        logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
+        ready_conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    ready_conn.send(("ready", {**runner.info(), "eos_token_ids": sorted(eos),
+                               "max_running_requests": runner.max_running_requests,
+                               "model_path": model_dir}))
+    try:
+        scheduler.event_loop()
+    except Exception:
+        logger.exception("scheduler rank TP%d PP%d crashed", tp_rank, pp_rank)
+        raise SystemExit(1) from None

@@ -1,0 +1,130 @@
+"""The scheduler's view of KV memory: admission (prefix match + lock), slot reservation with
+eviction, release into the prefix cache, and the integrity check.
+
+Ownership: a request owns req_to_token[row, cached_len:kv_len]; the prefix cache owns the rest
+(locked through req.last_node while the request lives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mem_cache.radix_cache import BasePrefixCache
+from model_executor.model_runner import ModelRunner
+from scheduler.req import Req
+
+
+class KVManager:
+    def __init__(self, runner: ModelRunner, tree_cache: BasePrefixCache) -> None:
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        self.allocator = runner.allocator
+        self.tree_cache = tree_cache
+        self.page_size = runner.config.page_size
+        self.max_total_tokens = runner.max_total_tokens
+        self.last_out_cache_loc = torch.empty(0, dtype=torch.int64)
+
+    def available_tokens(self) -> int:
+        return self.allocator.num_free_tokens + self.tree_cache.evictable_size()
+
+    def _usable_prefix(self, req: Req, matched: int) -> int:
+        # At least one token must be computed to get logits for the next token.
+        limit = self.tree_cache.page_aligned_len(req.seq_len - 1)
+        return min(matched, limit)
+
+    def peek_prefix_len(self, req: Req) -> int:
+        return self._usable_prefix(req, len(self.tree_cache.match_prefix(req.fill_ids).kv_indices))
+
+    def admit(self, req: Req) -> None:
+        """Gives `req` a row and its cached prefix (locked). Raises if no row is free."""
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            raise RuntimeError("no free request row; admission must respect max_running_requests")
+        match = self.tree_cache.match_prefix(req.fill_ids)
+        prefix_len = self._usable_prefix(req, len(match.kv_indices))
+        self.req_to_token[row, :prefix_len] = match.kv_indices[:prefix_len]
+        self.tree_cache.inc_lock_ref(match.last_node)
+        req.req_pool_idx, req.last_node = row, match.last_node
+        req.cached_len = req.kv_len = prefix_len
+        if req.retractions == 0:
+            req.cached_tokens = prefix_len
+
+    def _ensure_free_pages(self, pages: int) -> bool:
+        short = pages - self.allocator.num_free_pages
+        if short > 0:
+            self.tree_cache.evict(short * self.page_size)
+        return pages <= self.allocator.num_free_pages
+
+    def fits_decode(self, reqs: list[Req]) -> bool:
+        kv = [r.kv_len for r in reqs]
+        return self._ensure_free_pages(self.allocator.pages_needed(kv, [k + 1 for k in kv]))
+
+    def reserve_extend(self, reqs: list[Req], lens: list[int]) -> bool:
+        """Allocates slots for `lens[i]` new tokens of each request (evicting cache if needed).
+        On success `last_out_cache_loc` holds them; on failure nothing changed."""
+        prefix = [r.kv_len for r in reqs]
+        seq = [k + n for k, n in zip(prefix, lens)]
+        if not self._ensure_free_pages(self.allocator.pages_needed(prefix, seq)):
+            return False
+        rows = [r.req_pool_idx for r in reqs]
+        out = self.allocator.alloc_extend(self.req_to_token, rows, prefix, seq)  # type: ignore[arg-type]
+        if out is None:
+            return False
+        self.last_out_cache_loc = out
+        return True
+
+    def release(self, req: Req, *, insert: bool) -> None:
+        """Frees the request's row; its computed KV goes into the prefix cache (insert=True) or
+        back to the allocator. Unlocks its prefix. A request never admitted is left alone."""
+        if req.req_pool_idx is None:
+            return
+        row = req.req_pool_idx
+        kv = self.req_to_token[row, :req.kv_len].clone()
+        if insert:
+            present = self.tree_cache.insert(req.fill_ids[:req.kv_len], kv)
+            aligned = self.tree_cache.page_aligned_len(req.kv_len)
+            # The cache already had kv[cached_len:present] from someone else, and never takes the
+            # partial last page kv[aligned:]: both stay ours to free.
+            if present > req.cached_len:
+                self.allocator.free_slots(kv[req.cached_len:present])
+            if aligned < req.kv_len:
+                self.allocator.free_slots(kv[aligned:])
+        elif req.kv_len > req.cached_len:
+            self.allocator.free_slots(kv[req.cached_len:])
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(row)
+        req.req_pool_idx, req.last_node = None, None
+        req.kv_len = req.cached_len = 0
+
+    def stats(self, live: list[Req]) -> dict[str, Any]:
+        return {
+            "max_total_tokens": self.max_total_tokens,
+            "free_tokens": self.allocator.num_free_tokens,
+            "cached_tokens": self.tree_cache.total_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "protected_tokens": self.tree_cache.protected_size(),
+            "kv_integrity_error": self.integrity_error(live),
+        }
+
+    def integrity_error(self, live: list[Req]) -> str | None:
+        """None when free + cached + owned-by-live-requests pages == all pages, with no overlap."""
+        parts = [self.tree_cache.all_kv_indices()] + [r.own_slots(self.req_to_token) for r in live
+                                                      if r.req_pool_idx is not None]
+        slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        pages = torch.unique(slots // self.page_size)
+        tree_pages = torch.unique(parts[0] // self.page_size)
+        owned = [torch.unique(p // self.page_size) for p in parts[1:]]
+        overlap = sum(len(p) for p in owned) + len(tree_pages) - len(pages)
+        try:
+            self.allocator.check_integrity(expected_used_pages=len(pages))
+        except RuntimeError as e:
+            return str(e)
+        if overlap:
+            return f"{overlap} KV pages are held by two owners"
+        if self.req_to_token_pool.num_free + len([r for r in live if r.req_pool_idx is not None]) \
+                != self.req_to_token_pool.size:
+            return "request rows leaked"
+        return None

@@ -1,0 +1,70 @@
+"""Request state inside a scheduler rank. Counters are stored; everything else is derived."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from srt.io_struct import FinishReason
+from srt.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    """One request on one rank.
+
+        token ids:  |------ origin_input_ids ------|--- output_ids ---|
+        KV written: |-- cached_len --|-- computed --|  (kv_len tokens)  the last sampled token
+                                                                         has no KV until fed back
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None  # row of req_to_token while holding KV
+    kv_len: int = 0  # tokens whose KV is in the pool for this request
+    cached_len: int = 0  # leading tokens whose KV belongs to the prefix cache (locked via last_node)
+    cached_tokens: int = 0  # prefix-cache hits reported to the client (first admission)
+    last_node: Any = None  # radix node locked while this request holds the prefix
+    finished_reason: FinishReason | None = None
+    sent_len: int = 0  # output ids already streamed out
+    retractions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.origin_input_ids:
+            raise ValueError(f"request {self.rid}: empty prompt")
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def max_total_len(self) -> int:
+        return len(self.origin_input_ids) + self.sampling_params.max_new_tokens
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    def own_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
+        """KV slots this request owns outright (not shared with the prefix cache)."""
+        assert self.req_pool_idx is not None
+        return req_to_token[self.req_pool_idx, self.cached_len:self.kv_len]

@@ -1,0 +1,47 @@
+"""One scheduled step: which requests run, in which phase, and how many tokens each feeds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
+from scheduler.req import Req
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"  # new prompts (or the next chunk of one), possibly after a cached prefix
+    DECODE = "decode"  # one token for every running request
+
+
+@dataclass
+class ScheduleBatch:
+    phase: Phase
+    reqs: list[Req]
+    extend_lens: list[int]  # tokens each request feeds this step
+
+    def __post_init__(self) -> None:
+        assert self.reqs and len(self.reqs) == len(self.extend_lens)
+        for req, n in zip(self.reqs, self.extend_lens):
+            assert req.req_pool_idx is not None and 1 <= n <= req.extend_len, (req.rid, n, req.extend_len)
+
+    @property
+    def rids(self) -> list[str]:
+        return [r.rid for r in self.reqs]
+
+    def samples(self, i: int) -> bool:
+        """Whether request i completes its prompt this step (a mid-prompt chunk samples nothing)."""
+        return self.reqs[i].kv_len + self.extend_lens[i] == self.reqs[i].seq_len
+
+    def to_forward_batch(self, out_cache_loc: torch.Tensor, device: torch.device) -> ForwardBatch:
+        input_ids: list[int] = []
+        for req, n in zip(self.reqs, self.extend_lens):
+            input_ids += req.fill_ids[req.kv_len:req.kv_len + n] if self.phase is Phase.PREFILL \
+                else [req.output_ids[-1]]
+        mode = ForwardMode.EXTEND if self.phase is Phase.PREFILL else ForwardMode.DECODE
+        rows = [r.req_pool_idx for r in self.reqs]
+        prefix_lens = [r.kv_len for r in self.reqs]
+        seq_lens = [r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)]
+        return make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device)  # type: ignore[arg-type]

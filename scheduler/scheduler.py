@@ -1,0 +1,281 @@
+"""The per-rank scheduler: receive (broadcast) -> schedule -> run -> process, forever.
+
+Every rank runs this loop on identical inputs, so every rank picks the same batch and issues the
+same collectives in the same order (ARCHITECTURE.md, "The one invariant").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
+from model_executor.distributed.parallel_state import ParallelState
+from model_executor.model_runner import ModelRunner
+from model_executor.sampler import SamplingBatchInfo
+from scheduler.kv_manager import KVManager
+from scheduler.policy import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    NEW_TOKEN_RATIO_DECAY,
+    PrefillBudget,
+    decode_reserve,
+    order_waiting,
+)
+from scheduler.receiver import RequestReceiver
+from scheduler.req import Req
+from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.stop import StopChecker
+from srt.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    ControlReply,
+    FinishReason,
+    FlushCacheReq,
+    GetInternalStateReq,
+    TokenizedGenerateReq,
+)
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger("srt.scheduler")
+
+IDLE_WAIT_MS = 100
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, parallel: ParallelState, runner: ModelRunner,
+                 receiver: RequestReceiver, send_output: Callable[[Any], None] | None,
+                 eos_token_ids: set[int], tokenizer_loader: Callable[[], Any]) -> None:
+        self.args = server_args
+        self.parallel = parallel
+        self.runner = runner
+        self.receiver = receiver
+        self.send_output = send_output  # set on the output rank only
+        self._init_cache()
+        self._init_state()
+        self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
+
+    def _init_cache(self) -> None:
+        page_size = self.runner.config.page_size
+        self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
+            self.runner.allocator.free_slots, page_size=page_size, device=self.runner.device)
+        self.kv = KVManager(self.runner, self.tree_cache)
+
+    def _init_state(self) -> None:
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # a prompt part-way through chunked prefill
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.forward_steps = 0
+        self.outbox: list[Req] = []  # requests with something to stream this step
+
+    # ------------------------------------------------------------------ loop
+    def event_loop(self) -> None:
+        while True:
+            self.step()
+
+    def step(self) -> None:
+        busy = bool(self.waiting or self.running or self.chunked_req)
+        messages = self.receiver.recv(0 if busy else IDLE_WAIT_MS)
+        self.process_messages(messages)
+        batch = self.get_next_batch()
+        if batch is not None:
+            self.run_batch(batch)
+        self.flush_outputs()
+
+    # ------------------------------------------------------------------ messages
+    def process_messages(self, messages: list[Any]) -> None:
+        for msg in messages:
+            if isinstance(msg, TokenizedGenerateReq):
+                self._add_request(msg)
+            elif isinstance(msg, AbortReq):
+                self._abort(msg.rid, msg.reason)
+            elif isinstance(msg, FlushCacheReq):
+                ok = not (self.waiting or self.running or self.chunked_req)
+                if ok:
+                    self.tree_cache.reset()
+                self._reply(ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"}))
+            elif isinstance(msg, GetInternalStateReq):
+                self._reply(ControlReply(msg.request_id, True, self.internal_state()))
+            else:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def _add_request(self, msg: TokenizedGenerateReq) -> None:
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream)
+        if req.sampling_params.max_new_tokens == 0:
+            self._finish(req, FinishReason("length"))
+        elif len(req.origin_input_ids) + 1 > self.kv.max_total_tokens:
+            self._finish(req, FinishReason("abort", message=(
+                f"prompt of {len(req.origin_input_ids)} tokens cannot fit in the KV cache "
+                f"({self.kv.max_total_tokens} tokens); raise --max-total-tokens or --mem-fraction-static")))
+        else:
+            self.waiting.append(req)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, FinishReason("abort", message=reason))
+                    return
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self._finish(req, FinishReason("abort", message=reason))
+
+    def _reply(self, reply: ControlReply) -> None:
+        if self.send_output is not None:
+            self.send_output(reply)
+
+    # ------------------------------------------------------------------ scheduling
+    def get_next_batch(self) -> ScheduleBatch | None:
+        batch = self._get_prefill_batch()
+        if batch is not None:
+            return batch
+        if not self.running:
+            return None
+        self._make_room_for_decode()
+        if not self.running:
+            return None
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return ScheduleBatch(Phase.DECODE, list(self.running), [1] * len(self.running))
+
+    def _get_prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        budget = PrefillBudget(
+            max_prefill_tokens=self.args.max_prefill_tokens, chunked_prefill_size=self.args.chunked_prefill_size,
+            free_tokens=self.kv.available_tokens(),
+            reserved_tokens=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
+            page_size=self.kv.page_size)
+        reqs: list[Req] = []
+        lens: list[int] = []
+        used = 0
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = budget.chunk_for(req.extend_len, used)
+            reqs.append(req)
+            lens.append(n)
+            used += n
+        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len)
+        for req in ordered:
+            if len(self.running) + len(reqs) >= self.runner.max_running_requests:
+                break
+            prefix_len = self.kv.peek_prefix_len(req)
+            n = budget.chunk_for(req.seq_len - prefix_len, used)
+            if n == 0 or (n < req.seq_len - prefix_len and any(r.extend_len > m for r, m in zip(reqs, lens))):
+                break  # out of prefill budget, or a second partial prompt (one chunked request at a time)
+            # The decode reserve is a forecast: with nothing else in flight, the prompt alone decides.
+            reserve = decode_reserve(req, self.new_token_ratio) if self.running or reqs else 0
+            if not budget.fits(n, reserve, used):
+                break  # first come, first served: no overtaking when memory is short
+            self.kv.admit(req)
+            budget.free_tokens = self.kv.available_tokens()  # its prefix is locked now, not evictable
+            n = min(n, req.extend_len)
+            self.waiting.remove(req)
+            reqs.append(req)
+            lens.append(n)
+            used += n
+        while reqs and not self.kv.reserve_extend(reqs, lens):
+            # The token budget is an estimate (partly filled pages): drop the newest until it fits.
+            req = reqs.pop()
+            lens.pop()
+            if req.kv_len > req.cached_len:  # a chunked prompt keeps what it already computed
+                self.chunked_req = req
+            else:
+                self.kv.release(req, insert=False)
+                self.waiting.insert(0, req)
+        return ScheduleBatch(Phase.PREFILL, reqs, lens) if reqs else None
+
+    def _make_room_for_decode(self) -> None:
+        """Evicts cache, then retracts the newest requests until one decode step fits."""
+        while self.running and not self.kv.fits_decode(self.running):
+            if len(self.running) == 1:
+                req = self.running.pop()
+                self._finish(req, FinishReason("abort", message=(
+                    f"request needs more KV cache than the server has ({self.kv.max_total_tokens} tokens); "
+                    "raise --max-total-tokens or lower max_new_tokens")))
+                return
+            req = self.running.pop()
+            self.kv.release(req, insert=True)
+            req.retractions += 1
+            self.waiting.insert(0, req)
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))
+
+    # ------------------------------------------------------------------ execution
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        if batch.phase is Phase.DECODE:
+            ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)
+            assert ok, "decode room was checked"
+        forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
+        logits = self.runner.forward(forward_batch)
+        info = SamplingBatchInfo.from_lists(
+            temperatures=[r.sampling_params.temperature for r in batch.reqs],
+            top_ps=[r.sampling_params.top_p for r in batch.reqs],
+            top_ks=[r.sampling_params.top_k for r in batch.reqs],
+            min_ps=[r.sampling_params.min_p for r in batch.reqs],
+            seeds=[r.seed for r in batch.reqs],
+            output_positions=[len(r.output_ids) for r in batch.reqs], device=self.runner.device)
+        next_ids = self.runner.sample(logits, info)
+        self.forward_steps += 1
+        self.process_batch_result(batch, next_ids.tolist())
+
+    def process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            samples = batch.samples(i)
+            req.kv_len += n
+            if not samples:
+                self.chunked_req = req
+                continue
+            req.output_ids.append(int(next_ids[i]))
+            reason = self.stop_checker.check(req)
+            if batch.phase is Phase.DECODE:
+                if reason is not None:
+                    self.running.remove(req)
+            elif reason is None:
+                self.running.append(req)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
+                self.outbox.append(req)
+            elif req.stream and req.sent_len == 0:
+                self.outbox.append(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished_reason = reason
+        self.kv.release(req, insert=True)
+        self.outbox.append(req)
+
+    def flush_outputs(self) -> None:
+        if not self.outbox:
+            return
+        reqs, self.outbox = self.outbox, []
+        if self.send_output is None:
+            for req in reqs:
+                req.sent_len = len(req.output_ids)
+            return
+        out = BatchTokenIDOut([], [], [], [], [], [], [])
+        for req in reqs:
+            out.rids.append(req.rid)
+            out.new_token_ids.append(req.output_ids[req.sent_len:])
+            out.finished_reasons.append(req.finished_reason)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.stop_strings.append(list(req.sampling_params.stop))
+            req.sent_len = len(req.output_ids)
+        self.send_output(out)
+
+    # ------------------------------------------------------------------ introspection
+    def internal_state(self) -> dict[str, Any]:
+        return {
+            "forward_steps": self.forward_steps,
+            "running": [r.rid for r in self.running],
+            "waiting": [r.rid for r in self.waiting],
+            "chunked": self.chunked_req.rid if self.chunked_req else None,
+            "new_token_ratio": self.new_token_ratio,
+            **self.kv.stats(self.running + ([self.chunked_req] if self.chunked_req else [])),
+        }
+
+

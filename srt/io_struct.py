@@ -1,0 +1,95 @@
+"""Wire messages between the front end, the scheduler ranks and the detokenizer.
+
+Flow: TokenizerManager --(ZMQ)--> scheduler rank 0 --(gloo broadcast_pyobj)--> every rank;
+output rank --(ZMQ)--> detokenizer --(ZMQ)--> TokenizerManager. Everything is pickled; keep
+messages small (a decode step sends new token ids, never whole sequences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from srt.sampling_params import SamplingParams
+
+# ---- front end -> schedulers (rank 0 receives, broadcasts to all) ----
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # resolved by the front end (request seed or derived), so every rank samples alike
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+    reason: str = "aborted by the client"
+
+
+@dataclass
+class FlushCacheReq:
+    request_id: str  # echoed in ControlReply
+
+
+@dataclass
+class GetInternalStateReq:
+    request_id: str  # echoed in ControlReply
+
+
+# ---- schedulers (output rank only) -> detokenizer ----
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended the request
+    message: str | None = None  # why an abort happened
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop" or self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class BatchTokenIDOut:
+    """New output tokens of the requests that advanced this step (or finished)."""
+
+    rids: list[str]
+    new_token_ids: list[list[int]]  # tokens since the last message for that rid
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # Stop strings are matched by the scheduler; the detokenizer cuts the text there.
+    stop_strings: list[list[str]] = field(default_factory=list)
+
+
+@dataclass
+class ControlReply:
+    """Answer to a control request (flush, internal state), passed through by the detokenizer."""
+
+    request_id: str
+    success: bool
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- detokenizer -> TokenizerManager ----
+
+
+@dataclass
+class BatchStrOut:
+    rids: list[str]
+    texts: list[str]  # new text since the last message (never ends inside a UTF-8 character)
+    new_token_ids: list[list[int]]
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]

@@ -1,0 +1,166 @@
+"""ServerArgs: every launch option in one frozen dataclass, parsed from SGLang-style flags and
+validated once (errors name the flag). Derived values are properties."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    pp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 300.0
+    mem_fraction_static: float = 0.8
+    max_total_tokens: int | None = None
+    max_running_requests: int = 128
+    max_prefill_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    page_size: int = 1
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    context_length: int | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    stream_interval: int = 1
+    attention_backend: str = "auto"
+    watchdog_timeout: float = 300.0
+    soft_watchdog_timeout: float | None = None
+    sync_token_ids_across_tp: bool = field(default_factory=lambda: _env_flag("SYNC_TOKEN_IDS_ACROSS_TP"))
+    enable_rank_consensus_checker: bool = field(
+        default_factory=lambda: _env_flag("SRT_ENABLE_RANK_CONSENSUS_CHECKER"))
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(flag: str, value: float | int | None, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if value is None or value <= 0:
+                raise ValueError(f"--{flag} must be positive, got {value}")
+
+        for flag in ("tp_size", "pp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
+                     "chunked_prefill_size", "page_size", "stream_interval"):
+            positive(flag.replace("_", "-"), getattr(self, flag))
+        for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout"):
+            positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
+        positive("watchdog-timeout", self.watchdog_timeout)
+        positive("dist-timeout", self.dist_timeout)
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside [0, --nnodes {self.nnodes})")
+        if (self.tp_size * self.pp_size) % self.nnodes != 0:
+            raise ValueError(f"--tp-size x --pp-size ({self.tp_size} x {self.pp_size}) is not divisible by "
+                             f"--nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+        for flag, value, allowed in (("dtype", self.dtype, DTYPES), ("device", self.device, DEVICES),
+                                     ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
+                                     ("log-level", self.log_level, LOG_LEVELS),
+                                     ("attention-backend", self.attention_backend, ATTENTION_BACKENDS)):
+            if value not in allowed:
+                raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
+
+    # ---- derived ----
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- CLI ----
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+        a = parser.add_argument
+        a("--model-path", "--model", default=None,
+          help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+        a("--tokenizer-path", default=None, help="defaults to --model-path")
+        a("--dtype", default=d["dtype"].default, choices=DTYPES)
+        a("--device", default=d["device"].default, choices=DEVICES)
+        a("--host", default=d["host"].default)
+        a("--port", type=int, default=d["port"].default)
+        a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+        a("--pp-size", "--pp", dest="pp_size", type=int, default=1)
+        a("--nnodes", type=int, default=1)
+        a("--node-rank", type=int, default=0)
+        a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// ")
+        a("--dist-timeout", type=float, default=d["dist_timeout"].default)
+        a("--mem-fraction-static", type=float, default=d["mem_fraction_static"].default)
+        a("--max-total-tokens", type=int, default=None)
+        a("--max-running-requests", type=int, default=d["max_running_requests"].default)
+        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
+        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
+        a("--page-size", type=int, default=d["page_size"].default)
+        a("--schedule-policy", default=d["schedule_policy"].default, choices=SCHEDULE_POLICIES)
+        a("--disable-radix-cache", action="store_true")
+        a("--random-seed", type=int, default=d["random_seed"].default)
+        a("--context-length", type=int, default=None)
+        a("--served-model-name", default=None)
+        a("--log-level", default=d["log_level"].default, choices=LOG_LEVELS)
+        a("--stream-interval", type=int, default=d["stream_interval"].default)
+        a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
+        a("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default)
+        a("--soft-watchdog-timeout", type=float, default=None)
+        a("--sync-token-ids-across-tp", action="store_true", default=None)
+        a("--enable-rank-consensus-checker", action="store_true", default=None)
+        a("--shutdown-timeout", type=float, default=d["shutdown_timeout"].default)
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
+        parser = argparse.ArgumentParser(prog="launch_server", description="srt inference server")
+        cls.add_cli_args(parser)
+        ns = vars(parser.parse_args(argv))
+        ns = {k: v for k, v in ns.items() if v is not None or k in ("model_path",)}
+        return cls(**ns)
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """Where the processes of one node talk: ZMQ ipc endpoints and the torch.distributed rendezvous."""
+
+    tokenizer_ipc: str  # TokenizerManager PUSH -> scheduler rank 0 PULL
+    detokenizer_ipc: str  # output rank PUSH -> detokenizer PULL
+    tokenizer_manager_ipc: str  # detokenizer PUSH -> TokenizerManager PULL
+    dist_init_method: str  # tcp://host:port or env://
+
+    @classmethod
+    def create(cls, dist_init_method: str) -> PortArgs:
+        root = tempfile.mkdtemp(prefix="srt-ipc-")
+        return cls(tokenizer_ipc=f"ipc://{root}/tokenizer", detokenizer_ipc=f"ipc://{root}/detokenizer",
+                   tokenizer_manager_ipc=f"ipc://{root}/tokenizer_manager", dist_init_method=dist_init_method)

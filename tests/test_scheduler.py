@@ -1,0 +1,132 @@
+"""The scheduler in-process on a tiny model: continuous batching, chunked prefill, retraction,
+prefix reuse, aborts and KV integrity, checked against the offline engine's greedy outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from scheduler_harness import Harness
+
+from srt.engine import Engine
+from srt.io_struct import AbortReq, FlushCacheReq
+from srt.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def mixed_prompts(n: int, vocab: int = 320) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dirs: dict[str, Path]) -> dict[str, list[int]]:
+    prompts = mixed_prompts(32)
+    engine = Engine(str(tiny_model_dirs["llama"]), dtype="float32", max_total_tokens=8192)
+    outs = engine.generate(prompts, GREEDY)
+    return {f"r{i}": o.output_ids for i, o in enumerate(outs)}
+
+
+def run(model_dir: Path, **kwargs: object) -> Harness:
+    h = Harness(model_dir, **kwargs)  # type: ignore[arg-type]
+    for i, p in enumerate(mixed_prompts(32)):
+        h.submit(f"r{i}", p, GREEDY)
+    h.run_until_idle()
+    return h
+
+
+def test_continuous_batching_matches_offline_engine(tiny_model_dirs: dict[str, Path],
+                                                    reference: dict[str, list[int]]) -> None:
+    h = run(tiny_model_dirs["llama"], max_total_tokens=8192)
+    assert h.tokens == reference
+    assert all(f.type == "length" for f in h.finished.values())
+    assert h.integrity_error() is None
+
+
+def test_chunked_prefill_and_small_budgets(tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]) -> None:
+    h = run(tiny_model_dirs["llama"], max_total_tokens=8192, chunked_prefill_size=16, max_prefill_tokens=24,
+            max_running_requests=5)
+    assert h.tokens == reference
+    assert h.integrity_error() is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tiny_kv_budget_retracts_and_still_matches(tiny_model_dirs: dict[str, Path],
+                                                    reference: dict[str, list[int]], page_size: int) -> None:
+    h = run(tiny_model_dirs["llama"], max_total_tokens=160, page_size=page_size)
+    assert h.tokens == reference
+    assert h.integrity_error() is None
+
+
+def test_retraction_happens_under_pressure(tiny_model_dirs: dict[str, Path]) -> None:
+    h = Harness(tiny_model_dirs["llama"], max_total_tokens=100)
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = mixed_prompts(6)
+    for i, p in enumerate(prompts):
+        h.submit(f"q{i}", p[:20] or [5], long)
+    retracted = False
+    for _ in range(2000):
+        h.scheduler.step()
+        h._collect()
+        retracted |= any(r.retractions for r in h.scheduler.waiting)
+        if not (h.scheduler.waiting or h.scheduler.running or h.scheduler.chunked_req):
+            break
+    assert retracted, "the budget was meant to force a retraction"
+    engine = Engine(str(tiny_model_dirs["llama"]), dtype="float32", max_total_tokens=4096)
+    expected = engine.generate([p[:20] or [5] for p in prompts], long)
+    assert [h.tokens[f"q{i}"] for i in range(6)] == [o.output_ids for o in expected]
+    assert h.integrity_error() is None
+
+
+def test_request_that_can_never_fit_is_aborted_alone(tiny_model_dirs: dict[str, Path]) -> None:
+    h = Harness(tiny_model_dirs["llama"], max_total_tokens=64)
+    h.submit("huge", list(range(3, 100)), GREEDY)
+    h.submit("grows", [5, 6, 7], SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True))
+    h.submit("ok", [5, 6, 7], GREEDY)
+    h.run_until_idle()
+    assert h.finished["huge"].type == "abort" and "cannot fit" in h.finished["huge"].message
+    assert h.finished["grows"].type == "abort" and "more KV cache" in h.finished["grows"].message
+    assert h.finished["ok"].type == "length" and len(h.tokens["ok"]) == 12
+    assert h.integrity_error() is None
+
+
+def test_prefix_cache_reports_cached_tokens(tiny_model_dirs: dict[str, Path]) -> None:
+    h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096)
+    prefix = mixed_prompts(1)[0] * 2
+    h.submit("first", prefix + [7, 8], GREEDY)
+    h.run_until_idle()
+    h.submit("second", prefix + [7, 8], GREEDY)
+    h.run_until_idle()
+    assert h.meta["first"]["cached_tokens"] == 0
+    assert h.meta["second"]["cached_tokens"] == len(prefix) + 1
+    assert h.tokens["second"] == h.tokens["first"]
+    assert h.integrity_error() is None
+    h.send(FlushCacheReq("f1"))
+    h.run_until_idle()
+    assert h.scheduler.tree_cache.total_size() == 0
+    assert h.runner.allocator.num_free_tokens == h.runner.max_total_tokens
+
+
+def test_aborts_free_everything(tiny_model_dirs: dict[str, Path]) -> None:
+    h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096, chunked_prefill_size=8)
+    long = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(mixed_prompts(6)):
+        h.submit(f"a{i}", p, long)
+    for _ in range(5):
+        h.scheduler.step()
+    for i in range(6):
+        h.send(AbortReq(f"a{i}"))
+    h.run_until_idle()
+    assert all(h.finished[f"a{i}"].type == "abort" for i in range(6))
+    assert h.integrity_error() is None
+    assert h.scheduler.tree_cache.protected_size() == 0
+
+
+def test_radix_cache_disabled_matches(tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]) -> None:
+    h = run(tiny_model_dirs["llama"], max_total_tokens=8192, disable_radix_cache=True)
+    assert h.tokens == reference
+    assert h.integrity_error() is None
+    assert h.runner.allocator.num_free_tokens == h.runner.max_total_tokens
