@@ -58,12 +58,17 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        self._cached_positions: torch.Tensor | None = None
+        self._cached_cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos, self.sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hq*d], k [n, hk*d] -> rotated copies of the same shapes."""
         n = positions.shape[0]
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
+        # One module serves every layer: gather cos/sin once per forward, not once per layer.
+        if positions is not self._cached_positions:
+            self._cached_positions = positions
+            self._cached_cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        cos, sin = self._cached_cos_sin  # [n, 1, d/2]
         return self._rotate(q.view(n, -1, self.head_dim), cos, sin).view(n, -1), \
             self._rotate(k.view(n, -1, self.head_dim), cos, sin).view(n, -1)
 

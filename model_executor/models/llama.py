@@ -28,7 +28,7 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype, *,
-                 qkv_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -39,8 +39,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
-        max_position = int(getattr(config, "max_position_embeddings", 4096))
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config), dtype)
+        self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                               scaling=head_dim ** -0.5)
 
@@ -69,9 +68,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype, *,
-                 qkv_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.self_attn = LlamaAttention(config, layer_id, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                        rotary_emb=rotary_emb)
         self.mlp = LlamaMLP(config, comm, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
@@ -92,8 +92,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype, *, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, params_dtype=dtype)
+        max_position = int(getattr(config, "max_position_embeddings", 4096))
+        rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            LlamaDecoderLayer(config, i, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_emb=rotary_emb)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)

@@ -1,0 +1,141 @@
+"""Detokenizer process: token ids from the output rank -> text pieces for the TokenizerManager.
+
+Decoding is incremental per request (SGLang style). Each step decodes only a window of ids:
+
+    output ids:  |---- already decoded ----|-- surrounding --|-- new --|
+                                            ^prefix_offset   ^read_offset
+
+and emits decode(surrounding + new) minus decode(surrounding). A piece that ends in U+FFFD is an
+incomplete UTF-8 character: it is held back until more ids arrive, so no streamed piece ever
+carries a broken character. While a request streams, the tail of its text that could still grow
+into one of its stop strings is held back too, so a stop string the scheduler matches later has
+never been emitted; when the request finishes on a stop string the text is cut before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from srt.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
+from srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("srt.detokenizer")
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DecodeState:
+    output_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""  # decoded text confirmed so far (complete characters only until finished)
+    sent_len: int = 0  # characters of `text` already emitted
+
+
+def stop_holdback_start(text: str, start: int, stop_strings: list[str]) -> int:
+    """Where the emittable part of `text[start:]` ends: before the first full stop string, or
+    before the longest tail that is a proper prefix of a stop string (it may still become one)."""
+    end = len(text)
+    for stop in stop_strings:
+        found = text.find(stop, start)
+        if found != -1:
+            end = min(end, found)
+        for k in range(min(len(stop) - 1, len(text) - start), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+class DetokenizerManager:
+    """Turns BatchTokenIDOut into BatchStrOut. Pure apart from the tokenizer; keeps per-rid state
+    until the rid finishes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeState] = {}
+
+    def _decode(self, ids_batch: list[list[int]]) -> list[str]:
+        return [str(t) for t in self.tokenizer.batch_decode(ids_batch, skip_special_tokens=True)]
+
+    def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
+        states = []
+        for rid, new_ids in zip(out.rids, out.new_token_ids):
+            state = self.states.setdefault(rid, DecodeState())
+            state.output_ids.extend(new_ids)
+            states.append(state)
+        surrounding = self._decode([s.output_ids[s.prefix_offset:s.read_offset] for s in states])
+        window = self._decode([s.output_ids[s.prefix_offset:] for s in states])
+
+        texts = []
+        for i, state in enumerate(states):
+            finished = out.finished_reasons[i]
+            piece = window[i][len(surrounding[i]):]
+            if finished is not None or (piece and not piece.endswith(REPLACEMENT_CHAR)):
+                state.text += piece
+                state.prefix_offset = state.read_offset
+                state.read_offset = len(state.output_ids)
+            stop_strings = out.stop_strings[i] if i < len(out.stop_strings) else []
+            texts.append(self._emit(state, finished, stop_strings))
+            if finished is not None:
+                del self.states[out.rids[i]]
+        return BatchStrOut(rids=list(out.rids), texts=texts, new_token_ids=[list(ids) for ids in out.new_token_ids],
+                           finished_reasons=list(out.finished_reasons), prompt_tokens=list(out.prompt_tokens),
+                           completion_tokens=list(out.completion_tokens), cached_tokens=list(out.cached_tokens))
+
+    @staticmethod
+    def _emit(state: DecodeState, finished: FinishReason | None, stop_strings: list[str]) -> str:
+        if finished is None:
+            end = stop_holdback_start(state.text, state.sent_len, stop_strings)
+        elif finished.type == "stop" and isinstance(finished.matched, str):
+            found = state.text.find(finished.matched, state.sent_len)
+            end = found if found != -1 else len(state.text)
+        else:
+            end = len(state.text)
+        end = max(end, state.sent_len)
+        piece = state.text[state.sent_len:end]
+        state.sent_len = end
+        return piece
+
+
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str,
+                            ready_conn: Connection) -> None:
+    """Process entry (the launcher sets the title, logging and parent-death wiring). Reports
+    ("ready", {}) or ("error", traceback) on `ready_conn`, then serves until killed or until its
+    parent (the main process) is gone."""
+    parent_pid = os.getppid()
+    try:
+        from transformers import AutoTokenizer
+
+        manager = DetokenizerManager(AutoTokenizer.from_pretrained(tokenizer_path))
+        context = zmq.Context(2)
+        recv_sock = context.socket(zmq.PULL)
+        recv_sock.bind(port_args.detokenizer_ipc)
+        send_sock = context.socket(zmq.PUSH)
+        send_sock.setsockopt(zmq.SNDHWM, 0)
+        send_sock.connect(port_args.tokenizer_manager_ipc)
+    except Exception:
+        ready_conn.send(("error", traceback.format_exc()))
+        ready_conn.close()
+        raise SystemExit(1) from None
+    ready_conn.send(("ready", {}))
+    ready_conn.close()
+
+    while True:
+        if not recv_sock.poll(timeout=1000):
+            if os.getppid() != parent_pid:
+                logger.error("the main process is gone; exiting")
+                raise SystemExit(1)
+            continue
+        msg = recv_sock.recv_pyobj()
+        if isinstance(msg, BatchTokenIDOut):
+            msg = manager.handle_batch_token_id_out(msg)
+        send_sock.send_pyobj(msg)

@@ -1,0 +1,364 @@
+"""HTTP layer + TokenizerManager against a fake scheduler/detokenizer (no model, no ranks).
+
+The fake PULLs what rank 0 would get and answers each request with the last three prompt ids,
+one token per message, through the real DetokenizerManager. Rids starting with "hold-" get no
+output until aborted (then they finish with reason "abort").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import uvicorn
+import zmq
+from transformers import AutoTokenizer
+
+from srt.detokenizer import DetokenizerManager
+from srt.http_server import create_app
+from srt.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    ControlReply,
+    FinishReason,
+    FlushCacheReq,
+    GetInternalStateReq,
+    TokenizedGenerateReq,
+)
+from srt.server_args import PortArgs, ServerArgs
+from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
+
+CONTEXT_LENGTH = 256
+VOCAB_SIZE = 49152
+
+
+class FakeBackend(threading.Thread):
+    def __init__(self, port_args: PortArgs, tokenizer: Any) -> None:
+        super().__init__(daemon=True)
+        self.port_args = port_args
+        self.detokenizer = DetokenizerManager(tokenizer)
+        self.received: list[Any] = []
+        self.held: dict[str, TokenizedGenerateReq] = {}
+        self.answer_control = True
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        pull.bind(self.port_args.tokenizer_ipc)
+        push = context.socket(zmq.PUSH)
+        push.connect(self.port_args.tokenizer_manager_ipc)
+        while not self.stopping.is_set():
+            if pull.poll(20):
+                self.handle(pull.recv_pyobj(), push)
+        context.destroy(linger=0)
+
+    def handle(self, msg: Any, push: zmq.Socket) -> None:
+        self.received.append(msg)
+        if isinstance(msg, TokenizedGenerateReq):
+            if msg.rid.startswith("hold-"):
+                self.held[msg.rid] = msg
+                return
+            output = (msg.input_ids * 3)[-3:][:max(1, msg.sampling_params.max_new_tokens)]
+            for k, token in enumerate(output):
+                finished = FinishReason("length") if k == len(output) - 1 else None
+                self.send_tokens(push, msg, [token], finished, k + 1)
+        elif isinstance(msg, AbortReq) and msg.rid in self.held:
+            req = self.held.pop(msg.rid)
+            self.send_tokens(push, req, [], FinishReason("abort", message=msg.reason), 0)
+        elif isinstance(msg, (FlushCacheReq, GetInternalStateReq)) and self.answer_control:
+            payload = {"fake_state": 1} if isinstance(msg, GetInternalStateReq) else {}
+            push.send_pyobj(ControlReply(msg.request_id, True, payload))
+
+    def send_tokens(self, push: zmq.Socket, req: TokenizedGenerateReq, ids: list[int],
+                    finished: FinishReason | None, done: int) -> None:
+        out = BatchTokenIDOut([req.rid], [ids], [finished], [len(req.input_ids)], [done], [0],
+                              [req.sampling_params.stop])
+        push.send_pyobj(self.detokenizer.handle_batch_token_id_out(out))
+
+    def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [m for m in list(self.received) if predicate(m)]
+            if found:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError("the fake backend never received the expected message")
+
+
+class Server:
+    def __init__(self, tmp_path: Path, tokenizer_dir: Path, tokenizer: Any) -> None:
+        self.port_args = PortArgs(tokenizer_ipc=f"ipc://{tmp_path}/t", detokenizer_ipc=f"ipc://{tmp_path}/d",
+                                  tokenizer_manager_ipc=f"ipc://{tmp_path}/tm", dist_init_method="tcp://127.0.0.1:1")
+        model_info = {"context_length": CONTEXT_LENGTH, "vocab_size": VOCAB_SIZE, "max_total_tokens": 1000,
+                      "eos_token_ids": [2], "model_path": "/models/fake"}
+        self.tm = TokenizerManager(ServerArgs(random_seed=7), self.port_args, str(tokenizer_dir), model_info)
+        self.backend = FakeBackend(self.port_args, tokenizer)
+        self.backend.start()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        app = create_app(self.tm, {"tp_size": 1, "model_path": "/models/fake"})
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                     loop="asyncio"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+
+    def post(self, path: str, body: Any = None, data: bytes | None = None, **kwargs: Any) -> requests.Response:
+        if data is None:
+            data = json.dumps(body).encode()
+        return requests.post(self.url + path, data=data, headers={"Content-Type": "application/json"},
+                             timeout=30, **kwargs)
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+        self.backend.stopping.set()
+        self.backend.join(10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, tokenizer: Any) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("ipc"), smollm2_dir, tokenizer)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path, smollm2_dir: Path, tokenizer: Any) -> Iterator[Server]:
+    srv = Server(tmp_path, smollm2_dir, tokenizer)
+    yield srv
+    srv.close()
+
+
+def assert_good_generation(server: Server, tokenizer: Any) -> None:
+    resp = server.post("/generate", {"text": "Hello big world", "rid": None})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    ids = tokenizer("Hello big world")["input_ids"]
+    assert out["output_ids"] == ids[-3:]
+    assert out["text"] == tokenizer.decode(ids[-3:], skip_special_tokens=True)
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 3 and meta["cached_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length"} and meta["e2e_latency"] > 0 and meta["id"]
+
+
+TOO_LONG = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": CONTEXT_LENGTH - 9}}
+BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
+    # (case, body: object or raw bytes, expected param, text the message must contain)
+    ("malformed json", b'{"text": "hi"', None, "JSON"),
+    ("empty body", b"", None, "JSON"),
+    ("non-object body", [1, 2], None, "object"),
+    ("string body", "hi", None, "object"),
+    ("invalid utf-8", b'{"text": "\xff\xfe"}', None, "UTF-8"),
+    ("no prompt", {"sampling_params": {}}, "text", "text or input_ids"),
+    ("empty text", {"text": ""}, "text", "empty"),
+    ("empty input_ids", {"input_ids": []}, "input_ids", "input_ids"),
+    ("empty batch row ids", {"input_ids": [[1, 2], []]}, "input_ids", "input_ids[1]"),
+    ("empty batch row text", {"text": ["a", ""]}, "text", "text[1]"),
+    ("empty batch", {"text": []}, "text", "text"),
+    ("both prompts", {"text": "a", "input_ids": [1]}, "input_ids", "not both"),
+    ("id over vocab", {"input_ids": [1, VOCAB_SIZE]}, "input_ids", str(VOCAB_SIZE)),
+    ("negative id", {"input_ids": [-1]}, "input_ids", "-1"),
+    ("float id", {"input_ids": [1.5]}, "input_ids", "1.5"),
+    ("bool id", {"input_ids": [True]}, "input_ids", "True"),
+    ("context overflow", TOO_LONG, "max_new_tokens", f"({CONTEXT_LENGTH - 9})"),
+    ("max_new_tokens float", {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens", "1.5"),
+    ("max_new_tokens negative", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens", "-1"),
+    ("max_new_tokens string", {"text": "hi", "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens", "3"),
+    ("temperature negative", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature", "-0.5"),
+    ("temperature NaN number", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "temperature", "nan"),
+    ("temperature NaN string", {"text": "hi", "sampling_params": {"temperature": "NaN"}}, "temperature", "NaN"),
+    ("temperature inf", b'{"text": "hi", "sampling_params": {"temperature": Infinity}}', "temperature", "inf"),
+    ("temperature 1e999", b'{"text": "hi", "sampling_params": {"temperature": 1e999}}', "temperature", "inf"),
+    ("temperature huge int", {"text": "hi", "sampling_params": {"temperature": 10**400}}, "temperature", "range"),
+    ("top_p zero", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p", "(0, 1]"),
+    ("top_p over one", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p", "1.5"),
+    ("top_p NaN", b'{"text": "hi", "sampling_params": {"top_p": NaN}}', "top_p", "nan"),
+    ("top_k zero", {"text": "hi", "sampling_params": {"top_k": 0}}, "top_k", "0"),
+    ("top_k below -1", {"text": "hi", "sampling_params": {"top_k": -2}}, "top_k", "-2"),
+    ("min_p negative", {"text": "hi", "sampling_params": {"min_p": -0.1}}, "min_p", "[0, 1]"),
+    ("min_p over one", {"text": "hi", "sampling_params": {"min_p": 1.1}}, "min_p", "1.1"),
+    ("empty stop string", {"text": "hi", "sampling_params": {"stop": ""}}, "stop", "empty"),
+    ("empty stop in list", {"text": "hi", "sampling_params": {"stop": ["a", ""]}}, "stop", "empty"),
+    ("null stop_token_id", {"text": "hi", "sampling_params": {"stop_token_ids": [None]}}, "stop_token_ids", "None"),
+    ("stop_token_id over vocab", {"text": "hi", "sampling_params": {"stop_token_ids": [VOCAB_SIZE]}},
+     "stop_token_ids", str(VOCAB_SIZE)),
+    ("unknown sampling param", {"text": "hi", "sampling_params": {"temprature": 1}}, "sampling_params",
+     "temprature"),
+    ("unknown field", {"text": "hi", "return_logprob": True}, "return_logprob", "return_logprob"),
+    ("stream not bool", {"text": "hi", "stream": "yes"}, "stream", "stream"),
+    ("rid not string", {"text": "hi", "rid": 5}, "rid", "rid"),
+    ("batch rid count", {"text": ["a", "b"], "rid": ["x"]}, "rid", "rid"),
+    ("lone surrogate", b'{"text": "a\\ud800b"}', "text", "surrogate"),
+]
+
+
+@pytest.mark.parametrize("case, body, param, needle", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_is_400_naming_the_parameter(server: Server, tokenizer: Any, case: str, body: Any,
+                                               param: str | None, needle: str) -> None:
+    before = len(server.backend.received)
+    resp = server.post("/generate", data=body) if isinstance(body, bytes) else server.post("/generate", body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400
+    assert error["param"] == param
+    assert needle in error["message"]
+    if param is not None and param not in ("sampling_params",):
+        assert param.split("[")[0] in error["message"]
+    assert len(server.backend.received) == before  # nothing reached the scheduler
+    assert_good_generation(server, tokenizer)
+
+
+def test_context_overflow_message_states_both_numbers(server: Server) -> None:
+    msg = server.post("/generate", TOO_LONG).json()["error"]["message"]
+    assert "10 tokens" in msg and f"({CONTEXT_LENGTH - 9})" in msg and f"({CONTEXT_LENGTH})" in msg
+
+
+def test_batch_requests_keep_order(server: Server, tokenizer: Any) -> None:
+    resp = server.post("/generate", {"input_ids": [[11, 12, 13, 14], [21, 22, 23]], "rid": ["b0", "b1"],
+                                     "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 2}]})
+    assert resp.status_code == 200, resp.text
+    outs = resp.json()
+    assert [o["meta_info"]["id"] for o in outs] == ["b0", "b1"]
+    assert [o["output_ids"] for o in outs] == [[12, 13, 14], [21, 22]]  # last 3 ids, cut to max_new_tokens
+    texts = server.post("/generate", {"text": ["one two three four", "five six seven"]}).json()
+    assert [t["output_ids"] for t in texts] == [tokenizer(s)["input_ids"][-3:]
+                                              for s in ("one two three four", "five six seven")]
+
+
+def test_streaming_sends_cumulative_chunks_then_done(server: Server, tokenizer: Any) -> None:
+    resp = server.post("/generate", {"text": "Streaming ok 😀", "stream": True}, stream=True)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in resp.iter_lines(decode_unicode=False) if line]
+    assert all(e.startswith(b"data: ") for e in events) and events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    ids = tokenizer("Streaming ok 😀")["input_ids"][-3:]  # " ok", then the emoji in two byte tokens
+    assert "\ufffd" in tokenizer.decode(ids[1:2]) and "\ufffd" not in tokenizer.decode(ids)
+    assert chunks and chunks[-1]["output_ids"] == ids
+    assert chunks[-1]["text"] == tokenizer.decode(ids) and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    for earlier, later in zip(chunks, chunks[1:]):
+        assert later["text"].startswith(earlier["text"]) and earlier["meta_info"]["finish_reason"] is None
+    assert all("\ufffd" not in c["text"] for c in chunks)
+
+
+def test_abort_request_route_ends_a_running_request(server: Server) -> None:
+    result: dict[str, requests.Response] = {}
+    waiter = threading.Thread(target=lambda: result.update(r=server.post("/generate", {"text": "x", "rid": "hold-a"})))
+    waiter.start()
+    server.backend.wait_for(lambda m: isinstance(m, TokenizedGenerateReq) and m.rid == "hold-a")
+    resp = server.post("/abort_request", {"rid": "hold-a"})
+    assert resp.status_code == 200 and resp.json() == {"rid": "hold-a", "in_flight": True}
+    waiter.join(10)
+    assert result["r"].status_code == 200
+    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    bad = server.post("/abort_request", {"rid": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+
+
+def test_client_disconnect_aborts(server: Server) -> None:
+    resp = server.post("/generate", {"text": "x", "rid": "hold-stream", "stream": True}, stream=True)
+    server.backend.wait_for(lambda m: isinstance(m, TokenizedGenerateReq) and m.rid == "hold-stream")
+    resp.close()
+    server.backend.wait_for(lambda m: isinstance(m, AbortReq) and m.rid == "hold-stream")
+    # Non-streaming: send the request by hand and hang up without reading the answer.
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"text": "x", "rid": "hold-plain"}).encode()
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        server.backend.wait_for(lambda m: isinstance(m, TokenizedGenerateReq) and m.rid == "hold-plain")
+    server.backend.wait_for(lambda m: isinstance(m, AbortReq) and m.rid == "hold-plain")
+    assert "hold-plain" not in server.tm.rid_to_state
+
+
+def test_info_control_and_health_routes(server: Server) -> None:
+    assert requests.get(server.url + "/health", timeout=10).json() == {}
+    assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
+    assert requests.get(server.url + "/model_info", timeout=10).json() == {
+        "model_path": "/models/fake", "tokenizer_path": server.tm.tokenizer_path, "is_generation": True,
+        "served_model_name": "/models/fake"}
+    info = requests.get(server.url + "/server_info", timeout=10).json()
+    assert info["tp_size"] == 1 and info["internal_states"] == [{"fake_state": 1}]
+    assert server.post("/flush_cache", {}).json() == {"success": True}
+
+
+def test_control_without_reply_times_out(fresh_server: Server) -> None:
+    fresh_server.backend.answer_control = False
+    requests.get(fresh_server.url + "/health", timeout=10)
+    loop = fresh_server.tm._loop
+    assert loop is not None
+    future = asyncio.run_coroutine_threadsafe(fresh_server.tm.flush_cache(timeout=0.3), loop)
+    with pytest.raises(ServiceUnavailableError, match="0.3 s"):
+        future.result(10)
+
+
+def test_fail_all_ends_in_flight_and_refuses_new_requests(fresh_server: Server) -> None:
+    srv = fresh_server
+    assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+    results: dict[str, Any] = {}
+
+    def plain() -> None:
+        results["plain"] = srv.post("/generate", {"text": "x", "rid": "hold-p"})
+
+    def streamed() -> None:
+        resp = srv.post("/generate", {"text": "x", "rid": "hold-s", "stream": True}, stream=True)
+        results["stream"] = (resp.status_code, [line for line in resp.iter_lines() if line])
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    for rid in ("hold-p", "hold-s"):
+        srv.backend.wait_for(lambda m, rid=rid: isinstance(m, TokenizedGenerateReq) and m.rid == rid)
+    srv.tm.fail_all("scheduler rank 1 exited with code -9")  # from a non-loop thread, like supervision
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    plain_resp = results["plain"]
+    assert plain_resp.status_code == 503
+    assert plain_resp.json() == {"error": {"message": "scheduler rank 1 exited with code -9",
+                                           "type": "ServiceUnavailable", "code": 503}}
+    status, events = results["stream"]
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2][len(b"data: "):])["error"]["code"] == 503
+    assert requests.get(srv.url + "/health", timeout=10).status_code == 503
+    new = srv.post("/generate", {"text": "hello"})
+    assert new.status_code == 503 and "rank 1" in new.json()["error"]["message"]
+    assert srv.post("/generate", {"text": "hello", "stream": True}).status_code == 503
+    assert requests.get(srv.url + "/health_generate", timeout=10).status_code == 503
+
+
+def test_seeds_are_request_given_or_derived_deterministically(tmp_path: Path, smollm2_dir: Path) -> None:
+    def manager(seed: int) -> TokenizerManager:
+        return TokenizerManager(ServerArgs(random_seed=seed), PortArgs.create("tcp://127.0.0.1:1"),
+                                str(smollm2_dir), {"context_length": 256, "vocab_size": VOCAB_SIZE,
+                                                   "max_total_tokens": None, "eos_token_ids": [2],
+                                                   "model_path": "m"})
+
+    def seeds(tm: TokenizerManager) -> list[int]:
+        return [req.seed for _ in range(2) for req in tm.parse_generate({"input_ids": [[1], [2]]}).reqs]
+
+    first, again, other = seeds(manager(1)), seeds(manager(1)), seeds(manager(2))
+    assert first == again and first != other and len(set(first)) == len(first)
+    tm = manager(1)
+    call = tm.parse_generate({"text": "hi there", "sampling_params": {"seed": 123}, "stream": True})
+    assert call.reqs[0].seed == 123 and call.stream and not call.is_batch
+    assert call.reqs[0].input_ids == tm.tokenizer("hi there")["input_ids"]
