@@ -1,0 +1,1 @@
+"""Rank layout, spawning, start-up handshake, supervision and teardown of one node's processes."""

@@ -1,0 +1,84 @@
+"""After start-up: any child that exits, for any reason, takes the whole server down, loudly.
+
+A lost rank cannot be recovered: its peers are blocked in collectives that will never complete.
+So the Supervisor names the dead child, lets the front end fail every in-flight request with
+that message, kills the rest of the tree and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Pipe, wait
+
+from launcher.process import ChildProcess, stop_children
+
+logger = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """Watches `children` from a daemon thread.
+
+    On the first unexpected exit: log CRITICAL "<name> (pid N) exited with code C" (or "was
+    killed by signal S") and the child's traceback if it sent one; call on_failure(message);
+    wait grace_s so the front end can flush the error responses; SIGKILL every child tree;
+    call exit_fn(exit_code) (default os._exit: the main process ends non-zero).
+    `stop()` before a deliberate shutdown makes later exits quiet.
+    """
+
+    def __init__(self, children: list[ChildProcess], on_failure: Callable[[str], None] | None = None, *,
+                 grace_s: float = 1.0, exit_code: int = 1,
+                 exit_fn: Callable[[int], object] = os._exit) -> None:
+        self.children = list(children)
+        self.on_failure = on_failure
+        self.grace_s = grace_s
+        self.exit_code = exit_code
+        self.exit_fn = exit_fn
+        self.failure: str | None = None  # the message, once a child died unexpectedly
+        self.done = threading.Event()  # set after a failure was handled (before exit_fn)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._wake_reader, self._wake_writer = Pipe(duplex=False)
+        self._thread = threading.Thread(target=self._watch, name="srt-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """A deliberate shutdown begins: exits from now on are expected."""
+        with self._lock:
+            self._stopping = True
+        try:
+            self._wake_writer.send(None)
+        except OSError:
+            pass
+
+    def _watch(self) -> None:
+        by_sentinel = {c.sentinel: c for c in self.children}
+        fired = wait([*by_sentinel, self._wake_reader])
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True  # a second death, or stop(), must not start another teardown
+        dead = next(by_sentinel[h] for h in fired if h in by_sentinel)
+        self._fail(dead)
+
+    def _fail(self, dead: ChildProcess) -> None:
+        message = dead.exit_message()
+        self.failure = message
+        logger.critical("%s; shutting down the server", message)
+        error = dead.read_error()
+        if error is not None:
+            logger.critical("%s failed with:\n%s", dead.label, error)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(message)
+            except Exception:
+                logger.exception("on_failure callback raised")
+            time.sleep(self.grace_s)
+        stop_children(self.children)
+        self.done.set()
+        self.exit_fn(self.exit_code)

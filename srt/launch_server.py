@@ -1,0 +1,213 @@
+"""`launch_server` / `python -m srt.launch_server`: start one node of the server.
+
+Node 0: one scheduler per local rank + the detokenizer as children, the TokenizerManager and the
+HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; this process
+just supervises them. Either way, any child's death takes the node down (launcher.supervisor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from launcher.child import ChildSpec
+from launcher.layout import RankInfo, local_ranks, output_world_rank, resolve_init_method
+from launcher.log import configure_logging
+from launcher.process import ChildProcess, LaunchError, spawn_child, stop_children, wait_ready
+from launcher.supervisor import Supervisor
+from launcher.teardown import become_subreaper, kill_process_tree
+from srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger("srt.launch_server")
+
+SCHEDULER_TARGET = "scheduler.entry:run_scheduler_process"
+DETOKENIZER_TARGET = "srt.detokenizer:run_detokenizer_process"
+MODEL_INFO_KEYS = ("context_length", "vocab_size", "max_total_tokens", "eos_token_ids", "max_running_requests")
+MODEL_LOAD_BUDGET_S = 900.0  # start-up may take the rendezvous (--dist-timeout) plus this
+
+
+class Shutdown(Exception):
+    """SIGTERM or SIGINT arrived outside uvicorn's own handling."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything resolved once, before any child starts."""
+
+    server_args: ServerArgs
+    port_args: PortArgs
+    model_dir: str
+    tokenizer_path: str
+    ranks: tuple[RankInfo, ...]
+
+    @property
+    def ipc_dir(self) -> Path:
+        return Path(self.port_args.tokenizer_ipc.removeprefix("ipc://")).parent
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind as uvicorn will (SO_REUSEADDR), so a busy port fails before any model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e} "
+                             f"(is another server running?)") from None
+
+
+def plan_launch(server_args: ServerArgs) -> LaunchPlan:
+    """Raises ValueError (naming the flag) for anything the user must fix."""
+    if server_args.node_rank == 0:
+        check_port_free(server_args.host, server_args.port)
+    ranks = local_ranks(server_args.tp_size, server_args.pp_size, server_args.nnodes, server_args.node_rank,
+                        server_args.device)
+    init_method = resolve_init_method(server_args.dist_init_addr, server_args.nnodes)
+    from model_executor.loader.weight_source import resolve_model_path  # lazy: imports torch
+
+    model_dir = str(resolve_model_path(server_args.model_path))
+    return LaunchPlan(server_args, PortArgs.create(init_method), model_dir,
+                      server_args.tokenizer_path or model_dir, tuple(ranks))
+
+
+def child_specs(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
+                detokenizer_target: str = DETOKENIZER_TARGET) -> list[ChildSpec]:
+    from srt.engine import threads_per_rank
+
+    args = plan.server_args
+    threads = threads_per_rank(len(plan.ranks))
+    specs = [ChildSpec(name=rank.name, title=rank.title, target=scheduler_target, num_threads=threads,
+                       args=(args, plan.port_args, plan.model_dir, rank), log_level=args.log_level)
+             for rank in plan.ranks]
+    if args.node_rank == 0:
+        specs.append(ChildSpec(name="detokenizer", title="srt::detokenizer", target=detokenizer_target,
+                               args=(args, plan.port_args, plan.tokenizer_path), log_level=args.log_level))
+    return specs
+
+
+def merge_model_info(plan: LaunchPlan, infos: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's ready info, overlaid with the output rank's (when on this node)."""
+    by_world_rank = {rank.world_rank: infos.get(rank.name, {}) for rank in plan.ranks}
+    model_info: dict[str, Any] = {}
+    for world_rank in (0, output_world_rank(plan.server_args.tp_size, plan.server_args.pp_size)):
+        model_info.update(by_world_rank.get(world_rank, {}))
+    missing = [key for key in MODEL_INFO_KEYS if key not in model_info]
+    if missing:
+        raise LaunchError(f"the schedulers' ready info lacks {', '.join(missing)}")
+    return model_info
+
+
+class Frontend:
+    """Node 0's TokenizerManager, as the Supervisor's failure callback reaches it from its thread."""
+
+    def __init__(self) -> None:
+        self.tm: Any = None
+
+    def fail_all(self, message: str) -> None:
+        tm = self.tm
+        if tm is None:
+            return
+        loop = getattr(tm, "loop", None)
+        if loop is None or not loop.is_running():
+            tm.fail_all(message)  # not serving yet: no request in flight, no loop to race with
+            return
+        done = threading.Event()
+
+        def fail_on_loop() -> None:
+            try:
+                tm.fail_all(message)
+            finally:
+                done.set()
+
+        loop.call_soon_threadsafe(fail_on_loop)
+        if not done.wait(2.0):
+            logger.error("the TokenizerManager did not run fail_all within 2 s")
+
+
+def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
+    raise Shutdown(signal.Signals(signum).name)
+
+
+def _exit_now(plan: LaunchPlan, code: int) -> None:
+    """Supervisor's last step after a child died: nothing of this node may outlive it."""
+    kill_process_tree(os.getpid(), include_self=False, timeout=2.0)
+    shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+    logging.shutdown()
+    os._exit(code)
+
+
+def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
+        detokenizer_target: str = DETOKENIZER_TARGET) -> int:
+    """Start, serve (node 0) or supervise (node > 0), tear down. Returns the exit code."""
+    args = plan.server_args
+    become_subreaper()  # children of a dead child come to us, so teardown still finds them
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_shutdown)
+    children: list[ChildProcess] = []
+    frontend = Frontend()
+    supervisor: Supervisor | None = None
+    try:
+        for spec in child_specs(plan, scheduler_target, detokenizer_target):
+            children.append(spawn_child(spec))
+        infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S)
+        logger.info("%d child processes ready", len(children))
+        supervisor = Supervisor(children, frontend.fail_all, exit_fn=lambda code: _exit_now(plan, code))
+        supervisor.start()
+        if args.node_rank > 0:
+            threading.Event().wait()  # until a signal, or the Supervisor ends the process
+        return serve(plan, merge_model_info(plan, infos), frontend)
+    except LaunchError as e:
+        logger.error("launch failed: %s", e)
+        return 1
+    except Shutdown as e:
+        logger.info("received %s; shutting down", e)
+        return 0
+    except SystemExit as e:  # uvicorn exits 1 when it cannot bind
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown short
+        if supervisor is not None:
+            supervisor.stop()
+        stop_children(children)
+        kill_process_tree(os.getpid(), include_self=False, timeout=2.0)
+        shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+
+
+def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend) -> int:
+    from srt.http_server import create_app, run_http_server
+    from srt.tokenizer_manager import TokenizerManager
+
+    args = plan.server_args
+    frontend.tm = TokenizerManager(args, plan.port_args, plan.tokenizer_path, model_info)
+    server_info = {**args.to_dict(), **model_info, "model_dir": plan.model_dir,
+                   "tokenizer_path": plan.tokenizer_path}
+    app = create_app(frontend.tm, server_info)
+    logger.info("serving on http://%s:%d", args.host, args.port)
+    run_http_server(app, args.host, args.port, args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        server_args = ServerArgs.from_cli(argv)
+        configure_logging(server_args.log_level, "main")
+        plan = plan_launch(server_args)
+    except ValueError as e:
+        print(f"launch_server: error: {e}", file=sys.stderr)
+        return 2
+    return run(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
