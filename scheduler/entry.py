@@ -13,8 +13,10 @@ import zmq
 
 from model_executor.distributed.parallel_state import init_distributed
 from model_executor.model_runner import ModelRunner, RunnerConfig
+from scheduler.fault_injection import FaultInjector
 from scheduler.receiver import RequestReceiver
 from scheduler.scheduler import Scheduler
+from scheduler.watchdog import Watchdog
 from srt.engine import resolve_dtype
 from srt.server_args import PortArgs, ServerArgs
 
@@ -45,11 +47,29 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         local_world_size=args.ranks_per_node)
 
 
+def start_watchdogs(args: ServerArgs, scheduler: Scheduler, name: str) -> list[Watchdog]:
+    def busy() -> bool:
+        return bool(scheduler.waiting or scheduler.running or scheduler.chunked_req)
+
+    def describe() -> str:
+        chunked = scheduler.chunked_req
+        return (f"step {scheduler.forward_steps}, running {[r.rid for r in list(scheduler.running)]}, "
+                f"waiting {[r.rid for r in list(scheduler.waiting)]}, chunked {chunked.rid if chunked else None}")
+
+    dogs = [Watchdog(name=name, timeout_s=args.watchdog_timeout, soft=False, progress=lambda: scheduler.forward_steps,
+                     busy=busy, describe=describe)]
+    if args.soft_watchdog_timeout is not None:
+        dogs.append(Watchdog(name=name, timeout_s=args.soft_watchdog_timeout, soft=True,
+                             progress=lambda: scheduler.forward_steps, busy=busy, describe=describe))
+    return [dog.start() for dog in dogs]
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_dir: str, rank_info: Any,
                           ready_conn: Connection) -> None:
     tp_rank, pp_rank = int(rank_info.tp_rank), int(rank_info.pp_rank)
     world_rank = server_args.tp_size * pp_rank + tp_rank
     try:
+        FaultInjector(world_rank).at_startup()
         if server_args.pp_size > 1:
             raise NotImplementedError("pipeline parallelism (--pp-size > 1) is not implemented yet")
         device = torch.device(server_args.device)
@@ -83,6 +103,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
     ready_conn.send(("ready", {**runner.info(), "eos_token_ids": sorted(eos),
                                "max_running_requests": runner.max_running_requests,
                                "model_path": model_dir}))
+    start_watchdogs(server_args, scheduler, getattr(rank_info, "name", f"scheduler TP{tp_rank}"))
     try:
         scheduler.event_loop()
     except Exception:

@@ -10,10 +10,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed
+
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
 from model_executor.sampler import SamplingBatchInfo
+from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
 from scheduler.policy import (
     INIT_NEW_TOKEN_RATIO,
@@ -55,6 +59,8 @@ class Scheduler:
         self._init_cache()
         self._init_state()
         self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
+        self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
+        self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
 
     def _init_cache(self) -> None:
         page_size = self.runner.config.page_size
@@ -176,6 +182,11 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             used += n
+        if self.faults.drop_one_admission(self.forward_steps + 1) and reqs and reqs[-1] in ordered:
+            req = reqs.pop()
+            lens.pop()
+            self.kv.release(req, insert=False)
+            self.waiting.insert(0, req)
         while reqs and not self.kv.reserve_extend(reqs, lens):
             # The token budget is an estimate (partly filled pages): drop the newest until it fits.
             req = reqs.pop()
@@ -209,6 +220,8 @@ class Scheduler:
             ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)
             assert ok, "decode room was checked"
         forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
+        step = self.forward_steps + 1
+        self.faults.before_forward(step)
         logits = self.runner.forward(forward_batch)
         info = SamplingBatchInfo.from_lists(
             temperatures=[r.sampling_params.temperature for r in batch.reqs],
@@ -218,7 +231,11 @@ class Scheduler:
             seeds=[r.seed for r in batch.reqs],
             output_positions=[len(r.output_ids) for r in batch.reqs], device=self.runner.device)
         next_ids = self.runner.sample(logits, info)
-        self.forward_steps += 1
+        self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
+        if self.sync_token_ids:
+            # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.
+            self.parallel.tp.all_reduce(next_ids, op=torch.distributed.ReduceOp.MIN)
+        self.forward_steps = step
         self.process_batch_result(batch, next_ids.tolist())
 
     def process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
