@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import zmq
 
+import consensus
 from model_executor.distributed.parallel_state import init_distributed
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from scheduler.fault_injection import FaultInjector
@@ -76,6 +77,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
         parallel = init_distributed(tp_size=server_args.tp_size, pp_size=server_args.pp_size, world_rank=world_rank,
                                     init_method=port_args.dist_init_method, device=device,
                                     timeout_s=server_args.dist_timeout)
+        if server_args.enable_rank_consensus_checker:
+            # Collective over the whole world: every rank creates these groups at the same point.
+            consensus.enable(consensus.create_groups(server_args.tp_size, server_args.pp_size, world_rank,
+                                                     timeout_s=server_args.dist_timeout))
         runner = ModelRunner(runner_config(server_args, Path(model_dir)), parallel)
         receiver = RequestReceiver(parallel.world, port_args.tokenizer_ipc if world_rank == 0 else None)
         is_output_rank = tp_rank == 0 and pp_rank == server_args.pp_size - 1

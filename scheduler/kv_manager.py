@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache
 from model_executor.model_runner import ModelRunner
 from scheduler.req import Req
@@ -37,7 +38,8 @@ class KVManager:
     def peek_prefix_len(self, req: Req) -> int:
         return self._usable_prefix(req, len(self.tree_cache.match_prefix(req.fill_ids).kv_indices))
 
-    def admit(self, req: Req) -> None:
+    @rank_consensus(args={"req": lambda r: r.rid}, result=True, name="radix_match")
+    def admit(self, req: Req) -> int:
         """Gives `req` a row and its cached prefix (locked). Raises if no row is free."""
         row = self.req_to_token_pool.alloc()
         if row is None:
@@ -50,12 +52,17 @@ class KVManager:
         req.cached_len = req.kv_len = prefix_len
         if req.retractions == 0:
             req.cached_tokens = prefix_len
+        return prefix_len
 
     def _ensure_free_pages(self, pages: int) -> bool:
         short = pages - self.allocator.num_free_pages
         if short > 0:
-            self.tree_cache.evict(short * self.page_size)
+            self._evict(short * self.page_size)
         return pages <= self.allocator.num_free_pages
+
+    @rank_consensus(args=("num_tokens",), result=True, name="radix_evict")
+    def _evict(self, num_tokens: int) -> int:
+        return self.tree_cache.evict(num_tokens)
 
     def fits_decode(self, reqs: list[Req]) -> bool:
         kv = [r.kv_len for r in reqs]
@@ -75,6 +82,7 @@ class KVManager:
         self.last_out_cache_loc = out
         return True
 
+    @rank_consensus(args={"req": lambda r: (r.rid, r.kv_len), "insert": bool}, name="radix_release")
     def release(self, req: Req, *, insert: bool) -> None:
         """Frees the request's row; its computed KV goes into the prefix cache (insert=True) or
         back to the allocator. Unlocks its prefix. A request never admitted is left alone."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
@@ -118,6 +119,7 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
+    @rank_consensus(args=("rid",))
     def _abort(self, rid: str, reason: str) -> None:
         for queue in (self.waiting, self.running):
             for req in queue:
@@ -134,6 +136,7 @@ class Scheduler:
             self.send_output(reply)
 
     # ------------------------------------------------------------------ scheduling
+    @rank_consensus(result=lambda b: None if b is None else (b.phase.value, b.rids, b.extend_lens))
     def get_next_batch(self) -> ScheduleBatch | None:
         batch = self._get_prefill_batch()
         if batch is not None:
@@ -207,12 +210,15 @@ class Scheduler:
                     f"request needs more KV cache than the server has ({self.kv.max_total_tokens} tokens); "
                     "raise --max-total-tokens or lower max_new_tokens")))
                 return
-            req = self.running.pop()
-            self.kv.release(req, insert=True)
-            req.retractions += 1
-            self.waiting.insert(0, req)
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))
+            self._retract(self.running.pop())
+
+    @rank_consensus(args={"req": lambda r: r.rid})
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req, insert=True)
+        req.retractions += 1
+        self.waiting.insert(0, req)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))
 
     # ------------------------------------------------------------------ execution
     def run_batch(self, batch: ScheduleBatch) -> None:
