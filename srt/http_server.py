@@ -3,20 +3,34 @@
 Errors are JSON `{"error": {"message", "type", "code"[, "param"]}}`: 400 BadRequestError for bad
 input (before anything reaches a rank), 503 ServiceUnavailable once a rank has died or a control
 reply did not come. A stream that fails midway sends `data: {"error": ...}` and then `data: [DONE]`.
+
+Graceful shutdown (DrainingServer): on SIGTERM/SIGINT new requests get 503 "server is shutting
+down" (/health too; /model_info and /abort_request keep answering) while the requests in flight
+finish, for up to --shutdown-timeout seconds; the rest are then failed with a 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import socket
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.tokenizer_manager import RequestError, ServiceUnavailableError, TokenizerManager
+from srt.tokenizer_manager import SHUTTING_DOWN, RequestError, ServiceUnavailableError, TokenizerManager
+
+logger = logging.getLogger("srt.http_server")
+
+DRAIN_POLL_S = 0.05
+CLOSE_GRACE_S = 5  # after the drain: the longest uvicorn waits for the last responses to be written
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -78,6 +92,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         await tm.close()
 
     app = FastAPI(title="srt", lifespan=lifespan)
+    app.state.tokenizer_manager = tm  # for run_http_server's drain
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -104,8 +119,8 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
 
     @app.get("/health")
     async def health() -> Response:
-        if tm.failure is not None:
-            return error_response(503, tm.failure)
+        if tm.refusal is not None:
+            return error_response(503, tm.refusal)
         return JSONResponse({})
 
     @app.get("/health_generate")
@@ -155,7 +170,59 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT drains before it stops.
+
+    The first signal makes the TokenizerManager refuse new requests (503) while the HTTP requests
+    already running finish, for up to `drain_timeout` s; those still running then are failed with
+    a 503 (a stream gets an SSE error event and [DONE]). A second signal ends the drain at once,
+    the same way. Then uvicorn's own shutdown closes the listener and the connections and runs
+    the lifespan's close. Unlike uvicorn's handler, this one does not re-raise the signal after
+    serving: a requested shutdown simply returns from run().
+    """
+
+    def __init__(self, config: uvicorn.Config, tokenizer_manager: TokenizerManager, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.tm = tokenizer_manager
+        self.drain_timeout = max(0.0, drain_timeout)
+        self.signals_received = 0
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler interrupts the loop anywhere: only set flags; the loop reads them.
+        self.signals_received += 1
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.drain()
+        await super().shutdown(sockets)
+
+    async def drain(self) -> None:
+        self.tm.begin_drain()
+        in_flight = set(self.server_state.tasks)  # the requests running now; later ones get 503
+        signals_at_start = self.signals_received
+        logger.info("%s: waiting up to %g s for %d request(s) in flight (signal again to stop at once)",
+                    SHUTTING_DOWN, self.drain_timeout, len(in_flight))
+        deadline = time.monotonic() + self.drain_timeout
+        while True:
+            in_flight = {task for task in in_flight if not task.done()}
+            if not in_flight:
+                logger.info("drained: no request in flight")
+                return
+            if self.signals_received > signals_at_start:
+                reason = "a second shutdown signal arrived before the request finished"
+                break
+            if time.monotonic() >= deadline:
+                reason = f"the request did not finish within --shutdown-timeout ({self.drain_timeout:g} s)"
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        logger.warning("%s: failing %d request(s) still in flight: %s", SHUTTING_DOWN, len(in_flight), reason)
+        self.tm.fail_all(f"{SHUTTING_DOWN}: {reason}")
+
+
 def run_http_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until shut down; blocks (call it from the main thread to get uvicorn's signal handling)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="asyncio", timeout_keep_alive=5)
-    uvicorn.Server(config).run()
+    """Serve until SIGTERM/SIGINT, drain (DrainingServer, --shutdown-timeout), return. Blocks; call
+    it from the main thread, where signal handlers can be installed."""
+    tm: TokenizerManager = app.state.tokenizer_manager
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="asyncio", timeout_keep_alive=5,
+                            timeout_graceful_shutdown=CLOSE_GRACE_S)
+    DrainingServer(config, tm, tm.server_args.shutdown_timeout).run()

@@ -3,6 +3,13 @@
 Node 0: one scheduler per local rank + the detokenizer as children, the TokenizerManager and the
 HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; this process
 just supervises them. Either way, any child's death takes the node down (launcher.supervisor).
+
+Exit codes: 0 after SIGTERM/SIGINT, 1 when start-up fails or a child dies, 2 for bad arguments.
+A signal while serving starts a graceful shutdown (http_server.DrainingServer): new requests get
+503, the ones in flight finish within --shutdown-timeout or are failed with a 503, and the exit
+code is still 0, since the shutdown was asked for. A second signal stops at once. A signal
+before the HTTP server is up (models loading) stops at once, also with 0. Either way every child
+is torn down before the process exits.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ MODEL_LOAD_BUDGET_S = 900.0  # start-up may take the rendezvous (--dist-timeout)
 
 
 class Shutdown(Exception):
-    """SIGTERM or SIGINT arrived outside uvicorn's own handling."""
+    """SIGTERM or SIGINT arrived outside the HTTP server's own handling (which drains)."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from srt.server_args import PortArgs, ServerArgs
 logger = logging.getLogger("srt.tokenizer_manager")
 
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid")
+SHUTTING_DOWN = "server is shutting down"
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DISCONNECT_CHECK_S = 0.5
 
@@ -107,6 +108,7 @@ class TokenizerManager:
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
+        self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on
         self._seed_counter = itertools.count()
         self._control_waiters: dict[str, asyncio.Future[ControlReply]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -116,8 +118,15 @@ class TokenizerManager:
         self._handle_task: asyncio.Task[None] | None = None
 
     @property
+    def refusal(self) -> str | None:
+        """Why a new request gets 503 now (a failure, or a shutdown under way); None while serving."""
+        if self.failure is not None:
+            return self.failure
+        return SHUTTING_DOWN if self.draining else None
+
+    @property
     def is_healthy(self) -> bool:
-        return self.failure is None
+        return self.refusal is None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -149,6 +158,11 @@ class TokenizerManager:
             self._zmq.destroy(linger=0)
         self._loop = self._zmq = self._send_sock = self._recv_sock = self._handle_task = None
 
+    def begin_drain(self) -> None:
+        """A graceful shutdown begins: new requests and control calls get 503 SHUTTING_DOWN, while
+        the requests in flight run to completion (or until fail_all ends them)."""
+        self.draining = True
+
     def fail_all(self, message: str) -> None:
         """End every in-flight request and control call with a 503 carrying `message`; refuse new
         ones. Safe to call from any thread (supervision runs outside the event loop)."""
@@ -179,8 +193,8 @@ class TokenizerManager:
     # ---- validation ----
     def parse_generate(self, obj: Any) -> GenerateCall:
         """Validate and tokenize a /generate body. Raises RequestError (400) or ServiceUnavailableError."""
-        if self.failure is not None:
-            raise ServiceUnavailableError(self.failure)
+        if self.refusal is not None:
+            raise ServiceUnavailableError(self.refusal)
         if not isinstance(obj, dict):
             raise RequestError("the request must be a JSON object")
         unknown = sorted(set(obj) - set(GENERATE_FIELDS))
@@ -370,8 +384,8 @@ class TokenizerManager:
         return (await self._control(GetInternalStateReq, timeout)).payload
 
     async def _control(self, make: Callable[[str], Any], timeout: float) -> ControlReply:
-        if self.failure is not None:
-            raise ServiceUnavailableError(self.failure)
+        if self.refusal is not None:
+            raise ServiceUnavailableError(self.refusal)
         self.start()
         assert self._loop is not None
         request_id = uuid.uuid4().hex
