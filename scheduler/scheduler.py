@@ -221,6 +221,7 @@ class Scheduler:
         logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))
 
     # ------------------------------------------------------------------ execution
+    @torch.inference_mode()
     def run_batch(self, batch: ScheduleBatch) -> None:
         if batch.phase is Phase.DECODE:
             ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)

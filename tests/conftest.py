@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +22,17 @@ from tiny_models import make_tiny_model  # noqa: E402
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model(arch, root / arch) for arch in ("llama", "llama_mqa", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def long_context_llama(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with room for 8k-token answers (RoPE has no learned positions): requests
+    that stay in flight for many seconds."""
+    model_dir = Path(shutil.copytree(tiny_model_dirs["llama"], tmp_path_factory.mktemp("long") / "llama_8k"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
 
 
 @pytest.fixture(scope="session")

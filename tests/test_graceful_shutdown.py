@@ -5,7 +5,6 @@ process behind."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -155,16 +154,6 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dirs: dict[str, Path]
         assert last["meta_info"]["finish_reason"]["type"] == "length"
         assert len(last["output_ids"]) == MAX_NEW
         assert_all_gone(procs)
-
-
-@pytest.fixture()
-def long_context_llama(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> Path:
-    """The tiny Llama with room for a 5000-token answer (RoPE has no learned positions)."""
-    model_dir = Path(shutil.copytree(tiny_model_dirs["llama"], tmp_path / "llama_8k"))
-    config = json.loads((model_dir / "config.json").read_text())
-    config["max_position_embeddings"] = 8192
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return model_dir
 
 
 @pytest.mark.parametrize(("extra_args", "signals", "reason"), [

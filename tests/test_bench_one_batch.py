@@ -1,0 +1,43 @@
+"""scripts/bench_one_batch.py runs end to end and reports srt and transformers side by side."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.py"
+
+
+def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out_json = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1", "2",
+         "--input-len", "8", "--output-len", "4", "--compare-transformers", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "srt (tp=1)" in out and "transformers generate" in out
+    assert len(re.findall(r"batch size \| prefill tok/s \| decode tok/s \| +decode ms/step", out)) == 2, out
+    for bs in (1, 2):
+        assert re.search(rf"^\s+{bs} \|\s+[\d.]+ \|\s+[\d.]+ \|\s+[\d.]+$", out, re.MULTILINE), out
+        for phase in ("prefill", "decode"):
+            assert re.search(rf"^ratio vs transformers \(batch {bs} {phase}\): \d+\.\d\dx$", out, re.MULTILINE), out
+
+    report = json.loads(out_json.read_text())
+    assert (report["input_len"], report["output_len"], report["dtype"]) == (8, 4, "bfloat16")
+    for engine in ("srt", "transformers"):
+        assert [r["batch_size"] for r in report[engine]] == [1, 2]
+        for row in report[engine]:
+            for key in ("prefill_tok_s", "decode_tok_s", "decode_ms_per_step"):
+                assert row[key] > 0, (engine, key, row)
+    assert all(r["prefill"] > 0 and r["decode"] > 0 for r in report["ratios"])
+
+
+def test_bench_one_batch_rejects_bad_lengths() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--output-len", "0"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--output-len must be >= 1, got 0" in proc.stderr
