@@ -1,0 +1,323 @@
+"""Latency of one static batch, without a server (SGLang's bench_one_batch on srt's ModelRunner).
+
+    python scripts/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 32 \\
+        [--tp-size N] [--model-path P] [--dtype D] [--compare-transformers] [--warmup N] [--runs N]
+        [--json PATH]
+
+For each batch size: seeded random prompts of `input_len` tokens, one extend step for the whole
+batch, then `output_len` greedy decode steps. Only forward + sample are timed. With --tp-size > 1
+every rank runs the same steps (the all-reduces keep them in lockstep) and rank 0 reports.
+
+Each batch size is warmed up, then timed `--runs` times; the best run counts (as timeit does), since
+load from other processes only ever adds time. At tp 1 the srt and transformers runs alternate, so
+such load falls on both alike.
+
+--compare-transformers times `generate` of transformers on the same checkpoint and dtype in the same
+run. Its prefill is one forward on the batch; its decode time is generate minus that prefill, over
+the same `output_len` decode steps (so generate makes output_len + 1 new tokens, as srt does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # bench this checkout, installed or not
+
+import torch  # noqa: E402
+
+from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
+from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
+from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
+from model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from model_executor.sampler import SamplingBatchInfo  # noqa: E402
+from srt.engine import free_port, resolve_dtype, threads_per_rank  # noqa: E402
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    batch_sizes: tuple[int, ...]
+    input_len: int
+    output_len: int
+    warmup: int  # untimed full-length runs per batch size: a cold process runs several times slower
+    runs: int  # timed runs per batch size; the best counts
+    seed: int
+
+
+Timing = tuple[float, float]  # one run: (prefill s, decode s per step)
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    batch_size: int
+    input_len: int
+    prefill_s: float
+    decode_step_s: float  # of the best run; srt: median step, transformers: mean (generate is one call)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.batch_size * self.input_len / self.prefill_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.batch_size / self.decode_step_s
+
+    def to_json(self) -> dict[str, float]:
+        return {**asdict(self), "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
+                "decode_ms_per_step": self.decode_step_s * 1e3}
+
+
+def make_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + batch_size)
+    return torch.randint(0, vocab_size, (batch_size, input_len), generator=generator).tolist()
+
+
+# ---- srt -------------------------------------------------------------------------------------
+
+
+def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> tuple[float, list[float]]:
+    """One extend step and `decode_steps` greedy decode steps; returns (prefill s, per-step s).
+
+    Leaves the request rows and KV slots free again."""
+    bs, input_len = len(prompts), len(prompts[0])
+    pool, allocator, device = runner.req_to_token_pool, runner.allocator, runner.device
+    rows = [pool.alloc() for _ in prompts]
+    if any(row is None for row in rows):
+        raise RuntimeError(f"batch {bs} exceeds the {pool.size} request slots")
+    rows_ok = [int(row) for row in rows if row is not None]
+    greedy = SamplingBatchInfo.from_lists(temperatures=[0.0] * bs, top_ps=[1.0] * bs, top_ks=[-1] * bs,
+                                          min_ps=[0.0] * bs, seeds=[0] * bs, output_positions=[0] * bs,
+                                          device=device)
+
+    def step(mode: ForwardMode, input_ids: list[int], prefix_len: int, seq_len: int) -> tuple[float, list[int]]:
+        prefix_lens, seq_lens = [prefix_len] * bs, [seq_len] * bs
+        out_cache_loc = allocator.alloc_extend(pool.req_to_token, rows_ok, prefix_lens, seq_lens)
+        if out_cache_loc is None:
+            raise RuntimeError(f"KV cache exhausted ({runner.max_total_tokens} tokens)")
+        batch = make_forward_batch(mode, input_ids, rows_ok, prefix_lens, seq_lens, out_cache_loc, device)
+        start = time.perf_counter()
+        next_ids = runner.sample(runner.forward(batch), greedy)
+        elapsed = time.perf_counter() - start
+        return elapsed, next_ids.tolist()
+
+    prefill_s, next_ids = step(ForwardMode.EXTEND, [t for p in prompts for t in p], 0, input_len)
+    step_s = []
+    for i in range(decode_steps):
+        seq_len = input_len + i + 1
+        elapsed, next_ids = step(ForwardMode.DECODE, next_ids, seq_len - 1, seq_len)
+        step_s.append(elapsed)
+    for row in rows_ok:
+        allocator.free_slots(pool.req_to_token[row, : input_len + decode_steps])
+        pool.free(row)
+    return prefill_s, step_s
+
+
+def srt_timer(runner: ModelRunner, spec: BenchSpec, bs: int) -> Callable[[], Timing]:
+    prompts = make_prompts(bs, spec.input_len, runner.vocab_size, spec.seed)
+
+    def once() -> Timing:
+        prefill_s, step_s = run_batch(runner, prompts, spec.output_len)
+        return prefill_s, statistics.median(step_s)
+
+    return once
+
+
+def measure(timers: list[Callable[[], Timing]], spec: BenchSpec, bs: int) -> list[BatchResult]:
+    """Warms each timer up, then calls them in turn `spec.runs` times; the best run of each."""
+    for timer in timers:
+        for _ in range(spec.warmup):
+            timer()
+    timings: list[list[Timing]] = [[] for _ in timers]
+    for _ in range(spec.runs):
+        for timer, runs in zip(timers, timings):
+            runs.append(timer())
+    return [BatchResult(bs, spec.input_len, min(p for p, _ in runs), min(d for _, d in runs)) for runs in timings]
+
+
+def bench_srt(runner: ModelRunner, spec: BenchSpec) -> list[BatchResult]:
+    return [measure([srt_timer(runner, spec, bs)], spec, bs)[0] for bs in spec.batch_sizes]
+
+
+def _bench_rank_main(rank: int, tp_size: int, init_method: str, config: RunnerConfig, spec: BenchSpec,
+                     conn: Connection | None) -> None:
+    torch.set_num_threads(threads_per_rank(tp_size))
+    try:
+        state = init_distributed(tp_size=tp_size, pp_size=1, world_rank=rank, init_method=init_method,
+                                 device=torch.device(config.device))
+        reply: tuple[str, Any] = ("ok", bench_srt(ModelRunner(config, state), spec))
+    except Exception:
+        reply = ("error", f"rank {rank}: {traceback.format_exc()}")
+    if conn is not None:
+        conn.send(reply)
+    destroy_distributed()
+
+
+def bench_srt_tp(config: RunnerConfig, spec: BenchSpec, tp_size: int, timeout_s: float = 3600.0,
+                 ) -> list[BatchResult]:
+    ctx = mp.get_context("spawn")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    parent_conn, child_conn = ctx.Pipe()
+    procs = [ctx.Process(target=_bench_rank_main, daemon=True,
+                         args=(rank, tp_size, init_method, config, spec, child_conn if rank == 0 else None))
+             for rank in range(tp_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        if not parent_conn.poll(timeout_s):
+            raise RuntimeError(f"tensor-parallel benchmark gave no result within {timeout_s} s")
+        kind, payload = parent_conn.recv()
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    if kind != "ok":
+        raise RuntimeError(f"tensor-parallel benchmark failed on {payload}")
+    return payload
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+
+def load_transformers(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Timing]:
+    prompts = make_prompts(bs, spec.input_len, int(model.config.vocab_size), spec.seed)
+    # Equal-length prompts need no padding; the mask is the one a left-padded batch would pass.
+    input_ids = torch.tensor(prompts, dtype=torch.int64)
+    attention_mask = torch.ones_like(input_ids)
+    new_tokens = spec.output_len + 1  # the prefill's token, then output_len decode steps
+    eos = model.generation_config.eos_token_id
+    pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+
+    @torch.inference_mode()
+    def once() -> Timing:
+        start = time.perf_counter()
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, use_cache=True,
+                             min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
+                             temperature=None, top_p=None, top_k=None)
+        generate_s = time.perf_counter() - start
+        assert out.shape == (bs, spec.input_len + new_tokens), out.shape
+        return prefill_s, max(generate_s - prefill_s, 1e-9) / spec.output_len
+
+    return once
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def format_table(title: str, results: list[BatchResult], step_stat: str) -> str:
+    header = f"{'batch size':>10} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {f'decode ms/step ({step_stat})':>23}"
+    lines = [title, header, "-" * len(header)]
+    lines += [f"{r.batch_size:>10} | {r.prefill_tok_s:>13.1f} | {r.decode_tok_s:>12.1f} | "
+              f"{r.decode_step_s * 1e3:>23.2f}" for r in results]
+    return "\n".join(lines)
+
+
+def ratios(srt: list[BatchResult], hf: list[BatchResult]) -> list[dict[str, float]]:
+    return [{"batch_size": s.batch_size, "prefill": s.prefill_tok_s / h.prefill_tok_s,
+             "decode": s.decode_tok_s / h.decode_tok_s} for s, h in zip(srt, hf)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--model-path", default=None, help="HF directory or .gguf; default: bundled SmolLM2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per batch size")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per batch size; the best counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    for name in ("input_len", "output_len", "tp_size", "runs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.batch_size) < 1:
+        parser.error(f"--batch-size values must be >= 1, got {args.batch_size}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    model_dir = resolve_model_path(args.model_path)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype_name = str(dtype).removeprefix("torch.")
+    context_length = int(getattr(load_hf_config(model_dir), "max_position_embeddings", 0) or 4096)
+    if args.input_len + args.output_len > context_length:
+        raise ValueError(f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
+                         f"model's context length ({context_length})")
+    spec = BenchSpec(tuple(args.batch_size), args.input_len, args.output_len, args.warmup, args.runs,
+                     args.seed)
+    max_bs = max(spec.batch_sizes)
+    config = RunnerConfig(model_dir=model_dir, dtype=dtype, max_running_requests=max_bs,
+                          max_total_tokens=max_bs * (args.input_len + args.output_len),
+                          local_world_size=args.tp_size)
+    hf: list[BatchResult] = []
+    if args.tp_size == 1:
+        runner = ModelRunner(config)
+        hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
+        srt = []
+        for bs in spec.batch_sizes:
+            timers = [srt_timer(runner, spec, bs)]
+            if hf_model is not None:
+                timers.append(transformers_timer(hf_model, spec, bs))
+            results = measure(timers, spec, bs)
+            srt.append(results[0])
+            hf += results[1:]
+    else:
+        srt = bench_srt_tp(config, spec, args.tp_size)
+        if args.compare_transformers:
+            hf_model = load_transformers(model_dir, dtype)
+            hf = [measure([transformers_timer(hf_model, spec, bs)], spec, bs)[0] for bs in spec.batch_sizes]
+
+    print(f"model {model_dir}, dtype {dtype_name}, input {args.input_len}, output {args.output_len}, "
+          f"torch threads {torch.get_num_threads() if args.tp_size == 1 else threads_per_rank(args.tp_size)}"
+          f"{'' if args.tp_size == 1 else ' per rank'}; best of {args.runs} runs after {args.warmup} warmup")
+    print(format_table(f"srt (tp={args.tp_size})", srt, "median"))
+    report: dict[str, Any] = {"model_dir": str(model_dir), "dtype": dtype_name, "tp_size": args.tp_size,
+                              "input_len": args.input_len, "output_len": args.output_len,
+                              "warmup": args.warmup, "runs": args.runs,
+                              "srt": [r.to_json() for r in srt]}
+    if args.compare_transformers:
+        print(format_table("transformers generate", hf, "mean"))
+        report["transformers"] = [r.to_json() for r in hf]
+        report["ratios"] = ratios(srt, hf)
+        for ratio in report["ratios"]:
+            print(f"ratio vs transformers (batch {ratio['batch_size']} prefill): {ratio['prefill']:.2f}x")
+            print(f"ratio vs transformers (batch {ratio['batch_size']} decode): {ratio['decode']:.2f}x")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
