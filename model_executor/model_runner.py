@@ -21,6 +21,7 @@ from model_executor.attention.base import AttentionBackend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.cpu_linear import pack_model
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
 from model_executor.models.base import CausalLM
@@ -78,6 +79,9 @@ class ModelRunner:
             self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype)
         load_weights(self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first)
         self.model.eval()
+        packed = pack_model(self.model)
+        if packed:
+            logger.info("packed %d bf16 weights for oneDNN", packed)
         self.weight_bytes = model_weight_bytes(self.model)
         logger.info("loaded %s (%.1f MB on this rank, %s) in %.1f s", model_cls.__name__,
                     self.weight_bytes / 2**20, self.config.dtype, time.perf_counter() - start)

@@ -40,9 +40,10 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch) -> torch.Tensor:
         n = q.shape[0]
-        q = q.view(n, layer.num_heads, layer.head_dim)
-        k = k.view(n, layer.num_kv_heads, layer.head_dim)
-        v = v.view(n, layer.num_kv_heads, layer.head_dim)
+        # q/k/v may be column slices of one qkv tensor: reshape keeps them views where it can.
+        q = q.reshape(n, layer.num_heads, layer.head_dim)
+        k = k.reshape(n, layer.num_kv_heads, layer.head_dim)
+        v = v.reshape(n, layer.num_kv_heads, layer.head_dim)
         self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
         gqa = layer.num_heads != layer.num_kv_heads

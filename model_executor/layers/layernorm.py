@@ -20,12 +20,8 @@ class RMSNorm(nn.Module):
         set_weight_attrs(self.weight, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Low precision: normalise in fp32 like transformers, scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel; for bf16 it accumulates in fp32 (opmath), as transformers does.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         if residual is None:

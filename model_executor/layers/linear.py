@@ -7,10 +7,10 @@ the input features and all-reduces the partial sums inside `forward`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
+from model_executor.layers.cpu_linear import linear
 from model_executor.layers.sharding import TensorSource, check_shape, divide, set_weight_attrs
 
 
@@ -28,6 +28,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(self.bias, self.weight_loader)
+        self.packed_weight: torch.Tensor | None = None  # see cpu_linear.pack_model
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         size = param.shape[0]
@@ -37,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
             param.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -125,6 +126,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(self.bias, self._bias_loader)
+        self.packed_weight: torch.Tensor | None = None  # see cpu_linear.pack_model
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         size = param.shape[1]
@@ -141,5 +143,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank_in_group == 0 else None
-        out = F.linear(x, self.weight, bias)
+        out = linear(x, self.weight, bias, self.packed_weight)
         return self.comm.all_reduce(out)

@@ -47,32 +47,38 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """One module serves every layer; cos/sin rows are gathered once per forward (per positions
+    tensor), not once per layer.
+
+    rotate(x) = x * [cos, cos] + roll(x, d/2) * [-sin, sin], which is transformers'
+    x * cos + rotate_half(x) * sin in the same float operations, in four kernels.
+    """
+
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = head_dim
         inv_freq = _inv_freq(head_dim, params)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
         # float32 tables, cast once to the model dtype: transformers does the same per step.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1).to(dtype), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1).to(dtype), persistent=False)
         self._cached_positions: torch.Tensor | None = None
         self._cached_cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos, self.sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim] -> a rotated copy (contiguous)."""
+        if positions is not self._cached_positions:
+            self._cached_positions = positions
+            self._cached_cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        cos, sin = self._cached_cos_sin  # [n, 1, d]
+        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hq*d], k [n, hk*d] -> rotated copies of the same shapes."""
         n = positions.shape[0]
-        # One module serves every layer: gather cos/sin once per forward, not once per layer.
-        if positions is not self._cached_positions:
-            self._cached_positions = positions
-            self._cached_cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        cos, sin = self._cached_cos_sin  # [n, 1, d/2]
-        return self._rotate(q.view(n, -1, self.head_dim), cos, sin).view(n, -1), \
-            self._rotate(k.view(n, -1, self.head_dim), cos, sin).view(n, -1)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return (self.rotate(positions, q.reshape(n, -1, self.head_dim)).view(n, -1),
+                self.rotate(positions, k.reshape(n, -1, self.head_dim)).view(n, -1))

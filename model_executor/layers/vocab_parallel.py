@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
+from model_executor.layers.cpu_linear import linear
 from model_executor.layers.sharding import TensorSource, check_shape, set_weight_attrs
 
 
@@ -54,9 +55,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, comm, params_dtype=params_dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
+        self.packed_weight: torch.Tensor | None = None  # see cpu_linear.pack_model
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab_size] on every TP rank."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         logits = self.comm.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -44,13 +44,19 @@ class LlamaAttention(nn.Module):
                               scaling=head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden)
+        n, q_size, kv_size = hidden.shape[0], self.qkv_proj.q_size, self.qkv_proj.kv_size
         if self.q_norm is not None and self.k_norm is not None:
-            n = hidden.shape[0]
+            q, k, v = self.qkv_proj.split(qkv)
             q = self.q_norm(q.reshape(n, -1, self.head_dim)).view(n, -1)
             k = self.k_norm(k.reshape(n, -1, self.head_dim)).view(n, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), batch))
+            q, k = self.rotary_emb(positions, q, k)
+        else:
+            # q and k sit side by side in the qkv output: rotate both heads' sets in one pass.
+            qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size].view(n, -1, self.head_dim)).view(n, -1)
+            q, k = qk[:, :q_size], qk[:, q_size:]
+            v = qkv[:, q_size + kv_size:]
+        return self.o_proj(self.attn(q, k, v, batch))
 
 
 class LlamaMLP(nn.Module):
