@@ -10,7 +10,7 @@ import transformers
 from tiny_models import hf_greedy
 
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.model_runner import ModelRunner, RunnerConfig
+from model_executor.model_runner import ModelRunner
 from srt.engine import Engine
 from srt.sampling_params import SamplingParams
 
@@ -35,15 +35,17 @@ def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.T
 
 def check_model(model_dir: Path, prompts: list[list[int]], *, atol: float) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype=torch.float32, max_total_tokens=4096))
-    ours = our_prefill_logits(runner, prompts)
+    engine = Engine(str(model_dir), dtype="float32", max_total_tokens=4096)
+    assert engine.runner is not None
+    ours = our_prefill_logits(engine.runner, prompts)
+    engine.runner.allocator.reset()
+    engine.runner.req_to_token_pool.reset()
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
     assert ours.shape == ref.shape
     diff = (ours - ref).abs().max().item()
     assert diff < atol, f"max |logit diff| {diff} >= {atol}"
 
-    engine = Engine(str(model_dir), dtype="float32", max_total_tokens=4096)
     outputs = engine.generate(prompts, GREEDY)  # all prompts decoded together in one batch
     for prompt, out in zip(prompts, outputs):
         assert out.output_ids == hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens diverged"
