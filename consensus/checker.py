@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -83,6 +84,17 @@ class ConsensusChecker:
             self._thread = threading.Thread(target=self._run, name="srt-rank-consensus", daemon=True)
             self._thread.start()
         return self
+
+    def settle(self, timeout_s: float) -> bool:
+        """Waits (up to timeout_s) for two more background cycles, so everything logged so far is
+        compared. A rank whose collective just failed calls this before exiting: when ranks
+        diverged, the failure is usually the divergence's symptom, and the checker names the cause
+        (on divergence the thread exits the process). Returns whether the cycles completed."""
+        target = self.cycles + 2
+        deadline = time.monotonic() + timeout_s
+        while self.running and self.cycles < target and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.cycles >= target
 
     def check_now(self) -> bool:
         """One synchronous round on each compared group (collective: all ranks call it together).
