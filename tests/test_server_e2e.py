@@ -189,4 +189,12 @@ def test_smollm2_server_matches_offline_engine(smollm2_dir: Path) -> None:
                                                                       "ignore_eos": True}}).json()
         assert text["output_ids"] == expected[0]
         assert text["text"] == tokenizer.decode(expected[0], skip_special_tokens=True)
+        # A stop string from the middle of that answer (it may span tokens) ends it, excluded.
+        full = text["text"]
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        assert stop.strip(), full
+        stopped = server.generate({"text": texts[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                         "ignore_eos": True, "stop": [stop]}}).json()
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stopped["text"] == full[:full.index(stop)]
     assert not psutil.pid_exists(server.proc.pid) or psutil.Process(server.proc.pid).status() == "zombie"
