@@ -73,6 +73,8 @@ class ServerArgs:
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if not 0 <= self.node_rank < self.nnodes:

@@ -1,0 +1,44 @@
+"""ServerArgs parsing and validation: errors name the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from srt.server_args import ServerArgs
+
+
+def test_sglang_flag_names_and_aliases() -> None:
+    args = ServerArgs.from_cli(["--tp", "2", "--pp-size", "1", "--port", "31000", "--max-total-tokens", "4096",
+                                "--schedule-policy", "lpm", "--disable-radix-cache", "--page-size", "4"])
+    assert (args.tp_size, args.port, args.max_total_tokens, args.schedule_policy) == (2, 31000, 4096, "lpm")
+    assert args.disable_radix_cache and args.page_size == 4 and args.world_size == 2
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--tp-size", "0"], "--tp-size"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"], "--nnodes"),
+    (["--nnodes", "2", "--tp", "2"], "--dist-init-addr"),
+    (["--port", "70000"], "--port"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout"),
+])
+def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        ServerArgs.from_cli(argv)
+
+
+def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYNC_TOKEN_IDS_ACROSS_TP", "1")
+    monkeypatch.setenv("SRT_ENABLE_RANK_CONSENSUS_CHECKER", "true")
+    args = ServerArgs.from_cli([])
+    assert args.sync_token_ids_across_tp and args.enable_rank_consensus_checker
+    with pytest.raises(dataclass_error()):
+        args.port = 1  # type: ignore[misc]
+
+
+def dataclass_error() -> type[Exception]:
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
