@@ -4,6 +4,8 @@ Errors are JSON `{"error": {"message", "type", "code"[, "param"]}}`: 400 BadRequ
 input (before anything reaches a rank), 503 ServiceUnavailable once a rank has died or a control
 reply did not come. A stream that fails midway sends `data: {"error": ...}` and then `data: [DONE]`.
 
+The OpenAI-compatible /v1 routes live in openai_api.py and are included here.
+
 Graceful shutdown (DrainingServer): on SIGTERM/SIGINT new requests get 503 "server is shutting
 down" (/health too; /model_info and /abort_request keep answering) while the requests in flight
 finish, for up to --shutdown-timeout seconds; the rest are then failed with a 503.
@@ -91,8 +93,11 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         yield
         await tm.close()
 
+    from srt.openai_api import router as openai_router  # here: openai_api imports this module's helpers
+
     app = FastAPI(title="srt", lifespan=lifespan)
-    app.state.tokenizer_manager = tm  # for run_http_server's drain
+    app.state.tokenizer_manager = tm  # for run_http_server's drain and the OpenAI routes
+    app.include_router(openai_router)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

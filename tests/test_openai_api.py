@@ -1,0 +1,137 @@
+"""The OpenAI-compatible routes, driven by the official `openai` client against one real SmolLM2
+server: the answers equal /generate's for the same greedy request, streamed deltas add up to the
+non-streamed answer, usage adds up, and bad or unsupported parameters get a 400 naming them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+from server_fixture import Server
+from transformers import AutoTokenizer
+
+MESSAGES: list[Any] = [{"role": "system", "content": "You are a helpful assistant."},
+                       {"role": "user", "content": "Write a long story about a dragon who learns to read."}]
+PROMPT = "The three most important inventions in history are"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with Server("--dtype", "float32", "--max-total-tokens", "16384") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def generate_text(server: Server, **prompt: Any) -> dict[str, Any]:
+    r = server.generate({**prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_models_list_names_the_served_model(server: Server, client: openai.OpenAI) -> None:
+    info = requests.get(server.url + "/model_info", timeout=10).json()
+    assert [m.id for m in client.models.list()] == [info["served_model_name"]]
+
+
+def test_chat_completion_matches_generate_on_the_templated_prompt(server: Server, client: openai.OpenAI,
+                                                                  tokenizer: Any) -> None:
+    reply = client.chat.completions.create(model="anything", messages=MESSAGES, temperature=0, max_tokens=8)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)["input_ids"]
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt_ids), 8)
+    assert reply.usage.total_tokens == len(prompt_ids) + 8
+    assert choice.message.content == generate_text(server, input_ids=prompt_ids)["text"]
+    # max_completion_tokens is the newer name for the same limit.
+    again = client.chat.completions.create(model="anything", messages=MESSAGES, temperature=0,
+                                           max_completion_tokens=8)
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_streamed_chat_adds_up_to_the_full_answer(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "m", "messages": MESSAGES, "temperature": 0, "max_tokens": 12}
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    content_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert content_chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in content_chunks[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in content_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None and full.usage is not None
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == \
+        (full.usage.prompt_tokens, full.usage.completion_tokens)
+    assert len({c.id for c in chunks}) == 1
+    # Without include_usage no chunk carries usage.
+    plain = list(client.chat.completions.create(**kwargs, stream=True))
+    assert all(c.usage is None for c in plain) and all(c.choices for c in plain)
+
+
+def test_completions_match_generate(server: Server, client: openai.OpenAI, tokenizer: Any) -> None:
+    expected = generate_text(server, text=PROMPT)
+    reply = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=8)
+    assert reply.choices[0].text == expected["text"] and reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == \
+        (expected["meta_info"]["prompt_tokens"], 8, expected["meta_info"]["prompt_tokens"] + 8)
+    by_ids = client.completions.create(model="m", prompt=tokenizer(PROMPT)["input_ids"], temperature=0,
+                                       max_tokens=8)
+    assert by_ids.choices[0].text == expected["text"]
+    streamed = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected["text"]
+
+
+def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="m", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    text = reply.choices[0].text
+    stop = text.strip().split()[1]  # a word the greedy answer is known to contain
+    cut = client.completions.create(model="m", prompt=PROMPT, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": 20000}, "max_tokens"),
+    ({"logprobs": True}, "logprobs"),
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any],
+                                                   param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=MESSAGES, **kwargs)
+    body = info.value.body
+    assert isinstance(body, dict)
+    assert (body.get("param"), body.get("type"), body.get("code")) == (param, "invalid_request_error", None)
+
+
+def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"prompt": PROMPT, "echo": True}, "echo"), ({"prompt": PROMPT, "extra_body": {"bogus": 1}}, "bogus")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="m", max_tokens=2, **kwargs)
+        assert isinstance(info.value.body, dict) and info.value.body.get("param") == param, kwargs
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="m", messages=[])
+    assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
