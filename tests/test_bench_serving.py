@@ -5,19 +5,16 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import random
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
+from server_fixture import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_serving.py"
@@ -141,59 +138,16 @@ def test_bad_arguments_are_usage_errors() -> None:
 
 
 # ---- end to end ----
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        procs = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-    proc.wait(timeout=10)
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the server was not healthy within {timeout} s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.mark.timeout(120)
 def test_bench_serving_against_a_real_server(tiny_model_dirs: dict[str, Path], smollm2_dir: Path,
                                              tmp_path: Path) -> None:
-    port = free_port()
-    log = tmp_path / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with log.open("wb") as log_file:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "srt.launch_server", "--model-path", str(tiny_model_dirs["llama"]),
-             "--tokenizer-path", str(smollm2_dir), "--port", str(port), "--max-total-tokens", "4096"],
-            stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    try:
-        wait_healthy(server, port, log)
+    with Server("--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path", str(smollm2_dir),
+                "--max-total-tokens", "4096", startup_timeout=60) as server:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "8",
+            [sys.executable, str(SCRIPT), "--base-url", server.url, "--num-prompts", "8",
              "--random-input-len", "16", "--random-output-len", "8", "--max-concurrency", "4",
              "--request-timeout", "60", "--json", "out.json"],
             capture_output=True, text=True, timeout=90, cwd=tmp_path)
-    finally:
-        kill_tree(server)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "vocab 320" in out, out  # read from /server_info: ids stay inside the tiny vocabulary
