@@ -115,5 +115,5 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
         logger.exception("scheduler rank TP%d PP%d crashed", tp_rank, pp_rank)
         checker = consensus.get_checker()
         if checker is not None:  # a divergence would explain the crash: let the checker say so first
-            checker.settle(timeout_s=3 * checker.interval_s)
+            checker.settle(timeout_s=5 * checker.interval_s + 5.0)  # generous: a loaded machine is slow
         raise SystemExit(1) from None
