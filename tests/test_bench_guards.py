@@ -50,7 +50,7 @@ def test_bad_arguments_are_usage_errors() -> None:
 def test_one_round_on_a_tiny_model(tiny_model_dirs: dict[str, Path], smollm2_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]),
-         "--tokenizer-path", str(smollm2_dir), "--rounds", "1", "--num-prompts", "4", "--input-len", "8",
+         "--tokenizer-path", str(smollm2_dir), "--tp", "2", "--rounds", "1", "--num-prompts", "4", "--input-len", "8",
          "--output-len", "8", "--max-concurrency", "4", "--dtype", "float32", "--max-total-tokens", "4096",
          "--request-timeout", "60", "--startup-timeout", "120", "--json", "out.json"],
         capture_output=True, text=True, timeout=230, cwd=tmp_path)
