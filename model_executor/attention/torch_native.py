@@ -1,9 +1,11 @@
 """Attention on the CPU (or any device) with torch's scaled_dot_product_attention over the paged
 KV pool.
 
-Decode gathers every request's K/V through `req_to_token` into one padded [bs, L] block and runs
-a single SDPA call for the whole batch (no per-request loop). Extend loops over requests: each
-attends over its cached prefix plus its new tokens with a causal mask shifted by the prefix.
+Decode with a bf16 pool on the CPU is one fused kernel (model_executor/kernels): it writes the new
+K/V and attends straight from the pool through `req_to_token`, with no gathered copy. Otherwise
+decode gathers every request's K/V into one padded [bs, L] block and runs a single SDPA call for
+the whole batch (no per-request loop). Extend loops over requests: each attends over its cached
+prefix plus its new tokens with a causal mask shifted by the prefix.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.forward_batch import ForwardBatch
+from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.attention import Attention
 
 
@@ -29,9 +32,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.req_to_token = req_to_token
         self._decode_slots: torch.Tensor | None = None  # [bs, L] pool slots, padding repeats slot 0
         self._decode_mask: torch.Tensor | None = None  # [bs, 1, 1, L] bool, None when no padding
+        k_cache, _ = kv_pool.get_kv_buffer(0)
+        self.fused_decode = cpu_kernels.usable(k_cache) and k_cache.is_contiguous() and req_to_token.is_contiguous() \
+            and req_to_token.dtype == torch.int64
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if not batch.is_decode:
+        if not batch.is_decode or self.fused_decode:
             return
         max_len = max(batch.seq_lens_cpu)
         slots = self.req_to_token[batch.req_pool_indices, :max_len]
@@ -46,6 +52,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch) -> torch.Tensor:
         n = q.shape[0]
+        if batch.is_decode and self.fused_decode and cpu_kernels.usable(q, k, v):
+            k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+            return cpu_kernels.decode_attention(
+                q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, batch.req_pool_indices,
+                batch.seq_lens, max(batch.seq_lens_cpu), layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                layer.scaling)
         # q/k/v may be column slices of one qkv tensor: reshape keeps them views where it can.
         q = q.reshape(n, layer.num_heads, layer.head_dim)
         k = k.reshape(n, layer.num_kv_heads, layer.head_dim)

@@ -29,6 +29,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.numel() == x.shape[-1]:
+        # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
+        # packed GEMM at M = 1 (measured 1.8 ms vs 5.5 ms for SmolLM2's 49152 x 576 LM head).
+        out = torch.mv(weight, x.reshape(-1))
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], out.shape[-1])
     shape = x.shape
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none", [], "")
     return out.view(*shape[:-1], out.shape[-1])

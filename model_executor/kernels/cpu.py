@@ -1,0 +1,158 @@
+"""Builds cpu_kernels.c once per machine and calls it on tensors' data pointers through ctypes.
+
+The shared object is cached under ~/.cache/srt/kernels (SRT_KERNEL_CACHE overrides), keyed by
+the source, the compiler, its flags and the CPU's feature flags (it is built with
+-march=native). Every rank of every process loads the same file; a build writes a temporary file
+and renames it, so ranks that race build twice at worst, never read half a file.
+
+When there is no C compiler, the build fails, or SRT_CPU_KERNELS=0, `kernels()` is None and the
+layers keep their torch ops: same results within bf16 rounding, more time per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("srt.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "srt_rmsnorm": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "srt_silu_mul": [_ptr, _ptr, _i64, _i64],
+    "srt_rope": [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
+    "srt_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
+                             _i64, _i64, _i64, _i64, _f32, _i64],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
+    cache = Path(os.environ.get("SRT_KERNEL_CACHE") or Path.home() / ".cache" / "srt" / "kernels")
+    target = cache / f"cpu_kernels-{key[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built CPU kernels: %s", target)
+    return target
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None where the torch ops are used instead."""
+    if os.environ.get("SRT_CPU_KERNELS", "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        logger.warning("no C compiler found: CPU kernels unavailable, using torch ops (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU kernels unavailable, using torch ops (slower): %s", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels apply: all bf16 on the CPU, rows with a contiguous last dimension."""
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors) \
+        and kernels() is not None
+
+
+def _p(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rmsnorm(x + residual) * weight, x + residual); x and residual [rows, dim] contiguous."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous() and (residual is None or residual.is_contiguous())
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    residual_out = None if residual is None else torch.empty_like(x)
+    lib.srt_rmsnorm(x.data_ptr(), _p(residual), weight.data_ptr(), out.data_ptr(), _p(residual_out),
+                    x.numel() // dim, dim, eps)
+    return out, residual_out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[.., 2d] (gate | up) -> silu(gate) * up; x contiguous."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    lib.srt_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] (rows may be strided, heads contiguous) -> rotated contiguous copy."""
+    lib = kernels()
+    n, heads, d = x.shape
+    assert lib is not None and x.stride(1) == d and positions.dtype == torch.int64 and cos.is_contiguous()
+    out = torch.empty(n, heads, d, dtype=x.dtype)
+    lib.srt_rope(x.data_ptr(), x.stride(0), out.data_ptr(), n, heads, d, positions.data_ptr(), cos.data_ptr(),
+                 sin.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, out_loc: torch.Tensor, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int, num_heads: int, num_kv_heads: int,
+                     head_dim: int, scale: float) -> torch.Tensor:
+    """Writes k/v [bs, kv_heads*d] at out_loc, then attends q [bs, heads*d] over each request's
+    seq_lens[b] slots of row rows[b] in req_to_token. Returns [bs, heads*d]."""
+    lib = kernels()
+    assert lib is not None and k_cache.is_contiguous() and v_cache.is_contiguous() and req_to_token.is_contiguous()
+    for index in (out_loc, rows, seq_lens):
+        assert index.dtype == torch.int64 and index.is_contiguous() and index.numel() == q.shape[0]
+    assert req_to_token.dtype == torch.int64
+    bs = q.shape[0]
+    out = torch.empty(bs, num_heads * head_dim, dtype=q.dtype)
+    lib.srt_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                             k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(),
+                             req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), bs,
+                             num_heads, num_kv_heads, head_dim, scale, max_len)
+    return out

@@ -1,0 +1,219 @@
+/* Fused CPU kernels for the bf16 decode path: activations are bf16 in memory, the math is fp32.
+ *
+ * Built once per machine by model_executor/kernels/cpu.py (gcc -O3 -march=native -fopenmp) and
+ * called through ctypes on tensors' data pointers. Each kernel replaces several small ATen ops
+ * whose per-call overhead, not their arithmetic, dominates a decode step on a few cores.
+ * OpenMP here is the libgomp that torch already loaded, so kernels share torch's threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 cast. */
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* exp(x) for float, vectorisable (libm's expf is a scalar call): Cephes' range reduction by ln 2
+ * in two parts and a degree-5 polynomial, about 1 ulp over the clamped range. n is rounded with
+ * the 1.5 * 2^23 trick, which is exact without -ffast-math (this file is built without it). */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* Parallel regions only pay above this much work; below it one thread is faster. */
+#define PARALLEL_MIN_ELEMS 32768
+
+/* out = rmsnorm(x (+ residual)) * weight, rows of `dim`. With a residual, the sum is rounded to
+ * bf16 (the residual stream's dtype), stored in residual_out and normalised. */
+void srt_rmsnorm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
+                 int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * dim;
+        bf16 *o = out + r * dim;
+        float ss = 0.0f;
+        if (residual) {
+            const bf16 *rr = residual + r * dim;
+            bf16 *ro = residual_out + r * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) {
+                bf16 s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+                ro[i] = s;
+                float f = bf16_to_f32(s);
+                ss += f * f;
+            }
+            xr = ro;
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < dim; i++) {
+                float f = bf16_to_f32(xr[i]);
+                ss += f * f;
+            }
+        }
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
+    }
+}
+
+/* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up. */
+void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {
+#pragma omp parallel for if (rows * d >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *g = x + r * 2 * d, *u = g + d;
+        bf16 *o = out + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) {
+            float gf = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(gf / (1.0f + exp_f32(-gf)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* Rotary embedding, rotate-half layout: x [n, heads, d] (row stride x_stride elements, heads
+ * contiguous) -> out [n, heads, d] contiguous. cos/sin are [max_pos, d] tables holding
+ * [cos, cos] and [-sin, sin], so out[j] = x[j] * cos[j] + x[(j + d/2) % d] * sin[j]. */
+void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
+              const int64_t *positions, const bf16 *cos, const bf16 *sin) {
+    const int64_t half = d / 2;
+#pragma omp parallel for if (n * heads * d >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const bf16 *c = cos + positions[t] * d, *s = sin + positions[t] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            const bf16 *xi = x + t * x_stride + h * d;
+            bf16 *o = out + (t * heads + h) * d;
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++)
+                o[j] = f32_to_bf16(bf16_to_f32(xi[j]) * bf16_to_f32(c[j]) + bf16_to_f32(xi[j + half]) * bf16_to_f32(s[j]));
+#pragma omp simd
+            for (int64_t j = half; j < d; j++)
+                o[j] = f32_to_bf16(bf16_to_f32(xi[j]) * bf16_to_f32(c[j]) + bf16_to_f32(xi[j - half]) * bf16_to_f32(s[j]));
+        }
+    }
+}
+
+/* sum_j q[j] * k[j] and acc[j] += p * v[j] for fp32 q/acc and bf16 k/v rows: the two inner
+ * loops of attention. AVX-512 where the row length allows (gcc does not vectorise the plain
+ * loops well here), plain loops otherwise. */
+static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t d) {
+#ifdef __AVX512F__
+    if (d % 16 == 0) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + j)));
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), sum);
+        }
+        return _mm512_reduce_add_ps(sum);
+    }
+#endif
+    float sum = 0.0f;
+    for (int64_t j = 0; j < d; j++) sum += q[j] * bf16_to_f32(k[j]);
+    return sum;
+}
+
+static inline void axpy_f32_bf16(float *acc, float p, const bf16 *v, int64_t d) {
+#ifdef __AVX512F__
+    if (d % 16 == 0) {
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int64_t j = 0; j < d; j += 16) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + j)));
+            _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(pv, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)),
+                                                      _mm512_loadu_ps(acc + j)));
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < d; j++) acc[j] += p * bf16_to_f32(v[j]);
+}
+
+/* One decode step of paged attention for a batch.
+ *
+ * Writes each request's new k/v row into slot out_loc[b] of the caches ([slots, hkv, d]), then
+ * for every (request b, kv head) attends the group of query heads that share that kv head over
+ * the request's seq_lens[b] slots, listed in row rows[b] of req_to_token: each K and V row is
+ * read and widened once per group. q/k/v rows are strided (columns of one qkv tensor); out is
+ * [bs, hq, d] contiguous. Scores, softmax and the weighted sum are fp32. */
+void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                          int64_t v_stride, bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc,
+                          const int64_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                          const int64_t *seq_lens, bf16 *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
+                          float scale, int64_t max_len) {
+    const int64_t row_elems = hkv * d, group = hq / hkv;
+    for (int64_t b = 0; b < bs; b++) {
+        memcpy(k_cache + out_loc[b] * row_elems, k + b * k_stride, (size_t)row_elems * sizeof(bf16));
+        memcpy(v_cache + out_loc[b] * row_elems, v + b * v_stride, (size_t)row_elems * sizeof(bf16));
+    }
+#pragma omp parallel if (bs * hq * max_len * d >= PARALLEL_MIN_ELEMS)
+    {
+        float *restrict scores = malloc((size_t)(group * max_len) * sizeof(float));
+        float *restrict qf = malloc((size_t)(group * d) * sizeof(float));
+        float *restrict acc = malloc((size_t)(group * d) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < bs * hkv; task++) {
+            const int64_t b = task / hkv, kvh = task % hkv, len = seq_lens[b];
+            const int64_t *slots = req_to_token + rows[b] * rtt_stride;
+            const bf16 *qb = q + b * q_stride + kvh * group * d;
+            for (int64_t i = 0; i < group * d; i++) qf[i] = bf16_to_f32(qb[i]) * scale;
+            for (int64_t t = 0; t < len; t++) {
+                const bf16 *kt = k_cache + slots[t] * row_elems + kvh * d;
+                for (int64_t g = 0; g < group; g++) scores[g * max_len + t] = dot_f32_bf16(qf + g * d, kt, d);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *restrict sg = scores + g * max_len, max_score = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max_score)
+                for (int64_t t = 0; t < len; t++) max_score = sg[t] > max_score ? sg[t] : max_score;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < len; t++) {
+                    sg[t] = exp_f32(sg[t] - max_score);
+                    sum += sg[t];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+            }
+            for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
+            for (int64_t t = 0; t < len; t++) {
+                const bf16 *vt = v_cache + slots[t] * row_elems + kvh * d;
+                for (int64_t g = 0; g < group; g++) axpy_f32_bf16(acc + g * d, scores[g * max_len + t], vt, d);
+            }
+            bf16 *o = out + (b * hq + kvh * group) * d;
+#pragma omp simd
+            for (int64_t i = 0; i < group * d; i++) o[i] = f32_to_bf16(acc[i]);
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+    }
+}

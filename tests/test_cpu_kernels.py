@@ -1,0 +1,150 @@
+"""The fused CPU kernels (model_executor/kernels) against the torch ops they replace, and a bf16
+model with them against the same model on torch ops, both measured against fp32 transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from model_executor.attention.torch_native import TorchNativeAttnBackend
+from model_executor.forward_batch import ForwardMode, make_forward_batch
+from model_executor.kernels import cpu
+from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.model_runner import ModelRunner, RunnerConfig
+
+pytestmark = pytest.mark.skipif(cpu.kernels() is None, reason="no C compiler: the kernels are not built")
+
+BF16 = torch.bfloat16
+
+
+def rand(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, ulps: float = 2.0) -> None:
+    """Within a few bf16 rounding steps (2^-8 relative each) of the reference's magnitude."""
+    bound = ulps * 2.0 ** -8 * want.float().abs().max().item()
+    diff = (got.float() - want.float()).abs().max().item()
+    assert diff <= bound, f"max diff {diff} > {bound}"
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rmsnorm_with_and_without_residual(rows: int) -> None:
+    x, residual, weight = rand(rows, 576, seed=1), rand(rows, 576, seed=2), rand(576, seed=3)
+    out, none = cpu.rmsnorm(x, weight, 1e-5)
+    assert none is None
+    assert_bf16_close(out, F.rms_norm(x.float(), (576,), weight.float(), 1e-5))
+    out, new_residual = cpu.rmsnorm(x, weight, 1e-5, residual)
+    assert new_residual is not None and torch.equal(new_residual, x + residual)  # same bf16 rounding as torch
+    assert_bf16_close(out, F.rms_norm(new_residual.float(), (576,), weight.float(), 1e-5))
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul(rows: int) -> None:
+    x = rand(rows, 2 * 1536, seed=4, scale=4.0)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert_bf16_close(cpu.silu_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_rope_on_strided_rows_matches_the_torch_rotation(n: int) -> None:
+    rot = RotaryEmbedding(64, 1024, {"rope_theta": 10000.0, "rope_type": "default"}, torch.float32)
+    qkv = rand(n, 15 * 64, seed=5)
+    x = qkv[:, : 12 * 64].view(n, 12, 64)  # q and k heads of a qkv row: a strided view
+    positions = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(6))
+    want = rot.rotate(positions, x.float())  # fp32 tables and math
+    got = cpu.rope(x, positions, rot.cos.to(BF16), rot.sin.to(BF16))
+    assert got.is_contiguous() and got.shape == x.shape
+    assert_bf16_close(got, want, ulps=4.0)  # bf16 cos/sin tables add their own rounding
+
+
+def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, torch.Tensor]:
+    """A pool whose requests own scattered slots, and one new token per request."""
+    bs, slots = len(lens), sum(lens) + 7
+    g = torch.Generator().manual_seed(7)
+    order = torch.randperm(slots, generator=g)
+    req_to_token = torch.zeros(bs + 3, max(lens) + 4, dtype=torch.int64)
+    rows = torch.arange(2, bs + 2)
+    start = 0
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = order[start:start + n]
+        start += n
+    qkv = rand(bs, (hq + 2 * hkv) * d, seed=8)
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    return {"q": qkv[:, : hq * d], "k": qkv[:, hq * d:(hq + hkv) * d], "v": qkv[:, (hq + hkv) * d:],
+            "k_cache": rand(slots, hkv, d, seed=9), "v_cache": rand(slots, hkv, d, seed=10),
+            "req_to_token": req_to_token, "rows": rows, "seq_lens": seq_lens,
+            "out_loc": req_to_token[rows, seq_lens - 1].clone()}
+
+
+@pytest.mark.parametrize(("lens", "hq", "hkv"), [([40], 9, 3), ([1, 17, 130, 64], 9, 3), ([5, 6], 4, 4), ([9, 3], 8, 1)])
+def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq: int, hkv: int) -> None:
+    c = paged_case(lens, hq, hkv)
+    out = cpu.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], c["req_to_token"],
+                               c["rows"], c["seq_lens"], max(lens), hq, hkv, 64, 0.125)
+    assert torch.equal(c["k_cache"][c["out_loc"]], c["k"].reshape(-1, hkv, 64))
+    assert torch.equal(c["v_cache"][c["out_loc"]], c["v"].reshape(-1, hkv, 64))
+    for b, n in enumerate(lens):
+        slots = c["req_to_token"][c["rows"][b], :n]
+        k = c["k_cache"][slots].float().transpose(0, 1)
+        v = c["v_cache"][slots].float().transpose(0, 1)
+        q = c["q"][b].float().view(hq, 1, 64)
+        want = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=hq != hkv).reshape(-1)
+        assert_bf16_close(out[b], want)
+
+
+def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    """Prefill, then decode the `forced` tokens (teacher forcing); logits of every decode step,
+    [steps, bs, vocab]. The requests have different lengths, so decode attention is ragged."""
+    pool, allocator = runner.req_to_token_pool, runner.allocator
+    rows = [int(pool.alloc()) for _ in prompts]  # type: ignore[arg-type]
+    lens = [len(p) for p in prompts]
+    loc = allocator.alloc_extend(pool.req_to_token, rows, [0] * len(rows), lens)
+    runner.forward(make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(rows),
+                                      lens, loc))
+    steps = []
+    for step in range(len(forced[0])):
+        prefix = [n + step for n in lens]
+        seq = [n + 1 for n in prefix]
+        loc = allocator.alloc_extend(pool.req_to_token, rows, prefix, seq)
+        batch = make_forward_batch(ForwardMode.DECODE, [f[step] for f in forced], rows, prefix, seq, loc)
+        steps.append(runner.forward(batch))
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, tiny_model_dirs: dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = tiny_model_dirs[arch]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 11)]
+    forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
+
+    config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=512)
+    fused = ModelRunner(config)
+    assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
+    calls: dict[str, int] = {}
+    for name in ("rmsnorm", "silu_mul", "rope", "decode_attention"):
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **k: (
+            calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
+    with_kernels = decode_logits(fused, prompts, forced)
+    layers = hf.config.num_hidden_layers
+    assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
+    assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
+
+    monkeypatch.setattr(cpu, "usable", lambda *tensors: False)
+    plain = ModelRunner(config)
+    assert not plain.attn_backend.fused_decode  # type: ignore[attr-defined]
+    without = decode_logits(plain, prompts, forced)
+
+    err_kernels = (with_kernels - ref).abs().max().item()
+    err_torch = (without - ref).abs().max().item()
+    assert err_kernels <= 1.5 * err_torch + 1e-3, (err_kernels, err_torch)
