@@ -124,38 +124,51 @@ void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t hea
     }
 }
 
-/* sum_j q[j] * k[j] and acc[j] += p * v[j] for fp32 q/acc and bf16 k/v rows: the two inner
- * loops of attention. AVX-512 where the row length allows (gcc does not vectorise the plain
- * loops well here), plain loops otherwise. */
-static inline float dot_f32_bf16(const float *q, const bf16 *k, int64_t d) {
+/* The two inner loops of decode attention for one kv head and its `group` query heads:
+ *   scores[g * stride] = sum_j q[g][j] * k[j]      and      acc[g][j] += p[g * stride] * v[j].
+ * Each bf16 K/V row is widened once for the whole group. AVX-512 where the row length allows
+ * (gcc does not vectorise the plain loops well here), plain loops otherwise. */
+#define MAX_GROUP_SIMD 16
+
+static inline void group_dots(const float *q, const bf16 *k, int64_t d, int64_t group, float *scores,
+                              int64_t stride) {
 #ifdef __AVX512F__
-    if (d % 16 == 0) {
-        __m512 sum = _mm512_setzero_ps();
+    if (d % 16 == 0 && group <= MAX_GROUP_SIMD) {
+        __m512 sums[MAX_GROUP_SIMD];
+        for (int64_t g = 0; g < group; g++) sums[g] = _mm512_setzero_ps();
         for (int64_t j = 0; j < d; j += 16) {
             __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + j)));
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), sum);
+            __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+            for (int64_t g = 0; g < group; g++) sums[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + j), kv, sums[g]);
         }
-        return _mm512_reduce_add_ps(sum);
+        for (int64_t g = 0; g < group; g++) scores[g * stride] = _mm512_reduce_add_ps(sums[g]);
+        return;
     }
 #endif
-    float sum = 0.0f;
-    for (int64_t j = 0; j < d; j++) sum += q[j] * bf16_to_f32(k[j]);
-    return sum;
+    for (int64_t g = 0; g < group; g++) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < d; j++) sum += q[g * d + j] * bf16_to_f32(k[j]);
+        scores[g * stride] = sum;
+    }
 }
 
-static inline void axpy_f32_bf16(float *acc, float p, const bf16 *v, int64_t d) {
+static inline void group_axpys(float *acc, const float *p, int64_t stride, const bf16 *v, int64_t d,
+                               int64_t group) {
 #ifdef __AVX512F__
     if (d % 16 == 0) {
-        const __m512 pv = _mm512_set1_ps(p);
         for (int64_t j = 0; j < d; j += 16) {
             __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + j)));
-            _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(pv, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)),
-                                                      _mm512_loadu_ps(acc + j)));
+            __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+            for (int64_t g = 0; g < group; g++) {
+                float *a = acc + g * d + j;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride]), vv, _mm512_loadu_ps(a)));
+            }
         }
         return;
     }
 #endif
-    for (int64_t j = 0; j < d; j++) acc[j] += p * bf16_to_f32(v[j]);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t j = 0; j < d; j++) acc[g * d + j] += p[g * stride] * bf16_to_f32(v[j]);
 }
 
 /* One decode step of paged attention for a batch.
@@ -187,8 +200,8 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
             const bf16 *qb = q + b * q_stride + kvh * group * d;
             for (int64_t i = 0; i < group * d; i++) qf[i] = bf16_to_f32(qb[i]) * scale;
             for (int64_t t = 0; t < len; t++) {
-                const bf16 *kt = k_cache + slots[t] * row_elems + kvh * d;
-                for (int64_t g = 0; g < group; g++) scores[g * max_len + t] = dot_f32_bf16(qf + g * d, kt, d);
+                if (t + 4 < len) __builtin_prefetch(k_cache + slots[t + 4] * row_elems + kvh * d);
+                group_dots(qf, k_cache + slots[t] * row_elems + kvh * d, d, group, scores + t, max_len);
             }
             for (int64_t g = 0; g < group; g++) {
                 float *restrict sg = scores + g * max_len, max_score = -INFINITY, sum = 0.0f;
@@ -205,8 +218,8 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
             }
             for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
             for (int64_t t = 0; t < len; t++) {
-                const bf16 *vt = v_cache + slots[t] * row_elems + kvh * d;
-                for (int64_t g = 0; g < group; g++) axpy_f32_bf16(acc + g * d, scores[g * max_len + t], vt, d);
+                if (t + 4 < len) __builtin_prefetch(v_cache + slots[t + 4] * row_elems + kvh * d);
+                group_axpys(acc, scores + t, max_len, v_cache + slots[t] * row_elems + kvh * d, d, group);
             }
             bf16 *o = out + (b * hq + kvh * group) * d;
 #pragma omp simd
