@@ -1,15 +1,21 @@
-"""Online serving benchmark against a running srt server (SGLang's bench_serving, simplified).
+"""Online serving benchmark and concurrency sweep against a running server (SGLang's bench_serving, simplified).
 
     python scripts/bench_serving.py [--base-url http://127.0.0.1:30000 | --host H --port P] \\
-        --num-prompts 200 --random-input-len 1024 --random-output-len 128 [--random-range-ratio 0.5] \\
-        [--max-concurrency 16] [--request-rate 4] [--seed 0] [--disable-stream] [--json out.json]
+        [--backend auto|srt|openai] [--model NAME] --num-prompts 64 --random-input-len 128 \\
+        --random-output-len 64 [--random-range-ratio 0.5] [--concurrency 1 4 16 32] [--request-rate 4] \\
+        [--seed 0] [--disable-stream] [--plot sweep.png] [--json out.json]
 
-Prompts are seeded random token ids in [10, vocab_size) (vocab_size from /server_info), sent as
-`input_ids` with greedy sampling and `ignore_eos`, so every request makes exactly its output length.
-Requests arrive all at once (--request-rate inf) or as a seeded Poisson process, and at most
---max-concurrency are in flight. Streaming (the default) measures TTFT and inter-token latency;
-every request is bounded by --request-timeout, so the run always ends. Exit status 1 when no request
-succeeded.
+Prompts are seeded random token ids in [10, vocab_size) (vocab_size from srt's /server_info, else
+--vocab-size), sent greedy with `ignore_eos`, so every request makes exactly its output length.
+--backend srt uses srt's /generate; openai uses /v1/completions with streaming, so any
+OpenAI-compatible server (vLLM, SGLang, srt) can be measured; auto picks srt when the server is srt.
+
+For each --concurrency level the workload runs with at most that many requests in flight (no limit
+when the flag is absent), on fresh prompts so that no level reuses another's prefix cache. Requests
+arrive all at once (--request-rate inf) or as a seeded Poisson process. Streaming (the default)
+measures TTFT and inter-token latency; every request is bounded by --request-timeout, so the run
+always ends. A report per level, then one table row per level; --plot writes a PNG of throughput and
+latency against concurrency. Exit status 1 when a level completes no request.
 """
 
 from __future__ import annotations
@@ -19,131 +25,37 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+SCRIPTS = Path(__file__).resolve().parent
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))  # the sibling bench_* modules, however this file was loaded
+
+import httpx  # noqa: E402
+from bench_clients import BACKENDS, Target, resolve_target, run_one  # noqa: E402
+from bench_metrics import (  # noqa: E402
+    SHOWN_ERRORS,  # noqa: F401  (scripts/bench_guards.py reads it from here)
+    BenchMetrics,
+    LevelResult,
+    compute_metrics,
+    format_report,
+    format_sweep_table,
+)
 
 DEFAULT_VOCAB_SIZE = 32000
 MIN_TOKEN_ID = 10  # skip the low ids, where special tokens usually live
-SHOWN_ERRORS = 5
-
-
-@dataclass
-class RequestResult:
-    """What one request recorded. Times are seconds since the request was sent."""
-
-    prompt_len: int
-    output_len: int = 0  # tokens received
-    success: bool = False
-    latency: float = 0.0  # end to end
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each streamed chunk with new tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # new tokens in that chunk
-    error: str = ""
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunk_times[0] if self.chunk_times else None
+WARMUP_OUTPUT_LEN = 4
 
 
 @dataclass(frozen=True)
-class LatencyStats:
-    """Milliseconds."""
-
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-
-
-@dataclass(frozen=True)
-class BenchMetrics:
-    completed: int
-    failed: int
-    duration_s: float
-    total_input_tokens: int
-    total_output_tokens: int
-    request_throughput: float  # req/s
-    input_throughput: float  # tok/s
-    output_throughput: float  # tok/s
-    ttft_ms: LatencyStats | None  # None when nothing was streamed
-    itl_ms: LatencyStats | None
-    e2e_ms: LatencyStats | None
-    errors: list[str]
-
-
-# ---- metrics: pure functions of the recorded timings ----
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def latency_stats(seconds: list[float]) -> LatencyStats | None:
-    if not seconds:
-        return None
-    ms = [s * 1000 for s in seconds]
-    return LatencyStats(statistics.fmean(ms), percentile(ms, 50), percentile(ms, 90), percentile(ms, 99))
-
-
-def inter_token_latencies(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]:
-    """One latency per token after the first chunk: a chunk carrying n tokens that came `gap` after
-    the previous chunk contributes n values of gap / n (the server may coalesce decode steps)."""
-    if len(chunk_times) != len(chunk_tokens):
-        raise ValueError(f"{len(chunk_times)} chunk times but {len(chunk_tokens)} token counts")
-    itls: list[float] = []
-    for prev, now, n in zip(chunk_times, chunk_times[1:], chunk_tokens[1:]):
-        if n < 1:
-            raise ValueError(f"a chunk must carry at least one new token, got {n}")
-        itls.extend([(now - prev) / n] * n)
-    return itls
-
-
-def compute_metrics(results: list[RequestResult], duration_s: float) -> BenchMetrics:
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be positive, got {duration_s}")
-    ok = [r for r in results if r.success]
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_len for r in ok)
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [itl for r in ok for itl in inter_token_latencies(r.chunk_times, r.chunk_tokens)]
-    return BenchMetrics(
-        completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
-        total_input_tokens=input_tokens, total_output_tokens=output_tokens,
-        request_throughput=len(ok) / duration_s, input_throughput=input_tokens / duration_s,
-        output_throughput=output_tokens / duration_s,
-        ttft_ms=latency_stats(ttfts), itl_ms=latency_stats(itls), e2e_ms=latency_stats([r.latency for r in ok]),
-        errors=[r.error for r in results if not r.success])
-
-
-def format_report(m: BenchMetrics) -> str:
-    rows = [("Successful requests:", f"{m.completed}"), ("Failed requests:", f"{m.failed}"),
-            ("Benchmark duration (s):", f"{m.duration_s:.2f}"),
-            ("Total input tokens:", f"{m.total_input_tokens}"), ("Total generated tokens:", f"{m.total_output_tokens}"),
-            ("Request throughput (req/s):", f"{m.request_throughput:.2f}"),
-            ("Input token throughput (tok/s):", f"{m.input_throughput:.2f}"),
-            ("Output token throughput (tok/s):", f"{m.output_throughput:.2f}")]
-    lines = [" Serving Benchmark Result ".center(60, "=")] + [f"{k:<44}{v:>16}" for k, v in rows]
-    lines += [" Latency (ms) ".center(60, "-"), f"{'':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
-    for name, stats in (("TTFT", m.ttft_ms), ("ITL", m.itl_ms), ("E2E latency", m.e2e_ms)):
-        cells = [f"{v:>10.2f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99)] if stats else [f"{'n/a':>10}"] * 4
-        lines.append(f"{name:<20}{''.join(cells)}")
-    lines.append("=" * 60)
-    if m.errors:
-        lines.append(f"First errors ({min(len(m.errors), SHOWN_ERRORS)} of {len(m.errors)}):")
-        lines += [f"  {e}" for e in m.errors[:SHOWN_ERRORS]]
-    return "\n".join(lines)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    offsets: list[float]  # send times, s from the start
 
 
 # ---- workload ----
@@ -170,130 +82,102 @@ def arrival_offsets(n: int, request_rate: float, rng: random.Random) -> list[flo
     return offsets
 
 
-# ---- client ----
-async def send_request(client: httpx.AsyncClient, url: str, input_ids: list[int], output_len: int,
-                       stream: bool, result: RequestResult) -> None:
-    """Fill `result` in place, so a timeout still leaves what arrived; raises on transport errors."""
-    payload = {"input_ids": input_ids, "stream": stream,
-               "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
-    start = time.perf_counter()
-    final: dict[str, Any] | None = None
-    if stream:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:300]}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"]
-                    result.error = f"stream error: {error.get('message') if isinstance(error, dict) else error}"
-                    return
-                new_tokens = len(chunk["output_ids"]) - result.output_len
-                if new_tokens > 0:
-                    result.chunk_times.append(time.perf_counter() - start)
-                    result.chunk_tokens.append(new_tokens)
-                    result.output_len += new_tokens
-                final = chunk
-            else:
-                result.error = "the stream ended without data: [DONE]"
-                return
-    else:
-        response = await client.post(url, json=payload)
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {response.text[:300]}"
-            return
-        final = response.json()
-        result.output_len = len(final["output_ids"])
-    result.latency = time.perf_counter() - start
-    finish = final["meta_info"]["finish_reason"] if final else None
-    if final is None or finish is None or finish.get("type") == "abort":
-        result.error = f"the request did not finish normally (finish_reason {finish})"
-        return
-    result.success = True
+def make_workload(args: argparse.Namespace, vocab_size: int, rng: random.Random) -> Workload:
+    input_lens = random_lengths(args.num_prompts, args.random_input_len, args.random_range_ratio, rng)
+    output_lens = random_lengths(args.num_prompts, args.random_output_len, args.random_range_ratio, rng)
+    prompts = random_prompts(input_lens, vocab_size, rng)
+    return Workload(prompts, output_lens, arrival_offsets(args.num_prompts, args.request_rate, rng))
 
 
-async def run_one(client: httpx.AsyncClient, url: str, input_ids: list[int], output_len: int, stream: bool,
-                  timeout_s: float, semaphore: asyncio.Semaphore | None) -> RequestResult:
-    result = RequestResult(prompt_len=len(input_ids))
-    if semaphore is not None:
-        await semaphore.acquire()
-    try:
-        await asyncio.wait_for(send_request(client, url, input_ids, output_len, stream, result), timeout_s)
-    except asyncio.TimeoutError:
-        result.error = f"timed out after {timeout_s} s"
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:  # counted, not hidden
-        result.error = f"{type(error).__name__}: {error}"
-    finally:
-        if semaphore is not None:
-            semaphore.release()
-    return result
+# ---- runs ----
+async def run_level(target: Target, workload: Workload, concurrency: int | None, stream: bool,
+                    timeout_s: float) -> LevelResult:
+    """The workload with at most `concurrency` requests in flight (None: no limit)."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    semaphore = asyncio.Semaphore(concurrency) if concurrency else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as client:
+        start = time.perf_counter()
+        tasks = []
+        for ids, out_len, offset in zip(workload.prompts, workload.output_lens, workload.offsets):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(run_one(client, target, ids, out_len, stream, timeout_s, semaphore)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return LevelResult(concurrency, compute_metrics(results, duration), results)
 
 
-async def fetch_vocab_size(client: httpx.AsyncClient, base_url: str) -> int:
-    """/server_info's vocab_size, or DEFAULT_VOCAB_SIZE (with a note) when the server does not say."""
-    response = await client.get(f"{base_url}/server_info")
-    try:
-        info = response.json() if response.status_code == 200 else {}
-    except ValueError:
-        info = {}
-    vocab_size = info.get("vocab_size") if isinstance(info, dict) else None
-    if isinstance(vocab_size, int) and vocab_size > MIN_TOKEN_ID:
-        return vocab_size
-    print(f"/server_info gave no vocab_size (HTTP {response.status_code}); using {DEFAULT_VOCAB_SIZE}", flush=True)
-    return DEFAULT_VOCAB_SIZE
+async def warmup(target: Target, prompts: list[list[int]], timeout_s: float) -> None:
+    """Short untimed requests, one at a time, so the first level does not pay for lazy
+    initialisation; raises RuntimeError when one fails (a wrong backend or model fails here)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
+        for ids in prompts:
+            result = await run_one(client, target, ids, WARMUP_OUTPUT_LEN, True, timeout_s, None)
+            if not result.success:
+                raise RuntimeError(f"the warmup request to {target.url} failed: {result.error}")
+
+
+async def prepare(args: argparse.Namespace) -> tuple[Target, int]:
+    """The target and the vocabulary size the prompts are drawn from."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+        target, server_vocab = await resolve_target(client, args.base_url, args.backend, args.model)
+    vocab_size = args.vocab_size or server_vocab
+    if vocab_size is None:
+        print(f"the server does not report its vocabulary size; drawing ids below {DEFAULT_VOCAB_SIZE} "
+              "(pass --vocab-size)", flush=True)
+        vocab_size = DEFAULT_VOCAB_SIZE
+    return target, vocab_size
+
+
+async def sweep(args: argparse.Namespace) -> tuple[Target, int, list[LevelResult]]:
+    target, vocab_size = await prepare(args)
+    warm_rng = random.Random(f"warmup {args.seed}")  # its own stream: the levels' prompts do not depend on it
+    await warmup(target, random_prompts([args.random_input_len] * args.warmup_requests, vocab_size, warm_rng),
+                 args.request_timeout)
+    rng = random.Random(args.seed)
+    levels = []
+    for concurrency in args.concurrency:
+        workload = make_workload(args, vocab_size, rng)  # fresh prompts: no prefix-cache hits across levels
+        print(f"{args.num_prompts} prompts, vocab {vocab_size}, backend {target.backend} ({target.url}), "
+              f"request rate {args.request_rate}, max concurrency {concurrency or 'unlimited'}, "
+              f"stream {not args.disable_stream}", flush=True)
+        level = await run_level(target, workload, concurrency, not args.disable_stream, args.request_timeout)
+        print(format_report(level.metrics), flush=True)
+        levels.append(level)
+    return target, vocab_size, levels
 
 
 async def benchmark(args: argparse.Namespace) -> tuple[BenchMetrics, dict[str, Any]]:
-    rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    timeout = httpx.Timeout(args.request_timeout)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        vocab_size = await fetch_vocab_size(client, args.base_url)
-        input_lens = random_lengths(args.num_prompts, args.random_input_len, args.random_range_ratio, rng)
-        output_lens = random_lengths(args.num_prompts, args.random_output_len, args.random_range_ratio, rng)
-        prompts = random_prompts(input_lens, vocab_size, rng)
-        offsets = arrival_offsets(args.num_prompts, args.request_rate, rng)
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        url = f"{args.base_url}/generate"
-        print(f"{args.num_prompts} prompts, vocab {vocab_size}, request rate {args.request_rate}, "
-              f"max concurrency {args.max_concurrency or 'unlimited'}, stream {not args.disable_stream}", flush=True)
-        start = time.perf_counter()
-        tasks = []
-        for ids, out_len, offset in zip(prompts, output_lens, offsets):
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(run_one(client, url, ids, out_len, not args.disable_stream,
-                                                     args.request_timeout, semaphore)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    metrics = compute_metrics(results, duration)
-    details = {"input_lens": input_lens, "output_lens": [r.output_len for r in results],
-               "ttfts_s": [r.ttft for r in results], "latencies_s": [r.latency for r in results],
-               "vocab_size": vocab_size}
-    return metrics, details
+    """One level, no warmup: the entry point of callers such as scripts/bench_guards.py."""
+    if len(args.concurrency) != 1:
+        raise ValueError(f"benchmark runs one concurrency level, got {args.concurrency}")
+    _, vocab_size, levels = await sweep(argparse.Namespace(**{**vars(args), "warmup_requests": 0}))
+    return levels[0].metrics, {**levels[0].to_json(), "vocab_size": vocab_size}
 
 
+# ---- command line ----
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--port", type=int, default=30000, help="default: %(default)s")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="srt: /generate; openai: /v1/completions; auto (default): srt when the server is srt")
+    parser.add_argument("--model", default=None, help="model name in OpenAI requests; default: the first of /v1/models")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="prompt ids are drawn below this; default: the server's /server_info, else 32000")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests per concurrency level; default: %(default)s")
+    parser.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens; default: %(default)s")
+    parser.add_argument("--random-output-len", type=int, default=128, help="output tokens; default: %(default)s")
     parser.add_argument("--random-range-ratio", type=float, default=1.0,
-                        help="lengths are uniform in [len * ratio, len]; 1.0 = fixed")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="default: unlimited")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; default inf")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--disable-stream", action="store_true")
+                        help="lengths are uniform in [len * ratio, len]; 1.0 (default) = fixed")
+    parser.add_argument("--concurrency", "--max-concurrency", type=int, nargs="+", default=None,
+                        help="levels of the sweep: at most this many requests in flight; default: no limit")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf (default): all at once")
+    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--warmup-requests", type=int, default=1, help="untimed short requests before the sweep; default: %(default)s")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s")
+    parser.add_argument("--disable-stream", action="store_true", help="no TTFT / ITL then")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the sweep here (needs matplotlib)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "random_input_len", "random_output_len"):
@@ -301,29 +185,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.random_range_ratio <= 1.0:
         parser.error(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio}")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        parser.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    args.concurrency = args.concurrency or [None]
+    if any(c is not None and c < 1 for c in args.concurrency):
+        parser.error(f"--concurrency values must be >= 1, got {args.concurrency}")
     if not args.request_rate > 0:  # also rejects nan
         parser.error(f"--request-rate must be > 0 (inf for all at once), got {args.request_rate}")
     if not 0 < args.request_timeout < math.inf:
         parser.error(f"--request-timeout must be a positive number of seconds, got {args.request_timeout}")
+    if args.warmup_requests < 0:
+        parser.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if args.vocab_size is not None and args.vocab_size <= MIN_TOKEN_ID:
+        parser.error(f"--vocab-size must be > {MIN_TOKEN_ID}, got {args.vocab_size}")
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     return args
+
+
+def write_json(path: Path, args: argparse.Namespace, target: Target, vocab_size: int,
+               levels: list[LevelResult]) -> None:
+    config = {k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
+              for k, v in vars(args).items()}
+    report = {"config": config, "backend": target.backend, "url": target.url, "model": target.model,
+              "vocab_size": vocab_size, "levels": [level.to_json() for level in levels]}
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        metrics, details = asyncio.run(benchmark(args))
+        target, vocab_size, levels = asyncio.run(sweep(args))
     except httpx.HTTPError as error:
         print(f"bench_serving: cannot reach the server at {args.base_url}: {error!r}", file=sys.stderr)
         return 1
-    print(format_report(metrics), flush=True)
+    except (ValueError, RuntimeError) as error:
+        print(f"bench_serving: {error}", file=sys.stderr)
+        return 1
+    title = (f"{target.backend} backend, {args.num_prompts} prompts, input {args.random_input_len}, "
+             f"output {args.random_output_len}")
+    print(format_sweep_table(levels, title), flush=True)
+    if args.plot is not None:
+        from bench_plot import plot_sweep
+
+        plot_sweep(levels, args.plot, f"{title} ({target.base_url})", unlimited_x=args.num_prompts)
+        print(f"plot written to {args.plot}", flush=True)
     if args.json is not None:
-        config = {k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
-                  for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"config": config, **asdict(metrics), **details}, indent=2))
-    return 0 if metrics.completed > 0 else 1
+        write_json(args.json, args, target, vocab_size, levels)
+    return 0 if all(level.metrics.completed > 0 for level in levels) else 1
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""scripts/bench_serving.py: its metric functions, and one run against a real server on a tiny model."""
+"""scripts/bench_serving.py and its helpers: metric functions, stream parsing of both backends, backend
+detection, and concurrency sweeps against one real server on a tiny model (srt's /generate and its
+OpenAI /v1/completions), with the table and a PNG plot checked."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,53 +20,55 @@ from server_fixture import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_serving.py"
-_spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_serving"] = bench  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(bench)
+sys.path.insert(0, str(SCRIPT.parent))  # scripts/ is not a package
+
+import bench_clients  # noqa: E402
+import bench_metrics as metrics  # noqa: E402
+import bench_serving as bench  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ---- metric functions ----
 def test_percentile_interpolates_between_ranks() -> None:
     values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
-    assert bench.percentile(values, 0) == 1.0
-    assert bench.percentile(values, 100) == 4.0
-    assert bench.percentile(values, 50) == pytest.approx(2.5)
-    assert bench.percentile(values, 90) == pytest.approx(3.7)
-    assert bench.percentile([7.0], 99) == 7.0
+    assert metrics.percentile(values, 0) == 1.0
+    assert metrics.percentile(values, 100) == 4.0
+    assert metrics.percentile(values, 50) == pytest.approx(2.5)
+    assert metrics.percentile(values, 90) == pytest.approx(3.7)
+    assert metrics.percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError, match="no values"):
-        bench.percentile([], 50)
+        metrics.percentile([], 50)
     with pytest.raises(ValueError, match=r"q must be in \[0, 100\]"):
-        bench.percentile(values, 101)
+        metrics.percentile(values, 101)
 
 
 def test_latency_stats_are_milliseconds_and_none_when_empty() -> None:
-    stats = bench.latency_stats([0.1 * i for i in range(1, 11)])  # 100 .. 1000 ms
+    stats = metrics.latency_stats([0.1 * i for i in range(1, 11)])  # 100 .. 1000 ms
     assert stats.mean == pytest.approx(550.0)
     assert stats.p50 == pytest.approx(550.0)
     assert stats.p90 == pytest.approx(910.0)
     assert stats.p99 == pytest.approx(991.0)
-    assert bench.latency_stats([]) is None
+    assert metrics.latency_stats([]) is None
 
 
 def test_itl_splits_a_coalesced_chunk_over_its_tokens() -> None:
     # first chunk (1 token) at 0.10 s is the TTFT; then 1 token after 0.05 s, then 3 tokens after 0.15 s
-    itls = bench.inter_token_latencies([0.10, 0.15, 0.30], [1, 1, 3])
+    itls = metrics.inter_token_latencies([0.10, 0.15, 0.30], [1, 1, 3])
     assert itls == pytest.approx([0.05, 0.05, 0.05, 0.05])
-    assert bench.inter_token_latencies([0.2], [4]) == []  # one chunk: no gaps
-    assert bench.inter_token_latencies([], []) == []
+    assert metrics.inter_token_latencies([0.2], [4]) == []  # one chunk: no gaps
+    assert metrics.inter_token_latencies([], []) == []
     with pytest.raises(ValueError, match="2 chunk times but 1 token counts"):
-        bench.inter_token_latencies([0.1, 0.2], [1])
+        metrics.inter_token_latencies([0.1, 0.2], [1])
 
 
 def test_compute_metrics_counts_only_successes_in_throughput() -> None:
-    ok1 = bench.RequestResult(prompt_len=16, output_len=4, success=True, latency=0.4,
-                              chunk_times=[0.1, 0.2, 0.4], chunk_tokens=[1, 1, 2])
-    ok2 = bench.RequestResult(prompt_len=8, output_len=2, success=True, latency=0.3,
-                              chunk_times=[0.2, 0.3], chunk_tokens=[1, 1])
-    failed = bench.RequestResult(prompt_len=100, output_len=1, error="HTTP 400: too long")
-    m = bench.compute_metrics([ok1, failed, ok2], duration_s=2.0)
+    ok1 = metrics.RequestResult(prompt_len=16, output_len=4, success=True, latency=0.4,
+                                chunk_times=[0.1, 0.2, 0.4], chunk_tokens=[1, 1, 2])
+    ok2 = metrics.RequestResult(prompt_len=8, output_len=2, success=True, latency=0.3,
+                                chunk_times=[0.2, 0.3], chunk_tokens=[1, 1])
+    failed = metrics.RequestResult(prompt_len=100, output_len=1, error="HTTP 400: too long")
+    m = metrics.compute_metrics([ok1, failed, ok2], duration_s=2.0)
     assert (m.completed, m.failed) == (2, 1)
     assert (m.total_input_tokens, m.total_output_tokens) == (24, 6)
     assert m.request_throughput == pytest.approx(1.0)
@@ -74,18 +78,35 @@ def test_compute_metrics_counts_only_successes_in_throughput() -> None:
     assert m.itl_ms.mean == pytest.approx(100.0)  # gaps per token: 100, 100, 100 (ok1) and 100 (ok2)
     assert m.e2e_ms.p50 == pytest.approx(350.0)
     assert m.errors == ["HTTP 400: too long"]
-    report = bench.format_report(m)
+    report = metrics.format_report(m)
     assert re.search(r"^Successful requests:\s+2$", report, re.MULTILINE), report
     assert re.search(r"^Output token throughput \(tok/s\):\s+3\.00$", report, re.MULTILINE), report
     assert "HTTP 400: too long" in report
     with pytest.raises(ValueError, match="duration_s must be positive"):
-        bench.compute_metrics([ok1], duration_s=0.0)
+        metrics.compute_metrics([ok1], duration_s=0.0)
 
 
 def test_non_streamed_results_report_no_ttft_or_itl() -> None:
-    m = bench.compute_metrics([bench.RequestResult(prompt_len=4, output_len=3, success=True, latency=0.5)], 1.0)
+    m = metrics.compute_metrics([metrics.RequestResult(prompt_len=4, output_len=3, success=True, latency=0.5)], 1.0)
     assert m.ttft_ms is None and m.itl_ms is None and m.e2e_ms.mean == pytest.approx(500.0)
-    assert re.search(r"^TTFT\s+n/a\s+n/a\s+n/a\s+n/a$", bench.format_report(m), re.MULTILINE)
+    assert re.search(r"^TTFT\s+n/a\s+n/a\s+n/a\s+n/a$", metrics.format_report(m), re.MULTILINE)
+
+
+def test_sweep_table_has_one_row_per_level() -> None:
+    streamed = metrics.RequestResult(prompt_len=4, output_len=2, success=True, latency=0.3,
+                                     chunk_times=[0.1, 0.3], chunk_tokens=[1, 1])
+    plain = metrics.RequestResult(prompt_len=4, output_len=2, success=True, latency=0.5)
+    levels = [metrics.LevelResult(1, metrics.compute_metrics([streamed], 1.0), [streamed]),
+              metrics.LevelResult(None, metrics.compute_metrics([plain], 0.5), [plain])]
+    table = metrics.format_sweep_table(levels, "title")
+    rows = table.splitlines()
+    assert "title" in rows[0] and rows[1].split() == [
+        "concurrency", "completed", "failed", "req/s", "out", "tok/s", "TTFT", "p50", "TTFT", "p99",
+        "ITL", "p50", "ITL", "p99", "E2E", "p50", "E2E", "p99"]
+    assert rows[3].split() == ["1", "1", "0", "1.00", "2.00", "100.00", "100.00", "200.00", "200.00",
+                               "300.00", "300.00"]
+    assert rows[4].split() == ["unlimited", "1", "0", "2.00", "4.00", "n/a", "n/a", "n/a", "n/a",
+                               "500.00", "500.00"]
 
 
 def test_workload_is_seeded_and_in_range() -> None:
@@ -101,16 +122,27 @@ def test_workload_is_seeded_and_in_range() -> None:
     assert offsets[-1] / 1999 == pytest.approx(0.1, rel=0.1)  # mean gap 1 / rate
 
 
-def sse_result(body: str, status: int = 200, stream: bool = True) -> Any:
-    """Run run_one against a canned /generate answer."""
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body.encode(), headers={"content-type": "text/event-stream"})
-
+# ---- HTTP client against canned answers ----
+def canned(handler: Callable[[httpx.Request], httpx.Response], coro: Callable[[httpx.AsyncClient], Any]) -> Any:
     async def go() -> Any:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await bench.run_one(client, "http://x/generate", [11, 12], 2, stream, 5.0, None)
+            return await coro(client)
 
     return asyncio.run(go())
+
+
+def sse_result(body: str, status: int = 200, backend: str = "srt", stream: bool = True) -> Any:
+    """run_one against a canned answer; the request sent is kept in `.sent`."""
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append({"path": request.url.path, **json.loads(request.content)})
+        return httpx.Response(status, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    target = bench_clients.Target(backend, "http://x", "m" if backend == "openai" else None)
+    result = canned(handler, lambda client: bench_clients.run_one(client, target, [11, 12], 2, stream, 5.0, None))
+    result.sent = sent[0]
+    return result
 
 
 def chunk(ids: list[int], finish: str | None = None) -> str:
@@ -118,46 +150,146 @@ def chunk(ids: list[int], finish: str | None = None) -> str:
     return f"data: {json.dumps({'text': '', 'output_ids': ids, 'meta_info': meta})}\n\n"
 
 
-def test_stream_parsing_records_chunks_and_failures() -> None:
-    ok = sse_result(chunk([5]) + chunk([5, 6], "length") + "data: [DONE]\n\n")
-    assert ok.success and ok.output_len == 2 and ok.chunk_tokens == [1, 1] and ok.latency >= ok.chunk_times[-1]
+def test_srt_stream_parsing_records_chunks_and_failures() -> None:
+    ok = sse_result(chunk([5]) + chunk([5, 6, 7], "length") + "data: [DONE]\n\n")
+    assert ok.success and ok.output_len == 3 and ok.chunk_tokens == [1, 2] and ok.latency >= ok.chunk_times[-1]
+    assert ok.sent == {"path": "/generate", "input_ids": [11, 12], "stream": True,
+                       "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
     mid_error = sse_result(chunk([5]) + 'data: {"error": {"message": "rank died", "code": 503}}\n\ndata: [DONE]\n\n')
     assert not mid_error.success and mid_error.error == "stream error: rank died"
     truncated = sse_result(chunk([5]))
     assert not truncated.success and "without data: [DONE]" in truncated.error
     aborted = sse_result(chunk([5], "abort") + "data: [DONE]\n\n")
-    assert not aborted.success and "finish_reason {'type': 'abort'}" in aborted.error
+    assert not aborted.success and "finish_reason 'abort'" in aborted.error
     rejected = sse_result('{"error": {"message": "prompt too long"}}', status=400)
     assert not rejected.success and rejected.error.startswith("HTTP 400:") and "prompt too long" in rejected.error
+    garbled = sse_result("data: {not json\n\n")
+    assert not garbled.success and garbled.error.startswith("JSONDecodeError:")
+
+
+def completion_chunk(text: str, finish: str | None = None) -> str:
+    return f"data: {json.dumps({'choices': [{'index': 0, 'text': text, 'finish_reason': finish}]})}\n\n"
+
+
+def test_openai_stream_counts_chunks_and_takes_the_length_from_usage() -> None:
+    usage = 'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}\n\n'
+    ok = sse_result(completion_chunk("a") + completion_chunk("") + completion_chunk("bc", "length") + usage
+                    + "data: [DONE]\n\n", backend="openai")
+    assert ok.success and ok.output_len == 3 and ok.chunk_tokens == [1, 1, 1], ok
+    assert ok.sent == {"path": "/v1/completions", "model": "m", "prompt": [11, 12], "max_tokens": 2,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}
+    no_usage = sse_result(completion_chunk("a") + completion_chunk("b", "stop") + "data: [DONE]\n\n", backend="openai")
+    assert no_usage.success and no_usage.output_len == 2
+    aborted = sse_result(completion_chunk("a", "abort") + "data: [DONE]\n\n", backend="openai")
+    assert not aborted.success and "finish_reason 'abort'" in aborted.error
+    error = sse_result('data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n', backend="openai")
+    assert not error.success and error.error == "stream error: boom"
+    plain = sse_result(json.dumps({"choices": [{"text": "ab", "finish_reason": "length"}],
+                                   "usage": {"completion_tokens": 2}}), backend="openai", stream=False)
+    assert plain.success and plain.output_len == 2 and plain.chunk_times == []
+
+
+def test_auto_backend_is_srt_only_when_server_info_names_a_vocab_size() -> None:
+    def server(routes: dict[str, Any]) -> Callable[[httpx.Request], httpx.Response]:
+        def handler(request: httpx.Request) -> httpx.Response:
+            body = routes.get(request.url.path)
+            return httpx.Response(404) if body is None else httpx.Response(200, json=body)
+        return handler
+
+    def resolve(routes: dict[str, Any], **kwargs: Any) -> Any:
+        return canned(server(routes), lambda c: bench_clients.resolve_target(c, "http://x", **kwargs))
+
+    srt_routes = {"/server_info": {"vocab_size": 320}, "/v1/models": {"data": [{"id": "tiny"}]}}
+    assert resolve(srt_routes) == (bench_clients.Target("srt", "http://x", None), 320)
+    assert resolve(srt_routes, backend="openai") == (bench_clients.Target("openai", "http://x", "tiny"), 320)
+    vllm_like = {"/v1/models": {"object": "list", "data": [{"id": "org/model"}]}}
+    target, vocab = resolve(vllm_like)
+    assert (target.backend, target.model, target.url, vocab) == ("openai", "org/model", "http://x/v1/completions", None)
+    assert resolve(vllm_like, model="other")[0].model == "other"
+    with pytest.raises(ValueError, match="lists no model"):
+        resolve({"/v1/models": {"data": []}})
 
 
 def test_bad_arguments_are_usage_errors() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--request-rate", "0"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and "--request-rate must be > 0" in proc.stderr
+    for argv, message in ((["--request-rate", "0"], "--request-rate must be > 0"),
+                          (["--concurrency", "4", "0"], "--concurrency values must be >= 1"),
+                          (["--backend", "grpc"], "invalid choice: 'grpc'")):
+        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-# ---- end to end ----
-@pytest.mark.timeout(120)
-def test_bench_serving_against_a_real_server(tiny_model_dirs: dict[str, Path], smollm2_dir: Path,
-                                             tmp_path: Path) -> None:
+# ---- end to end: one server for the module ----
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> Iterator[Server]:
     with Server("--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path", str(smollm2_dir),
-                "--max-total-tokens", "4096", startup_timeout=60) as server:
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--base-url", server.url, "--num-prompts", "8",
-             "--random-input-len", "16", "--random-output-len", "8", "--max-concurrency", "4",
-             "--request-timeout", "60", "--json", "out.json"],
-            capture_output=True, text=True, timeout=90, cwd=tmp_path)
+                "--max-total-tokens", "4096", startup_timeout=90) as server:
+        yield server
+
+
+def run_bench(server: Server, cwd: Path, *argv: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--base-url", server.url, "--num-prompts", "8", "--random-input-len", "16",
+         "--random-output-len", "8", "--request-timeout", "60", *argv],
+        capture_output=True, text=True, timeout=120, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    return proc.stdout
+
+
+def sweep_rows(out: str) -> dict[str, list[str]]:
+    """The sweep table's rows by concurrency label."""
+    table = out[out.index("concurrency  completed"):].splitlines()[2:]
+    return {row.split()[0]: row.split()[1:] for row in table if re.match(r"^\s+(\d+|unlimited)\s", row)}
+
+
+@pytest.mark.timeout(180)
+def test_sweep_against_a_real_server_prints_the_table_and_plots(server: Server, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    out = run_bench(server, tmp_path, "--concurrency", "1", "4", "--plot", "sweep.png", "--json", "out.json")
     assert "vocab 320" in out, out  # read from /server_info: ids stay inside the tiny vocabulary
-    assert re.search(r"^Successful requests:\s+8$", out, re.MULTILINE), out
-    assert re.search(r"^Failed requests:\s+0$", out, re.MULTILINE), out
-    assert re.search(r"^Total generated tokens:\s+64$", out, re.MULTILINE), out
-    for name in ("TTFT", "ITL", "E2E latency"):
-        assert re.search(rf"^{name}(\s+\d+\.\d\d){{4}}$", out, re.MULTILINE), out
+    assert "backend srt (" in out, out  # auto-detected: the server is srt
+    assert len(re.findall(r"^Successful requests:\s+8$", out, re.MULTILINE)) == 2, out
+    assert len(re.findall(r"^Total generated tokens:\s+64$", out, re.MULTILINE)) == 2, out
+    rows = sweep_rows(out)
+    assert list(rows) == ["1", "4"], out
+    for cells in rows.values():
+        assert cells[:2] == ["8", "0"], out  # completed, failed
+        assert all(re.fullmatch(r"\d+\.\d\d", c) and float(c) > 0 for c in cells[2:]), out
     report = json.loads((tmp_path / "out.json").read_text())
-    assert (report["completed"], report["failed"], report["errors"]) == (8, 0, [])
-    assert report["total_input_tokens"] == 8 * 16 and report["output_lens"] == [8] * 8
-    assert report["request_throughput"] > 0 and report["output_throughput"] > 0
-    assert 0 < report["ttft_ms"]["p50"] <= report["e2e_ms"]["p50"]
+    assert report["backend"] == "srt" and [lv["concurrency"] for lv in report["levels"]] == [1, 4]
+    for level in report["levels"]:
+        assert (level["completed"], level["failed"], level["errors"]) == (8, 0, [])
+        assert level["total_input_tokens"] == 8 * 16 and level["output_lens"] == [8] * 8
+        assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+    png = tmp_path / "sweep.png"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image[..., :3].std() > 0.01  # something was drawn
+
+
+@pytest.mark.timeout(120)
+def test_openai_backend_against_the_servers_completions_route(server: Server, tmp_path: Path) -> None:
+    out = run_bench(server, tmp_path, "--backend", "openai", "--concurrency", "4", "--json", "out.json")
+    assert "backend openai (" in out and "/v1/completions" in out, out
+    assert re.search(r"^Successful requests:\s+8$", out, re.MULTILINE), out
+    assert re.search(r"^Total generated tokens:\s+64$", out, re.MULTILINE), out  # from usage.completion_tokens
+    assert sweep_rows(out)["4"][:2] == ["8", "0"], out
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["backend"] == "openai" and report["model"], report  # named by /v1/models
+    level = report["levels"][0]
+    assert level["output_lens"] == [8] * 8 and 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+    assert level["itl_ms"]["p50"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_one_level_api_used_by_bench_guards(server: Server) -> None:
+    args = bench.parse_args(["--base-url", server.url, "--num-prompts", "4", "--random-input-len", "8",
+                             "--random-output-len", "4", "--max-concurrency", "2", "--request-timeout", "60"])
+    assert args.concurrency == [2]
+    m, details = asyncio.run(bench.benchmark(args))
+    assert (m.completed, m.failed, m.total_output_tokens) == (4, 0, 16)
+    assert details["concurrency"] == 2 and details["vocab_size"] == 320 and m.itl_ms is not None
+    with pytest.raises(ValueError, match="one concurrency level"):
+        asyncio.run(bench.benchmark(bench.parse_args(["--base-url", server.url, "--concurrency", "1", "2"])))

@@ -1,0 +1,255 @@
+"""The same serving workload on srt and on Hugging Face transformers, in one run, side by side.
+
+    python scripts/compare_peers.py [--model-path P] [--tokenizer-path P] [--url URL] \\
+        [--num-prompts 32] [--input-len 128] [--output-len 64] [--concurrency 32 ...] [--dtype bfloat16] \\
+        [--tp-size 1] [--server-args="--max-running-requests 64"] [--peers generate continuous] [--json out.json]
+
+Workload: per concurrency level, `--num-prompts` fresh seeded random prompts of exactly `--input-len`
+token ids, greedy, EOS ignored so that every request makes exactly `--output-len` tokens; at most
+`--concurrency` requests in flight. The prompts of a level are the same for every system.
+
+srt: a server is started (`python -m srt.launch_server` on a free loopback port, then stopped before
+the peers run), or `--url` points at a running one (any OpenAI-compatible server works, see
+bench_serving.py's --backend); it is measured the way bench_serving.py measures, after one warmup
+request. Peers on the same checkpoint and dtype, in this process, warmed up at each level's shape:
+`generate` (static batches of `concurrency` prompts, left-padded) and `continuous` (transformers'
+own continuous batching, when the installed version has it). See transformers_peer.py for how their
+requests are timed.
+
+Prints one table per level and one line per metric and peer, e.g.
+`ratio vs transformers generate (output tok/s, 32 concurrent): 1.23x`; a ratio above 1 means srt is
+better (srt / peer for throughput, peer / srt for latency). Exit status 1 when a request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+for path in (SCRIPTS, ROOT):  # the sibling bench modules, and this checkout installed or not
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+import transformers_peer as peers  # noqa: E402
+from bench_clients import BACKENDS, resolve_target  # noqa: E402
+from bench_metrics import BenchMetrics, LevelResult, compute_metrics  # noqa: E402
+from bench_serving import Workload, random_prompts, run_level, warmup  # noqa: E402
+from server_process import SrtServer  # noqa: E402
+
+from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
+
+PEER_NAMES = {"generate": "transformers generate", "continuous": "transformers continuous batching"}
+PEER_WARMUP_TOKENS = 2
+
+
+def _p(stats_name: str, q: str) -> Callable[[BenchMetrics], float | None]:
+    return lambda m: None if getattr(m, stats_name) is None else getattr(getattr(m, stats_name), q)
+
+
+# (row label, ratio label, value, higher is better)
+METRICS: list[tuple[str, str, Callable[[BenchMetrics], float | None], bool]] = [
+    ("request throughput (req/s)", "request throughput", lambda m: m.request_throughput, True),
+    ("output tok/s", "output tok/s", lambda m: m.output_throughput, True),
+    ("TTFT p50 (ms)", "TTFT p50", _p("ttft_ms", "p50"), False),
+    ("TTFT p99 (ms)", "TTFT p99", _p("ttft_ms", "p99"), False),
+    ("ITL p50 (ms)", "ITL p50", _p("itl_ms", "p50"), False),
+    ("ITL p99 (ms)", "ITL p99", _p("itl_ms", "p99"), False),
+    ("E2E p50 (ms)", "E2E p50", _p("e2e_ms", "p50"), False),
+    ("E2E p99 (ms)", "E2E p99", _p("e2e_ms", "p99"), False),
+]
+
+
+# ---- report: pure functions ----
+def ratio(srt: float | None, peer: float | None, higher_is_better: bool) -> float | None:
+    """Above 1 when srt is better; None when either figure is missing or zero."""
+    if srt is None or peer is None or srt <= 0 or peer <= 0:
+        return None
+    return srt / peer if higher_is_better else peer / srt
+
+
+def format_level(concurrency: int, systems: dict[str, LevelResult], description: str) -> str:
+    widths = [max(len(name), 10) for name in systems]
+    header = f"{'metric':<28}" + "".join(f"  {name:>{w}}" for name, w in zip(systems, widths))
+    lines = [f" {concurrency} concurrent: {description} ".center(len(header), "="), header]
+    for label, _, value, _ in METRICS:
+        cells = [value(level.metrics) for level in systems.values()]
+        lines.append(f"{label:<28}" + "".join(f"  {'n/a' if v is None else f'{v:.2f}':>{w}}"
+                                              for v, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
+def ratio_lines(concurrency: int, srt: BenchMetrics, peer_name: str, peer: BenchMetrics) -> list[str]:
+    lines = []
+    for _, name, value, higher_is_better in METRICS:
+        r = ratio(value(srt), value(peer), higher_is_better)
+        lines.append(f"ratio vs {peer_name} ({name}, {concurrency} concurrent): {'n/a' if r is None else f'{r:.2f}x'}")
+    return lines
+
+
+# ---- the two sides ----
+def make_workloads(args: argparse.Namespace, vocab_size: int) -> dict[int, Workload]:
+    rng = random.Random(args.seed)
+    n = args.num_prompts
+    return {c: Workload(random_prompts([args.input_len] * n, vocab_size, rng), [args.output_len] * n, [0.0] * n)
+            for c in args.concurrency}
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    flags = ["--dtype", args.dtype, "--tp-size", str(args.tp_size)]
+    if args.model_path is not None:
+        flags += ["--model-path", args.model_path]
+    if args.tokenizer_path is not None:
+        flags += ["--tokenizer-path", args.tokenizer_path]
+    return flags + shlex.split(args.server_args)
+
+
+async def measure_server(url: str, args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+        target, _ = await resolve_target(client, url, args.backend)
+    first_prompt = next(iter(workloads.values())).prompts[0]
+    await warmup(target, [first_prompt], args.request_timeout)
+    levels = []
+    for concurrency, workload in workloads.items():
+        print(f"srt ({target.backend} backend at {target.url}): {concurrency} concurrent", flush=True)
+        levels.append(await run_level(target, workload, concurrency, True, args.request_timeout))
+    return levels
+
+
+def run_srt(args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            print(f"starting srt: launch_server {' '.join(server_args(args))}", flush=True)
+            url = stack.enter_context(SrtServer(server_args(args), args.startup_timeout)).url
+        return asyncio.run(measure_server(url, args, workloads))
+
+
+def run_peer(model: Any, mode: str, args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
+    def once(prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[list[Any], float]:
+        if mode == "generate":
+            return peers.run_generate(model, prompts, output_len, concurrency)
+        return peers.run_continuous(model, prompts, output_len, concurrency, args.request_timeout)
+
+    levels = []
+    for concurrency, workload in workloads.items():
+        once(workload.prompts[:concurrency], PEER_WARMUP_TOKENS, concurrency)  # warmup at this batch shape
+        print(f"{PEER_NAMES[mode]}: {concurrency} concurrent", flush=True)
+        results, duration = once(workload.prompts, args.output_len, concurrency)
+        levels.append(LevelResult(concurrency, compute_metrics(results, duration), results))
+    return levels
+
+
+def transformers_model_dir(args: argparse.Namespace) -> Path:
+    """--model-path, else the running server's own model directory (srt's /server_info), else the default."""
+    if args.model_path is not None or args.url is None:
+        return resolve_model_path(args.model_path)
+    response = httpx.get(f"{args.url}/server_info", timeout=60, trust_env=False)
+    info = response.json() if response.status_code == 200 else {}
+    if not isinstance(info, dict) or not info.get("model_dir"):
+        raise ValueError(f"{args.url} does not say which model it serves: pass --model-path for transformers")
+    return Path(info["model_dir"])
+
+
+# ---- command line ----
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="HF directory or .gguf; default: the bundled SmolLM2")
+    parser.add_argument("--tokenizer-path", default=None, help="for the srt server; default: the model's")
+    parser.add_argument("--url", default=None, help="measure this running server instead of starting one")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="the server's API, as bench_serving.py's; default: %(default)s")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level; default: %(default)s")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens; default: %(default)s")
+    parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request; default: %(default)s")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32], help="requests in flight, one level each; default: %(default)s")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="of srt and transformers alike; default: %(default)s")
+    parser.add_argument("--tp-size", type=int, default=1, help="the srt server's tensor-parallel size; default: %(default)s")
+    parser.add_argument("--server-args", default="", help='more launch_server flags as one string: --server-args="--max-running-requests 64"')
+    parser.add_argument("--peers", nargs="*", choices=peers.MODES, default=list(peers.MODES),
+                        help="transformers modes to run; default: both (continuous is skipped when not installed)")
+    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to start; default: %(default)s")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures and ratios here")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "input_len", "output_len", "tp_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.concurrency) < 1:
+        parser.error(f"--concurrency values must be >= 1, got {args.concurrency}")
+    if not 0 < args.request_timeout < math.inf or not 0 < args.startup_timeout < math.inf:
+        parser.error("--request-timeout and --startup-timeout must be positive numbers of seconds")
+    args.concurrency = list(dict.fromkeys(args.concurrency))  # a level once, in the order given
+    args.url = args.url.rstrip("/") if args.url else None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        model_dir = transformers_model_dir(args)
+        config = load_hf_config(model_dir)
+    except (ValueError, httpx.HTTPError) as error:
+        print(f"compare_peers: {error}", file=sys.stderr)
+        return 1
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if context and args.input_len + args.output_len > context:
+        print(f"compare_peers: --input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
+              f"model's context length ({context})", file=sys.stderr)
+        return 1
+    workloads = make_workloads(args, int(config.vocab_size))
+    description = (f"{args.num_prompts} prompts, {args.input_len} input / {args.output_len} output tokens, "
+                   f"greedy, {args.dtype}")
+    print(f"model {model_dir}; {description}; levels {args.concurrency}", flush=True)
+    try:
+        systems: dict[str, list[LevelResult]] = {"srt": run_srt(args, workloads)}
+    except (RuntimeError, ValueError, httpx.HTTPError) as error:
+        print(f"compare_peers: srt: {error}", file=sys.stderr)
+        return 1
+    model = peers.load_model(str(model_dir), getattr(torch, args.dtype))
+    for mode in args.peers:
+        if mode == "continuous" and not peers.has_continuous_batching(model):
+            print("transformers continuous batching is not in this transformers version: skipped", flush=True)
+            continue
+        systems[PEER_NAMES[mode]] = run_peer(model, mode, args, workloads)
+    print(f"torch threads {torch.get_num_threads()} for transformers; "
+          "ratios above 1 mean srt is better (srt / peer for throughput, peer / srt for latency)")
+    report: dict[str, Any] = {"model_dir": str(model_dir), "config": {k: str(v) if isinstance(v, Path) else v
+                                                                      for k, v in vars(args).items()},
+                              "levels": []}
+    for i, concurrency in enumerate(args.concurrency):
+        at_level = {name: levels[i] for name, levels in systems.items()}
+        print(format_level(concurrency, at_level, description))
+        srt = at_level["srt"].metrics
+        for name, level in at_level.items():
+            if name != "srt":
+                print("\n".join(ratio_lines(concurrency, srt, name, level.metrics)))
+        report["levels"].append({
+            "concurrency": concurrency, **{name: level.to_json() for name, level in at_level.items()},
+            "ratios": {name: {m[1]: ratio(m[2](srt), m[2](level.metrics), m[3]) for m in METRICS}
+                       for name, level in at_level.items() if name != "srt"}})
+    failed = {name: sum(level.metrics.failed for level in levels) for name, levels in systems.items()}
+    for name, count in failed.items():
+        if count:
+            errors = [e for level in systems[name] for e in level.metrics.errors]
+            print(f"{name}: {count} request(s) failed, first: {errors[0]}", file=sys.stderr)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if any(failed.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
