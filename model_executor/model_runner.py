@@ -19,6 +19,7 @@ from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
+from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.cpu_linear import pack_model
@@ -54,6 +55,8 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel or get_parallel_state()
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.hf_config = load_hf_config(config.model_dir)
         self.context_length = self._context_length()
         self._init_model()
@@ -127,13 +130,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model; returns float32 logits [bs, vocab] of each request's last new token."""
+        return self.forward_with_token_logits(batch, None)[0]
+
+    @torch.inference_mode()
+    def forward_with_token_logits(self, batch: ForwardBatch,
+                                  token_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward(), plus float32 logits [len(token_rows), vocab] of the given new tokens (indices
+        into the step's flattened new tokens; prompt logprobs need them). The LM head runs once
+        over both sets of rows. Every rank must pass the same rows (the head is a TP collective)."""
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
-        if not batch.is_decode:
-            last = torch.tensor(batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        last = hidden if batch.is_decode else \
+            hidden[torch.tensor(batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1]
+        if not token_rows:
+            return self.model.compute_logits(last), None
+        extra = hidden[torch.tensor(token_rows, dtype=torch.int64, device=hidden.device)]
+        logits = self.model.compute_logits(torch.cat([last, extra]))
+        return logits[:batch.batch_size], logits[batch.batch_size:]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

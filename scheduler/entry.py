@@ -19,6 +19,7 @@ from scheduler.receiver import RequestReceiver
 from scheduler.scheduler import Scheduler
 from scheduler.watchdog import Watchdog
 from srt.engine import resolve_dtype
+from srt.metrics import RankMetrics, enable_multiprocess_metrics, metrics_dir
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.scheduler")
@@ -100,7 +101,11 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
 
             return AutoTokenizer.from_pretrained(tokenizer_path)
 
-        scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer)
+        metrics = None
+        if server_args.enable_metrics:
+            enable_multiprocess_metrics(metrics_dir(port_args))
+            metrics = RankMetrics(world_rank, is_output_rank)
+        scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics)
     except Exception:
         logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
         ready_conn.send(("error", traceback.format_exc()))

@@ -31,8 +31,9 @@ class KVManager:
         return self.allocator.num_free_tokens + self.tree_cache.evictable_size()
 
     def _usable_prefix(self, req: Req, matched: int) -> int:
-        # At least one token must be computed to get logits for the next token.
-        limit = self.tree_cache.page_aligned_len(req.seq_len - 1)
+        # At least one token must be computed to get logits for the next token (and every
+        # position whose logits the request's prompt logprobs need).
+        limit = self.tree_cache.page_aligned_len(min(req.seq_len - 1, req.max_cached_prefix_len))
         return min(matched, limit)
 
     def peek_prefix_len(self, req: Req) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from srt.io_struct import FinishReason
+from srt.io_struct import FinishReason, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
 
@@ -34,10 +34,19 @@ class Req:
     finished_reason: FinishReason | None = None
     sent_len: int = 0  # output ids already streamed out
     retractions: int = 0
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens k.. as well
+    # Logprobs, filled on the output rank only (no rank decides anything from them).
+    output_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
+    input_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
 
     def __post_init__(self) -> None:
         if not self.origin_input_ids:
             raise ValueError(f"request {self.rid}: empty prompt")
+        if not -1 <= self.logprob_start_len < len(self.origin_input_ids):
+            raise ValueError(f"request {self.rid}: logprob_start_len {self.logprob_start_len} is outside "
+                             f"[-1, {len(self.origin_input_ids)})")
 
     @property
     def fill_ids(self) -> list[int]:
@@ -59,6 +68,25 @@ class Req:
     @property
     def max_total_len(self) -> int:
         return len(self.origin_input_ids) + self.sampling_params.max_new_tokens
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Prompt positions whose next-token logits the request's prompt logprobs still need
+        (position p scores token p + 1), computed by the prefill steps to come. Empty once the
+        prompt is done: a retracted request keeps what it had, nothing is computed twice.
+
+            prompt:  |-- t0 --|-- ... --|-- t(k-1) --|-- tk --|-- ... --|-- t(n-1) --|
+            logits:             positions max(k-1, 0) .. n-2 score tokens max(k, 1) .. n-1
+        """
+        if not self.return_logprob or self.logprob_start_len < 0 or self.output_ids:
+            return range(0)
+        return range(max(self.logprob_start_len - 1, 0), len(self.origin_input_ids) - 1)
+
+    @property
+    def max_cached_prefix_len(self) -> int:
+        """Prompt logprobs need the logits of positions a prefix-cache hit would skip: limit it."""
+        positions = self.prompt_logprob_positions
+        return positions.start if positions else self.seq_len
 
     @property
     def remaining_new_tokens(self) -> int:

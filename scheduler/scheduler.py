@@ -20,6 +20,7 @@ from model_executor.model_runner import ModelRunner
 from model_executor.sampler import SamplingBatchInfo
 from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
+from scheduler.logprobs import attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
 from scheduler.policy import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
@@ -31,6 +32,7 @@ from scheduler.policy import (
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
 from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
 from srt.io_struct import (
     AbortReq,
@@ -41,6 +43,7 @@ from srt.io_struct import (
     GetInternalStateReq,
     TokenizedGenerateReq,
 )
+from srt.metrics import RankMetrics
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.scheduler")
@@ -51,7 +54,8 @@ IDLE_WAIT_MS = 100
 class Scheduler:
     def __init__(self, server_args: ServerArgs, parallel: ParallelState, runner: ModelRunner,
                  receiver: RequestReceiver, send_output: Callable[[Any], None] | None,
-                 eos_token_ids: set[int], tokenizer_loader: Callable[[], Any]) -> None:
+                 eos_token_ids: set[int], tokenizer_loader: Callable[[], Any],
+                 metrics: RankMetrics | None = None) -> None:
         self.args = server_args
         self.parallel = parallel
         self.runner = runner
@@ -59,6 +63,8 @@ class Scheduler:
         self.send_output = send_output  # set on the output rank only
         self._init_cache()
         self._init_state()
+        self.stats = SchedulerStats(self._load, log_enabled=send_output is not None,
+                                    decode_log_interval=server_args.decode_log_interval, metrics=metrics)
         self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
         self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
         self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
@@ -89,7 +95,10 @@ class Scheduler:
         batch = self.get_next_batch()
         if batch is not None:
             self.run_batch(batch)
+        else:
+            self.stats.on_idle()
         self.flush_outputs()
+        self.stats.publish()
 
     # ------------------------------------------------------------------ messages
     def process_messages(self, messages: list[Any]) -> None:
@@ -109,8 +118,10 @@ class Scheduler:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream)
-        if req.sampling_params.max_new_tokens == 0:
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream,
+                  return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+                  logprob_start_len=msg.logprob_start_len)
+        if req.sampling_params.max_new_tokens == 0 and not req.prompt_logprob_positions:
             self._finish(req, FinishReason("length"))
         elif len(req.origin_input_ids) + 1 > self.kv.max_total_tokens:
             self._finish(req, FinishReason("abort", message=(
@@ -226,10 +237,15 @@ class Scheduler:
         if batch.phase is Phase.DECODE:
             ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)
             assert ok, "decode room was checked"
+        if batch.phase is Phase.PREFILL:
+            self.stats.on_prefill(batch)
+        else:
+            self.stats.on_decode()
         forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
         step = self.forward_steps + 1
         self.faults.before_forward(step)
-        logits = self.runner.forward(forward_batch)
+        plan = plan_logprobs(batch)  # None unless a request of the batch asked for logprobs
+        logits, token_logits = self.runner.forward_with_token_logits(forward_batch, plan.token_rows if plan else None)
         info = SamplingBatchInfo.from_lists(
             temperatures=[r.sampling_params.temperature for r in batch.reqs],
             top_ps=[r.sampling_params.top_p for r in batch.reqs],
@@ -243,7 +259,13 @@ class Scheduler:
             # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.
             self.parallel.tp.all_reduce(next_ids, op=torch.distributed.ReduceOp.MIN)
         self.forward_steps = step
-        self.process_batch_result(batch, next_ids.tolist())
+        ids = next_ids.tolist()
+        if plan is not None and self.send_output is not None:
+            record_logprobs(batch, plan, logits, token_logits, ids)
+        sampled = len(batch.reqs) if batch.phase is Phase.DECODE else \
+            sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
+        self.process_batch_result(batch, ids)
+        self.stats.after_step(sampled)
 
     def process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
@@ -251,6 +273,11 @@ class Scheduler:
             req.kv_len += n
             if not samples:
                 self.chunked_req = req
+                continue
+            if not req.output_ids:
+                self.stats.on_prompt_done(req)
+            if req.sampling_params.max_new_tokens == 0:  # a prompt scored for its logprobs only
+                self._finish(req, FinishReason("length"))
                 continue
             req.output_ids.append(int(next_ids[i]))
             reason = self.stop_checker.check(req)
@@ -263,8 +290,8 @@ class Scheduler:
                 self._finish(req, reason)
             elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
                 self.outbox.append(req)
-            elif req.stream and req.sent_len == 0:
-                self.outbox.append(req)
+            elif req.sent_len == 0 and (req.stream or self.args.enable_metrics):
+                self.outbox.append(req)  # the first token at once (metrics: the front end times it)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
@@ -280,7 +307,10 @@ class Scheduler:
                 req.sent_len = len(req.output_ids)
             return
         out = BatchTokenIDOut([], [], [], [], [], [], [])
+        with_logprobs = any(req.return_logprob for req in reqs)
         for req in reqs:
+            if with_logprobs:
+                attach_logprobs(out, req)
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_len:])
             out.finished_reasons.append(req.finished_reason)
@@ -292,6 +322,11 @@ class Scheduler:
         self.send_output(out)
 
     # ------------------------------------------------------------------ introspection
+    def _load(self) -> LoadSnapshot:
+        available = self.kv.available_tokens()
+        return LoadSnapshot(running=len(self.running) + (self.chunked_req is not None), waiting=len(self.waiting),
+                            used_tokens=self.kv.max_total_tokens - available, max_total_tokens=self.kv.max_total_tokens)
+
     def internal_state(self) -> dict[str, Any]:
         return {
             "forward_steps": self.forward_steps,

@@ -89,7 +89,8 @@ class DetokenizerManager:
                 del self.states[out.rids[i]]
         return BatchStrOut(rids=list(out.rids), texts=texts, new_token_ids=[list(ids) for ids in out.new_token_ids],
                            finished_reasons=list(out.finished_reasons), prompt_tokens=list(out.prompt_tokens),
-                           completion_tokens=list(out.completion_tokens), cached_tokens=list(out.cached_tokens))
+                           completion_tokens=list(out.completion_tokens), cached_tokens=list(out.cached_tokens),
+                           output_logprobs=out.output_logprobs, input_logprobs=out.input_logprobs)
 
     @staticmethod
     def _emit(state: DecodeState, finished: FinishReason | None, stop_strings: list[str]) -> str:

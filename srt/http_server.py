@@ -1,4 +1,5 @@
-"""The HTTP app: native /generate (JSON or SSE), health, info and control routes.
+"""The HTTP app: native /generate (JSON or SSE), health, info and control routes, and GET /metrics
+(Prometheus text, with --enable-metrics).
 
 Errors are JSON `{"error": {"message", "type", "code"[, "param"]}}`: 400 BadRequestError for bad
 input (before anything reaches a rank), 503 ServiceUnavailable once a rank has died or a control
@@ -160,6 +161,14 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
             return error_response(400, str(reply.payload.get("message", "the cache was not flushed")))
         return JSONResponse({"success": True, **reply.payload})
 
+    if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)
+        metrics = tm.metrics
+
+        @app.get("/metrics")
+        async def metrics_route() -> Response:
+            body, content_type = metrics.render()
+            return Response(body, media_type=content_type)
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         try:
@@ -228,6 +237,7 @@ def run_http_server(app: FastAPI, host: str, port: int, log_level: str = "info")
     """Serve until SIGTERM/SIGINT, drain (DrainingServer, --shutdown-timeout), return. Blocks; call
     it from the main thread, where signal handlers can be installed."""
     tm: TokenizerManager = app.state.tokenizer_manager
+    # log_config=None: uvicorn's lines go through the process's own handler, labelled like every other line.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="asyncio", timeout_keep_alive=5,
-                            timeout_graceful_shutdown=CLOSE_GRACE_S)
+                            timeout_graceful_shutdown=CLOSE_GRACE_S, log_config=None)
     DrainingServer(config, tm, tm.server_args.shutdown_timeout).run()

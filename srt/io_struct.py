@@ -22,6 +22,9 @@ class TokenizedGenerateReq:
     sampling_params: SamplingParams
     seed: int  # resolved by the front end (request seed or derived), so every rank samples alike
     stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # alternatives per position (with return_logprob)
+    logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens from position k too
 
 
 @dataclass
@@ -41,6 +44,21 @@ class GetInternalStateReq:
 
 
 # ---- schedulers (output rank only) -> detokenizer ----
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of consecutive tokens of one request (prompt or output).
+
+    values[i] is log p(token_ids[i] | the tokens before it), from the log-softmax of the model's
+    raw float32 logits; None for the first prompt token (nothing precedes it). top[i] holds the
+    top_logprobs_num most likely tokens at that position, as (logprobs, ids), best first, or is
+    None when no alternatives were asked for (or for the first prompt token).
+    """
+
+    values: list[float | None]
+    token_ids: list[int]
+    top: list[tuple[list[float], list[int]] | None]
 
 
 @dataclass
@@ -70,6 +88,10 @@ class BatchTokenIDOut:
     cached_tokens: list[int]
     # Stop strings are matched by the scheduler; the detokenizer cuts the text there.
     stop_strings: list[list[str]] = field(default_factory=list)
+    # Per request (empty when no request of the message asked for logprobs): the logprobs of
+    # new_token_ids, and of the prompt tokens (sent once, with the first output).
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    input_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 @dataclass
@@ -93,3 +115,5 @@ class BatchStrOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # as in BatchTokenIDOut
+    input_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

@@ -2,10 +2,12 @@
 
 Each request becomes a /generate body and runs through the same TokenizerManager
 (parse_generate, then generate); the cumulative streamed text becomes OpenAI deltas. Supported: one
-prompt, n=1, max_tokens (chat: or max_completion_tokens), temperature, top_p, stop, seed, stream
-with stream_options.include_usage, and SGLang's extras top_k, min_p, ignore_eos, stop_token_ids.
-Options that would change the output but are not implemented (logprobs, echo, suffix, best_of,
-penalties, tools, a non-text response_format, n > 1) get a 400 rather than being ignored. Any
+prompt, n (1..128: n requests with seeds derived from `seed`, run as one /generate batch),
+max_tokens (chat: or max_completion_tokens), temperature, top_p, stop, seed, stream with
+stream_options.include_usage, logprobs (completions: an int in 0..20; chat: logprobs=true with
+top_logprobs in 0..20; see openai_logprobs.py), and SGLang's extras top_k, min_p, ignore_eos,
+stop_token_ids. Options that would change the output but are not implemented (echo, suffix,
+best_of, penalties, tools, a non-text response_format) get a 400 rather than being ignored. Any
 `model` name is accepted (as in SGLang); responses name the served model. finish_reason is "stop",
 "length", or "abort" for a request ended by /abort_request.
 
@@ -22,22 +24,15 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from srt.http_server import read_json_object, sse
-from srt.tokenizer_manager import RequestError, ServiceUnavailableError, TokenizerManager
+from srt.openai_logprobs import chat_logprobs, completion_logprobs
+from srt.openai_parse import OpenAICall, parse_chat, parse_completion
+from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
 
 router = APIRouter()
-
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
-           "logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p", "ignore_eos", "stop_token_ids"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                         "tool_choice", "parallel_tool_calls"}
-_PASSED_THROUGH = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids")
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -49,32 +44,6 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-@dataclass
-class OpenAICall:
-    """One OpenAI request translated: the /generate body plus how to shape the reply."""
-
-    chat: bool
-    generate_body: dict[str, Any]
-    stream: bool
-    include_usage: bool
-    renamed: dict[str, str]  # /generate parameter -> the OpenAI name the client used
-
-    @property
-    def object_name(self) -> str:
-        return "chat.completion" if self.chat else "text_completion"
-
-
-# Parameters accepted only with a value meaning "off" (or null): the feature itself is not implemented.
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,), "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",),
-    "response_format": ({"type": "text"},)}
-
-
-def _same(value: Any, off: Any) -> bool:
-    return type(value) is type(off) and value == off  # so that True is not taken for 1
-
-
 def _manager(request: Request) -> TokenizerManager:
     return request.app.state.tokenizer_manager
 
@@ -83,97 +52,12 @@ def _model_name(tm: TokenizerManager) -> str:
     return str(tm.server_args.served_model_name or tm.model_info["model_path"])
 
 
-def _reject_unsupported(body: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise RequestError(f"unknown parameter(s): {', '.join(unknown)}", unknown[0])
-    for name, value in body.items():
-        if value is not None and name in _OFF_VALUES and not any(_same(value, off) for off in _OFF_VALUES[name]):
-            off_values = " or ".join(repr(off) for off in _OFF_VALUES[name])
-            raise RequestError(f"{name}={value!r} is not supported yet (allowed: {off_values})", name)
-    stream_options = body.get("stream_options")
-    if stream_options is not None and (not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}):
-        raise RequestError("stream_options must be an object with only include_usage", "stream_options")
-
-
-def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None) -> dict[str, Any]:
-    params = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
-    max_tokens = body.get(max_tokens_name)
-    params["max_new_tokens"] = default_max if max_tokens is None else max_tokens
-    return params
-
-
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
-    include_usage = (body.get("stream_options") or {}).get("include_usage") or False
-    if not isinstance(include_usage, bool):
-        raise RequestError(f"stream_options.include_usage must be a boolean, got {include_usage!r}", "stream_options")
-    return stream, include_usage
-
-
-def parse_completion(body: dict[str, Any]) -> OpenAICall:
-    _reject_unsupported(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        key = "text"
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        key = "input_ids"
-    else:
-        raise RequestError("prompt must be a string or a list of token ids (one prompt only)", "prompt")
-    stream, include_usage = _stream_flags(body)
-    generate_body = {key: prompt, "stream": stream,
-                     "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)}
-    return OpenAICall(False, generate_body, stream, include_usage,
-                      {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens"})
-
-
-def _message_text(message: Any, i: int) -> dict[str, str]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: only text is supported
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-        content = "".join(p["text"] for p in content)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": message["role"], "content": content}
-
-
-def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
-    _reject_unsupported(body, CHAT_FIELDS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", "messages")
-    conversation = [_message_text(m, i) for i, m in enumerate(messages)]
-    try:
-        text = tm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
-        raise RequestError(f"cannot apply the chat template: {error}", "messages") from None
-    # The template already wrote the special tokens (BOS included), so do not add them again.
-    input_ids = list(tm.tokenizer(text, add_special_tokens=False)["input_ids"])
-    capacity = min(tm.context_length, tm.max_total_tokens or tm.context_length)
-    if len(input_ids) >= capacity:
-        raise RequestError(f"the messages take {len(input_ids)} tokens, leaving none of the {capacity} "
-                           "the server can hold", "messages")
-    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    stream, include_usage = _stream_flags(body)
-    generate_body = {"input_ids": input_ids, "stream": stream,
-                     "sampling_params": _sampling(body, max_name, capacity - len(input_ids))}
-    return OpenAICall(True, generate_body, stream, include_usage,
-                      {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name})
-
-
-def _usage(meta: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+def _usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of the n choices of one prompt: the prompt counts once."""
+    prompt = metas[0]["prompt_tokens"]
+    completion = sum(meta["completion_tokens"] for meta in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": meta["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": metas[0]["cached_tokens"]}}
 
 
 def _finish_reason(meta: dict[str, Any]) -> str | None:
@@ -186,33 +70,68 @@ def _envelope(call: OpenAICall, rid: str, created: int, model: str, chunk: bool)
     return {"id": ("chatcmpl-" if call.chat else "cmpl-") + rid, "object": name, "created": created, "model": model}
 
 
-def full_response(call: OpenAICall, out: dict[str, Any], model: str) -> dict[str, Any]:
-    meta = out["meta_info"]
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(meta)}
+@dataclass
+class ChoiceProgress:
+    """What one choice has sent so far (a stream sends only what is new)."""
+
+    text: str = ""
+    tokens: int = 0  # output tokens whose logprobs were sent
+    text_offset: int = 0  # completions: where the next token's text starts
+    first: bool = True
+
+
+def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) -> dict[str, Any] | None:
+    """The logprobs object of the choice's tokens not sent yet (None when not asked for)."""
+    if not call.logprobs:
+        return None
+    start = progress.tokens
+    tokens = meta["output_token_logprobs"][start:]
+    tops = meta.get("output_top_logprobs")
+    tops = tops[start:] if tops is not None else None
+    progress.tokens += len(tokens)
     if call.chat:
-        choice["message"] = {"role": "assistant", "content": out["text"]}
+        return chat_logprobs(tokens, tops)
+    obj, progress.text_offset = completion_logprobs(tokens, tops, progress.text_offset)
+    return obj
+
+
+def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool) -> dict[str, Any]:
+    meta = out["meta_info"]
+    choice: dict[str, Any] = {"index": out.get("index", 0), "logprobs": _logprobs(call, meta, progress),
+                              "finish_reason": _finish_reason(meta)}
+    delta = out["text"][len(progress.text):]  # the text is cumulative; send what is new
+    progress.text = out["text"]
+    if not call.chat:
+        choice["text"] = delta
+    elif not chunk:
+        choice["message"] = {"role": "assistant", "content": delta}
     else:
-        choice["text"] = out["text"]
-    return {**_envelope(call, meta["id"], int(time.time()), model, chunk=False), "choices": [choice],
-            "usage": _usage(meta)}
+        choice["delta"] = {"role": "assistant", "content": delta} if progress.first else {"content": delta}
+    progress.first = False
+    return choice
+
+
+def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    outs = sorted(outs, key=lambda out: out.get("index", 0))
+    choices = [_choice(call, out, ChoiceProgress(), chunk=False) for out in outs]
+    metas = [out["meta_info"] for out in outs]
+    return {**_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False), "choices": choices,
+            "usage": _usage(metas)}
 
 
 async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None],
                         model: str) -> AsyncIterator[str]:
-    created, sent, last_meta, first = int(time.time()), "", None, True
+    created, chunk_id = int(time.time()), None
+    progress: dict[int, ChoiceProgress] = {}
+    last_metas: dict[int, dict[str, Any]] = {}
     async with aclosing(outputs):  # a disconnect closes this generator; close (and abort) the request too
         try:
             async for out in outputs:
-                meta = last_meta = out["meta_info"]
-                delta = out["text"][len(sent):]  # the text is cumulative; send what is new
-                sent = out["text"]
-                choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(meta)}
-                if call.chat:
-                    choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
-                    first = False
-                else:
-                    choice["text"] = delta
-                chunk = {**_envelope(call, meta["id"], created, model, chunk=True), "choices": [choice]}
+                index = out.get("index", 0)
+                last_metas[index] = out["meta_info"]
+                chunk_id = chunk_id or out["meta_info"]["id"]  # one id for every chunk of the response
+                choice = _choice(call, out, progress.setdefault(index, ChoiceProgress()), chunk=True)
+                chunk = {**_envelope(call, chunk_id, created, model, chunk=True), "choices": [choice]}
                 if call.include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
@@ -221,9 +140,9 @@ async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any]
         except ServiceUnavailableError as error:
             yield sse(error_body(503, str(error)))
         else:
-            if call.include_usage and last_meta is not None:
-                yield sse({**_envelope(call, last_meta["id"], created, model, chunk=True), "choices": [],
-                           "usage": _usage(last_meta)})
+            if call.include_usage and chunk_id is not None:
+                yield sse({**_envelope(call, chunk_id, created, model, chunk=True), "choices": [],
+                           "usage": _usage([last_metas[i] for i in sorted(last_metas)])})
     yield "data: [DONE]\n\n"
 
 
@@ -250,9 +169,9 @@ async def _serve(request: Request, chat: bool) -> Response:
         return error_response(400, str(error), getattr(error, "param", None))
     except ServiceUnavailableError as error:
         return error_response(503, str(error))
-    if not results:  # the client went away; nobody reads this
+    if len(results) < call.n:  # the client went away; nobody reads this
         return error_response(400, "the client disconnected")
-    return JSONResponse(full_response(call, results[0], model))
+    return JSONResponse(full_response(call, results, model))
 
 
 @router.get("/v1/models")

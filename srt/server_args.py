@@ -55,6 +55,8 @@ class ServerArgs:
     enable_rank_consensus_checker: bool = field(
         default_factory=lambda: _env_flag("SRT_ENABLE_RANK_CONSENSUS_CHECKER"))
     shutdown_timeout: float = 30.0
+    enable_metrics: bool = False
+    decode_log_interval: int = 40
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,7 +69,7 @@ class ServerArgs:
                 raise ValueError(f"--{flag} must be positive, got {value}")
 
         for flag in ("tp_size", "pp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
-                     "chunked_prefill_size", "page_size", "stream_interval"):
+                     "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
         for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
@@ -142,6 +144,9 @@ class ServerArgs:
         a("--sync-token-ids-across-tp", action="store_true", default=None)
         a("--enable-rank-consensus-checker", action="store_true", default=None)
         a("--shutdown-timeout", type=float, default=d["shutdown_timeout"].default)
+        a("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
+        a("--decode-log-interval", type=int, default=d["decode_log_interval"].default,
+          help="log a decode stats line every this many decode steps")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:

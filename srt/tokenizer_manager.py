@@ -4,16 +4,16 @@ It validates and tokenizes (bad input -> RequestError, an HTTP 400, before anyth
 rank), pushes TokenizedGenerateReq / AbortReq / control messages to scheduler rank 0, and routes
 what the detokenizer sends back (BatchStrOut, ControlReply) to the waiting callers.
 
-Usage: `call = tm.parse_generate(obj)` (synchronous, raises), then `async for out in
-tm.generate(call, request)`. Streaming yields one dict per update with the *cumulative* text and
-output ids so far (SGLang's /generate default); non-streaming yields each request's final dict.
-Batch items carry "index". When the client disconnects, every unfinished request is aborted.
+Usage: `call = tm.parse_generate(obj)` (synchronous, raises; generate_parse.py), then `async for
+out in tm.generate(call, request)`. Streaming yields one dict per update with the *cumulative*
+text, output ids and logprobs so far (SGLang's /generate default); non-streaming yields each
+request's final dict. Batch items carry "index". When the client disconnects, every unfinished
+request is aborted. With --enable-metrics it records the front end's series (metrics.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -27,6 +27,7 @@ import zmq.asyncio
 from fastapi import Request
 from transformers import AutoTokenizer
 
+from srt.generate_parse import GenerateCall, GenerateParser, RequestError
 from srt.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -34,36 +35,22 @@ from srt.io_struct import (
     FinishReason,
     FlushCacheReq,
     GetInternalStateReq,
-    TokenizedGenerateReq,
 )
+from srt.logprob_meta import LogprobMeta
+from srt.metrics import FrontendMetrics, RequestTiming, metrics_dir
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.tokenizer_manager")
 
-GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid")
+__all__ = ["GenerateCall", "RequestError", "ServiceUnavailableError", "TokenizerManager"]
+
 SHUTTING_DOWN = "server is shutting down"
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 DISCONNECT_CHECK_S = 0.5
-
-
-class RequestError(ValueError):
-    """Bad client input (HTTP 400); `param` names the offending parameter when there is one."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ServiceUnavailableError(RuntimeError):
     """The server cannot serve (a rank died, or a control/health reply did not come): HTTP 503."""
-
-
-@dataclass
-class GenerateCall:
-    reqs: list[TokenizedGenerateReq]
-    is_batch: bool
-    stream: bool
 
 
 @dataclass
@@ -72,7 +59,8 @@ class ReqState:
     prompt_tokens: int
     wake: asyncio.Event  # shared by the requests of one call
     index: int | None  # position in a batch call; None for a single request
-    created: float = field(default_factory=time.perf_counter)
+    logprobs: LogprobMeta | None = None  # set when the request asked for logprobs
+    timing: RequestTiming = field(default_factory=RequestTiming)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     completion_tokens: int = 0
@@ -81,18 +69,16 @@ class ReqState:
     updated: bool = False
 
     def to_output(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": {
-            "id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
-            "e2e_latency": time.perf_counter() - self.created}}
+        meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+                "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
+                "e2e_latency": time.perf_counter() - self.timing.created}
+        if self.logprobs is not None:
+            meta.update(self.logprobs.meta_info())
+        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
         if self.index is not None:
             out["index"] = self.index
         return out
-
-
-def _is_token_id(value: Any, vocab_size: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 class TokenizerManager:
@@ -106,6 +92,9 @@ class TokenizerManager:
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
+        self.parser = GenerateParser(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens,
+                                     self._seed)
+        self.metrics = FrontendMetrics(metrics_dir(port_args)) if server_args.enable_metrics else None
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
         self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on
@@ -195,108 +184,7 @@ class TokenizerManager:
         """Validate and tokenize a /generate body. Raises RequestError (400) or ServiceUnavailableError."""
         if self.refusal is not None:
             raise ServiceUnavailableError(self.refusal)
-        if not isinstance(obj, dict):
-            raise RequestError("the request must be a JSON object")
-        unknown = sorted(set(obj) - set(GENERATE_FIELDS))
-        if unknown:
-            raise RequestError(f"unknown parameter(s): {', '.join(unknown)} (allowed: {', '.join(GENERATE_FIELDS)})",
-                               unknown[0])
-        if (obj.get("text") is None) == (obj.get("input_ids") is None):
-            both = obj.get("text") is not None
-            raise RequestError("give either text or input_ids, not both" if both else
-                               "a prompt is required: give text or input_ids", "input_ids" if both else "text")
-        stream = obj.get("stream") or False
-        if not isinstance(stream, bool):
-            raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
-        prompt_key = "text" if obj.get("text") is not None else "input_ids"
-        prompts, is_batch = self._tokenize(obj["text"]) if prompt_key == "text" else self._check_ids(obj["input_ids"])
-        params = self._sampling_params(obj.get("sampling_params"), len(prompts), is_batch)
-        rids = self._rids(obj.get("rid"), len(prompts), is_batch)
-        for i, (ids, sp) in enumerate(zip(prompts, params)):
-            total = len(ids) + sp.max_new_tokens
-            where = f"{prompt_key}[{i}]: " if is_batch else ""
-            param = "max_new_tokens" if len(ids) < self.context_length else prompt_key
-            if total > self.context_length:
-                raise RequestError(f"{where}the prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                                   f"{total} exceeds the context length ({self.context_length})", param)
-            if self.max_total_tokens is not None and total > self.max_total_tokens:
-                raise RequestError(f"{where}the prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                                   f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)", param)
-        reqs = [TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=sp, seed=self._seed(sp), stream=stream)
-                for rid, ids, sp in zip(rids, prompts, params)]
-        return GenerateCall(reqs=reqs, is_batch=is_batch, stream=stream)
-
-    def _tokenize(self, text: Any) -> tuple[list[list[int]], bool]:
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a non-empty string or a non-empty list of non-empty strings", "text")
-        for i, t in enumerate(texts):
-            where = f"text[{i}]" if is_batch else "text"
-            if not t:
-                raise RequestError(f"{where} is empty", "text")
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError:
-                raise RequestError(f"{where} contains an unpaired surrogate (not valid Unicode)", "text") from None
-        prompts = [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise RequestError(f"text[{i}] tokenizes to no tokens" if is_batch else "text tokenizes to no tokens",
-                                   "text")
-        return prompts, is_batch
-
-    def _check_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)",
-                               "input_ids")
-        is_batch = isinstance(input_ids[0], list)
-        rows = input_ids if is_batch else [input_ids]
-        for i, row in enumerate(rows):
-            where = f"input_ids[{i}]" if is_batch else "input_ids"
-            if not isinstance(row, list):
-                raise RequestError(f"{where} must be a list of token ids", "input_ids")
-            if not row:
-                raise RequestError(f"{where} is empty", "input_ids")
-            for token in row:
-                if not _is_token_id(token, self.vocab_size):
-                    raise RequestError(f"{where} holds {token!r}, not a token id in [0, {self.vocab_size})",
-                                       "input_ids")
-        return [list(row) for row in rows], is_batch
-
-    def _sampling_params(self, raw: Any, n: int, is_batch: bool) -> list[SamplingParams]:
-        if is_batch and isinstance(raw, list):
-            if len(raw) != n:
-                raise RequestError(f"sampling_params has {len(raw)} entries for a batch of {n}", "sampling_params")
-            raws = raw
-        else:
-            raws = [raw] * n
-        out = []
-        for one in raws:
-            for key, value in (one.items() if isinstance(one, dict) else ()):
-                if isinstance(value, int) and abs(value) >= 2**63:  # JSON ints are unbounded; floats are not
-                    raise RequestError(f"{key} is out of range: {value!r:.30}",
-                                       key if key in _SAMPLING_FIELDS else "sampling_params")
-            try:
-                params = SamplingParams.from_dict(one)
-                params.validate(self.vocab_size)
-            except (ValueError, TypeError) as error:
-                name = str(error).split(" ", 1)[0]
-                raise RequestError(str(error), name if name in _SAMPLING_FIELDS else "sampling_params") from None
-            out.append(params)
-        return out
-
-    def _rids(self, raw: Any, n: int, is_batch: bool) -> list[str]:
-        if raw is None:
-            return [uuid.uuid4().hex for _ in range(n)]
-        rids = raw if is_batch else [raw]
-        if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) and r for r in rids):
-            shape = f"a list of {n} non-empty strings" if is_batch else "a non-empty string"
-            raise RequestError(f"rid must be {shape}, got {raw!r}", "rid")
-        if len(set(rids)) != n:
-            raise RequestError("rid holds duplicates", "rid")
-        self._check_rids_free(rids)
-        return list(rids)
+        return self.parser.parse(obj, self.rid_to_state)
 
     def _check_rids_free(self, rids: list[str]) -> None:
         busy = [r for r in rids if r in self.rid_to_state]
@@ -310,6 +198,10 @@ class TokenizerManager:
         mixed = (self.server_args.random_seed * 0x9E3779B97F4A7C15 + next(self._seed_counter) * 0xBF58476D1CE4E5B9)
         return (mixed ^ (mixed >> 31)) & (2**63 - 1)
 
+    def decode_tokens(self, token_ids: list[int]) -> list[str]:
+        """One text per token id (logprob entries name their tokens)."""
+        return [str(t) for t in self.tokenizer.batch_decode([[i] for i in token_ids])]
+
     # ---- generation ----
     async def generate(self, call: GenerateCall, request: Request | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Send the call's requests and yield outputs (see the module doc). Raises
@@ -317,7 +209,10 @@ class TokenizerManager:
         self.start()
         self._check_rids_free([req.rid for req in call.reqs])  # the rid may have been taken since parsing
         wake = asyncio.Event()
-        states = [ReqState(req.rid, len(req.input_ids), wake, i if call.is_batch else None)
+        decode = self.decode_tokens if call.return_text_in_logprobs else None
+        states = [ReqState(req.rid, len(req.input_ids), wake, i if call.is_batch else None,
+                           LogprobMeta(req.top_logprobs_num, req.logprob_start_len, decode)
+                           if req.return_logprob else None)
                   for i, req in enumerate(call.reqs)]
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
@@ -421,6 +316,14 @@ class TokenizerManager:
             logger.exception("the response loop failed")
             self.fail_all(f"the response loop failed: {error!r}")
 
+    def _record_metrics(self, state: ReqState) -> None:
+        assert self.metrics is not None
+        now = time.perf_counter()
+        self.metrics.on_tokens(state.rid, state.timing, state.completion_tokens, now)
+        if state.finish_reason is not None:
+            self.metrics.on_finish(state.rid, state.finish_reason.type, state.prompt_tokens, state.completion_tokens,
+                                   state.cached_tokens, now - state.timing.created)
+
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOut):
             for i, rid in enumerate(msg.rids):
@@ -432,6 +335,10 @@ class TokenizerManager:
                 state.completion_tokens = msg.completion_tokens[i]
                 state.cached_tokens = msg.cached_tokens[i]
                 state.finish_reason = msg.finished_reasons[i]
+                if state.logprobs is not None and msg.output_logprobs:
+                    state.logprobs.add(msg.output_logprobs[i], msg.input_logprobs[i])
+                if self.metrics is not None:
+                    self._record_metrics(state)
                 state.updated = True
                 state.wake.set()
         elif isinstance(msg, ControlReply):

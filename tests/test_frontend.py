@@ -204,7 +204,7 @@ BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
      "stop_token_ids", str(VOCAB_SIZE)),
     ("unknown sampling param", {"text": "hi", "sampling_params": {"temprature": 1}}, "sampling_params",
      "temprature"),
-    ("unknown field", {"text": "hi", "return_logprob": True}, "return_logprob", "return_logprob"),
+    ("unknown field", {"text": "hi", "return_hidden_states": True}, "return_hidden_states", "return_hidden_states"),
     ("stream not bool", {"text": "hi", "stream": "yes"}, "stream", "stream"),
     ("rid not string", {"text": "hi", "rid": 5}, "rid", "rid"),
     ("batch rid count", {"text": ["a", "b"], "rid": ["x"]}, "rid", "rid"),

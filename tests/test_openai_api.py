@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes, driven by the official `openai` client against one real SmolLM2
 server: the answers equal /generate's for the same greedy request, streamed deltas add up to the
-non-streamed answer, usage adds up, and bad or unsupported parameters get a 400 naming them."""
+non-streamed answer, usage adds up, logprobs equal /generate's (streamed too), n > 1 returns n
+seeded choices, and bad or unsupported parameters get a 400 naming them."""
 
 from __future__ import annotations
 
@@ -111,8 +112,11 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": -3}, "max_tokens"),
     ({"max_tokens": 20000}, "max_tokens"),
-    ({"logprobs": True}, "logprobs"),
-    ({"n": 2}, "n"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"n": 0}, "n"),
+    ({"n": 2.5}, "n"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
 ])
 def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any],
@@ -126,7 +130,8 @@ def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs
 
 def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+        ({"prompt": PROMPT, "logprobs": -1}, "logprobs"), ({"prompt": PROMPT, "n": 500}, "n"),
         ({"prompt": PROMPT, "echo": True}, "echo"), ({"prompt": PROMPT, "extra_body": {"bogus": 1}}, "bogus")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -135,3 +140,73 @@ def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: op
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=[])
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def generate_logprobs(server: Server, top: int, **prompt: Any) -> dict[str, Any]:
+    r = server.generate({**prompt, "return_logprob": True, "top_logprobs_num": top, "return_text_in_logprobs": True,
+                         "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]  # type: ignore[no-any-return]
+
+
+def test_completion_logprobs_match_generate_streamed_or_not(server: Server, client: openai.OpenAI) -> None:
+    meta = generate_logprobs(server, 3, text=PROMPT)
+    reply = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=3)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs
+    assert logprobs.tokens == [e[2] for e in meta["output_token_logprobs"]]
+    assert logprobs.token_logprobs == [e[0] for e in meta["output_token_logprobs"]]
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    for chosen, value, top, ranked in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
+                                          meta["output_top_logprobs"]):
+        assert top[chosen] == value  # the chosen token is always listed (up to logprobs + 1 entries)
+        assert {e[2]: e[0] for e in ranked}.items() <= top.items() and len(top) <= 4
+    chunks = list(client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=3,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens or []] == logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs or []] == logprobs.token_logprobs
+    assert [o for lp in streamed for o in lp.text_offset or []] == logprobs.text_offset
+
+
+def test_chat_logprobs_match_generate_streamed_or_not(server: Server, client: openai.OpenAI, tokenizer: Any) -> None:
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                           add_special_tokens=False)["input_ids"]
+    meta = generate_logprobs(server, 2, input_ids=prompt_ids)
+    kwargs: dict[str, Any] = {"model": "m", "messages": MESSAGES, "temperature": 0, "max_tokens": 6, "logprobs": True,
+                              "top_logprobs": 2}
+    reply = client.chat.completions.create(**kwargs)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    content = logprobs.content
+    assert [(c.token, c.logprob) for c in content] == [(e[2], e[0]) for e in meta["output_token_logprobs"]]
+    assert "".join(c.token for c in content) == reply.choices[0].message.content
+    for item in content:
+        assert item.bytes == list(item.token.encode("utf-8"))
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token  # greedy: the best one
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(**kwargs, stream=True)]
+    assert [(c.token, c.logprob) for lp in streamed if lp is not None for c in lp.content or []] == \
+        [(c.token, c.logprob) for c in content]
+    # Without logprobs the choice has none.
+    assert client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None,
+                                             "max_tokens": 1}).choices[0].logprobs is None
+
+
+def test_n_choices_are_seeded_and_streamed_by_index(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "m", "prompt": PROMPT, "temperature": 1.0, "max_tokens": 8, "seed": 5,
+                              "extra_body": {"ignore_eos": True}}
+    reply = client.completions.create(**kwargs, n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    texts = [c.text for c in reply.choices]
+    assert texts[0] != texts[1]  # two different seeds
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    assert client.completions.create(**kwargs).choices[0].text == texts[0]  # choice 0 keeps the seed itself
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kwargs, n=2, stream=True):  # seeded: the same choices again
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(2)] == texts
+    chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, n=2, seed=1)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)

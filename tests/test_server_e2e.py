@@ -164,6 +164,10 @@ def test_bad_input_gets_400_and_server_keeps_serving(tp2_server: Server) -> None
     assert tp2_server.generate(greedy_payload([5, 6, 7])).status_code == 200
 
 
+def test_metrics_is_404_without_enable_metrics(tp2_server: Server) -> None:
+    assert requests.get(tp2_server.url + "/metrics", timeout=10).status_code == 404
+
+
 def test_tiny_kv_budget_still_matches(tiny_model_dirs: dict[str, Path], tokenizer_dir: str,
                                       engine_reference: list[list[int]]) -> None:
     with Server("--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path", tokenizer_dir,

@@ -1,0 +1,107 @@
+"""Logprobs in the scheduler: which extra logits a step needs, and recording them per request.
+
+Every rank computes the same LogprobPlan from shared state (the LM head that turns its rows
+into logits is a TP collective), but only the output rank takes the log-softmax and records
+values: nothing is decided from them. A step in which no request asked costs one `any()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_executor.logprobs import TopLogprobs, token_logprobs
+from scheduler.req import Req
+from scheduler.schedule_batch import Phase, ScheduleBatch
+from srt.io_struct import BatchTokenIDOut, TokenLogprobs
+
+
+@dataclass
+class PromptSpan:
+    req_index: int  # in the batch
+    first_position: int  # prompt position of the first row: it scores token first_position + 1
+    count: int
+
+
+@dataclass
+class LogprobPlan:
+    token_rows: list[int]  # rows of the step's flattened new tokens whose logits prompt logprobs need
+    spans: list[PromptSpan]  # which request each run of token_rows belongs to, in order
+
+
+def plan_logprobs(batch: ScheduleBatch) -> LogprobPlan | None:
+    """None when no request of the batch asked for logprobs."""
+    if not any(req.return_logprob for req in batch.reqs):
+        return None
+    rows: list[int] = []
+    spans: list[PromptSpan] = []
+    offset = 0  # where request i's new tokens start in the flattened step
+    for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+        if batch.phase is Phase.PREFILL:
+            wanted = req.prompt_logprob_positions
+            # This step computes positions kv_len .. kv_len + n - 1 of the request.
+            first, stop = max(wanted.start, req.kv_len), min(wanted.stop, req.kv_len + n)
+            if first < stop:
+                rows.extend(range(offset + first - req.kv_len, offset + stop - req.kv_len))
+                spans.append(PromptSpan(i, first, stop - first))
+        offset += n
+    return LogprobPlan(rows, spans)
+
+
+def samples_a_token(batch: ScheduleBatch, i: int) -> bool:
+    """Whether request i gets an output token this step (a prompt scored with max_new_tokens=0,
+    only for its prompt logprobs, completes without one)."""
+    return batch.samples(i) and batch.reqs[i].sampling_params.max_new_tokens > 0
+
+
+def record_logprobs(batch: ScheduleBatch, plan: LogprobPlan, last_logits: torch.Tensor,
+                    token_logits: torch.Tensor | None, next_ids: list[int]) -> None:
+    """Append this step's logprobs to the requests (call before the batch result moves kv_len)."""
+    out_rows = [i for i, req in enumerate(batch.reqs) if req.return_logprob and samples_a_token(batch, i)]
+    targets = [next_ids[i] for i in out_rows]
+    top_nums = [batch.reqs[i].top_logprobs_num for i in out_rows]
+    for span in plan.spans:
+        req = batch.reqs[span.req_index]
+        targets += req.origin_input_ids[span.first_position + 1:span.first_position + 1 + span.count]
+        top_nums += [req.top_logprobs_num] * span.count
+    if not targets:
+        return
+    logits = last_logits[out_rows]
+    if token_logits is not None and token_logits.shape[0]:
+        logits = torch.cat([logits, token_logits])
+    values, tops = token_logprobs(logits, torch.tensor(targets, device=logits.device), top_nums)
+    for k, i in enumerate(out_rows):
+        _append(batch.reqs[i].output_logprobs, values[k:k + 1], targets[k:k + 1], tops[k:k + 1])
+    k = len(out_rows)
+    for span in plan.spans:
+        end = k + span.count
+        _append(batch.reqs[span.req_index].input_logprobs, values[k:end], targets[k:end], tops[k:end])
+        k = end
+
+
+def _append(into: TokenLogprobs, values: list[float], token_ids: list[int], tops: list[TopLogprobs | None]) -> None:
+    into.values.extend(values)
+    into.token_ids.extend(token_ids)
+    into.top.extend(tops)
+
+
+def attach_logprobs(out: BatchTokenIDOut, req: Req) -> None:
+    """Add req's logprobs not sent yet to `out` (call before req.sent_len moves): its new output
+    tokens', and with its first message its prompt's. None for what it did not ask for."""
+    if not req.return_logprob:
+        out.output_logprobs.append(None)
+        out.input_logprobs.append(None)
+        return
+    lp, start = req.output_logprobs, req.sent_len
+    out.output_logprobs.append(TokenLogprobs(lp.values[start:], lp.token_ids[start:], lp.top[start:]))
+    out.input_logprobs.append(_prompt_logprobs(req) if req.logprob_start_len >= 0 and req.sent_len == 0 else None)
+
+
+def _prompt_logprobs(req: Req) -> TokenLogprobs:
+    """All prompt logprobs from logprob_start_len on; the first prompt token has none (null)."""
+    lp = req.input_logprobs
+    if req.logprob_start_len > 0:
+        return TokenLogprobs(list(lp.values), list(lp.token_ids), list(lp.top))
+    head = req.origin_input_ids[:1]
+    return TokenLogprobs([None, *lp.values], head + lp.token_ids, [None, *lp.top])

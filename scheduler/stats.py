@@ -1,0 +1,100 @@
+"""What a rank reports about its work: the periodic stats log (output rank) and its Prometheus
+series (every rank, with --enable-metrics; see srt/metrics.py).
+
+    Prefill batch. #new-seq: 2, #new-token: 96, #cached-token: 32, token usage: 0.01, #running-req: 3, #queue-req: 0
+    Decode batch. #running-req: 5, #token: 620, token usage: 0.04, gen throughput (token/s): 85.31, #queue-req: 0
+
+as SGLang prints them: a prefill line per prefill step, a decode line every
+--decode-log-interval decode steps. Wall-clock time is read here for reporting only; nothing
+scheduled depends on it. The log format names the process (scheduler_TP0) in every line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.req import Req
+from scheduler.schedule_batch import ScheduleBatch
+from srt.metrics import RankMetrics
+
+logger = logging.getLogger("srt.scheduler")
+
+
+@dataclass
+class LoadSnapshot:
+    running: int  # requests decoding (and a prompt part-way through chunked prefill)
+    waiting: int
+    used_tokens: int  # KV held by requests (neither free nor evictable cache)
+    max_total_tokens: int
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_tokens / self.max_total_tokens if self.max_total_tokens else 0.0
+
+
+@dataclass
+class SchedulerStats:
+    load: Callable[[], LoadSnapshot]  # read only when a line is logged or a gauge refreshed
+    log_enabled: bool  # the output rank logs; the others only count
+    decode_log_interval: int
+    metrics: RankMetrics | None = None
+    decode_steps: int = 0
+    generated_since_log: int = 0  # output tokens since the last decode line (or since idle)
+    last_log_time: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0  # of requests whose prompt is done, since start
+    cache_hit_tokens: int = 0  # of those, served from the prefix cache
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def on_prefill(self, batch: ScheduleBatch) -> None:
+        """Before a prefill step runs (its requests still hold their pre-step kv_len)."""
+        if not self.log_enabled:
+            return
+        cached = sum(r.cached_len for r in batch.reqs if r.kv_len == r.cached_len)  # first chunks only
+        load = self.load()
+        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                    "#running-req: %d, #queue-req: %d", len(batch.reqs), sum(batch.extend_lens), cached,
+                    load.token_usage, load.running, load.waiting)
+
+    def on_prompt_done(self, req: Req) -> None:
+        """A request sampled its first token: its prompt counts towards the cache hit rate."""
+        self.prompt_tokens += len(req.origin_input_ids)
+        self.cache_hit_tokens += req.cached_tokens
+
+    def on_decode(self) -> None:
+        """Before a decode step runs: every --decode-log-interval-th one logs a line."""
+        self.decode_steps += 1
+        if not self.log_enabled or self.decode_steps % self.decode_log_interval:
+            return
+        now = time.perf_counter()
+        throughput = self.generated_since_log / max(now - self.last_log_time, 1e-9)
+        self.generated_since_log, self.last_log_time = 0, now
+        load = self.load()
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d", load.running, load.used_tokens, load.token_usage, throughput, load.waiting)
+        if self.metrics is not None and self.metrics.is_output_rank:
+            self.metrics.set(gen_throughput=throughput)
+
+    def after_step(self, sampled: int) -> None:
+        """After a forward step that produced `sampled` output tokens."""
+        if self.metrics is not None:
+            self.metrics.step()
+        self.generated_since_log += sampled
+
+    def on_idle(self) -> None:
+        """No batch ran: throughput is measured from the next busy step, not across the idle time."""
+        if self.log_enabled:
+            self.generated_since_log, self.last_log_time = 0, time.perf_counter()
+
+    def publish(self) -> None:
+        """Refresh the output rank's gauges (once per loop iteration, with --enable-metrics)."""
+        if self.metrics is None or not self.metrics.is_output_rank:
+            return
+        load = self.load()
+        self.metrics.set(num_running_reqs=load.running, num_queue_reqs=load.waiting, num_used_tokens=load.used_tokens,
+                         token_usage=load.token_usage, cache_hit_rate=self.cache_hit_rate)

@@ -1,0 +1,142 @@
+"""Prometheus metrics (--enable-metrics), served as text on GET /metrics.
+
+Two sources, one page:
+
+- The front end (main process) measures what a client sees, in its own registry:
+  `srt:num_requests_total{finish_reason}`, `srt:prompt_tokens_total`, `srt:generation_tokens_total`,
+  `srt:cached_tokens_total` (counters); `srt:time_to_first_token_seconds`,
+  `srt:inter_token_latency_seconds`, `srt:e2e_request_latency_seconds` (histograms).
+- The scheduler ranks write theirs with prometheus_client's multiprocess mode: each process keeps
+  its values in small mmap'd files under `<ipc dir>/metrics`, and /metrics merges them at scrape
+  time. No message and no collective is added to the step loop; a rank's write is a few
+  microseconds. Every rank: `srt:forward_steps_total{rank}` and
+  `srt:last_forward_step_timestamp_seconds{rank}` (unix time; what a hang alert watches). The
+  output rank: `srt:num_running_reqs`, `srt:num_queue_reqs`, `srt:num_used_tokens`,
+  `srt:token_usage` (KV held by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens
+  served from the prefix cache / prompt tokens, since start), `srt:gen_throughput` (tokens/s,
+  at the last decode stats log).
+
+Only the ranks of node 0 write where node 0's /metrics reads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from srt.server_args import PortArgs
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.8, 1, 2, 4)
+E2E_BUCKETS = (0.05, 0.1, 0.2, 0.4, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120, 300, 600)
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # /health_generate's probes are not user traffic
+
+
+def metrics_dir(port_args: PortArgs) -> Path:
+    """Where the scheduler processes of this node write their metric files (removed with the
+    ipc directory at shutdown)."""
+    return Path(port_args.tokenizer_ipc.removeprefix("ipc://")).parent / "metrics"
+
+
+def enable_multiprocess_metrics(directory: Path) -> None:
+    """In a scheduler process, before it creates any metric: values go to mmap'd files in
+    `directory` (prometheus_client's multiprocess mode) for the front end to read."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    from prometheus_client import values
+
+    values.ValueClass = values.MultiProcessValue()
+
+
+class RankMetrics:
+    """A scheduler rank's series (create after enable_multiprocess_metrics)."""
+
+    def __init__(self, rank: int, is_output_rank: bool) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.forward_steps = Counter("srt:forward_steps", "Forward steps run by this rank", ["rank"]).labels(str(rank))
+        self.last_step_time = Gauge("srt:last_forward_step_timestamp_seconds",
+                                    "Unix time of this rank's last forward step", ["rank"],
+                                    multiprocess_mode="max").labels(str(rank))
+        self.is_output_rank = is_output_rank
+        if not is_output_rank:
+            return
+        gauges = {"num_running_reqs": "Running requests", "num_queue_reqs": "Waiting requests",
+                  "num_used_tokens": "KV cache tokens held by requests",
+                  "token_usage": "Fraction of the KV cache held by requests",
+                  "cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens, since start",
+                  "gen_throughput": "Generated tokens per second, at the last decode stats log"}
+        self.gauges = {name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent") for name, doc in gauges.items()}
+
+    def step(self) -> None:
+        self.forward_steps.inc()
+        self.last_step_time.set(time.time())
+
+    def set(self, **values: float) -> None:
+        for name, value in values.items():
+            self.gauges[name].set(value)
+
+
+@dataclass
+class RequestTiming:
+    """What the front end remembers of one request for its latency series (perf_counter times)."""
+
+    created: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    completion_tokens: int = 0
+
+
+class FrontendMetrics:
+    """The front end's series, and the rendering of /metrics (its own + the ranks' files)."""
+
+    def __init__(self, rank_metrics_dir: Path) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.registry = CollectorRegistry()
+        rank_metrics_dir.mkdir(parents=True, exist_ok=True)
+        MultiProcessCollector(self.registry, path=str(rank_metrics_dir))
+        r = self.registry
+        self.requests = Counter("srt:num_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("srt:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("srt:generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("srt:cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("srt:time_to_first_token_seconds", "Time to the first output token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("srt:inter_token_latency_seconds", "Time between output tokens", buckets=ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("srt:e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+
+    def on_tokens(self, rid: str, timing: RequestTiming, completion_tokens: int, now: float) -> None:
+        """A request has `completion_tokens` output tokens at `now` (perf_counter)."""
+        new = completion_tokens - timing.completion_tokens
+        if new <= 0 or rid.startswith(HEALTH_CHECK_PREFIX):
+            return
+        if timing.first_token_time is None:
+            timing.first_token_time = now
+            self.ttft.observe(now - timing.created)
+        else:
+            gap = (now - timing.last_token_time) / new  # a chunk of k tokens: k gaps of elapsed / k
+            for _ in range(new):
+                self.itl.observe(gap)
+        timing.last_token_time = now
+        timing.completion_tokens = completion_tokens
+
+    def on_finish(self, rid: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int, latency_s: float) -> None:
+        if rid.startswith(HEALTH_CHECK_PREFIX):
+            return
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.e2e.observe(latency_s)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
