@@ -13,6 +13,7 @@ import zmq
 
 import consensus
 from model_executor.distributed.parallel_state import init_distributed
+from model_executor.loader.weight_source import eos_token_ids
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from scheduler.fault_injection import FaultInjector
 from scheduler.receiver import RequestReceiver
@@ -23,21 +24,6 @@ from srt.metrics import RankMetrics, enable_multiprocess_metrics, metrics_dir
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.scheduler")
-
-
-def eos_token_ids(model_dir: Path, hf_config: Any) -> set[int]:
-    ids: set[int] = set()
-    candidates = [getattr(hf_config, "eos_token_id", None)]
-    try:
-        from transformers import GenerationConfig
-
-        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except (OSError, ValueError):
-        pass
-    for eos in candidates:
-        if eos is not None:
-            ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    return ids
 
 
 def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:

@@ -20,7 +20,7 @@ import torch
 
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.loader.weight_source import resolve_model_path
+from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampler import SamplingBatchInfo
 from srt.sampling_params import SamplingParams
@@ -61,18 +61,11 @@ class _Running:
         return len(self.input_ids) + len(self.output_ids)
 
 
-def eos_token_ids(hf_config: Any) -> set[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
-
-
 def run_generation(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams],
                    seeds: list[int], max_prefill_tokens: int = 4096) -> list[GenerateOutput]:
     """Prefills every prompt (grouped under a token budget), then decodes them together until each
     stops. Every rank calling this with the same arguments runs the same steps."""
-    eos = eos_token_ids(runner.hf_config)
+    eos = eos_token_ids(runner.config.model_dir, runner.hf_config)
     reqs = [_Running(i, list(p), sp, s) for i, (p, sp, s) in enumerate(zip(prompts, params, seeds))]
     for r in reqs:
         if len(r.input_ids) + r.params.max_new_tokens > runner.context_length:

@@ -357,3 +357,28 @@ def test_load_hf_config(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="model_dir .* cannot read config.json"):
         load_hf_config(tmp_path)
+
+
+def test_generation_config_eos_ends_offline_generation(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """An EOS id that only generation_config.json lists stops the offline engine as it stops the
+    server (one helper, model_executor.loader.weight_source.eos_token_ids, serves both)."""
+    import shutil
+
+    from model_executor.loader.weight_source import eos_token_ids, load_hf_config
+    from srt.engine import Engine
+    from srt.sampling_params import SamplingParams
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dirs["llama"], model_dir)
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    prompt = [5, 17, 42, 9]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    with Engine(str(model_dir), dtype="float32", max_total_tokens=256) as engine:
+        free_run = engine.generate([prompt], greedy)[0].output_ids
+    config_eos = eos_token_ids(model_dir, load_hf_config(model_dir))
+    stop_at = next(i for i, t in enumerate(free_run) if t not in config_eos)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [free_run[stop_at]]}))
+    assert free_run[stop_at] in eos_token_ids(model_dir, None)
+    with Engine(str(model_dir), dtype="float32", max_total_tokens=256) as engine:
+        out = engine.generate([prompt], greedy)[0]
+    assert out.output_ids == free_run[: stop_at + 1] and out.finish_reason == "stop"

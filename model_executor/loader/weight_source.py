@@ -150,3 +150,19 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[LazyTensor]:
             if dtype is None:
                 raise ValueError(f"{path}: tensor {name} has unsupported dtype {info.get_dtype()}")
             yield LazyTensor(name, shape, dtype, file=handle)
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any) -> set[int]:
+    """Every id that ends generation: the config's eos_token_id and generation_config.json's."""
+    ids: set[int] = set()
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except (OSError, ValueError):
+        pass
+    for eos in candidates:
+        if eos is not None:
+            ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ids
