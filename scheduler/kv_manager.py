@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from consensus import rank_consensus
-from mem_cache.radix_cache import BasePrefixCache
+from mem_cache.radix_cache import BasePrefixCache, MatchResult
 from model_executor.model_runner import ModelRunner
 from scheduler.req import Req
 
@@ -36,16 +36,24 @@ class KVManager:
         limit = self.tree_cache.page_aligned_len(min(req.seq_len - 1, req.max_cached_prefix_len))
         return min(matched, limit)
 
+    def match(self, req: Req) -> tuple[int, MatchResult]:
+        """The usable length of `req`'s cached prefix, and the lookup to pass to `admit` if the
+        tree does not change in between (a lookup may split a node). Locks nothing."""
+        match = self.tree_cache.match_prefix(req.fill_ids)
+        return self._usable_prefix(req, len(match.kv_indices)), match
+
     def peek_prefix_len(self, req: Req) -> int:
-        return self._usable_prefix(req, len(self.tree_cache.match_prefix(req.fill_ids).kv_indices))
+        return self.match(req)[0]
 
     @rank_consensus(args={"req": lambda r: r.rid}, result=True, name="radix_match")
-    def admit(self, req: Req) -> int:
-        """Gives `req` a row and its cached prefix (locked). Raises if no row is free."""
+    def admit(self, req: Req, match: MatchResult | None = None) -> int:
+        """Gives `req` a row and its cached prefix (locked). `match`: this request's lookup, made
+        since the tree last changed. Raises if no row is free."""
         row = self.req_to_token_pool.alloc()
         if row is None:
             raise RuntimeError("no free request row; admission must respect max_running_requests")
-        match = self.tree_cache.match_prefix(req.fill_ids)
+        if match is None:
+            match = self.tree_cache.match_prefix(req.fill_ids)
         prefix_len = self._usable_prefix(req, len(match.kv_indices))
         self.req_to_token[row, :prefix_len] = match.kv_indices[:prefix_len]
         self.tree_cache.inc_lock_ref(match.last_node)

@@ -181,7 +181,7 @@ class Scheduler:
         for req in ordered:
             if len(self.running) + len(reqs) >= self.runner.max_running_requests:
                 break
-            prefix_len = self.kv.peek_prefix_len(req)
+            prefix_len, match = self.kv.match(req)
             n = budget.chunk_for(req.seq_len - prefix_len, used)
             if n == 0 or (n < req.seq_len - prefix_len and any(r.extend_len > m for r, m in zip(reqs, lens))):
                 break  # out of prefill budget, or a second partial prompt (one chunked request at a time)
@@ -189,7 +189,7 @@ class Scheduler:
             reserve = decode_reserve(req, self.new_token_ratio) if self.running or reqs else 0
             if not budget.fits(n, reserve, used):
                 break  # first come, first served: no overtaking when memory is short
-            self.kv.admit(req)
+            self.kv.admit(req, match)  # nothing changed the tree since the lookup
             budget.free_tokens = self.kv.available_tokens()  # its prefix is locked now, not evictable
             n = min(n, req.extend_len)
             self.waiting.remove(req)

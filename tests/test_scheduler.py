@@ -130,3 +130,20 @@ def test_radix_cache_disabled_matches(tiny_model_dirs: dict[str, Path], referenc
     assert h.tokens == reference
     assert h.integrity_error() is None
     assert h.runner.allocator.num_free_tokens == h.runner.max_total_tokens
+
+
+@pytest.mark.parametrize(("policy", "lookups_per_request"), [("fcfs", 1), ("lpm", 2)])
+def test_admission_looks_the_prefix_up_once(tiny_model_dirs: dict[str, Path], policy: str,
+                                            lookups_per_request: int) -> None:
+    """The lookup that sized a request's prefill is the one `admit` locks: no second match per
+    request (lpm ordering needs one more, to sort)."""
+    h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096, schedule_policy=policy)
+    cache = h.scheduler.tree_cache
+    lookups: list[int] = []
+    real = cache.match_prefix
+    cache.match_prefix = lambda ids: (lookups.append(len(ids)), real(ids))[1]  # type: ignore[method-assign]
+    for i, prompt in enumerate(mixed_prompts(3)):
+        h.submit(f"r{i}", prompt, GREEDY)
+    h.scheduler.step()  # one prefill step admits all three
+    assert len(h.scheduler.running) == 3
+    assert len(lookups) == 3 * lookups_per_request
