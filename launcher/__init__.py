@@ -1,1 +1,2 @@
-"""Rank layout, spawning, start-up handshake, supervision and teardown of one node's processes."""
+"""Rank layout, the nodes' rendezvous, spawning, start-up handshake, supervision and teardown of one
+node's processes."""

@@ -7,12 +7,15 @@ World ranks are numbered TP-fastest and dealt to nodes in contiguous blocks:
     node 1: world 2 (PP1 TP0), world 3 (PP1 TP1)      <- output rank = TP0 of the last stage
 
 Pure arithmetic: nothing here touches processes, sockets or devices (except the free port that
-`resolve_init_method` picks for a single-node run).
+`resolve_init_method` picks for a single-node run); callers pass in the environment and the
+device count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 INPUT_WORLD_RANK = 0  # owns the front end's ZMQ socket and broadcasts what it receives
 
@@ -125,3 +128,43 @@ def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # bare IPv6 address
     return f"tcp://{host}:{int(port_text)}"
+
+
+def check_device_count(ranks_per_node: int, available: int, nnodes: int) -> None:
+    """One CUDA device per local rank. Raises ValueError naming the remedy."""
+    if ranks_per_node > available:
+        raise ValueError(f"this node runs {ranks_per_node} ranks (--tp-size x --pp-size / --nnodes {nnodes}) but "
+                         f"has {available} CUDA devices; use smaller sizes or more nodes (--nnodes)")
+
+
+@dataclass(frozen=True)
+class RendezvousAddress:
+    """Where node 0's rendezvous store listens, and how the user named it (for messages)."""
+
+    host: str
+    port: int
+    source: str  # "--dist-init-addr" | "MASTER_ADDR:MASTER_PORT"
+
+    @property
+    def from_environment(self) -> bool:
+        return self.source == "MASTER_ADDR:MASTER_PORT"
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.source} {host}:{self.port}"
+
+
+def rendezvous_address(init_method: str, environ: Mapping[str, str]) -> RendezvousAddress:
+    """The store behind a resolved init method: tcp://HOST:PORT, or env:// read as torch reads it."""
+    if init_method.startswith("env://"):
+        missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(var)]
+        if missing:
+            raise ValueError(f"--dist-init-addr env:// needs {' and '.join(missing)} in the environment")
+        port_text = environ["MASTER_PORT"]
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ValueError(f"--dist-init-addr env://: MASTER_PORT must be a port in [1, 65535], got {port_text!r}")
+        return RendezvousAddress(environ["MASTER_ADDR"], int(port_text), "MASTER_ADDR:MASTER_PORT")
+    parts = urlsplit(init_method)
+    if parts.scheme != "tcp" or not parts.hostname or not parts.port:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, tcp://HOST:PORT or env://; got {init_method!r}")
+    return RendezvousAddress(parts.hostname, parts.port, "--dist-init-addr")

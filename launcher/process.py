@@ -100,11 +100,13 @@ def spawn_child(spec: ChildSpec) -> ChildProcess:
     return ChildProcess(spec, process, ready_reader, lifeline_writer)
 
 
-def wait_ready(children: list[ChildProcess], timeout: float) -> dict[str, dict[str, Any]]:
+def wait_ready(children: list[ChildProcess], timeout: float,
+               abort: Connection | None = None) -> dict[str, dict[str, Any]]:
     """Block until every child sent ("ready", info); return {child name: info}.
 
     Raises LaunchError at once when any child reports an error or exits (its traceback is
-    logged), or after `timeout` s naming the children still starting. The caller kills them.
+    logged), when a message arrives on `abort` (another node went down: the message says which),
+    or after `timeout` s naming the children still starting. The caller kills them.
     """
     deadline = time.monotonic() + timeout
     pending = list(children)
@@ -118,7 +120,10 @@ def wait_ready(children: list[ChildProcess], timeout: float) -> dict[str, dict[s
             names = ", ".join(c.label for c in pending)
             raise LaunchError(f"{names} not ready within {timeout:.0f} s")
         handles = [c.ready_conn for c in pending] + [c.sentinel for c in children]
-        fired = {id(by_handle[h]): by_handle[h] for h in wait(handles, remaining)}
+        ready = wait(handles + ([abort] if abort is not None else []), remaining)
+        if abort is not None and abort in ready:
+            raise LaunchError(str(abort.recv()))
+        fired = {id(by_handle[h]): by_handle[h] for h in ready}
         for child in fired.values():
             _check_child(child)
         pending = [c for c in pending if c.info is None]

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Pipe, wait
+from multiprocessing.connection import Connection, Pipe, wait
 
 from launcher.process import ChildProcess, stop_children
 
@@ -20,20 +20,26 @@ logger = logging.getLogger(__name__)
 
 
 class Supervisor:
-    """Watches `children` from a daemon thread.
+    """Watches `children` (and, on a multi-node server, the other nodes) from a daemon thread.
 
     On the first unexpected exit: log CRITICAL "<name> (pid N) exited with code C" (or "was
-    killed by signal S") and the child's traceback if it sent one; call on_failure(message);
-    wait grace_s so the front end can flush the error responses; SIGKILL every child tree;
-    call exit_fn(exit_code) (default os._exit: the main process ends non-zero).
+    killed by signal S"), followed by explain(message) when that names a cause elsewhere (another
+    node went first), and the child's traceback if it sent one. A message arriving on
+    `peer_failure` (another node published its failure) ends the server the same way. Then call
+    on_failure(message); wait grace_s so the front end can flush the error responses; SIGKILL
+    every child tree; call exit_fn(exit_code) (default os._exit: the main process ends non-zero).
     `stop()` before a deliberate shutdown makes later exits quiet.
     """
 
     def __init__(self, children: list[ChildProcess], on_failure: Callable[[str], None] | None = None, *,
                  grace_s: float = 1.0, exit_code: int = 1,
-                 exit_fn: Callable[[int], object] = os._exit) -> None:
+                 exit_fn: Callable[[int], object] = os._exit,
+                 explain: Callable[[str], str | None] | None = None,
+                 peer_failure: Connection | None = None) -> None:
         self.children = list(children)
         self.on_failure = on_failure
+        self.explain = explain
+        self.peer_failure = peer_failure
         self.grace_s = grace_s
         self.exit_code = exit_code
         self.exit_fn = exit_fn
@@ -58,20 +64,38 @@ class Supervisor:
 
     def _watch(self) -> None:
         by_sentinel = {c.sentinel: c for c in self.children}
-        fired = wait([*by_sentinel, self._wake_reader])
+        peer = [self.peer_failure] if self.peer_failure is not None else []
+        fired = wait([*by_sentinel, self._wake_reader, *peer])
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True  # a second death, or stop(), must not start another teardown
-        dead = next(by_sentinel[h] for h in fired if h in by_sentinel)
-        self._fail(dead)
+        dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
+        if dead is not None:
+            self._fail_child(dead)
+        else:
+            assert self.peer_failure is not None
+            self._shut_down(str(self.peer_failure.recv()))
 
-    def _fail(self, dead: ChildProcess) -> None:
+    def _cause(self, message: str) -> str | None:
+        if self.explain is None:
+            return None
+        try:
+            return self.explain(message)
+        except Exception:
+            logger.exception("explaining the failure raised")
+            return None
+
+    def _fail_child(self, dead: ChildProcess) -> None:
         message = dead.exit_message()
+        cause = self._cause(message)
+        self._shut_down(message if cause is None else f"{message}: {cause}", dead)
+
+    def _shut_down(self, message: str, dead: ChildProcess | None = None) -> None:
         self.failure = message
         logger.critical("%s; shutting down the server", message)
-        error = dead.read_error()
-        if error is not None:
+        error = dead.read_error() if dead is not None else None
+        if dead is not None and error is not None:
             logger.critical("%s failed with:\n%s", dead.label, error)
         if self.on_failure is not None:
             try:

@@ -2,7 +2,9 @@
 
 Node 0: one scheduler per local rank + the detokenizer as children, the TokenizerManager and the
 HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; this process
-just supervises them. Either way, any child's death takes the node down (launcher.supervisor).
+just supervises them. Before any child starts, every node meets the others at the rendezvous
+(launcher.rendezvous: duplicate node ranks and differing configurations fail there). Any child's
+death, or another node going down, takes the node down (launcher.supervisor, launcher.peers).
 
 Exit codes: 0 after SIGTERM/SIGINT, 1 when start-up fails or a child dies, 2 for bad arguments.
 A signal while serving starts a graceful shutdown (http_server.DrainingServer): new requests get
@@ -27,9 +29,20 @@ from types import FrameType
 from typing import Any
 
 from launcher.child import ChildSpec
-from launcher.layout import RankInfo, local_ranks, output_world_rank, resolve_init_method
+from launcher.fingerprint import launch_fingerprint
+from launcher.layout import (
+    RankInfo,
+    RendezvousAddress,
+    check_device_count,
+    local_ranks,
+    output_world_rank,
+    rendezvous_address,
+    resolve_init_method,
+)
 from launcher.log import configure_logging
+from launcher.peers import PeerWatch
 from launcher.process import ChildProcess, LaunchError, spawn_child, stop_children, wait_ready
+from launcher.rendezvous import USE_AGENT_STORE, Rendezvous
 from launcher.supervisor import Supervisor
 from launcher.teardown import become_subreaper, kill_process_tree
 from srt.server_args import PortArgs, ServerArgs
@@ -55,6 +68,7 @@ class LaunchPlan:
     model_dir: str
     tokenizer_path: str
     ranks: tuple[RankInfo, ...]
+    rendezvous: RendezvousAddress  # node 0's launcher hosts the store there
 
     @property
     def ipc_dir(self) -> Path:
@@ -79,12 +93,19 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
         check_port_free(server_args.host, server_args.port)
     ranks = local_ranks(server_args.tp_size, server_args.pp_size, server_args.nnodes, server_args.node_rank,
                         server_args.device)
+    if server_args.device == "cuda":
+        import torch
+
+        check_device_count(len(ranks), torch.cuda.device_count(), server_args.nnodes)
     init_method = resolve_init_method(server_args.dist_init_addr, server_args.nnodes)
+    rendezvous = rendezvous_address(init_method, os.environ)
+    if server_args.node_rank == 0 and rendezvous.port == server_args.port and server_args.dist_init_addr:
+        raise ValueError(f"--dist-init-addr and --port both name port {server_args.port}; node 0 needs both")
     from model_executor.loader.weight_source import resolve_model_path  # lazy: imports torch
 
     model_dir = str(resolve_model_path(server_args.model_path))
     return LaunchPlan(server_args, PortArgs.create(init_method), model_dir,
-                      server_args.tokenizer_path or model_dir, tuple(ranks))
+                      server_args.tokenizer_path or model_dir, tuple(ranks), rendezvous)
 
 
 def child_specs(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
@@ -153,6 +174,15 @@ def _exit_now(plan: LaunchPlan, code: int) -> None:
     os._exit(code)
 
 
+def meet_other_nodes(plan: LaunchPlan) -> PeerWatch:
+    """The rendezvous (on every node, even alone), then the watch on the other nodes."""
+    args = plan.server_args
+    rendezvous = Rendezvous.join(plan.rendezvous, args.node_rank, args.nnodes,
+                                 launch_fingerprint(args, plan.model_dir), args.dist_timeout)
+    os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients (launcher/rendezvous.py)
+    return PeerWatch(rendezvous).start()
+
+
 def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         detokenizer_target: str = DETOKENIZER_TARGET) -> int:
     """Start, serve (node 0) or supervise (node > 0), tear down. Returns the exit code."""
@@ -163,21 +193,27 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
     children: list[ChildProcess] = []
     frontend = Frontend()
     supervisor: Supervisor | None = None
+    peers: PeerWatch | None = None
+    farewell = f"node {args.node_rank} shut down"  # what the other nodes are told when this one exits
     try:
+        peers = meet_other_nodes(plan)
         for spec in child_specs(plan, scheduler_target, detokenizer_target):
             children.append(spawn_child(spec))
-        infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S)
+        infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S, abort=peers.failures)
         logger.info("%d child processes ready", len(children))
-        supervisor = Supervisor(children, frontend.fail_all, exit_fn=lambda code: _exit_now(plan, code))
+        supervisor = Supervisor(children, frontend.fail_all, exit_fn=lambda code: _exit_now(plan, code),
+                                explain=peers.explain, peer_failure=peers.failures)
         supervisor.start()
         if args.node_rank > 0:
             threading.Event().wait()  # until a signal, or the Supervisor ends the process
         return serve(plan, merge_model_info(plan, infos), frontend)
     except LaunchError as e:
         logger.error("launch failed: %s", e)
+        farewell = f"node {args.node_rank} failed to start: {e}"
         return 1
     except Shutdown as e:
         logger.info("received %s; shutting down", e)
+        farewell = f"node {args.node_rank} received {e}"
         return 0
     except SystemExit as e:  # uvicorn exits 1 when it cannot bind
         return e.code if isinstance(e.code, int) else 1
@@ -186,6 +222,8 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown short
         if supervisor is not None:
             supervisor.stop()
+        if peers is not None:
+            peers.announce(farewell)
         stop_children(children)
         kill_process_tree(os.getpid(), include_self=False, timeout=2.0)
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)

@@ -143,12 +143,3 @@ def test_rank_death_fails_requests_and_exits(tmp_path: Path, model_dir: Path) ->
     assert f"CRITICAL launcher.supervisor: {message}" in err
     assert all(gone(pid) for pid in pids.values())
 
-
-def test_worker_node_follows_its_ranks(tmp_path: Path, model_dir: Path) -> None:
-    node = Node(tmp_path, ["--model-path", str(model_dir), "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
-                           "--dist-init-addr", f"127.0.0.1:{free_port()}"], fake="die:1")
-    code, _, err = node.finish(timeout=90)
-    assert code == 1
-    assert "scheduler TP1 (pid" in err and "exited with code 7" in err
-    pids = node.child_pids()
-    assert set(pids) == {"srt::scheduler_TP1"}  # no detokenizer on node 1

@@ -1,0 +1,424 @@
+"""Two `launch_server` nodes on loopback: they serve what one node serves, follow each other's
+lifetime, and every misconfiguration ends with a non-zero exit and a message naming it.
+
+The rendezvous and lifetime tests on fake ranks (tests/launcher_targets.py) start in seconds; the
+serving tests run the real server on the tiny Llama (fp32, TP=2 split over two nodes)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+from server_fixture import Server
+
+from launcher.fingerprint import fingerprint_diff, launch_fingerprint
+from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
+from launcher.peers import HEARTBEAT_S, LOST_AFTER_S, PeerWatch
+from launcher.rendezvous import Rendezvous
+from srt.engine import free_port
+from srt.launch_server import plan_launch
+from srt.server_args import ServerArgs
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+HOST = socket.gethostname()
+
+
+class Node:
+    """One node: `launch_server` (or, with fake=True, launch_server's flow on fake ranks and a
+    fake front end), its output in a log file, killed with its process tree at the end."""
+
+    def __init__(self, tmp_path: Path, name: str, args: list[str], fake: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115
+        entry = [str(TESTS / "launcher_targets.py"), "node"] if fake else ["-m", "srt.launch_server"]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, *entry, *args], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**ENV, **(env or {})})
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; fails the test (with the log) when the node is still running."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"node still running after {timeout} s:\n{self.output()[-3000:]}") from None
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            return [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def close(self) -> None:
+        procs = self.tree()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[Node]]:
+    started: list[Node] = []
+    yield started
+    for node in started:
+        node.close()
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def two_node_args(dist_port: int, node_rank: int, *extra: str) -> list[str]:
+    return ["--nnodes", "2", "--node-rank", str(node_rank), "--tp-size", "2",
+            "--dist-init-addr", f"127.0.0.1:{dist_port}", "--port", str(free_port()), *extra]
+
+
+def fake_node(nodes: list[Node], tmp_path: Path, name: str, args: list[str], fake: str = "") -> Node:
+    node = Node(tmp_path, name, args, fake=True, env={"SRT_TEST_FAKE": fake})
+    nodes.append(node)
+    return node
+
+
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def wait_healthy(node: Node, port: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert node.proc.poll() is None, node.output()[-3000:]
+        try:
+            if http_status(port, "/health") == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"node 0 not healthy within {timeout} s:\n{node.output()[-3000:]}")
+
+
+def wait_for_line(node: Node, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in node.output():
+        assert node.proc.poll() is None and time.monotonic() < deadline, node.output()[-3000:]
+        time.sleep(0.1)
+
+
+def http_port(node: Node) -> int:
+    args = node.proc.args
+    assert isinstance(args, list)
+    return int(args[args.index("--port") + 1])
+
+
+# ---- pieces, in process ----
+
+
+def test_rendezvous_address_from_flag_or_environment() -> None:
+    assert str(rendezvous_address("tcp://10.0.0.1:5000", {})) == "--dist-init-addr 10.0.0.1:5000"
+    assert str(rendezvous_address("tcp://[::1]:5000", {})) == "--dist-init-addr [::1]:5000"
+    env = rendezvous_address("env://", {"MASTER_ADDR": "leader.svc", "MASTER_PORT": "29500"})
+    assert (env.host, env.port, str(env)) == ("leader.svc", 29500, "MASTER_ADDR:MASTER_PORT leader.svc:29500")
+    with pytest.raises(ValueError, match="env:// needs MASTER_PORT"):
+        rendezvous_address("env://", {"MASTER_ADDR": "leader.svc"})
+    with pytest.raises(ValueError, match="MASTER_PORT must be a port"):
+        rendezvous_address("env://", {"MASTER_ADDR": "a", "MASTER_PORT": "http"})
+
+
+def test_device_count_check_names_the_remedy() -> None:
+    check_device_count(4, 8, nnodes=2)
+    with pytest.raises(ValueError, match=r"this node runs 4 ranks .* but has 2 CUDA devices; .*\(--nnodes\)"):
+        check_device_count(4, 2, nnodes=1)
+
+
+def test_fingerprint_names_only_what_differs(model_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text("{}")
+    a = launch_fingerprint(ServerArgs(tp_size=2, dtype="float32"), model_dir)
+    assert fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32", port=1234), copy), 0, 1) == []
+    b = launch_fingerprint(ServerArgs(tp_size=4, dtype="float32", page_size=16), model_dir)
+    assert fingerprint_diff(a, b, 0, 1) == ["page_size (node 0: 1, node 1: 16)", "tp_size (node 0: 2, node 1: 4)"]
+    (copy / "model.safetensors").write_bytes(b"x")
+    assert [d.split(" ")[0] for d in fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32"),
+                                                                            copy), 0, 1)] == ["model"]
+
+
+@pytest.fixture
+def store_pair() -> Iterator[tuple[Any, list[Rendezvous]]]:
+    """Node 0 and node 1 of one server at an in-process store (the launchers' view of it)."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = RendezvousAddress("127.0.0.1", server.port, "--dist-init-addr")
+    clients = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2)]
+    yield server, [Rendezvous(clients[k], None, k, 2, address) for k in range(2)]
+
+
+def test_peer_watch_names_the_node_that_went_first(store_pair: tuple[Any, list[Rendezvous]]) -> None:
+    _, (node0, node1) = store_pair
+    watch0, watch1 = PeerWatch(node0).start(), PeerWatch(node1).start()
+    time.sleep(3 * HEARTBEAT_S)
+    assert watch0.explain("scheduler TP0 (pid 1) exited with code 1") is None  # node 1 still beats
+    assert watch1.failures.poll(5 * HEARTBEAT_S) and watch1.failures.recv() == (
+        "node 0 went down (scheduler TP0 (pid 1) exited with code 1)")  # node 1's supervisor gets this
+    assert watch1.explain("scheduler TP1 (pid 2) exited with code 1") == (  # or its rank dies first
+        "node 0 went down first (scheduler TP0 (pid 1) exited with code 1)")
+
+
+def test_peer_watch_names_a_silent_node(store_pair: tuple[Any, list[Rendezvous]]) -> None:
+    _, (node0, _) = store_pair  # node 1 never beats: its launcher was killed
+    start = time.monotonic()
+    assert PeerWatch(node0).start().explain("scheduler TP0 (pid 1) exited with code 1") == (
+        f"node 1 is gone (no heartbeat for {LOST_AFTER_S:g} s)")
+    assert LOST_AFTER_S <= time.monotonic() - start < LOST_AFTER_S + 2
+
+
+def test_peer_watch_names_node_0_when_its_store_is_gone() -> None:
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = server.port
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+    watch1 = PeerWatch(Rendezvous(client, None, 1, 2, RendezvousAddress("127.0.0.1", port, "--dist-init-addr")))
+    del server  # node 0's launcher, which hosts the store, is gone
+    assert watch1.start().explain("scheduler TP1 (pid 2) exited with code 1") == (
+        f"node 0 is gone (its rendezvous at --dist-init-addr 127.0.0.1:{port} no longer answers)")
+
+
+# ---- start-up checks: before anything starts, or at the rendezvous ----
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"], {},
+     "--tp-size x --pp-size (3 x 1) is not divisible by --nnodes 2"),
+    (["--nnodes", "2", "--node-rank", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:5000"], {},
+     "--node-rank 2 is outside [0, --nnodes 2)"),
+    (["--device", "cuda", "--tp", "64"], {}, "this node runs 64 ranks (--tp-size x --pp-size / --nnodes 1) but has"),
+    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "env://"], {"MASTER_ADDR": "", "MASTER_PORT": ""},
+     "--dist-init-addr env:// needs MASTER_ADDR and MASTER_PORT in the environment"),
+])
+def test_bad_layout_fails_before_anything_starts(argv: list[str], env: dict[str, str], message: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch_server turns these ValueErrors into exit code 2 (tests/test_launcher_server.py)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as error:
+        plan_launch(ServerArgs.from_cli(["--port", str(free_port()), *argv]))
+    assert message in str(error.value)
+
+
+@pytest.mark.timeout(90)
+def test_duplicate_node_rank_is_refused_at_once(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+    dist_port = free_port()
+    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
+    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)])
+    wait_for_line(node1, "node 1 of 2 met the others")
+    again1 = fake_node(nodes, tmp_path, "again1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)])
+    again0 = fake_node(nodes, tmp_path, "again0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
+    assert again1.wait(30) == 1 and again0.wait(30) == 1
+    assert f"--node-rank 1 is already taken by the node on host {HOST} (pid {node1.proc.pid})" in again1.output()
+    assert f"--node-rank 0 is already taken by the node on host {HOST} (pid {node0.proc.pid})" in again0.output()
+    assert "which hosts the rendezvous at --dist-init-addr 127.0.0.1:" in again0.output()
+    wait_healthy(node0, http_port(node0))  # the first two went on to serve, undisturbed
+    assert node1.proc.poll() is None
+
+
+@pytest.mark.timeout(90)
+def test_nodes_started_differently_both_fail_naming_the_fields(nodes: list[Node], tmp_path: Path,
+                                                               model_dir: Path) -> None:
+    other_model = tmp_path / "other"
+    other_model.mkdir()
+    (other_model / "config.json").write_text('{"num_hidden_layers": 3}')
+    dist_port = free_port()
+    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), "--dtype", "float32",
+                                                 *two_node_args(dist_port, 0)])
+    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(other_model), "--dtype", "bfloat16",
+                                                 "--page-size", "16", *two_node_args(dist_port, 1)])
+    assert node0.wait(60) == 1 and node1.wait(60) == 1
+    for node in (node0, node1):
+        out = node.output()
+        assert "the nodes were started differently" in out, out[-2000:]
+        assert "dtype (node 0: float32, node 1: bfloat16)" in out and "page_size (node 0: 1, node 1: 16)" in out
+        assert "model (" in out and f"at {other_model}" in out
+        assert "tp_size" not in out  # only what differs
+        assert "child processes ready" not in out  # no rank started
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_dist_init_addr_fails_within_dist_timeout(nodes: list[Node], tmp_path: Path,
+                                                              model_dir: Path) -> None:
+    dist_port = free_port()  # nobody listens there
+    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), "--dist-timeout", "3",
+                                                 *two_node_args(dist_port, 1)])
+    assert node1.wait(40) == 1
+    assert (f"cannot reach the rendezvous at --dist-init-addr 127.0.0.1:{dist_port} within --dist-timeout 3 s"
+            in node1.output()), node1.output()[-2000:]
+    assert time.monotonic() - node1.started < 3 + 25  # interpreter and imports on a busy machine: the rest
+
+
+@pytest.mark.timeout(60)
+def test_node_0_names_the_node_that_never_joined(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), "--dist-timeout", "3",
+                                                 *two_node_args(free_port(), 0)])
+    assert node0.wait(40) == 1
+    assert "node 1 did not join the rendezvous at --dist-init-addr 127.0.0.1:" in node0.output()
+    assert "within --dist-timeout 3 s" in node0.output()
+
+
+@pytest.mark.timeout(60)
+def test_busy_dist_init_port_fails_at_once(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        dist_port = busy.getsockname()[1]
+        node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), "--dist-timeout", "300",
+                                                     *two_node_args(dist_port, 0)])
+        assert node0.wait(40) == 1
+    assert (f"cannot host the rendezvous at --dist-init-addr 127.0.0.1:{dist_port}: port {dist_port} is already "
+            f"in use on this host" in node0.output()), node0.output()[-2000:]
+
+
+# ---- lifetimes, on fake ranks ----
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_rank_on_node_1_takes_both_nodes_down(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+    dist_port = free_port()
+    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
+    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)],
+                      fake="die:1")  # world rank 1 (node 1's only rank) exits 7 a second after it is ready
+    assert node1.wait(60) == 1
+    assert node0.wait(30) == 1
+    dead = f"scheduler TP1 (pid {_pid_in(node1.output(), 'scheduler TP1 (pid ')}) exited with code 7"
+    assert f"CRITICAL launcher.supervisor: {dead}; shutting down" in node1.output()
+    fail_all = json.loads([ln for ln in node0.output().splitlines() if ln.startswith('{"fail_all"')][0])
+    assert fail_all["fail_all"] == f"node 1 went down ({dead})"
+
+
+@pytest.mark.timeout(90)
+def test_a_node_that_fails_to_start_stops_the_others(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+    dist_port = free_port()
+    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
+    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)],
+                      fake="raise:1")
+    assert node1.wait(60) == 1 and node0.wait(30) == 1
+    assert "RuntimeError: fake failure on scheduler TP1" in node1.output()
+    assert "node 1 went down (node 1 failed to start: scheduler TP1 (pid" in node0.output(), node0.output()[-2000:]
+
+
+def _pid_in(text: str, prefix: str) -> int:
+    start = text.index(prefix) + len(prefix)
+    return int(text[start:text.index(")", start)])
+
+
+# ---- the real server, TP=2 over two nodes ----
+
+
+def serve_args(model: Path, tokenizer: Path) -> list[str]:
+    return ["--model-path", str(model), "--tokenizer-path", str(tokenizer), "--tp", "2", "--dtype", "float32",
+            "--max-total-tokens", "8192"]
+
+
+def greedy_outputs(server: Server) -> list[list[int]]:
+    payloads = [{"input_ids": list(range(7 + i, 30 + 2 * i)),
+                 "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}} for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        return [r.json()["output_ids"] for r in pool.map(server.generate, payloads)]
+
+
+def start_two_nodes(nodes: list[Node], tmp_path: Path, model: Path, tokenizer: Path,
+                    env_rendezvous: bool = False) -> tuple[Server, Node]:
+    """Node 1 in the background, then node 0 as a Server (healthy once both nodes serve).
+    env_rendezvous: `--dist-init-addr env://` with MASTER_ADDR / MASTER_PORT, as torchrun or a
+    LeaderWorkerSet would set them."""
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if env_rendezvous else {}
+    addr = "env://" if env_rendezvous else f"127.0.0.1:{port}"
+    dist = ["--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "120"]
+    node1 = Node(tmp_path, "node1", [*serve_args(model, tokenizer), *dist, "--node-rank", "1"], env=env)
+    nodes.append(node1)
+    return Server(*serve_args(model, tokenizer), *dist, "--node-rank", "0", env=env), node1
+
+
+def stream(server: Server) -> tuple[int, list[str]]:
+    payload = {"input_ids": list(range(5, 25)), "stream": True,
+               "sampling_params": {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True}}
+    with requests.post(server.url + "/generate", json=payload, stream=True, timeout=60) as r:
+        return r.status_code, [ln for ln in r.iter_lines(decode_unicode=True) if ln]
+
+
+def assert_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, [p.pid for p in alive]
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_serve_what_one_node_serves_and_go_down_with_node_1(
+        nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path) -> None:
+    with Server(*serve_args(long_context_llama, smollm2_dir)) as single:
+        expected = greedy_outputs(single)
+    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir)
+    with server:
+        assert greedy_outputs(server) == expected
+        node0_tree = server.children()
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream, server) for _ in range(2)]
+            time.sleep(1.5)  # both streams are mid-generation
+            os.kill(node1.proc.pid, signal.SIGKILL)
+            for f in streams:
+                status, lines = f.result(timeout=30)
+                assert status == 200 and lines[-1] == "data: [DONE]"
+                errors = [json.loads(ln[6:])["error"]["message"] for ln in lines[:-1] if '"error"' in ln]
+                assert errors and "node 1 is gone" in errors[0], lines[-3:]
+        assert server.proc.wait(timeout=30) != 0
+        assert f"exited with code 1: node 1 is gone (no heartbeat for {LOST_AFTER_S:g} s)" in server.output()
+        assert_gone(node0_tree)
+
+
+@pytest.mark.timeout(300)
+def test_killing_node_0_makes_node_1_exit(nodes: list[Node], tmp_path: Path, long_context_llama: Path,
+                                          smollm2_dir: Path) -> None:
+    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, env_rendezvous=True)
+    with server:
+        assert greedy_outputs(server)  # serving, with the ranks' rendezvous read from the environment
+        node1_tree = node1.tree()
+        titles = [" ".join(p.cmdline()).strip() for p in node1_tree[1:]]
+        assert "srt::scheduler_TP1" in titles and "srt::detokenizer" not in titles  # its rank only
+        os.kill(server.proc.pid, signal.SIGKILL)
+        start = time.monotonic()
+        assert node1.wait(30) == 1
+        assert time.monotonic() - start < 20
+        assert "node 0 is gone (its rendezvous at MASTER_ADDR:MASTER_PORT 127.0.0.1:" in node1.output()
+        assert_gone(node1_tree)
