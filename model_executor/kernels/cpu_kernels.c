@@ -130,7 +130,7 @@ void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t hea
  * (gcc does not vectorise the plain loops well here), plain loops otherwise. */
 #define MAX_GROUP_SIMD 16
 
-static inline void group_dots(const float *q, const bf16 *k, int64_t d, int64_t group, float *scores,
+static inline __attribute__((always_inline)) void group_dots(const float *q, const bf16 *k, int64_t d, int64_t group, float *scores,
                               int64_t stride) {
 #ifdef __AVX512F__
     if (d % 16 == 0 && group <= MAX_GROUP_SIMD) {
@@ -152,23 +152,75 @@ static inline void group_dots(const float *q, const bf16 *k, int64_t d, int64_t 
     }
 }
 
-static inline void group_axpys(float *acc, const float *p, int64_t stride, const bf16 *v, int64_t d,
-                               int64_t group) {
+/* acc[g][:] = sum_t p[g * stride + t] * V[slots[t]][offset:offset + d] for a group of query heads:
+ * the second half of decode attention. Columns 16 at a time with the group's sums in registers. */
+static inline __attribute__((always_inline)) void weighted_sum(float *acc, const float *p, int64_t stride,
+                                                               const bf16 *v_cache, const int64_t *slots,
+                                                               int64_t len, int64_t row_elems, int64_t offset,
+                                                               int64_t d, int64_t group) {
 #ifdef __AVX512F__
-    if (d % 16 == 0) {
+    if (d % 16 == 0 && group <= MAX_GROUP_SIMD) {
         for (int64_t j = 0; j < d; j += 16) {
-            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + j)));
-            __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-            for (int64_t g = 0; g < group; g++) {
-                float *a = acc + g * d + j;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride]), vv, _mm512_loadu_ps(a)));
+            __m512 sums[MAX_GROUP_SIMD];
+            for (int64_t g = 0; g < group; g++) sums[g] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < len; t++) {
+                const bf16 *vt = v_cache + slots[t] * row_elems + offset + j;
+                __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)vt));
+                __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+                for (int64_t g = 0; g < group; g++)
+                    sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride + t]), vv, sums[g]);
             }
+            for (int64_t g = 0; g < group; g++) _mm512_storeu_ps(acc + g * d + j, sums[g]);
         }
         return;
     }
 #endif
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t j = 0; j < d; j++) acc[g * d + j] += p[g * stride] * bf16_to_f32(v[j]);
+    for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        const bf16 *vt = v_cache + slots[t] * row_elems + offset;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t j = 0; j < d; j++) acc[g * d + j] += p[g * stride + t] * bf16_to_f32(vt[j]);
+    }
+}
+
+/* Attention of request b's query heads that share kv heads kv0 .. kv0 + heads_per_task - 1 (see
+ * srt_decode_attention); scores/qf/acc are the calling thread's scratch. */
+static inline __attribute__((always_inline)) void attend_task(
+    const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache, const int64_t *req_to_token,
+    int64_t rtt_stride, const int64_t *rows, bf16 *out, int64_t b, int64_t kv0, int64_t heads_per_task, int64_t hq,
+    int64_t hkv, int64_t d, float scale, int64_t max_len, int64_t len, int64_t group, float *restrict scores,
+    float *restrict qf, float *restrict acc) {
+    const int64_t row_elems = hkv * d, task_heads = heads_per_task * group;
+    const int64_t *slots = req_to_token + rows[b] * rtt_stride;
+    const bf16 *qb = q + b * q_stride + kv0 * group * d;
+    for (int64_t i = 0; i < task_heads * d; i++) qf[i] = bf16_to_f32(qb[i]) * scale;
+    for (int64_t t = 0; t < len; t++) {
+        const bf16 *krow = k_cache + slots[t] * row_elems + kv0 * d;
+        if (t + 4 < len)
+            for (int64_t c = 0; c < heads_per_task * d; c += 32)
+                __builtin_prefetch(k_cache + slots[t + 4] * row_elems + kv0 * d + c);
+        for (int64_t h = 0; h < heads_per_task; h++)
+            group_dots(qf + h * group * d, krow + h * d, d, group, scores + h * group * max_len + t, max_len);
+    }
+    for (int64_t g = 0; g < task_heads; g++) {
+        float *restrict sg = scores + g * max_len, max_score = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max_score)
+        for (int64_t t = 0; t < len; t++) max_score = sg[t] > max_score ? sg[t] : max_score;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_f32(sg[t] - max_score);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+    }
+    for (int64_t h = 0; h < heads_per_task; h++)
+        weighted_sum(acc + h * group * d, scores + h * group * max_len, max_len, v_cache, slots, len, row_elems,
+                     (kv0 + h) * d, d, group);
+    bf16 *o = out + (b * hq + kv0 * group) * d;
+#pragma omp simd
+    for (int64_t i = 0; i < task_heads * d; i++) o[i] = f32_to_bf16(acc[i]);
 }
 
 /* One decode step of paged attention for a batch.
@@ -188,43 +240,34 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
         memcpy(k_cache + out_loc[b] * row_elems, k + b * k_stride, (size_t)row_elems * sizeof(bf16));
         memcpy(v_cache + out_loc[b] * row_elems, v + b * v_stride, (size_t)row_elems * sizeof(bf16));
     }
-    /* A (request, kv head, slot) costs tens of ns: below ~100 us of work one thread is faster. */
+    /* A task is one request's kv heads (whole K/V rows, read front to back) or, when there are
+     * too few requests to share out, one (request, kv head). A (request, kv head, slot) costs
+     * tens of ns: below ~100 us of work in all, one thread is faster. */
+    const int64_t heads_per_task = bs >= 8 ? hkv : 1, tasks = bs * (hkv / heads_per_task);
+    const int64_t task_heads = heads_per_task * group; /* query heads of a task */
 #pragma omp parallel if (bs * hkv * max_len >= 4096)
     {
-        float *restrict scores = malloc((size_t)(group * max_len) * sizeof(float));
-        float *restrict qf = malloc((size_t)(group * d) * sizeof(float));
-        float *restrict acc = malloc((size_t)(group * d) * sizeof(float));
+        float *restrict scores = malloc((size_t)(task_heads * max_len) * sizeof(float));
+        float *restrict qf = malloc((size_t)(task_heads * d) * sizeof(float));
+        float *restrict acc = malloc((size_t)(task_heads * d) * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < bs * hkv; task++) {
-            const int64_t b = task / hkv, kvh = task % hkv, len = seq_lens[b];
-            const int64_t *slots = req_to_token + rows[b] * rtt_stride;
-            const bf16 *qb = q + b * q_stride + kvh * group * d;
-            for (int64_t i = 0; i < group * d; i++) qf[i] = bf16_to_f32(qb[i]) * scale;
-            for (int64_t t = 0; t < len; t++) {
-                if (t + 4 < len) __builtin_prefetch(k_cache + slots[t + 4] * row_elems + kvh * d);
-                group_dots(qf, k_cache + slots[t] * row_elems + kvh * d, d, group, scores + t, max_len);
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t b = task / (hkv / heads_per_task), kv0 = (task % (hkv / heads_per_task)) * heads_per_task;
+            /* A constant group size lets the compiler keep the per-head sums in registers. */
+            switch (group) {
+#define ATTEND(G) attend_task(q, q_stride, k_cache, v_cache, req_to_token, rtt_stride, rows, out, b, kv0, heads_per_task, \
+                              hq, hkv, d, scale, max_len, seq_lens[b], G, scores, qf, acc)
+            case 1: ATTEND(1); break;
+            case 2: ATTEND(2); break;
+            case 3: ATTEND(3); break;
+            case 4: ATTEND(4); break;
+            case 5: ATTEND(5); break;
+            case 6: ATTEND(6); break;
+            case 7: ATTEND(7); break;
+            case 8: ATTEND(8); break;
+            default: ATTEND(group); break;
+#undef ATTEND
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *restrict sg = scores + g * max_len, max_score = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max_score)
-                for (int64_t t = 0; t < len; t++) max_score = sg[t] > max_score ? sg[t] : max_score;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
-                    sg[t] = exp_f32(sg[t] - max_score);
-                    sum += sg[t];
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-            }
-            for (int64_t i = 0; i < group * d; i++) acc[i] = 0.0f;
-            for (int64_t t = 0; t < len; t++) {
-                if (t + 4 < len) __builtin_prefetch(v_cache + slots[t + 4] * row_elems + kvh * d);
-                group_axpys(acc, scores + t, max_len, v_cache + slots[t] * row_elems + kvh * d, d, group);
-            }
-            bf16 *o = out + (b * hq + kvh * group) * d;
-#pragma omp simd
-            for (int64_t i = 0; i < group * d; i++) o[i] = f32_to_bf16(acc[i]);
         }
         free(scores);
         free(qf);
