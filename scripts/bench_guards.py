@@ -19,28 +19,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
-import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # bench this checkout, installed or not
+SCRIPTS = Path(__file__).resolve().parent
+for path in (SCRIPTS, SCRIPTS.parent):  # the sibling bench modules, and this checkout installed or not
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
-from srt.engine import free_port  # noqa: E402
+import bench_serving  # noqa: E402
+from server_process import SrtServer  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, ...]] = {
     "baseline": (),
@@ -48,81 +42,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "consensus checker": ("--enable-rank-consensus-checker",),
     "both": ("--sync-token-ids-across-tp", "--enable-rank-consensus-checker"),
 }
-SHOWN_LOG_CHARS = 3000
-
-
-def _load_bench_serving() -> ModuleType:
-    """scripts/ is not a package: load bench_serving.py by path."""
-    spec = importlib.util.spec_from_file_location("bench_serving", Path(__file__).with_name("bench_serving.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_serving = _load_bench_serving()
-
-
-# ---- server process tree ----
-class Server:
-    """`python -m srt.launch_server` on a free port, healthy on return; `close` always ends the tree."""
-
-    def __init__(self, args: list[str], startup_timeout_s: float) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix=f"srt-bench-guards-{self.port}-", suffix=".log",  # noqa: SIM115
-                                               delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--port", str(self.port), *args],
-                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            self._wait_healthy(startup_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"the server was not healthy within {timeout_s} s:\n{self.output_tail()}")
-
-    def output_tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-SHOWN_LOG_CHARS:]
-
-    def close(self) -> None:
-        """SIGTERM (nothing is in flight, so the graceful drain is quick), then SIGKILL what is left."""
-        try:
-            procs = [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]
-        except psutil.NoSuchProcess:
-            procs = []
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=15)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=10)
-        self.proc.wait(timeout=10)
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ---- one measurement ----
@@ -153,7 +72,7 @@ def measure(config: str, round_index: int, args: argparse.Namespace) -> Run:
     if args.tokenizer_path is not None:
         server_args += ["--tokenizer-path", args.tokenizer_path]
     print(f"--- round {round_index + 1}/{args.rounds}: {config} ---", flush=True)
-    with Server(server_args, args.startup_timeout) as server:
+    with SrtServer(server_args, args.startup_timeout) as server:
         warmup(server.url, args.input_len)
         bench_args = bench_serving.parse_args(
             ["--base-url", server.url, "--num-prompts", str(args.num_prompts),
