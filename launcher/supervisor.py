@@ -1,8 +1,10 @@
 """After start-up: any child that exits, for any reason, takes the whole server down, loudly.
 
-A lost rank cannot be recovered: its peers are blocked in collectives that will never complete.
-So the Supervisor names the dead child, lets the front end fail every in-flight request with
-that message, kills the rest of the tree and exits non-zero.
+A lost rank cannot be recovered in place: its peers are blocked in collectives that will never
+complete. So the Supervisor names the dead child, lets the front end fail every in-flight
+request with that message, kills the rest of the tree and exits non-zero; unless a `restart`
+hook (srt/recovery.py, --restart-on-failure) replaces every child with a fresh set, which the
+Supervisor then watches the same way.
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ class Supervisor:
     `peer_failure` (another node published its failure) ends the server the same way. Then call
     on_failure(message); wait grace_s so the front end can flush the error responses; SIGKILL
     every child tree; call exit_fn(exit_code) (default os._exit: the main process ends non-zero).
-    `stop()` before a deliberate shutdown makes later exits quiet.
+    `stop()` before a deliberate shutdown makes later exits quiet. With `restart`, a child's
+    exit first goes to restart(message, dead, children), run in this thread (it lives as long as
+    the server, so children it spawns keep their parent-death signal): new children are watched
+    from then on; None means no restart, and the server goes down as above.
     """
 
     def __init__(self, children: list[ChildProcess], on_failure: Callable[[str], None] | None = None, *,
                  grace_s: float = 1.0, exit_code: int = 1,
                  exit_fn: Callable[[int], object] = os._exit,
                  explain: Callable[[str], str | None] | None = None,
-                 peer_failure: Connection | None = None) -> None:
+                 peer_failure: Connection | None = None,
+                 restart: Callable[[str, ChildProcess, list[ChildProcess]], list[ChildProcess] | None] | None = None,
+                 ) -> None:
         self.children = list(children)
+        self.restart = restart  # (message, dead child, children) -> new children, or None: go down
         self.on_failure = on_failure
         self.explain = explain
         self.peer_failure = peer_failure
@@ -63,14 +71,24 @@ class Supervisor:
             pass
 
     def _watch(self) -> None:
-        by_sentinel = {c.sentinel: c for c in self.children}
-        peer = [self.peer_failure] if self.peer_failure is not None else []
-        fired = wait([*by_sentinel, self._wake_reader, *peer])
+        while True:
+            by_sentinel = {c.sentinel: c for c in self.children}
+            peer = [self.peer_failure] if self.peer_failure is not None else []
+            fired = wait([*by_sentinel, self._wake_reader, *peer])
+            with self._lock:
+                if self._stopping:
+                    return
+            dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
+            if dead is None or self.restart is None:
+                break
+            children = self.restart(dead.exit_message(), dead, self.children)
+            if children is None:
+                break
+            self.children = children
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True  # a second death, or stop(), must not start another teardown
-        dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
         if dead is not None:
             self._fail_child(dead)
         else:

@@ -1,7 +1,9 @@
-"""Faults on demand, for tests: SRT_TEST_FAULT="KIND@RANK:STEP[,KIND@RANK:STEP...]".
+"""Faults on demand, for tests: SRT_TEST_FAULT="KIND@RANK:STEP[/START][,KIND@RANK:STEP[/START]...]".
 
 RANK is the world rank; STEP counts that rank's forward steps from 1, and STEP 0 means during
-start-up. A no-op (one boolean test per step) unless the variable is set.
+start-up. START is the engine start the fault fires in (0: the first; n: after the n-th restart,
+see srt/recovery.py); without it the fault fires in every start (a crash loop). A no-op (one
+boolean test per step) unless the variable is set.
 
     crash          the rank exits at once (os._exit)
     raise          an exception in its forward
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.recovery import ENGINE_START_ENV
+
 logger = logging.getLogger("srt.fault")
 
 ENV_VAR = "SRT_TEST_FAULT"
@@ -31,6 +35,7 @@ class Fault:
     kind: str
     rank: int
     step: int
+    start: int | None = None  # the engine start it fires in; None: every start
 
 
 def parse_faults(spec: str | None) -> list[Fault]:
@@ -41,22 +46,24 @@ def parse_faults(spec: str | None) -> list[Fault]:
             continue
         try:
             kind, where = item.split("@")
-            rank, step = where.split(":")
-            fault = Fault(kind, int(rank), int(step))
+            rank, when = where.split(":")
+            step, _, start = when.partition("/")
+            fault = Fault(kind, int(rank), int(step), int(start) if start else None)
         except ValueError:
-            raise ValueError(f"{ENV_VAR}: cannot parse {item!r}; expected KIND@RANK:STEP") from None
+            raise ValueError(f"{ENV_VAR}: cannot parse {item!r}; expected KIND@RANK:STEP[/START]") from None
         if fault.kind not in KINDS:
             raise ValueError(f"{ENV_VAR}: unknown fault {fault.kind!r}; one of {', '.join(KINDS)}")
-        if fault.step < 0 or fault.rank < 0:
-            raise ValueError(f"{ENV_VAR}: rank and step must be >= 0 in {item!r}")
+        if fault.step < 0 or fault.rank < 0 or (fault.start is not None and fault.start < 0):
+            raise ValueError(f"{ENV_VAR}: rank, step and start must be >= 0 in {item!r}")
         faults.append(fault)
     return faults
 
 
 class FaultInjector:
-    def __init__(self, world_rank: int, spec: str | None = None) -> None:
+    def __init__(self, world_rank: int, spec: str | None = None, engine_start: int | None = None) -> None:
         spec = os.environ.get(ENV_VAR) if spec is None else spec
-        self.faults = [f for f in parse_faults(spec) if f.rank == world_rank]
+        start = int(os.environ.get(ENGINE_START_ENV, "0")) if engine_start is None else engine_start
+        self.faults = [f for f in parse_faults(spec) if f.rank == world_rank and f.start in (None, start)]
         self.active = bool(self.faults)
         self.world_rank = world_rank
 

@@ -93,7 +93,7 @@ def attach_logprobs(out: BatchTokenIDOut, req: Req) -> None:
         out.output_logprobs.append(None)
         out.input_logprobs.append(None)
         return
-    lp, start = req.output_logprobs, req.sent_len
+    lp, start = req.output_logprobs, req.sent_len - req.resumed_len  # a replay's first ones are sent already
     out.output_logprobs.append(TokenLogprobs(lp.values[start:], lp.token_ids[start:], lp.top[start:]))
     out.input_logprobs.append(_prompt_logprobs(req) if req.logprob_start_len >= 0 and req.sent_len == 0 else None)
 

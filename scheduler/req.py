@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from srt.io_struct import FinishReason, TokenLogprobs
+from srt.io_struct import FinishReason, ResumeState, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
 
@@ -33,6 +33,11 @@ class Req:
     last_node: Any = None  # radix node locked while this request holds the prefix
     finished_reason: FinishReason | None = None
     sent_len: int = 0  # output ids already streamed out
+    # A replay after an engine restart starts with the output ids the client already has: they
+    # count for output positions (sampling), max_new_tokens and stop checks like any other, but
+    # their logprobs are with the front end (output_logprobs covers output_ids[resumed_len:]).
+    resumed_len: int = 0
+    resume: ResumeState | None = None  # sent with the replay's first output (the detokenizer's seed)
     retractions: int = 0
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -44,6 +49,9 @@ class Req:
     def __post_init__(self) -> None:
         if not self.origin_input_ids:
             raise ValueError(f"request {self.rid}: empty prompt")
+        if not 0 <= self.resumed_len == len(self.output_ids) <= self.sampling_params.max_new_tokens:
+            raise ValueError(f"request {self.rid}: {len(self.output_ids)} resumed output tokens do not fit "
+                             f"max_new_tokens {self.sampling_params.max_new_tokens}")
         if not -1 <= self.logprob_start_len < len(self.origin_input_ids):
             raise ValueError(f"request {self.rid}: logprob_start_len {self.logprob_start_len} is outside "
                              f"[-1, {len(self.origin_input_ids)})")

@@ -118,14 +118,16 @@ class Scheduler:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream,
+        resumed = list(msg.resume.output_ids) if msg.resume is not None else []
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream, output_ids=resumed,
+                  sent_len=len(resumed), resumed_len=len(resumed), resume=msg.resume,
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len)
-        if req.sampling_params.max_new_tokens == 0 and not req.prompt_logprob_positions:
+        if req.remaining_new_tokens == 0 and not req.prompt_logprob_positions:
             self._finish(req, FinishReason("length"))
-        elif len(req.origin_input_ids) + 1 > self.kv.max_total_tokens:
+        elif req.seq_len + 1 > self.kv.max_total_tokens:
             self._finish(req, FinishReason("abort", message=(
-                f"prompt of {len(req.origin_input_ids)} tokens cannot fit in the KV cache "
+                f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
                 f"({self.kv.max_total_tokens} tokens); raise --max-total-tokens or --mem-fraction-static")))
         else:
             self.waiting.append(req)
@@ -305,12 +307,17 @@ class Scheduler:
         if self.send_output is None:
             for req in reqs:
                 req.sent_len = len(req.output_ids)
+                req.resume = None
             return
         out = BatchTokenIDOut([], [], [], [], [], [], [])
         with_logprobs = any(req.return_logprob for req in reqs)
+        with_resumes = any(req.resume is not None for req in reqs)
         for req in reqs:
             if with_logprobs:
                 attach_logprobs(out, req)
+            if with_resumes:
+                out.resumes.append(req.resume)
+            req.resume = None
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_len:])
             out.finished_reasons.append(req.finished_reason)

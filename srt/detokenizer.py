@@ -10,6 +10,10 @@ incomplete UTF-8 character: it is held back until more ids arrive, so no streame
 carries a broken character. While a request streams, the tail of its text that could still grow
 into one of its stop strings is held back too, so a stop string the scheduler matches later has
 never been emitted; when the request finishes on a stop string the text is cut before it.
+
+A request replayed after an engine restart arrives with what its client already has
+(ResumeState): the state is rebuilt from those ids, minus an incomplete character at their end,
+and only the text past the characters delivered is emitted, so nothing is sent twice.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from typing import Any
 
 import zmq
 
-from srt.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
+from srt.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason, ResumeState
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.detokenizer")
 
 REPLACEMENT_CHAR = "\ufffd"
+RESUME_SURROUNDING = 5  # ids of context kept before a resumed request's new ones (as SGLang's first window)
 
 
 @dataclass
@@ -68,8 +73,11 @@ class DetokenizerManager:
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
         states = []
-        for rid, new_ids in zip(out.rids, out.new_token_ids):
-            state = self.states.setdefault(rid, DecodeState())
+        for i, (rid, new_ids) in enumerate(zip(out.rids, out.new_token_ids)):
+            state = self.states.get(rid)
+            if state is None:
+                resume = out.resumes[i] if i < len(out.resumes) else None
+                state = self.states[rid] = self._resumed(resume) if resume is not None else DecodeState()
             state.output_ids.extend(new_ids)
             states.append(state)
         surrounding = self._decode([s.output_ids[s.prefix_offset:s.read_offset] for s in states])
@@ -91,6 +99,19 @@ class DetokenizerManager:
                            finished_reasons=list(out.finished_reasons), prompt_tokens=list(out.prompt_tokens),
                            completion_tokens=list(out.completion_tokens), cached_tokens=list(out.cached_tokens),
                            output_logprobs=out.output_logprobs, input_logprobs=out.input_logprobs)
+
+    def _resumed(self, resume: ResumeState) -> DecodeState:
+        """The state a request would have after its delivered ids: their text (without an
+        incomplete character at the end, which stays in the window), of which text_len
+        characters were sent."""
+        ids = list(resume.output_ids)
+        read_offset = len(ids)
+        text = self._decode([ids])[0]
+        while read_offset > 0 and text.endswith(REPLACEMENT_CHAR) and len(ids) - read_offset < 4:
+            read_offset -= 1  # a UTF-8 character spans at most 4 byte tokens
+            text = self._decode([ids[:read_offset]])[0]
+        return DecodeState(output_ids=ids, prefix_offset=max(read_offset - RESUME_SURROUNDING, 0),
+                           read_offset=read_offset, text=text, sent_len=min(resume.text_len, len(text)))
 
     @staticmethod
     def _emit(state: DecodeState, finished: FinishReason | None, stop_strings: list[str]) -> str:

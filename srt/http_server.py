@@ -125,8 +125,8 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
 
     @app.get("/health")
     async def health() -> Response:
-        if tm.refusal is not None:
-            return error_response(503, tm.refusal)
+        if tm.unhealthy is not None:  # a failure, a shutdown, or an engine restart under way
+            return error_response(503, tm.unhealthy)
         return JSONResponse({})
 
     @app.get("/health_generate")

@@ -16,6 +16,14 @@ from srt.sampling_params import SamplingParams
 
 
 @dataclass
+class ResumeState:
+    """What the client already has of a request replayed after an engine restart (srt/recovery.py)."""
+
+    output_ids: list[int]  # delivered output tokens: the replay continues at output position len(output_ids)
+    text_len: int  # characters of text delivered; the rest of decode(output_ids) was held back
+
+
+@dataclass
 class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
@@ -25,6 +33,7 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0  # alternatives per position (with return_logprob)
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens from position k too
+    resume: ResumeState | None = None  # set on a replay after a restart
 
 
 @dataclass
@@ -92,6 +101,9 @@ class BatchTokenIDOut:
     # new_token_ids, and of the prompt tokens (sent once, with the first output).
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     input_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Per request (empty when no request of the message is a replay's first output): what the
+    # client already had, so the restarted detokenizer continues its text.
+    resumes: list[ResumeState | None] = field(default_factory=list)
 
 
 @dataclass

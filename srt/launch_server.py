@@ -4,7 +4,8 @@ Node 0: one scheduler per local rank + the detokenizer as children, the Tokenize
 HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; this process
 just supervises them. Before any child starts, every node meets the others at the rendezvous
 (launcher.rendezvous: duplicate node ranks and differing configurations fail there). Any child's
-death, or another node going down, takes the node down (launcher.supervisor, launcher.peers).
+death, or another node going down, takes the node down (launcher.supervisor, launcher.peers);
+with --restart-on-failure a child's death restarts the engine instead (srt/recovery.py).
 
 Exit codes: 0 after SIGTERM/SIGINT, 1 when start-up fails or a child dies, 2 for bad arguments.
 A signal while serving starts a graceful shutdown (http_server.DrainingServer): new requests get
@@ -16,6 +17,7 @@ is torn down before the process exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -45,6 +47,7 @@ from launcher.process import ChildProcess, LaunchError, spawn_child, stop_childr
 from launcher.rendezvous import USE_AGENT_STORE, Rendezvous
 from launcher.supervisor import Supervisor
 from launcher.teardown import become_subreaper, kill_process_tree
+from srt.recovery import EngineRestarter
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.launch_server")
@@ -183,6 +186,20 @@ def meet_other_nodes(plan: LaunchPlan) -> PeerWatch:
     return PeerWatch(rendezvous).start()
 
 
+def start_again(plan: LaunchPlan, port_args: PortArgs, children: list[ChildProcess], scheduler_target: str,
+                detokenizer_target: str) -> list[ChildProcess]:
+    """An engine restart (srt/recovery.py, in the Supervisor's thread): every child again, on
+    `port_args`; `children`, which the final teardown kills, holds the new ones from now on."""
+    plan = dataclasses.replace(plan, port_args=port_args)
+    children[:] = [spawn_child(spec) for spec in child_specs(plan, scheduler_target, detokenizer_target)]
+    try:
+        wait_ready(children, plan.server_args.dist_timeout + MODEL_LOAD_BUDGET_S)
+    except LaunchError:
+        stop_children(children)
+        raise
+    return list(children)
+
+
 def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         detokenizer_target: str = DETOKENIZER_TARGET) -> int:
     """Start, serve (node 0) or supervise (node > 0), tear down. Returns the exit code."""
@@ -201,8 +218,11 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
             children.append(spawn_child(spec))
         infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S, abort=peers.failures)
         logger.info("%d child processes ready", len(children))
+        restarter = EngineRestarter(args, plan.port_args, lambda port_args: start_again(
+            plan, port_args, children, scheduler_target, detokenizer_target), lambda: frontend.tm)
         supervisor = Supervisor(children, frontend.fail_all, exit_fn=lambda code: _exit_now(plan, code),
-                                explain=peers.explain, peer_failure=peers.failures)
+                                explain=peers.explain, peer_failure=peers.failures,
+                                restart=restarter.restart if args.restart_on_failure else None)
         supervisor.start()
         if args.node_rank > 0:
             threading.Event().wait()  # until a signal, or the Supervisor ends the process

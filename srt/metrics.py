@@ -5,7 +5,9 @@ Two sources, one page:
 - The front end (main process) measures what a client sees, in its own registry:
   `srt:num_requests_total{finish_reason}`, `srt:prompt_tokens_total`, `srt:generation_tokens_total`,
   `srt:cached_tokens_total` (counters); `srt:time_to_first_token_seconds`,
-  `srt:inter_token_latency_seconds`, `srt:e2e_request_latency_seconds` (histograms).
+  `srt:inter_token_latency_seconds`, `srt:e2e_request_latency_seconds` (histograms). With
+  --restart-on-failure: `srt:engine_restarts_total`, `srt:replayed_requests_total` (counters) and
+  `srt:recovery_seconds` (histogram: from the failure to the replays sent; srt/recovery.py).
 - The scheduler ranks write theirs with prometheus_client's multiprocess mode: each process keeps
   its values in small mmap'd files under `<ipc dir>/metrics`, and /metrics merges them at scrape
   time. No message and no collective is added to the step loop; a rank's write is a few
@@ -30,6 +32,7 @@ from srt.server_args import PortArgs
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.8, 1, 2, 4)
+RECOVERY_BUCKETS = (1, 2, 4, 6, 8, 10, 15, 20, 30, 45, 60, 90, 120, 300)
 E2E_BUCKETS = (0.05, 0.1, 0.2, 0.4, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120, 300, 600)
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # /health_generate's probes are not user traffic
 
@@ -110,6 +113,16 @@ class FrontendMetrics:
                              registry=r)
         self.e2e = Histogram("srt:e2e_request_latency_seconds", "Request latency, arrival to last token",
                              buckets=E2E_BUCKETS, registry=r)
+        self.restarts = Counter("srt:engine_restarts", "Engine restarts after a rank or the detokenizer died",
+                                registry=r)
+        self.replayed = Counter("srt:replayed_requests", "Requests resubmitted after an engine restart", registry=r)
+        self.recovery = Histogram("srt:recovery_seconds", "From a failure to the restarted engine's replays",
+                                  buckets=RECOVERY_BUCKETS, registry=r)
+
+    def on_restart(self, replayed: int, seconds: float) -> None:
+        self.restarts.inc()
+        self.replayed.inc(replayed)
+        self.recovery.observe(seconds)
 
     def on_tokens(self, rid: str, timing: RequestTiming, completion_tokens: int, now: float) -> None:
         """A request has `completion_tokens` output tokens at `now` (perf_counter)."""

@@ -57,6 +57,8 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     enable_metrics: bool = False
     decode_log_interval: int = 40
+    restart_on_failure: int = 0  # engine restarts allowed within restart_window (srt/recovery.py)
+    restart_window: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +77,11 @@ class ServerArgs:
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
+        positive("restart-window", self.restart_window)
+        if self.restart_on_failure < 0:
+            raise ValueError(f"--restart-on-failure must be >= 0, got {self.restart_on_failure}")
+        if self.restart_on_failure and self.nnodes > 1:
+            raise ValueError("--restart-on-failure needs --nnodes 1 (a restart across nodes is not built)")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if not 0 < self.mem_fraction_static < 1:
@@ -147,6 +154,11 @@ class ServerArgs:
         a("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
         a("--decode-log-interval", type=int, default=d["decode_log_interval"].default,
           help="log a decode stats line every this many decode steps")
+        a("--restart-on-failure", type=int, default=d["restart_on_failure"].default,
+          help="when a rank or the detokenizer dies, restart the engine and replay the requests in flight, "
+               "up to this many times within --restart-window (0: the server goes down)")
+        a("--restart-window", type=float, default=d["restart_window"].default,
+          help="seconds over which --restart-on-failure counts restarts")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:

@@ -9,11 +9,18 @@ out in tm.generate(call, request)`. Streaming yields one dict per update with th
 text, output ids and logprobs so far (SGLang's /generate default); non-streaming yields each
 request's final dict. Batch items carry "index". When the client disconnects, every unfinished
 request is aborted. With --enable-metrics it records the front end's series (metrics.py).
+
+Engine restarts (srt/recovery.py drives them from its thread): begin_recovery turns /health to
+503 and holds new requests back (at most --max-running-requests of them; beyond that 503);
+reset_channels replaces the sockets once the old processes are dead, so nothing of theirs is
+read or delivered later; resume replays every request in flight with the output the client
+already has (ResumeState) and lets the held-back ones through. A request in flight never notices.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -35,6 +42,8 @@ from srt.io_struct import (
     FinishReason,
     FlushCacheReq,
     GetInternalStateReq,
+    ResumeState,
+    TokenizedGenerateReq,
 )
 from srt.logprob_meta import LogprobMeta
 from srt.metrics import FrontendMetrics, RequestTiming, metrics_dir
@@ -67,6 +76,15 @@ class ReqState:
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     updated: bool = False
+    sent: TokenizedGenerateReq | None = None  # what went to rank 0 (replayed after a restart)
+    replays: int = 0
+
+    def replay(self) -> TokenizedGenerateReq:
+        """The request again, continuing after the output the client already has."""
+        assert self.sent is not None
+        if not self.output_ids:
+            return self.sent
+        return dataclasses.replace(self.sent, resume=ResumeState(list(self.output_ids), len(self.text)))
 
     def to_output(self) -> dict[str, Any]:
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -98,6 +116,10 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
         self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on
+        self.recovering: str | None = None  # why the engine is restarting; new requests wait meanwhile
+        self._recovered: asyncio.Event | None = None  # set when not recovering (created on the loop)
+        self.held_back = 0  # requests waiting for the recovery to end
+        self.max_held_back = server_args.max_running_requests
         self._seed_counter = itertools.count()
         self._control_waiters: dict[str, asyncio.Future[ControlReply]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,8 +136,15 @@ class TokenizerManager:
         return SHUTTING_DOWN if self.draining else None
 
     @property
+    def unhealthy(self) -> str | None:
+        """Why /health says 503 (a failure, a shutdown, a restart under way); None while serving."""
+        if self.refusal is None and self.recovering is not None:
+            return f"recovering: {self.recovering}"
+        return self.refusal
+
+    @property
     def is_healthy(self) -> bool:
-        return self.refusal is None
+        return self.unhealthy is None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -131,13 +160,20 @@ class TokenizerManager:
                 raise RuntimeError("TokenizerManager was started on another event loop")
             return
         self._loop = loop
+        self._recovered = asyncio.Event()
+        if self.recovering is None:
+            self._recovered.set()
         self._zmq = zmq.asyncio.Context()
+        self._open_sockets()
+
+    def _open_sockets(self) -> None:
+        assert self._zmq is not None and self._loop is not None
         self._send_sock = self._zmq.socket(zmq.PUSH)
         self._send_sock.setsockopt(zmq.SNDHWM, 0)
         self._send_sock.connect(self.port_args.tokenizer_ipc)
         self._recv_sock = self._zmq.socket(zmq.PULL)
         self._recv_sock.bind(self.port_args.tokenizer_manager_ipc)
-        self._handle_task = loop.create_task(self.handle_loop())
+        self._handle_task = self._loop.create_task(self.handle_loop())
 
     async def close(self) -> None:
         if self._handle_task is not None:
@@ -175,15 +211,70 @@ class TokenizerManager:
     def _wake_all(self) -> None:
         for state in self.rid_to_state.values():
             state.wake.set()
+        if self._recovered is not None:
+            self._recovered.set()  # the held-back requests see the failure
+        self._fail_control_calls(self.failure or "")
+
+    def _fail_control_calls(self, message: str) -> None:
         for future in self._control_waiters.values():
             if not future.done():
-                future.set_exception(ServiceUnavailableError(self.failure))
+                future.set_exception(ServiceUnavailableError(message))
+
+    # ---- engine restarts (called on the loop; srt/recovery.py gets there from its thread) ----
+    def begin_recovery(self, reason: str) -> None:
+        """The engine is going down to restart: /health 503, new requests wait, control calls fail."""
+        self.recovering = reason
+        if self._recovered is not None:
+            self._recovered.clear()
+        self._fail_control_calls(f"recovering: {reason}")
+
+    async def reset_channels(self) -> None:
+        """Call once the old engine's processes are dead and before the new ones start: whatever
+        they sent and was not read yet is dropped (those tokens are generated again), and no
+        message queued for the old rank 0 reaches the new one."""
+        if self._zmq is None:
+            return
+        if self._handle_task is not None:
+            self._handle_task.cancel()
+            await asyncio.gather(self._handle_task, return_exceptions=True)
+        for sock in (self._send_sock, self._recv_sock):
+            if sock is not None:
+                sock.close(linger=0)
+        self._open_sockets()
+
+    def resume(self) -> int:
+        """The new engine is up: replay every request in flight (with what its client already has),
+        let the held-back ones through. Returns how many were replayed."""
+        replays = [state for state in self.rid_to_state.values() if state.sent is not None
+                   and state.finish_reason is None]
+        for state in replays:
+            state.replays += 1
+            self._send_nowait(state.replay())
+        self.recovering = None
+        if self._recovered is not None:
+            self._recovered.set()
+        return len(replays)
+
+    async def _until_recovered(self) -> None:
+        """Hold a new request back while the engine restarts (bounded by max_held_back)."""
+        while self.recovering is not None and self.failure is None:
+            assert self._recovered is not None
+            self.held_back += 1
+            try:
+                await self._recovered.wait()
+            finally:
+                self.held_back -= 1
+        if self.failure is not None:
+            raise ServiceUnavailableError(self.failure)
 
     # ---- validation ----
     def parse_generate(self, obj: Any) -> GenerateCall:
         """Validate and tokenize a /generate body. Raises RequestError (400) or ServiceUnavailableError."""
         if self.refusal is not None:
             raise ServiceUnavailableError(self.refusal)
+        if self.recovering is not None and self.held_back >= self.max_held_back:
+            raise ServiceUnavailableError(f"recovering: {self.recovering}; {self.held_back} requests are "
+                                          "waiting already")
         return self.parser.parse(obj, self.rid_to_state)
 
     def _check_rids_free(self, rids: list[str]) -> None:
@@ -216,8 +307,10 @@ class TokenizerManager:
                   for i, req in enumerate(call.reqs)]
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
-            for req in call.reqs:
-                await self._send(req)
+            for req, state in zip(call.reqs, states):
+                await self._until_recovered()
+                state.sent = req  # with the send, no await between: a restart replays exactly the sent ones
+                self._send_nowait(req)
             pending = list(states)
             last_check = time.perf_counter()
             while pending:
@@ -279,8 +372,8 @@ class TokenizerManager:
         return (await self._control(GetInternalStateReq, timeout)).payload
 
     async def _control(self, make: Callable[[str], Any], timeout: float) -> ControlReply:
-        if self.refusal is not None:
-            raise ServiceUnavailableError(self.refusal)
+        if self.unhealthy is not None:
+            raise ServiceUnavailableError(self.unhealthy)
         self.start()
         assert self._loop is not None
         request_id = uuid.uuid4().hex
@@ -333,7 +426,8 @@ class TokenizerManager:
                 state.text += msg.texts[i]
                 state.output_ids.extend(msg.new_token_ids[i])
                 state.completion_tokens = msg.completion_tokens[i]
-                state.cached_tokens = msg.cached_tokens[i]
+                if not state.replays:  # a replay's prefix hits are not the client's
+                    state.cached_tokens = msg.cached_tokens[i]
                 state.finish_reason = msg.finished_reasons[i]
                 if state.logprobs is not None and msg.output_logprobs:
                     state.logprobs.add(msg.output_logprobs[i], msg.input_logprobs[i])

@@ -11,7 +11,7 @@ import zmq
 from transformers import AutoTokenizer
 
 from srt.detokenizer import DetokenizerManager, run_detokenizer_process, stop_holdback_start
-from srt.io_struct import BatchStrOut, BatchTokenIDOut, ControlReply, FinishReason
+from srt.io_struct import BatchStrOut, BatchTokenIDOut, ControlReply, FinishReason, ResumeState
 from srt.server_args import PortArgs, ServerArgs
 
 MULTIBYTE = "Hello 😀👍🏽 世界，你好！ naïve café — ∑ 🇫🇷 done."
@@ -118,6 +118,27 @@ def test_stop_holdback_start() -> None:
     assert stop_holdback_start("abc wor", 6, ["world"]) == 7  # only the unsent tail "r" counts
     assert stop_holdback_start("ab wo", 3, ["xy", "world"]) == 3
     assert stop_holdback_start("aaa", 0, []) == 3
+
+
+@pytest.mark.parametrize(("text", "stop"), [(MULTIBYTE, None), ("Count: 世界😀 then the end.", "the end")])
+def test_a_restarted_detokenizer_continues_a_resumed_text(tokenizer, text: str, stop: str | None) -> None:
+    """After an engine restart, a fresh detokenizer seeded with what the client has emits the rest
+    of the text exactly once, whatever token the old one died after (mid-character, mid-stop)."""
+    ids, reason = scheduler_run(tokenizer, tokenizer.encode(text), stop) if stop else (tokenizer.encode(text), None)
+    stops = [stop] if stop else []
+    expected = "".join(stream(DetokenizerManager(tokenizer), "r", ids, last=reason, stop=stops))
+    for cut in range(1, len(ids)):
+        old = DetokenizerManager(tokenizer)
+        sent = "".join(old.handle_batch_token_id_out(step("r", [i], None, stops, k)).texts[0]
+                       for k, i in enumerate(ids[:cut]))
+        new = DetokenizerManager(tokenizer)
+        rest = ""
+        for k in range(cut, len(ids)):
+            msg = step("r", [ids[k]], (reason or FinishReason("length")) if k == len(ids) - 1 else None, stops, k)
+            if k == cut:
+                msg.resumes = [ResumeState(ids[:cut], len(sent))]
+            rest += new.handle_batch_token_id_out(msg).texts[0]
+        assert "\ufffd" not in rest and sent + rest == expected, cut
 
 
 def test_abort_of_unknown_rid_is_an_empty_final_piece(tokenizer) -> None:

@@ -1,0 +1,168 @@
+"""Surviving a lost rank (--restart-on-failure N, --restart-window S): restart the engine, replay.
+
+When a scheduler rank or the detokenizer exits for any reason (a signal, an exception, the hard
+watchdog, the consensus checker), the Supervisor asks `EngineRestarter.restart` before taking the
+server down. Fewer than N restarts within the last S seconds: the restart goes ahead, in the
+Supervisor's thread, which lives as long as the server (the children's parent-death signal is
+tied to the thread that spawned them):
+
+1. the front end holds new requests back and /health says 503 (TokenizerManager.begin_recovery);
+2. every child of the engine is killed, then the front end's sockets are replaced, so nothing the
+   old processes sent late is read and nothing queued for the old rank 0 reaches the new one;
+3. the children start again: the ranks meet on a fresh TCPStore (the dead ranks' gloo keys stay
+   in the old one), with ENGINE_START_ENV telling them which start this is (fault injection);
+4. the front end replays every request in flight with the output ids its client already has
+   (TokenizerManager.resume): sampling is a pure function of (seed, output position) and the
+   front end resolved every request's seed, so greedy, seeded and unseeded requests all continue
+   with exactly the tokens they would have produced, and the restarted detokenizer continues each
+   text where the client's ends.
+
+A restart whose start-up fails counts as a restart too. With no restart left the Supervisor
+fails loudly, as without the flag: every request gets a 503 and the server exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from launcher.process import ChildProcess
+    from srt.server_args import PortArgs, ServerArgs
+    from srt.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("srt.recovery")
+
+ENGINE_START_ENV = "SRT_ENGINE_START"  # 0 for the first start, n after the n-th restart
+LOOP_CALL_TIMEOUT_S = 10.0
+
+# Exit codes that say why a rank went (scheduler/watchdog.py, consensus/checker.py, fault injection).
+EXIT_CAUSES = {75: "its hard watchdog fired", 70: "the rank consensus checker found the ranks diverging",
+               13: "fault injection: crash", 1: "it raised an exception (its traceback is logged above)"}
+
+
+def failure_cause(exitcode: int | None) -> str | None:
+    return EXIT_CAUSES.get(exitcode) if exitcode is not None else None
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.clock = clock
+        self.times: deque[float] = deque()
+
+    def in_window(self) -> int:
+        now = self.clock()
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        return len(self.times)
+
+    def take(self) -> bool:
+        """Use one restart if one is left (and say so); False when the budget is spent."""
+        if self.in_window() >= self.max_restarts:
+            return False
+        self.times.append(self.clock())
+        return True
+
+    def describe(self) -> str:
+        return f"restart {len(self.times)} of at most {self.max_restarts} within {self.window_s:g} s"
+
+
+class EngineRestarter:
+    """The Supervisor's restart hook. `start_engine(port_args)` spawns every child of this node
+    and waits until all are ready (raising LaunchError otherwise); `frontend()` is the
+    TokenizerManager once serving (None before)."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs,
+                 start_engine: Callable[[PortArgs], list[ChildProcess]],
+                 frontend: Callable[[], TokenizerManager | None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.port_args = port_args
+        self.start_engine = start_engine
+        self.frontend = frontend
+        self.budget = RestartBudget(server_args.restart_on_failure, server_args.restart_window, clock)
+        self.starts = 0  # engine starts after the first
+        self._store: Any = None  # the TCPStore the current ranks met on (after a restart)
+        self._lock = threading.Lock()
+
+    def restart(self, message: str, dead: ChildProcess, children: list[ChildProcess]) -> list[ChildProcess] | None:
+        """`dead` (one of `children`) exited: restart the engine if the budget allows. Returns the
+        new children, or None (after logging why) when the server must go down."""
+        with self._lock:
+            began = time.monotonic()
+            cause = failure_cause(dead.process.exitcode)
+            what = f"{message} ({cause})" if cause else message
+            error = dead.read_error()
+            if error is not None:
+                logger.critical("%s failed with:\n%s", dead.label, error)
+            from launcher.process import LaunchError
+
+            while True:
+                if not self.budget.take():
+                    logger.critical("%s; no restart left (%d within the last %g s, --restart-on-failure %d)",
+                                    what, self.budget.in_window(), self.budget.window_s, self.budget.max_restarts)
+                    return None
+                logger.critical("%s; restarting the engine (%s)", what, self.budget.describe())
+                try:
+                    children = self._restart_once(what, children)
+                except LaunchError as error:
+                    what = f"the restarted engine failed to start: {error}"
+                    continue
+                break
+            replayed = self._on_loop(lambda tm: tm.resume()) or 0
+            seconds = time.monotonic() - began
+            self._on_loop(lambda tm: tm.metrics.on_restart(replayed, seconds) if tm.metrics is not None else None)
+            logger.warning("engine restarted in %.1f s (start %d); replayed %d request(s) in flight",
+                           seconds, self.starts, replayed)
+            return children
+
+    def _restart_once(self, reason: str, children: list[ChildProcess]) -> list[ChildProcess]:
+        from launcher.process import stop_children
+
+        self._on_loop(lambda tm: tm.begin_recovery(reason))
+        stop_children(children)
+        self._on_loop_async(lambda tm: tm.reset_channels())
+        return self._start()
+
+    def _start(self) -> list[ChildProcess]:
+        """Start the engine again on a fresh store (the old one holds the dead ranks' addresses)."""
+        from torch.distributed import TCPStore
+
+        from launcher.rendezvous import USE_AGENT_STORE
+
+        self.starts += 1
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        os.environ[ENGINE_START_ENV] = str(self.starts)
+        os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients
+        port_args = dataclasses.replace(self.port_args, dist_init_method=f"tcp://127.0.0.1:{self._store.port}")
+        return self.start_engine(port_args)
+
+    def _on_loop(self, fn: Callable[[TokenizerManager], Any]) -> Any:
+        """fn(tm) on the front end's event loop (or here, when it is not serving yet)."""
+        tm = self.frontend()
+        if tm is None:
+            return None
+        loop = tm.loop
+        if loop is None or not loop.is_running():
+            return fn(tm)
+
+        async def call() -> Any:
+            return fn(tm)
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(LOOP_CALL_TIMEOUT_S)
+
+    def _on_loop_async(self, fn: Callable[[TokenizerManager], Coroutine[Any, Any, None]]) -> None:
+        tm = self.frontend()
+        if tm is None or tm.loop is None or not tm.loop.is_running():
+            return
+        asyncio.run_coroutine_threadsafe(fn(tm), tm.loop).result(LOOP_CALL_TIMEOUT_S)
