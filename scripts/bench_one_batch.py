@@ -226,6 +226,28 @@ def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Tim
     return once
 
 
+# ---- the machine's limit ---------------------------------------------------------------------
+
+
+def read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5) -> float:
+    """Bytes/s that a streaming fp32 sum over `num_bytes` reaches with torch's threads (best run):
+    the rate at which a batch-1 decode step can at best read its weights."""
+    data = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> str:
+    floor_s = weight_bytes / bandwidth
+    return (f"weight-bandwidth floor (batch 1 decode): {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
+            f"({weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s measured read bandwidth); "
+            f"srt batch-1 decode at {floor_s / decode_step_s * 100:.0f}% of it")
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 
@@ -283,8 +305,10 @@ def main(argv: list[str] | None = None) -> None:
                           max_total_tokens=max_bs * (args.input_len + args.output_len),
                           local_world_size=args.tp_size)
     hf: list[BatchResult] = []
+    weight_bytes = 0
     if args.tp_size == 1:
         runner = ModelRunner(config)
+        weight_bytes = runner.weight_bytes
         hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
         srt = []
         for bs in spec.batch_sizes:
@@ -308,6 +332,12 @@ def main(argv: list[str] | None = None) -> None:
                               "input_len": args.input_len, "output_len": args.output_len,
                               "warmup": args.warmup, "runs": args.runs,
                               "srt": [r.to_json() for r in srt]}
+    batch_1 = next((r for r in srt if r.batch_size == 1), None)
+    if weight_bytes and batch_1 is not None:
+        bandwidth = read_bandwidth()
+        print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s))
+        report["read_bandwidth_bytes_per_s"] = bandwidth
+        report["weight_bytes"] = weight_bytes
     if args.compare_transformers:
         print(format_table("transformers generate", hf, "mean"))
         report["transformers"] = [r.to_json() for r in hf]

@@ -27,8 +27,14 @@ def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[st
         for phase in ("prefill", "decode"):
             assert re.search(rf"^ratio vs transformers \(batch {bs} {phase}\): \d+\.\d\dx$", out, re.MULTILINE), out
 
+    floor = re.search(r"^weight-bandwidth floor \(batch 1 decode\): ([\d.]+) ms/step = \d+ steps/s \((\d+) MB of "
+                      r"weights at ([\d.]+) GB/s measured read bandwidth\); srt batch-1 decode at \d+% of it$", out,
+                      re.MULTILINE)
+    assert floor is not None, out
+
     report = json.loads(out_json.read_text())
     assert (report["input_len"], report["output_len"], report["dtype"]) == (8, 4, "bfloat16")
+    assert report["read_bandwidth_bytes_per_s"] > 1e8 and report["weight_bytes"] > 0
     for engine in ("srt", "transformers"):
         assert [r["batch_size"] for r in report[engine]] == [1, 2]
         for row in report[engine]:
