@@ -66,6 +66,15 @@ def test_rope_on_strided_rows_matches_the_torch_rotation(n: int) -> None:
     assert_bf16_close(got, want, ulps=4.0)  # bf16 cos/sin tables add their own rounding
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(96, 576), (13, 40)])  # AVX-512 BF16 blocks, and the plain loop
+def test_gemv_matches_fp32_matmul(m: int, n: int, k: int) -> None:
+    x, weight, bias = rand(m, k, seed=12), rand(n, k, seed=13), rand(n, seed=14)
+    want = x.float() @ weight.float().T + bias.float()
+    assert_bf16_close(cpu.gemv(x, weight, bias), want, ulps=3.0)
+    assert_bf16_close(cpu.gemv(x, weight, None), x.float() @ weight.float().T, ulps=3.0)
+
+
 def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, torch.Tensor]:
     """A pool whose requests own scattered slots, and one new token per request."""
     bs, slots = len(lens), sum(lens) + 7
@@ -125,7 +134,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, tiny_mod
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model_dirs[arch]
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 11)]
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30)]  # ragged, fused-size batch
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -135,14 +144,18 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, tiny_mod
     fused = ModelRunner(config)
     assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
     calls: dict[str, int] = {}
-    for name in ("rmsnorm", "silu_mul", "rope", "decode_attention"):
+    for name in ("rmsnorm", "silu_mul", "rope", "decode_attention", "decode_layer"):
         real = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
     with_kernels = decode_logits(fused, prompts, forced)
     layers = hf.config.num_hidden_layers
-    assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
-    assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
+    if arch == "qwen3":  # q/k norm: the layer runs op by op, each op a kernel
+        assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
+        assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
+    else:  # 2 decode rows, one rank: each decode layer is one fused kernel call; prefill runs op by op
+        assert calls["decode_layer"] == layers * 6 and "decode_attention" not in calls
+        assert calls["rope"] == layers and calls["silu_mul"] == layers
 
     monkeypatch.setattr(cpu, "usable", lambda *tensors: False)
     plain = ModelRunner(config)

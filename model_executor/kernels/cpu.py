@@ -35,7 +35,16 @@ _SIGNATURES = {
     "srt_rope": [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "srt_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
                              _i64, _i64, _i64, _i64, _f32, _i64],
+    "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
+                         _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
+                         _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
 }
+GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
+# Decode batches up to this size run each layer as one srt_decode_layer call. Measured against
+# the op-by-op path on SmolLM2: 25% faster at batch 1, a little at 2, slower at 4 (there the
+# oneDNN GEMMs beat srt_gemv).
+FUSED_DECODE_MAX_BATCH = 2
 
 
 def _cpu_flags() -> str:
@@ -156,3 +165,48 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                              req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), bs,
                              num_heads, num_kv_heads, head_dim, scale, max_len)
     return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] with at most GEMV_MAX_ROWS rows, weight [n, k] -> x @ weight.T (+ bias), bf16."""
+    lib = kernels()
+    k = x.shape[-1]
+    m = x.numel() // k
+    assert lib is not None and 1 <= m <= GEMV_MAX_ROWS and x.is_contiguous() and weight.is_contiguous()
+    n = weight.shape[0]
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    lib.srt_gemv(x.data_ptr(), m, weight.data_ptr(), _p(bias), out.data_ptr(), n, k)
+    return out
+
+
+class DecodeLayerScratch:
+    """Per-step buffers shared by every layer of a fused decode step (see srt_decode_layer)."""
+
+    def __init__(self, m: int, hidden_size: int, qkv_size: int, q_size: int, intermediate: int) -> None:
+        def buf(n: int) -> torch.Tensor:
+            return torch.empty(m, n, dtype=torch.bfloat16)
+
+        self.residual, self.out = buf(hidden_size), buf(hidden_size)
+        self.qkv, self.attn, self.x = buf(qkv_size), buf(q_size), buf(hidden_size)
+        self.gate_up, self.act = buf(2 * intermediate), buf(intermediate)
+
+
+def decode_layer(hidden: torch.Tensor, first: bool, s: DecodeLayerScratch, ln1: torch.Tensor, ln2: torch.Tensor,
+                 eps: float, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
+                 req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """One Llama decoder layer for <= GEMV_MAX_ROWS decode rows, TP=1. Updates s.residual; returns
+    s.out (the MLP output, the next layer's `hidden`). Every tensor contiguous bf16 / int64."""
+    lib = kernels()
+    m, hidden_size = hidden.shape
+    assert lib is not None and m <= GEMV_MAX_ROWS and hidden.is_contiguous()
+    lib.srt_decode_layer(hidden.data_ptr(), s.residual.data_ptr(), int(first), ln1.data_ptr(), ln2.data_ptr(), eps,
+                         w_qkv.data_ptr(), _p(b_qkv), w_o.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(),
+                         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                         v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0),
+                         rows.data_ptr(), seq_lens.data_ptr(), max_len, m, hidden_size, num_heads, num_kv_heads,
+                         head_dim, w_down.shape[1], scale, s.qkv.data_ptr(), s.attn.data_ptr(), s.x.data_ptr(),
+                         s.gate_up.data_ptr(), s.act.data_ptr(), s.out.data_ptr())
+    return s.out

@@ -274,3 +274,100 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
         free(acc);
     }
 }
+
+/* out[r][i] = sum_j x[r][j] * w[i][j] (+ bias[i]) for a few rows of x (m <= GEMV_MAX_ROWS): the
+ * linear layers of a small decode batch, where streaming the weight once is the whole cost.
+ * w is [n, k] row-major bf16, as stored; GEMV_BLOCK weight rows at a time share each load of x. */
+#define GEMV_MAX_ROWS 4
+#define GEMV_BLOCK 4
+
+static inline __attribute__((always_inline)) void gemv_block(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n,
+                              int64_t k, int64_t i0) {
+    const int64_t rows = n - i0 < GEMV_BLOCK ? n - i0 : GEMV_BLOCK;
+#if defined(__AVX512BF16__)
+    if (k % 32 == 0 && rows == GEMV_BLOCK) {
+        __m512 acc[GEMV_MAX_ROWS][GEMV_BLOCK];
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t b = 0; b < GEMV_BLOCK; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 32) {
+            __m512bh wv[GEMV_BLOCK];
+            for (int64_t b = 0; b < GEMV_BLOCK; b++)
+                wv[b] = (__m512bh)_mm512_loadu_si512((const void *)(w + (i0 + b) * k + j));
+            for (int64_t r = 0; r < m; r++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * k + j));
+                for (int64_t b = 0; b < GEMV_BLOCK; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], xv);
+            }
+        }
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t b = 0; b < GEMV_BLOCK; b++) {
+                float sum = _mm512_reduce_add_ps(acc[r][b]);
+                if (bias) sum += bf16_to_f32(bias[i0 + b]);
+                out[r * n + i0 + b] = f32_to_bf16(sum);
+            }
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < rows; b++) {
+            const bf16 *wr = w + (i0 + b) * k, *xr = x + r * k;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < k; j++) sum += bf16_to_f32(xr[j]) * bf16_to_f32(wr[j]);
+            if (bias) sum += bf16_to_f32(bias[i0 + b]);
+            out[r * n + i0 + b] = f32_to_bf16(sum);
+        }
+}
+
+void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
+    const int64_t blocks = (n + GEMV_BLOCK - 1) / GEMV_BLOCK;
+    /* A constant row count keeps the m x GEMV_BLOCK sums in registers. */
+#define GEMV_ROWS(M)                                                                                        \
+    _Pragma("omp parallel for if (n * k >= PARALLEL_MIN_ELEMS) schedule(static)")                            \
+    for (int64_t blk = 0; blk < blocks; blk++) gemv_block(x, M, w, bias, out, n, k, blk * GEMV_BLOCK);
+    switch (m) {
+    case 1: GEMV_ROWS(1) break;
+    case 2: GEMV_ROWS(2) break;
+    case 3: GEMV_ROWS(3) break;
+    case 4: GEMV_ROWS(4) break;
+    default: GEMV_ROWS(m) break;
+    }
+#undef GEMV_ROWS
+}
+
+/* One whole Llama-style decoder layer for a decode step of at most GEMV_MAX_ROWS requests on one
+ * rank (no tensor parallelism): the Python glue of ~12 small calls per layer costs more than
+ * their arithmetic at this size. In the layer's order:
+ *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
+ *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
+ *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
+ *   out = silu_mul(x @ w_gate_up.T) @ w_down.T
+ * Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...] buffers of the caller's. */
+void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
+                      const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
+                      const bf16 *w_down, const int64_t *positions, const bf16 *cos, const bf16 *sin,
+                      bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
+                      int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
+                      int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
+                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out) {
+    const int64_t qkv_size = (hq + 2 * hkv) * d;
+    if (first) {
+        memcpy(residual, hidden, (size_t)(m * hidden_size) * sizeof(bf16));
+        srt_rmsnorm(residual, NULL, ln1, x, NULL, m, hidden_size, eps);
+    } else {
+        srt_rmsnorm(hidden, residual, ln1, x, residual, m, hidden_size, eps);
+    }
+    srt_gemv(x, m, w_qkv, b_qkv, qkv, qkv_size, hidden_size);
+    /* q and k heads sit side by side at the start of each qkv row: rotate them in place */
+    bf16 rotated[(hq + hkv) * d];
+    for (int64_t r = 0; r < m; r++) {
+        srt_rope(qkv + r * qkv_size, qkv_size, rotated, 1, hq + hkv, d, positions + r, cos, sin);
+        memcpy(qkv + r * qkv_size, rotated, sizeof rotated);
+    }
+    srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
+                         out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
+    srt_gemv(attn, m, w_o, NULL, out, hidden_size, hq * d);
+    srt_rmsnorm(out, residual, ln2, x, residual, m, hidden_size, eps);
+    srt_gemv(x, m, w_gate_up, NULL, gate_up, 2 * inter, hidden_size);
+    srt_silu_mul(gate_up, act, m, inter);
+    srt_gemv(act, m, w_down, NULL, out, hidden_size, inter);
+}

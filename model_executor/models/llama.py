@@ -12,6 +12,7 @@ from torch import nn
 
 from model_executor.distributed.communicator import Communicator
 from model_executor.forward_batch import ForwardBatch
+from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import RMSNorm
@@ -105,14 +106,47 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.rotary_emb = rotary_emb
+        self.single_rank = comm.world_size == 1
+        self.qk_norm = qk_norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
+        if self._fused_decode_applies(hidden, batch):
+            hidden, residual = self._fused_decode(hidden, positions, batch)
+        else:
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
+        """A small bf16 decode batch on one CPU rank runs each layer as one kernel call."""
+        return (batch.is_decode and batch.batch_size <= cpu_kernels.FUSED_DECODE_MAX_BATCH and self.single_rank
+                and not self.qk_norm and self.layers[0].self_attn.o_proj.bias is None  # type: ignore[union-attr]
+                and bool(getattr(batch.attn_backend, "fused_decode", False))
+                and cpu_kernels.usable(hidden, self.rotary_emb.cos))
+
+    def _fused_decode(self, hidden: torch.Tensor, positions: torch.Tensor,
+                      batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        backend: Any = batch.attn_backend
+        layers: list[Any] = list(self.layers)
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        scratch = cpu_kernels.DecodeLayerScratch(
+            batch.batch_size, hidden.shape[1], attn.qkv_proj.weight.shape[0], attn.o_proj.weight.shape[1],
+            mlp.down_proj.weight.shape[1])
+        max_len = max(batch.seq_lens_cpu)
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = backend.kv_pool.get_kv_buffer(a.attn.layer_id)
+            hidden = cpu_kernels.decode_layer(
+                hidden, i == 0, scratch, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                layer.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
+                mlp.gate_up_proj.weight, mlp.down_proj.weight, positions, self.rotary_emb.cos, self.rotary_emb.sin,
+                k_cache, v_cache, batch.out_cache_loc, backend.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                max_len, a.attn.num_heads, a.attn.num_kv_heads, a.head_dim, a.attn.scaling)
+        return hidden, scratch.residual
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
