@@ -40,3 +40,13 @@ def smollm2_dir() -> Path:
     from model_executor.loader.weight_source import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A model directory for fake scheduler targets (tests/launcher_targets.py): the launcher only
+    needs it to exist."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path

@@ -17,6 +17,16 @@ from srt.engine import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def kill_all(procs: list[psutil.Process]) -> None:
+    """SIGKILL every process (already gone is fine) and reap them."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 class Server:
     def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -60,12 +70,7 @@ class Server:
         procs = self.children()
         for p in [psutil.Process(self.proc.pid)] if self.proc.poll() is None else []:
             procs.append(p)
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
+        kill_all(procs)
         self.proc.wait(timeout=10)
         self.log.close()
 

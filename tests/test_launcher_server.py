@@ -37,14 +37,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text("{}")
-    return path
-
-
 class Node:
     """`python tests/launcher_targets.py node ARGS...`: launch_server.run with fake targets."""
 

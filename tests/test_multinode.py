@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 import requests
-from server_fixture import Server
+from server_fixture import Server, kill_all
 
 from launcher.fingerprint import fingerprint_diff, launch_fingerprint
 from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
@@ -70,13 +70,7 @@ class Node:
             return []
 
     def close(self) -> None:
-        procs = self.tree()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
+        kill_all(self.tree())
         self.proc.wait(timeout=10)
         self.log.close()
 
@@ -87,14 +81,6 @@ def nodes(tmp_path: Path) -> Iterator[list[Node]]:
     yield started
     for node in started:
         node.close()
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text("{}")
-    return path
 
 
 def two_node_args(dist_port: int, node_rank: int, *extra: str) -> list[str]:
