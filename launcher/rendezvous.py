@@ -150,6 +150,15 @@ class Rendezvous:
     def key(self, name: str) -> str:
         return self.prefix + name
 
+    def publish(self, name: str, value: str) -> None:
+        self.store.set(self.key(f"shared/{name}"), value)
+
+    def read(self, name: str, timeout_s: float) -> str:
+        """What another node published under `name`; RendezvousError after timeout_s."""
+        if self._wait_for([f"shared/{name}"], time.monotonic() + timeout_s):
+            raise RendezvousError(f"no node published {name!r} at {self.where} within {timeout_s:g} s")
+        return bytes(self.store.get(self.key(f"shared/{name}"))).decode()
+
     def _claim_node_rank(self) -> None:
         token = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "nonce": uuid.uuid4().hex})
         current = self.store.compare_set(self.key(f"node/{self.node_rank}"), "", token)

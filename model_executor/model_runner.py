@@ -21,6 +21,7 @@ from model_executor.attention.base import AttentionBackend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
+from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.cpu_linear import pack_model
 from model_executor.loader.load_weights import load_weights
@@ -78,16 +79,20 @@ class ModelRunner:
     def _init_model(self) -> None:
         start = time.perf_counter()
         model_cls = get_model_class(self.hf_config)
+        pp = self.parallel.pp
+        self.stage = PipelineStage.of(int(self.hf_config.num_hidden_layers), pp.rank_in_group, pp.world_size)
+        self.stage_link = StageLink(pp) if pp.world_size > 1 else None
         with torch.device(self.device):
-            self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype)
+            self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)
         load_weights(self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first)
         self.model.eval()
         packed = pack_model(self.model)
         if packed:
             logger.info("packed %d bf16 weights for oneDNN", packed)
         self.weight_bytes = model_weight_bytes(self.model)
-        logger.info("loaded %s (%.1f MB on this rank, %s) in %.1f s", model_cls.__name__,
-                    self.weight_bytes / 2**20, self.config.dtype, time.perf_counter() - start)
+        layers = "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
+        logger.info("loaded %s (%.1f MB on this rank%s, %s) in %.1f s", model_cls.__name__,
+                    self.weight_bytes / 2**20, layers, self.config.dtype, time.perf_counter() - start)
 
     @property
     def vocab_size(self) -> int:
@@ -137,10 +142,29 @@ class ModelRunner:
                                   token_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward(), plus float32 logits [len(token_rows), vocab] of the given new tokens (indices
         into the step's flattened new tokens; prompt logprobs need them). The LM head runs once
-        over both sets of rows. Every rank must pass the same rows (the head is a TP collective)."""
+        over both sets of rows. Every rank must pass the same rows (the head is a TP collective).
+        Single-stage only; a pipeline stage calls forward_stage."""
+        logits = self.forward_stage(batch, token_rows)
+        assert logits is not None, "not the last pipeline stage"
+        return logits
+
+    @torch.inference_mode()
+    def forward_stage(self, batch: ForwardBatch,
+                      token_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """This stage's part of the step: receives the previous stage's hand-over (unless first),
+        runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
+        returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        previous = None
+        if self.stage_link is not None and not self.stage.is_first:
+            previous = self.stage_link.recv_stage_output(batch.num_tokens, int(self.hf_config.hidden_size),
+                                                         self.config.dtype, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch, previous)
+        if isinstance(hidden, StageOutput):
+            assert self.stage_link is not None
+            self.stage_link.send_stage_output(hidden)
+            return None
         last = hidden if batch.is_decode else \
             hidden[torch.tensor(batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1]
         if not token_rows:

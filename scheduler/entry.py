@@ -16,6 +16,7 @@ from model_executor.distributed.parallel_state import init_distributed
 from model_executor.loader.weight_source import eos_token_ids
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from scheduler.fault_injection import FaultInjector
+from scheduler.pipeline import PipelineScheduler
 from scheduler.receiver import RequestReceiver
 from scheduler.scheduler import Scheduler
 from scheduler.watchdog import Watchdog
@@ -37,7 +38,7 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
 
 def start_watchdogs(args: ServerArgs, scheduler: Scheduler, name: str) -> list[Watchdog]:
     def busy() -> bool:
-        return bool(scheduler.waiting or scheduler.running or scheduler.chunked_req)
+        return scheduler.has_work()
 
     def describe() -> str:
         chunked = scheduler.chunked_req
@@ -58,8 +59,6 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
     world_rank = server_args.tp_size * pp_rank + tp_rank
     try:
         FaultInjector(world_rank).at_startup()
-        if server_args.pp_size > 1:
-            raise NotImplementedError("pipeline parallelism (--pp-size > 1) is not implemented yet")
         device = torch.device(server_args.device)
         parallel = init_distributed(tp_size=server_args.tp_size, pp_size=server_args.pp_size, world_rank=world_rank,
                                     init_method=port_args.dist_init_method, device=device,
@@ -69,7 +68,9 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
             consensus.enable(consensus.create_groups(server_args.tp_size, server_args.pp_size, world_rank,
                                                      timeout_s=server_args.dist_timeout))
         runner = ModelRunner(runner_config(server_args, Path(model_dir)), parallel)
-        receiver = RequestReceiver(parallel.world, port_args.tokenizer_ipc if world_rank == 0 else None)
+        # With pipeline stages the broadcast covers stage 0; the stages pass messages on themselves.
+        receiver = RequestReceiver(parallel.tp if server_args.pp_size > 1 else parallel.world,
+                                   port_args.tokenizer_ipc if world_rank == 0 else None)
         is_output_rank = tp_rank == 0 and pp_rank == server_args.pp_size - 1
         send: Any = None
         if is_output_rank:
@@ -91,7 +92,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
         if server_args.enable_metrics:
             enable_multiprocess_metrics(metrics_dir(port_args))
             metrics = RankMetrics(world_rank, is_output_rank)
-        scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics)
+        if server_args.pp_size > 1:
+            scheduler: Scheduler = PipelineScheduler(
+                server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics,
+                micro_batches=server_args.pp_micro_batches or server_args.pp_size)
+        else:
+            scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics)
     except Exception:
         logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
         ready_conn.send(("error", traceback.format_exc()))

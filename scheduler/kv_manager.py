@@ -27,6 +27,9 @@ class KVManager:
         self.max_total_tokens = runner.max_total_tokens
         self.last_out_cache_loc = torch.empty(0, dtype=torch.int64)
 
+    def free_rows(self) -> int:
+        return self.req_to_token_pool.num_free
+
     def available_tokens(self) -> int:
         return self.allocator.num_free_tokens + self.tree_cache.evictable_size()
 

@@ -1,4 +1,7 @@
-"""Rank 0 drains the front end's ZMQ socket; every rank gets the same list by gloo broadcast."""
+"""Rank 0 drains the front end's ZMQ socket; every rank gets the same list by gloo broadcast.
+
+With pipeline parallelism the broadcast covers stage 0's TP group; the stages pass the list on
+(scheduler/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +14,11 @@ from model_executor.distributed.communicator import Communicator
 
 class RequestReceiver:
     def __init__(self, world: Communicator, endpoint: str | None) -> None:
-        """`endpoint` is bound on world rank 0 only (the input rank); other ranks pass None."""
+        """`world`: the ranks that get the list (rank 0 first). `endpoint` is bound on world rank 0
+        only (the input rank); other ranks pass None."""
         self.world = world
         self.socket: zmq.Socket | None = None
-        if world.is_first:
-            assert endpoint is not None
+        if endpoint is not None:
             self.context = zmq.Context(1)
             self.socket = self.context.socket(zmq.PULL)
             self.socket.bind(endpoint)

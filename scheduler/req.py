@@ -39,6 +39,7 @@ class Req:
     resumed_len: int = 0
     resume: ResumeState | None = None  # sent with the replay's first output (the detokenizer's seed)
     retractions: int = 0
+    awaiting_token: bool = False  # launched in a batch whose sampled token is not appended yet
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens k.. as well

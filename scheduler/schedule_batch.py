@@ -45,3 +45,12 @@ class ScheduleBatch:
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)]
         return make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device)  # type: ignore[arg-type]
+
+
+@dataclass
+class Launched:
+    """A batch whose forward ran on this rank and whose sampled tokens are not appended yet."""
+
+    batch: ScheduleBatch
+    sampled: list[bool]  # request i completed its prompt (a token is sampled from its logits)
+    next_ids: list[int] | None  # on the last pipeline stage; the others receive them later

@@ -20,7 +20,7 @@ from model_executor.model_runner import ModelRunner
 from model_executor.sampler import SamplingBatchInfo
 from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
-from scheduler.logprobs import attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
+from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
 from scheduler.policy import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
@@ -31,7 +31,7 @@ from scheduler.policy import (
 )
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
-from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
 from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
 from srt.io_struct import (
@@ -82,6 +82,10 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.forward_steps = 0
         self.outbox: list[Req] = []  # requests with something to stream this step
+        self.micro_batches = 1  # batches in flight at once (a pipeline runs several)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -89,8 +93,10 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        busy = bool(self.waiting or self.running or self.chunked_req)
+        busy = self.has_work()
+        self.stats.timer.begin()
         messages = self.receiver.recv(0 if busy else IDLE_WAIT_MS)
+        self.stats.timer.received()
         self.process_messages(messages)
         batch = self.get_next_batch()
         if batch is not None:
@@ -99,6 +105,7 @@ class Scheduler:
             self.stats.on_idle()
         self.flush_outputs()
         self.stats.publish()
+        self.stats.timer.end(counted=busy and batch is not None)
 
     # ------------------------------------------------------------------ messages
     def process_messages(self, messages: list[Any]) -> None:
@@ -108,7 +115,7 @@ class Scheduler:
             elif isinstance(msg, AbortReq):
                 self._abort(msg.rid, msg.reason)
             elif isinstance(msg, FlushCacheReq):
-                ok = not (self.waiting or self.running or self.chunked_req)
+                ok = not self.has_work()
                 if ok:
                     self.tree_cache.reset()
                 self._reply(ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"}))
@@ -154,13 +161,19 @@ class Scheduler:
         batch = self._get_prefill_batch()
         if batch is not None:
             return batch
-        if not self.running:
-            return None
-        self._make_room_for_decode()
-        if not self.running:
+        reqs = self._make_room_for_decode(self._decode_candidates())
+        if not reqs:
             return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ScheduleBatch(Phase.DECODE, list(self.running), [1] * len(self.running))
+        return ScheduleBatch(Phase.DECODE, reqs, [1] * len(reqs))
+
+    def _decode_candidates(self) -> list[Req]:
+        """Running requests whose last token is known. With several micro-batches each decodes at
+        most its share of them, so the micro-batches stay about equal."""
+        ready = [r for r in self.running if not r.awaiting_token]
+        if self.micro_batches > 1:
+            ready = ready[:-(-len(self.running) // self.micro_batches)]
+        return ready
 
     def _get_prefill_batch(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
@@ -181,7 +194,7 @@ class Scheduler:
             used += n
         ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len)
         for req in ordered:
-            if len(self.running) + len(reqs) >= self.runner.max_running_requests:
+            if len(self.running) + len(reqs) >= self.runner.max_running_requests or not self.kv.free_rows():
                 break
             prefix_len, match = self.kv.match(req)
             n = budget.chunk_for(req.seq_len - prefix_len, used)
@@ -214,16 +227,18 @@ class Scheduler:
                 self.waiting.insert(0, req)
         return ScheduleBatch(Phase.PREFILL, reqs, lens) if reqs else None
 
-    def _make_room_for_decode(self) -> None:
-        """Evicts cache, then retracts the newest requests until one decode step fits."""
-        while self.running and not self.kv.fits_decode(self.running):
-            if len(self.running) == 1:
-                req = self.running.pop()
+    def _make_room_for_decode(self, reqs: list[Req]) -> list[Req]:
+        """Evicts cache, then retracts the newest of `reqs` until one decode step of the rest fits."""
+        while reqs and not self.kv.fits_decode(reqs):
+            req = reqs.pop()
+            self.running.remove(req)
+            if self.running:  # others hold KV (some may be in flight): this one waits and resumes
+                self._retract(req)
+            else:
                 self._finish(req, FinishReason("abort", message=(
                     f"request needs more KV cache than the server has ({self.kv.max_total_tokens} tokens); "
                     "raise --max-total-tokens or lower max_new_tokens")))
-                return
-            self._retract(self.running.pop())
+        return reqs
 
     @rank_consensus(args={"req": lambda r: r.rid})
     def _retract(self, req: Req) -> None:
@@ -234,8 +249,18 @@ class Scheduler:
         logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))
 
     # ------------------------------------------------------------------ execution
-    @torch.inference_mode()
     def run_batch(self, batch: ScheduleBatch) -> None:
+        launched = self.launch(batch)
+        assert launched.next_ids is not None, "a single-stage rank samples every batch it runs"
+        self.complete(launched, launched.next_ids)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduleBatch) -> Launched:
+        """Runs this rank's part of the step and moves every state the step decides: KV slots and
+        lengths, the chunked prompt, a finished prompt joining `running`. What waits is only the
+        sampled tokens: `complete` appends them (at once on one stage; a pipeline completes a
+        micro-batch when its ids come back from the last stage)."""
+        self.stats.timer.forward_begin()
         if batch.phase is Phase.DECODE:
             ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)
             assert ok, "decode room was checked"
@@ -247,7 +272,25 @@ class Scheduler:
         step = self.forward_steps + 1
         self.faults.before_forward(step)
         plan = plan_logprobs(batch)  # None unless a request of the batch asked for logprobs
-        logits, token_logits = self.runner.forward_with_token_logits(forward_batch, plan.token_rows if plan else None)
+        out = self.runner.forward_stage(forward_batch, plan.token_rows if plan else None)
+        ids = None if out is None else self._sample(batch, step, plan, *out)
+        self.forward_steps = step
+        sampled = [batch.samples(i) for i in range(len(batch.reqs))]  # before kv_len moves
+        tokens = sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
+        for req, n, done in zip(batch.reqs, batch.extend_lens, sampled):
+            req.kv_len += n
+            if not done:
+                self.chunked_req = req  # a mid-prompt chunk: its next chunk may run at once
+                continue
+            req.awaiting_token = True
+            if batch.phase is Phase.PREFILL and req.sampling_params.max_new_tokens > 0:
+                self.running.append(req)
+        self.stats.timer.forward_end()
+        self.stats.after_step(tokens)
+        return Launched(batch, sampled, ids)
+
+    def _sample(self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None, logits: torch.Tensor,
+                token_logits: torch.Tensor | None) -> list[int]:
         info = SamplingBatchInfo.from_lists(
             temperatures=[r.sampling_params.temperature for r in batch.reqs],
             top_ps=[r.sampling_params.top_p for r in batch.reqs],
@@ -260,22 +303,20 @@ class Scheduler:
         if self.sync_token_ids:
             # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.
             self.parallel.tp.all_reduce(next_ids, op=torch.distributed.ReduceOp.MIN)
-        self.forward_steps = step
-        ids = next_ids.tolist()
+        if self.runner.stage_link is not None:
+            self.runner.stage_link.send_ids(next_ids)  # every earlier stage needs them
+        ids: list[int] = next_ids.tolist()
         if plan is not None and self.send_output is not None:
             record_logprobs(batch, plan, logits, token_logits, ids)
-        sampled = len(batch.reqs) if batch.phase is Phase.DECODE else \
-            sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
-        self.process_batch_result(batch, ids)
-        self.stats.after_step(sampled)
+        return ids
 
-    def process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            samples = batch.samples(i)
-            req.kv_len += n
-            if not samples:
-                self.chunked_req = req
-                continue
+    def complete(self, launched: Launched, next_ids: list[int]) -> None:
+        """Appends a launched batch's sampled tokens, checks stops, finishes requests."""
+        batch = launched.batch
+        for i, req in enumerate(batch.reqs):
+            if not launched.sampled[i] or req.finished:
+                continue  # a mid-prompt chunk, or aborted while its tokens were on the way
+            req.awaiting_token = False
             if not req.output_ids:
                 self.stats.on_prompt_done(req)
             if req.sampling_params.max_new_tokens == 0:  # a prompt scored for its logprobs only
@@ -283,12 +324,8 @@ class Scheduler:
                 continue
             req.output_ids.append(int(next_ids[i]))
             reason = self.stop_checker.check(req)
-            if batch.phase is Phase.DECODE:
-                if reason is not None:
-                    self.running.remove(req)
-            elif reason is None:
-                self.running.append(req)
             if reason is not None:
+                self.running.remove(req)
                 self._finish(req, reason)
             elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
                 self.outbox.append(req)
@@ -341,6 +378,8 @@ class Scheduler:
             "waiting": [r.rid for r in self.waiting],
             "chunked": self.chunked_req.rid if self.chunked_req else None,
             "new_token_ratio": self.new_token_ratio,
+            "step_timing": self.stats.timer.as_dict(),
+            "kv_cache_bytes": self.runner.kv_pool.total_bytes,
             **self.kv.stats(self.running + ([self.chunked_req] if self.chunked_req else [])),
         }
 

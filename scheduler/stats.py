@@ -7,6 +7,9 @@ series (every rank, with --enable-metrics; see srt/metrics.py).
 as SGLang prints them: a prefill line per prefill step, a decode line every
 --decode-log-interval decode steps. Wall-clock time is read here for reporting only; nothing
 scheduled depends on it. The log format names the process (scheduler_TP0) in every line.
+
+`StepTimer` splits each busy step into receive + broadcast, scheduling, and forward + sample
+(scripts/bench_control_plane.py reads it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,65 @@ class LoadSnapshot:
 
 
 @dataclass
+class StepTimer:
+    """Where this rank's busy steps spend their time, in seconds summed since start.
+
+        |-- broadcast --|------------------- schedule + forward -------------------|
+        begin     received   process_messages, get_next_batch, run_batch, flush...  end
+                                               |-- forward --|  (run_batch up to the result processing)
+
+    broadcast: `RequestReceiver.recv` (rank 0 drains its socket; `broadcast_pyobj` on every rank,
+    which includes waiting for the slowest rank to get there); forward: the forward pass and
+    sampling; schedule: the rest (messages, batch selection, result processing, outputs, gauges).
+    Only steps that ran a batch and began busy count: a step that began idle waited on rank 0's
+    socket on purpose (up to IDLE_WAIT_MS), and every rank's broadcast waits through that.
+    A handful of perf_counter calls per step; with --enable-metrics the totals also go to
+    `srt:step_{broadcast,schedule,forward}_seconds_total{rank}`.
+    """
+
+    metrics: RankMetrics | None = None
+    steps: int = 0
+    broadcast_s: float = 0.0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    _begin: float = 0.0  # marks of the step under way (perf_counter)
+    _received: float = 0.0
+    _forward_begin: float = 0.0
+    _step_forward_s: float = 0.0
+
+    def begin(self) -> None:
+        self._begin = time.perf_counter()
+        self._step_forward_s = 0.0
+
+    def received(self) -> None:
+        self._received = time.perf_counter()
+
+    def forward_begin(self) -> None:
+        self._forward_begin = time.perf_counter()
+
+    def forward_end(self) -> None:
+        self._step_forward_s += time.perf_counter() - self._forward_begin
+
+    def end(self, counted: bool) -> None:
+        """The step is over; `counted`: it began busy and ran a batch."""
+        if not counted:
+            return
+        broadcast = self._received - self._begin
+        forward = self._step_forward_s
+        schedule = time.perf_counter() - self._received - forward
+        self.steps += 1
+        self.broadcast_s += broadcast
+        self.schedule_s += schedule
+        self.forward_s += forward
+        if self.metrics is not None:
+            self.metrics.step_time(broadcast, schedule, forward)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "broadcast_s": self.broadcast_s, "schedule_s": self.schedule_s,
+                "forward_s": self.forward_s}
+
+
+@dataclass
 class SchedulerStats:
     load: Callable[[], LoadSnapshot]  # read only when a line is logged or a gauge refreshed
     log_enabled: bool  # the output rank logs; the others only count
@@ -46,6 +108,10 @@ class SchedulerStats:
     last_log_time: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0  # of requests whose prompt is done, since start
     cache_hit_tokens: int = 0  # of those, served from the prefix cache
+    timer: StepTimer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timer = StepTimer(self.metrics)
 
     @property
     def cache_hit_rate(self) -> float:

@@ -37,6 +37,7 @@ from launcher.layout import (
     RendezvousAddress,
     check_device_count,
     local_ranks,
+    node_of_world_rank,
     output_world_rank,
     rendezvous_address,
     resolve_init_method,
@@ -186,6 +187,25 @@ def meet_other_nodes(plan: LaunchPlan) -> PeerWatch:
     return PeerWatch(rendezvous).start()
 
 
+def route_outputs_across_nodes(plan: LaunchPlan, rendezvous: Rendezvous) -> LaunchPlan:
+    """With pipeline stages over several nodes the output rank (TP 0 of the last stage) runs on
+    another node than the detokenizer: node 0's detokenizer then listens on TCP at the rendezvous
+    host, and publishes where in the rendezvous store."""
+    args = plan.server_args
+    output_node = node_of_world_rank(output_world_rank(args.tp_size, args.pp_size), args.world_size, args.nnodes)
+    if output_node == 0:
+        return plan
+    if args.node_rank == 0:
+        host = socket.gethostbyname(plan.rendezvous.host)
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        rendezvous.publish("detokenizer", f"tcp://{host}:{port}")
+    endpoint = rendezvous.read("detokenizer", args.dist_timeout)
+    logger.info("the output rank on node %d reaches the detokenizer at %s", output_node, endpoint)
+    return dataclasses.replace(plan, port_args=dataclasses.replace(plan.port_args, detokenizer_ipc=endpoint))
+
+
 def start_again(plan: LaunchPlan, port_args: PortArgs, children: list[ChildProcess], scheduler_target: str,
                 detokenizer_target: str) -> list[ChildProcess]:
     """An engine restart (srt/recovery.py, in the Supervisor's thread): every child again, on
@@ -214,6 +234,7 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
     farewell = f"node {args.node_rank} shut down"  # what the other nodes are told when this one exits
     try:
         peers = meet_other_nodes(plan)
+        plan = route_outputs_across_nodes(plan, peers.rdzv)
         for spec in child_specs(plan, scheduler_target, detokenizer_target):
             children.append(spawn_child(spec))
         infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S, abort=peers.failures)

@@ -12,11 +12,13 @@ Two sources, one page:
   its values in small mmap'd files under `<ipc dir>/metrics`, and /metrics merges them at scrape
   time. No message and no collective is added to the step loop; a rank's write is a few
   microseconds. Every rank: `srt:forward_steps_total{rank}` and
-  `srt:last_forward_step_timestamp_seconds{rank}` (unix time; what a hang alert watches). The
-  output rank: `srt:num_running_reqs`, `srt:num_queue_reqs`, `srt:num_used_tokens`,
-  `srt:token_usage` (KV held by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens
-  served from the prefix cache / prompt tokens, since start), `srt:gen_throughput` (tokens/s,
-  at the last decode stats log).
+  `srt:last_forward_step_timestamp_seconds{rank}` (unix time; what a hang alert watches);
+  `srt:step_broadcast_seconds_total{rank}`, `srt:step_schedule_seconds_total{rank}`,
+  `srt:step_forward_seconds_total{rank}` (where busy steps spend their time: receive + broadcast,
+  scheduling, forward + sample; scheduler/stats.py StepTimer). The output rank:
+  `srt:num_running_reqs`, `srt:num_queue_reqs`, `srt:num_used_tokens`, `srt:token_usage` (KV held
+  by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens served from the prefix cache /
+  prompt tokens, since start), `srt:gen_throughput` (tokens/s, at the last decode stats log).
 
 Only the ranks of node 0 write where node 0's /metrics reads.
 """
@@ -63,6 +65,10 @@ class RankMetrics:
         self.last_step_time = Gauge("srt:last_forward_step_timestamp_seconds",
                                     "Unix time of this rank's last forward step", ["rank"],
                                     multiprocess_mode="max").labels(str(rank))
+        parts = {"broadcast": "receiving and broadcasting requests", "schedule": "scheduling",
+                 "forward": "the forward pass and sampling"}
+        self.step_seconds = {part: Counter(f"srt:step_{part}_seconds", f"Seconds of this rank's busy steps in {doc}",
+                                           ["rank"]).labels(str(rank)) for part, doc in parts.items()}
         self.is_output_rank = is_output_rank
         if not is_output_rank:
             return
@@ -76,6 +82,11 @@ class RankMetrics:
     def step(self) -> None:
         self.forward_steps.inc()
         self.last_step_time.set(time.time())
+
+    def step_time(self, broadcast_s: float, schedule_s: float, forward_s: float) -> None:
+        self.step_seconds["broadcast"].inc(broadcast_s)
+        self.step_seconds["schedule"].inc(schedule_s)
+        self.step_seconds["forward"].inc(forward_s)
 
     def set(self, **values: float) -> None:
         for name, value in values.items():

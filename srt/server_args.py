@@ -31,6 +31,7 @@ class ServerArgs:
     port: int = 30000
     tp_size: int = 1
     pp_size: int = 1
+    pp_micro_batches: int | None = None  # batches in flight with --pp-size > 1 (None: pp_size)
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -73,7 +74,7 @@ class ServerArgs:
         for flag in ("tp_size", "pp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout"):
+        for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
@@ -128,6 +129,8 @@ class ServerArgs:
         a("--port", type=int, default=d["port"].default)
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
         a("--pp-size", "--pp", dest="pp_size", type=int, default=1)
+        a("--pp-micro-batches", type=int, default=None,
+          help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)")
         a("--nnodes", type=int, default=1)
         a("--node-rank", type=int, default=0)
         a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// ")

@@ -8,6 +8,7 @@ from typing import Any
 from model_executor.distributed.parallel_state import single_process_state
 from model_executor.model_runner import ModelRunner
 from scheduler.entry import runner_config
+from scheduler.pipeline import PipelineScheduler
 from scheduler.scheduler import Scheduler
 from srt.io_struct import BatchTokenIDOut, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
@@ -24,13 +25,18 @@ class FakeReceiver:
 
 
 class Harness:
-    def __init__(self, model_dir: Path, **server_args: Any) -> None:
+    """micro_batches > 1: the pipeline loop on one stage (tokens come back `micro_batches`
+    iterations after their batch was launched, as from a last stage that far down the pipe)."""
+
+    def __init__(self, model_dir: Path, micro_batches: int = 0, **server_args: Any) -> None:
         self.args = ServerArgs(model_path=str(model_dir), dtype="float32", **server_args)
         self.runner = ModelRunner(runner_config(self.args, model_dir))
         self.receiver = FakeReceiver()
         self.outputs: list[Any] = []
-        self.scheduler = Scheduler(self.args, single_process_state(), self.runner, self.receiver,  # type: ignore[arg-type]
-                                   self.outputs.append, set(), lambda: None)
+        args = (self.args, single_process_state(), self.runner, self.receiver, self.outputs.append, set(),
+                lambda: None)
+        self.scheduler = PipelineScheduler(*args, micro_batches=micro_batches) if micro_batches \
+            else Scheduler(*args)  # type: ignore[arg-type]
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
         self.meta: dict[str, dict[str, int]] = {}
@@ -45,8 +51,7 @@ class Harness:
         for _ in range(max_steps):
             self.scheduler.step()
             self._collect()
-            s = self.scheduler
-            if not (s.waiting or s.running or s.chunked_req or self.receiver.inbox):
+            if not (self.scheduler.has_work() or self.receiver.inbox):
                 return
         raise AssertionError("scheduler did not go idle")
 

@@ -30,14 +30,14 @@ def test_summary_takes_medians_and_ratios_to_baseline() -> None:
 
     runs = [run("baseline", 0, 100.0, 10.0), run("baseline", 1, 120.0, 8.0), run("baseline", 2, 90.0, 12.0),
             run("token sync", 0, 99.0, None), run("token sync", 1, 99.0, 11.0), run("token sync", 2, 10.0, 50.0)]
-    rows = guards.summarize(runs, ["baseline", "token sync"])
+    rows = guards.summarize(runs, {name: guards.CONFIGS[name] for name in ("baseline", "token sync")})
     assert [r["output_throughput"] for r in rows] == [100.0, 99.0]  # the slow outlier does not move the median
     assert [r["mean_itl_ms"] for r in rows] == [10.0, pytest.approx(30.5)]
     assert [r["ratio"] for r in rows] == [1.0, pytest.approx(0.99)]
-    table = guards.format_table(rows)
+    table = guards.format_table(rows, guards.RATIO_LINE)
     assert "throughput cost of token sync: 0.99x of baseline" in table.splitlines()
     with pytest.raises(ValueError, match="no runs of 'both'"):
-        guards.summarize(runs, ["baseline", "both"])
+        guards.summarize(runs, {"baseline": (), "both": ()})
 
 
 def test_bad_arguments_are_usage_errors() -> None:

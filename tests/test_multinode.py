@@ -23,7 +23,10 @@ from typing import Any
 import psutil
 import pytest
 import requests
+import torch
+import transformers
 from server_fixture import Server, kill_all
+from tiny_models import hf_greedy
 
 from launcher.fingerprint import fingerprint_diff, launch_fingerprint
 from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
@@ -332,20 +335,24 @@ def _pid_in(text: str, prefix: str) -> int:
 # ---- the real server, TP=2 over two nodes ----
 
 
-def serve_args(model: Path, tokenizer: Path) -> list[str]:
-    return ["--model-path", str(model), "--tokenizer-path", str(tokenizer), "--tp", "2", "--dtype", "float32",
+def serve_args(model: Path, tokenizer: Path, layout: tuple[str, ...] = ("--tp", "2")) -> list[str]:
+    return ["--model-path", str(model), "--tokenizer-path", str(tokenizer), *layout, "--dtype", "float32",
             "--max-total-tokens", "8192"]
 
 
+def greedy_prompts() -> list[list[int]]:
+    return [list(range(7 + i, 30 + 2 * i)) for i in range(4)]
+
+
 def greedy_outputs(server: Server) -> list[list[int]]:
-    payloads = [{"input_ids": list(range(7 + i, 30 + 2 * i)),
-                 "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}} for i in range(4)]
+    payloads = [{"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+                for ids in greedy_prompts()]
     with ThreadPoolExecutor(4) as pool:
         return [r.json()["output_ids"] for r in pool.map(server.generate, payloads)]
 
 
 def start_two_nodes(nodes: list[Node], tmp_path: Path, model: Path, tokenizer: Path,
-                    env_rendezvous: bool = False) -> tuple[Server, Node]:
+                    env_rendezvous: bool = False, layout: tuple[str, ...] = ("--tp", "2")) -> tuple[Server, Node]:
     """Node 1 in the background, then node 0 as a Server (healthy once both nodes serve).
     env_rendezvous: `--dist-init-addr env://` with MASTER_ADDR / MASTER_PORT, as torchrun or a
     LeaderWorkerSet would set them."""
@@ -353,9 +360,9 @@ def start_two_nodes(nodes: list[Node], tmp_path: Path, model: Path, tokenizer: P
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if env_rendezvous else {}
     addr = "env://" if env_rendezvous else f"127.0.0.1:{port}"
     dist = ["--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "120"]
-    node1 = Node(tmp_path, "node1", [*serve_args(model, tokenizer), *dist, "--node-rank", "1"], env=env)
+    node1 = Node(tmp_path, "node1", [*serve_args(model, tokenizer, layout), *dist, "--node-rank", "1"], env=env)
     nodes.append(node1)
-    return Server(*serve_args(model, tokenizer), *dist, "--node-rank", "0", env=env), node1
+    return Server(*serve_args(model, tokenizer, layout), *dist, "--node-rank", "0", env=env), node1
 
 
 def stream(server: Server) -> tuple[int, list[str]]:
@@ -396,12 +403,16 @@ def test_two_nodes_serve_what_one_node_serves_and_go_down_with_node_1(
 @pytest.mark.timeout(300)
 def test_killing_node_0_makes_node_1_exit(nodes: list[Node], tmp_path: Path, long_context_llama: Path,
                                           smollm2_dir: Path) -> None:
-    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, env_rendezvous=True)
+    """Two pipeline stages, one per node, meeting through the environment's rendezvous."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(long_context_llama, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, ids, 16) for ids in greedy_prompts()]
+    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, env_rendezvous=True,
+                                    layout=("--pp", "2"))
     with server:
-        assert greedy_outputs(server)  # serving, with the ranks' rendezvous read from the environment
+        assert greedy_outputs(server) == expected
         node1_tree = node1.tree()
         titles = [" ".join(p.cmdline()).strip() for p in node1_tree[1:]]
-        assert "srt::scheduler_TP1" in titles and "srt::detokenizer" not in titles  # its rank only
+        assert "srt::scheduler_PP1_TP0" in titles and "srt::detokenizer" not in titles  # its stage only
         os.kill(server.proc.pid, signal.SIGKILL)
         start = time.monotonic()
         assert node1.wait(30) == 1

@@ -3,12 +3,15 @@ prefix reuse, aborts and KV integrity, checked against the offline engine's gree
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from scheduler_harness import Harness
 
+from scheduler.scheduler import IDLE_WAIT_MS
 from srt.engine import Engine
 from srt.io_struct import AbortReq, FlushCacheReq
 from srt.sampling_params import SamplingParams
@@ -147,3 +150,83 @@ def test_admission_looks_the_prefix_up_once(tiny_model_dirs: dict[str, Path], po
     h.scheduler.step()  # one prefill step admits all three
     assert len(h.scheduler.running) == 3
     assert len(lookups) == 3 * lookups_per_request
+
+
+def test_step_timer_counts_only_steps_that_began_busy_and_ran_a_batch(tiny_model_dirs: dict[str, Path]) -> None:
+    """The receive of a step that began idle includes rank 0's deliberate wait on its socket; it
+    must not count as control-plane time. Busy steps split into broadcast, scheduling, forward."""
+    h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096)
+    fake_recv = h.receiver.recv
+    busy_recv_s = 0.002
+
+    def recv(wait_ms: int) -> list[Any]:
+        time.sleep(wait_ms / 1000 if wait_ms else busy_recv_s)  # like rank 0's poll, then the broadcast
+        return fake_recv(wait_ms)
+
+    h.receiver.recv = recv  # type: ignore[method-assign]
+    timer = h.scheduler.stats.timer
+    for _ in range(2):
+        h.scheduler.step()
+    assert timer.as_dict() == {"steps": 0, "broadcast_s": 0.0, "schedule_s": 0.0, "forward_s": 0.0}
+    for i, prompt in enumerate(mixed_prompts(3)):
+        h.submit(f"r{i}", prompt, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    h.run_until_idle()
+    wall = time.perf_counter() - start
+    steps = h.scheduler.forward_steps
+    assert steps >= 6
+    assert timer.steps == steps - 1  # the first batch ran in a step that began idle
+    assert busy_recv_s * timer.steps <= timer.broadcast_s < IDLE_WAIT_MS / 1000  # no idle wait in it
+    assert timer.schedule_s > 0 and timer.forward_s > 0
+    assert timer.broadcast_s + timer.schedule_s + timer.forward_s < wall
+    counted = timer.as_dict()
+    assert h.scheduler.internal_state()["step_timing"] == counted
+    h.scheduler.step()  # idle again: nothing more counts
+    assert timer.as_dict() == counted
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_pipeline_loop_matches_offline_engine(tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]],
+                                              micro_batches: int) -> None:
+    """The pipeline stages' loop (scheduler/pipeline.py) on one stage, tokens coming back
+    `micro_batches` iterations late: same greedy tokens with plain, chunked and tiny-KV budgets,
+    with the micro-batches really in flight together and never sharing a request."""
+    budgets: list[dict[str, Any]] = [
+        {"max_total_tokens": 8192},
+        {"max_total_tokens": 8192, "chunked_prefill_size": 16, "max_prefill_tokens": 24, "max_running_requests": 5},
+        {"max_total_tokens": 160},
+    ]
+    for budget in budgets:
+        h = Harness(tiny_model_dirs["llama"], micro_batches=micro_batches, **budget)
+        for i, p in enumerate(mixed_prompts(32)):
+            h.submit(f"r{i}", p, GREEDY)
+        most_in_flight = 0
+        for _ in range(10_000):
+            h.scheduler.step()
+            h._collect()
+            launched = [b for b in h.scheduler.in_flight if b is not None]  # type: ignore[attr-defined]
+            # (a prompt's chunks may follow each other at once: only a sampled token must come back first)
+            rids = [r.rid for b in launched for r, sampled in zip(b.batch.reqs, b.sampled) if sampled]
+            assert len(rids) == len(set(rids)), "a request waits for two tokens at once"
+            most_in_flight = max(most_in_flight, len(launched))
+            if not h.scheduler.has_work():
+                break
+        assert h.tokens == reference, budget
+        assert h.integrity_error() is None
+        assert most_in_flight == micro_batches
+
+
+def test_pipeline_loop_aborts_requests_in_flight(tiny_model_dirs: dict[str, Path]) -> None:
+    h = Harness(tiny_model_dirs["llama"], micro_batches=2, max_total_tokens=4096, chunked_prefill_size=8)
+    long = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(mixed_prompts(6)):
+        h.submit(f"a{i}", p, long)
+    for _ in range(7):
+        h.scheduler.step()
+    assert any(b is not None for b in h.scheduler.in_flight)  # type: ignore[attr-defined]
+    for i in range(6):
+        h.send(AbortReq(f"a{i}"))
+    h.run_until_idle()
+    assert all(h.finished[f"a{i}"].type == "abort" for i in range(6))
+    assert h.integrity_error() is None
+    assert h.scheduler.tree_cache.protected_size() == 0

@@ -11,7 +11,7 @@ class Attention(nn.Module):
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id = layer_id  # the layer's index within its pipeline stage: its place in the KV pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

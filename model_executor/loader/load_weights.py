@@ -41,11 +41,12 @@ def load_weights(model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, p
     loaded: dict[str, set[Any]] = {}
     unused: list[str] = []
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
+    rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
     items = tqdm(checkpoint, desc="Loading weights", unit="tensor", disable=not progress)
     for tensor in items:
         if skip(tensor.name):
             continue
-        target, shard_id = _target(model, tensor.name)
+        target, shard_id = _target(model, rename(tensor.name))
         param = params.get(target)
         if param is None:
             unused.append(tensor.name)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_executor.distributed.pipeline import StageOutput
 from model_executor.forward_batch import ForwardBatch
 
 
@@ -16,8 +17,11 @@ class CausalLM(nn.Module):
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """-> final hidden states [num_tokens, hidden]. Writes this step's K/V into the pool."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        """-> final hidden states [num_tokens, hidden] on the last pipeline stage, the hand-over to
+        the next stage on the others (`previous`: what the stage before handed over; None on the
+        first). Writes this step's K/V of the stage's layers into the pool."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -28,5 +32,11 @@ class CausalLM(nn.Module):
         """(layers, KV heads on this rank, head_dim): the shape of this rank's KV pool per token."""
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
-        """Checkpoint tensors the model knowingly ignores (e.g. rotary inv_freq, a tied lm_head)."""
+        """Checkpoint tensors the model knowingly ignores (e.g. rotary inv_freq, a tied lm_head,
+        other pipeline stages' layers)."""
         return False
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        """The parameter a checkpoint tensor loads into, before packed-module mapping (e.g. a
+        tied embedding loaded as the LM head of a last pipeline stage)."""
+        return name

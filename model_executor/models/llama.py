@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
+from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
@@ -95,43 +96,62 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """Stands where another pipeline stage's layer is: no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype, *, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype, *, qkv_bias: bool, qk_norm: bool,
+                 stage: PipelineStage) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, params_dtype=dtype)
+        self.stage = stage
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, params_dtype=dtype) \
+            if stage.is_first else None
         max_position = int(getattr(config, "max_position_embeddings", 4096))
         rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
+        # Layer i keeps its place (checkpoint names); its KV lives at i - start_layer in this stage's pool.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_emb=rotary_emb)
+            LlamaDecoderLayer(config, i - stage.start_layer, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                              rotary_emb=rotary_emb) if stage.owns_layer(i) else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
+        self.local_layers: list[LlamaDecoderLayer] = [m for m in self.layers if isinstance(m, LlamaDecoderLayer)]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype) if stage.is_last else None
         self.rotary_emb = rotary_emb
-        self.single_rank = comm.world_size == 1
+        self.single_rank = comm.world_size == 1 and stage.size == 1
         self.qk_norm = qk_norm
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        """-> final hidden states on the last stage, this stage's output on the others."""
         residual: torch.Tensor | None = None
+        if previous is None:
+            assert self.embed_tokens is not None, "only the first pipeline stage embeds the input ids"
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden, residual = previous.hidden, previous.residual
         if self._fused_decode_applies(hidden, batch):
             hidden, residual = self._fused_decode(hidden, positions, batch)
         else:
-            for layer in self.layers:
+            for layer in self.local_layers:
                 hidden, residual = layer(positions, hidden, residual, batch)
+        if self.norm is None:
+            assert residual is not None
+            return StageOutput(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         """A small bf16 decode batch on one CPU rank runs each layer as one kernel call."""
         return (batch.is_decode and batch.batch_size <= cpu_kernels.FUSED_DECODE_MAX_BATCH and self.single_rank
-                and not self.qk_norm and self.layers[0].self_attn.o_proj.bias is None  # type: ignore[union-attr]
+                and not self.qk_norm and self.local_layers[0].self_attn.o_proj.bias is None
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
                 and cpu_kernels.usable(hidden, self.rotary_emb.cos))
 
     def _fused_decode(self, hidden: torch.Tensor, positions: torch.Tensor,
                       batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         backend: Any = batch.attn_backend
-        layers: list[Any] = list(self.layers)
+        layers: list[Any] = list(self.local_layers)
         attn, mlp = layers[0].self_attn, layers[0].mlp
         scratch = cpu_kernels.DecodeLayerScratch(
             batch.batch_size, hidden.shape[1], attn.qkv_proj.weight.shape[0], attn.o_proj.weight.shape[1],
@@ -162,24 +182,50 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = config
+        self.stage = stage = stage or PipelineStage()
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, comm, dtype, qkv_bias=qkv_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(config, comm, dtype, qkv_bias=qkv_bias, qk_norm=self.qk_norm, stage=stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A last stage that is not also the first has no embedding to share: its head loads a copy.
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm, params_dtype=dtype,
-                                      tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+                                      tied_to=self.model.embed_tokens if self.tie_word_embeddings else None) \
+            if stage.is_last else None
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
-        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+        """Rotary caches, a tied head's own copy, and whatever other pipeline stages own."""
+        if "rotary_emb.inv_freq" in name:
+            return True
+        if name.startswith("model.layers."):
+            return not self.stage.owns_layer(int(name.split(".")[2]))
+        if name.startswith("model.embed_tokens."):
+            return not (self.stage.is_first or self._head_loads_embedding)
+        if name.startswith("model.norm."):
+            return not self.stage.is_last
+        if name.startswith("lm_head."):
+            return not self.stage.is_last or self.tie_word_embeddings
+        return False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
+    @property
+    def _head_loads_embedding(self) -> bool:
+        return self.tie_word_embeddings and self.stage.is_last and not self.stage.is_first
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        if self._head_loads_embedding and name == "model.embed_tokens.weight":
+            return "lm_head.weight"
+        return name
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
+        return self.model(input_ids, positions, batch, previous)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden).float()
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
-        qkv: QKVParallelLinear = self.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,assignment]
-        return len(self.model.layers), qkv.num_kv_heads, qkv.head_dim
+        qkv = self.model.local_layers[0].self_attn.qkv_proj
+        return len(self.model.local_layers), qkv.num_kv_heads, qkv.head_dim

@@ -1,0 +1,75 @@
+"""The step loop of a pipeline-parallel rank: several micro-batches in flight, every stage's
+scheduler still deciding the same things in the same order.
+
+Iteration t on every rank of every stage:
+
+    1. complete the micro-batch launched at t - K (K = --pp-micro-batches, default --pp-size):
+       the last stage sampled its ids then; the other stages receive them from it now
+    2. messages of iteration t: stage 0 drains the front end's socket (rank 0) and broadcasts over
+       its TP group; every stage passes them on to the next stage with the hidden states
+    3. schedule (identical everywhere: the same state, the same messages)
+    4. launch: receive the previous stage's hidden states, run this stage's layers, send them on;
+       the last stage runs the LM head, samples, and sends the ids to every other stage
+
+    stage 0:  [mb0][mb1][mb0'][mb1'] ...      a micro-batch's requests are scheduled again only
+    stage 1:       [mb0][mb1][mb0'] ...       after its sampled ids came back (step 1)
+
+A request is in at most one micro-batch until its token is appended (`Req.awaiting_token`), and
+decode micro-batches take at most their share of the running requests, so K of them keep every
+stage busy. With K = 1 exactly one batch is in flight (the stages take turns): the baseline that
+`scripts/bench_pipeline.py` compares against.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from scheduler.schedule_batch import Launched
+from scheduler.scheduler import IDLE_WAIT_MS, Scheduler
+
+
+class PipelineScheduler(Scheduler):
+    def __init__(self, *args: Any, micro_batches: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.link = self.runner.stage_link  # None: one stage (tests run the loop in one process)
+        self.micro_batches = micro_batches
+        self.in_flight: deque[Launched | None] = deque()  # the last K iterations' batches (None: idle)
+
+    def has_work(self) -> bool:
+        return super().has_work() or any(launched is not None for launched in self.in_flight)
+
+    def step(self) -> None:
+        if len(self.in_flight) == self.micro_batches:
+            launched = self.in_flight.popleft()
+            if launched is not None:
+                ids = launched.next_ids
+                if ids is None:  # not the last stage: the ids come from it, in launch order
+                    assert self.link is not None
+                    ids = self.link.recv_ids(len(launched.batch.reqs)).tolist()
+                self.complete(launched, ids)
+        busy = self.has_work()
+        self.stats.timer.begin()
+        messages = self._receive(busy)
+        self.stats.timer.received()
+        self.process_messages(messages)
+        batch = self.get_next_batch()
+        self.in_flight.append(self.launch(batch) if batch is not None else None)
+        if batch is None:
+            self.stats.on_idle()
+        self.flush_outputs()
+        self.stats.publish()
+        self.stats.timer.end(counted=busy and batch is not None)
+
+    def _receive(self, busy: bool) -> list[Any]:
+        """This iteration's messages: from the front end on stage 0, from the stage before on the
+        others; passed on to the next stage."""
+        if self.link is None or self.link.pp.is_first:
+            messages = self.receiver.recv(0 if busy else IDLE_WAIT_MS)
+        else:
+            received = self.link.recv_object(self.link.prev)
+            assert isinstance(received, list)
+            messages = received
+        if self.link is not None and not self.link.pp.is_last:
+            self.link.send_object(messages, self.link.next)
+        return messages
