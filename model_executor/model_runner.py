@@ -21,7 +21,7 @@ from model_executor.attention.base import AttentionBackend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
-from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput
+from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.cpu_linear import pack_model
 from model_executor.loader.load_weights import load_weights
@@ -80,7 +80,8 @@ class ModelRunner:
         start = time.perf_counter()
         model_cls = get_model_class(self.hf_config)
         pp = self.parallel.pp
-        self.stage = PipelineStage.of(int(self.hf_config.num_hidden_layers), pp.rank_in_group, pp.world_size)
+        self.stage = PipelineStage.of(int(self.hf_config.num_hidden_layers), pp.rank_in_group, pp.world_size,
+                                      lm_head_cost_in_layers(self.hf_config))
         self.stage_link = StageLink(pp) if pp.world_size > 1 else None
         with torch.device(self.device):
             self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)

@@ -25,8 +25,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from scheduler.schedule_batch import Launched
+from scheduler.schedule_batch import Launched, Phase
 from scheduler.scheduler import IDLE_WAIT_MS, Scheduler
+
+MIN_PREFILL_SHARE = 256  # prompt tokens: below this a prefill is not split over micro-batches
 
 
 class PipelineScheduler(Scheduler):
@@ -35,6 +37,17 @@ class PipelineScheduler(Scheduler):
         self.link = self.runner.stage_link  # None: one stage (tests run the loop in one process)
         self.micro_batches = micro_batches
         self.in_flight: deque[Launched | None] = deque()  # the last K iterations' batches (None: idle)
+
+    def _prefill_token_cap(self) -> int:
+        """A burst of prompts is shared out over the micro-batches: the first takes 1/K of the
+        waiting prompt tokens, the next ones as much as the largest prefill in flight, so the
+        stages get about equal work (a long prompt goes through them as chunks, one behind the
+        other) without the tail halving into ever smaller batches."""
+        pending = sum(r.extend_len for r in self.waiting) + (self.chunked_req.extend_len if self.chunked_req else 0)
+        in_flight = max((sum(b.batch.extend_lens) for b in self.in_flight
+                         if b is not None and b.batch.phase is Phase.PREFILL), default=0)
+        share = max(-(-pending // self.micro_batches), in_flight, MIN_PREFILL_SHARE)
+        return min(self.args.max_prefill_tokens, share)
 
     def has_work(self) -> bool:
         return super().has_work() or any(launched is not None for launched in self.in_flight)

@@ -167,6 +167,9 @@ class Scheduler:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(Phase.DECODE, reqs, [1] * len(reqs))
 
+    def _prefill_token_cap(self) -> int:
+        return self.args.max_prefill_tokens
+
     def _decode_candidates(self) -> list[Req]:
         """Running requests whose last token is known. With several micro-batches each decodes at
         most its share of them, so the micro-batches stay about equal."""
@@ -179,7 +182,7 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         budget = PrefillBudget(
-            max_prefill_tokens=self.args.max_prefill_tokens, chunked_prefill_size=self.args.chunked_prefill_size,
+            max_prefill_tokens=self._prefill_token_cap(), chunked_prefill_size=self.args.chunked_prefill_size,
             free_tokens=self.kv.available_tokens(),
             reserved_tokens=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
             page_size=self.kv.page_size)

@@ -14,18 +14,27 @@ from server_fixture import Server
 from tiny_models import hf_greedy
 
 from model_executor.distributed.communicator import Communicator
-from model_executor.distributed.pipeline import LAYER_PARTITION_ENV, PipelineStage, partition_layers
+from model_executor.distributed.pipeline import (
+    LAYER_PARTITION_ENV,
+    PipelineStage,
+    lm_head_cost_in_layers,
+    partition_layers,
+)
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
 from model_executor.models.registry import get_model_class
 
 
-def test_layers_split_evenly_with_the_remainder_before_the_last_stage() -> None:
-    assert partition_layers(30, 2) == [15, 15]
-    assert partition_layers(30, 4) == [7, 8, 8, 7]  # the last stage also runs the LM head
-    assert partition_layers(5, 3) == [2, 2, 1]
-    assert partition_layers(7, 1) == [7]
-    assert partition_layers(30, 2, override="20,10") == [20, 10]
+def test_layers_split_so_that_every_stage_reads_about_the_same_weights(smollm2_dir: Path) -> None:
+    head = lm_head_cost_in_layers(load_hf_config(smollm2_dir))
+    assert head == pytest.approx(8.0, abs=0.01)  # SmolLM2: 49152 x 576 embedding, 3.5M-parameter layers
+    assert partition_layers(30, 2, head_cost=head) == [19, 11]  # 19 layers vs 11 layers + the head
+    assert partition_layers(30, 4, head_cost=head) == [10, 9, 9, 2]
+    assert partition_layers(30, 2) == [15, 15]  # no head to account for: even
+    assert partition_layers(5, 3) == [2, 1, 2]
+    assert partition_layers(2, 2, head_cost=0.55) == [1, 1]  # every stage keeps a layer
+    assert partition_layers(7, 1, head_cost=3.0) == [7]
+    assert partition_layers(30, 2, override="20,10", head_cost=head) == [20, 10]
 
 
 @pytest.mark.parametrize(("layers", "pp", "override", "message"), [
@@ -91,7 +100,7 @@ def test_pp2_smollm2_matches_transformers(smollm2_dir: Path) -> None:
                 "--max-total-tokens", "4096", "--enable-rank-consensus-checker") as server:
         assert generate_all(server, prompts, 16) == expected
         log = server.output()
-    assert "pipeline stages own layers [15, 15] (stage 0: 0-14, stage 1: 15-29)" in log
+    assert "pipeline stages own layers [19, 11] (stage 0: 0-18, stage 1: 19-29)" in log
     assert "divergence" not in log
 
 

@@ -16,6 +16,7 @@ import os
 import pickle
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,21 @@ LAYER_PARTITION_ENV = "SRT_PP_LAYER_PARTITION"  # e.g. "16,14": layers per stage
 TAG_OBJECT, TAG_HIDDEN, TAG_IDS = 1, 2, 3
 
 
-def partition_layers(num_layers: int, pp_size: int, override: str | None = None) -> list[int]:
-    """Layers per stage. Even, with the remainder going to the stages before the last one (the
-    last stage also runs the LM head), as vLLM splits them; `override` ("16,14") wins."""
+def lm_head_cost_in_layers(config: Any) -> float:
+    """The LM head's weights in units of one decoder layer's (Llama-style attention + gated MLP).
+    A decode step reads every weight once, so this is what the last stage's head costs it."""
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * int(config.intermediate_size)
+    return int(config.vocab_size) * hidden / layer
+
+
+def partition_layers(num_layers: int, pp_size: int, override: str | None = None, head_cost: float = 0.0) -> list[int]:
+    """Layers per stage, so that every stage reads about as many weights per decode step: the
+    last stage also runs the LM head (`head_cost`, in layers: lm_head_cost_in_layers), so it gets
+    fewer layers; the others split the rest evenly (the remainder to the first ones). With
+    head_cost 0 this is the even split. `override` ("16,14") wins."""
     if override:
         try:
             counts = [int(part) for part in override.split(",")]
@@ -44,10 +57,13 @@ def partition_layers(num_layers: int, pp_size: int, override: str | None = None)
         return counts
     if num_layers < pp_size:
         raise ValueError(f"--pp-size {pp_size} exceeds the model's {num_layers} layers: every stage needs a layer")
-    counts = [num_layers // pp_size] * pp_size
-    for i in range(num_layers % pp_size):
-        counts[-2 - i if pp_size > 1 else 0] += 1
-    return counts
+    if pp_size == 1:
+        return [num_layers]
+    last = round((num_layers + head_cost) / pp_size - head_cost)
+    last = max(1, min(num_layers - (pp_size - 1), last, -(-num_layers // pp_size)))
+    rest = num_layers - last
+    counts = [rest // (pp_size - 1) + (1 if i < rest % (pp_size - 1) else 0) for i in range(pp_size - 1)]
+    return [*counts, last]
 
 
 @dataclass(frozen=True)
@@ -71,8 +87,8 @@ class PipelineStage:
         return self.start_layer <= index and (self.end_layer < 0 or index < self.end_layer)
 
     @staticmethod
-    def of(num_layers: int, pp_rank: int, pp_size: int) -> PipelineStage:
-        counts = partition_layers(num_layers, pp_size, os.environ.get(LAYER_PARTITION_ENV))
+    def of(num_layers: int, pp_rank: int, pp_size: int, head_cost: float = 0.0) -> PipelineStage:
+        counts = partition_layers(num_layers, pp_size, os.environ.get(LAYER_PARTITION_ENV), head_cost)
         start = sum(counts[:pp_rank])
         if pp_size > 1 and pp_rank == 0:
             logger.info("pipeline stages own layers %s (%s)", counts, ", ".join(
