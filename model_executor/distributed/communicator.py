@@ -77,13 +77,14 @@ class Communicator:
         """Broadcasts a picklable object over the gloo group: a size tensor, then a bytes tensor.
 
         Every rank must call this the same number of times in the same order; non-source ranks
-        pass anything (ignored) and get the source's object back.
+        pass anything (ignored) and get the source's object back. An empty list (the scheduler's
+        "no new messages", most steps) is sent as size 0 alone: one broadcast instead of two.
         """
         if self.world_size == 1:
             return obj
         src = self.ranks[src_in_group]
         if self.rank_in_group == src_in_group:
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = encode_object(obj)
             size = torch.tensor([len(payload)], dtype=torch.int64)
             dist.broadcast(size, src=src, group=self.cpu_group)
             if len(payload):
@@ -95,4 +96,13 @@ class Communicator:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         if data.numel():
             dist.broadcast(data, src=src, group=self.cpu_group)
-        return pickle.loads(data.numpy().tobytes())
+        return decode_object(data)
+
+
+def encode_object(obj: object) -> bytes:
+    """Pickled, except an empty list: no bytes at all (see decode_object)."""
+    return b"" if isinstance(obj, list) and not obj else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_object(data: torch.Tensor) -> object:
+    return pickle.loads(data.numpy().tobytes()) if data.numel() else []

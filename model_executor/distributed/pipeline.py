@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model_executor.distributed.communicator import Communicator
+from model_executor.distributed.communicator import Communicator, decode_object, encode_object
 
 logger = logging.getLogger("srt.pipeline")
 
@@ -141,7 +140,7 @@ class StageLink:
 
     # ------------------------------------------------------------------ Python objects
     def send_object(self, obj: object, dst_in_group: int) -> None:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = encode_object(obj)  # an empty list: the size alone
         self._isend(torch.tensor([len(payload)], dtype=torch.int64), dst_in_group, TAG_OBJECT)
         if payload:
             self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst_in_group, TAG_OBJECT)
@@ -151,7 +150,7 @@ class StageLink:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         if data.numel():
             self._recv(data, src_in_group, TAG_OBJECT)
-        return pickle.loads(data.numpy().tobytes())
+        return decode_object(data)
 
     # ------------------------------------------------------------------ hidden states
     def send_stage_output(self, out: StageOutput) -> None:
