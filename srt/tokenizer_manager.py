@@ -10,23 +10,18 @@ text, output ids and logprobs so far (SGLang's /generate default); non-streaming
 request's final dict. Batch items carry "index". When the client disconnects, every unfinished
 request is aborted. With --enable-metrics it records the front end's series (metrics.py).
 
-Engine restarts (srt/recovery.py drives them from its thread): begin_recovery turns /health to
-503 and holds new requests back (at most --max-running-requests of them; beyond that 503);
-reset_channels replaces the sockets once the old processes are dead, so nothing of theirs is
-read or delivered later; resume replays every request in flight with the output the client
-already has (ResumeState) and lets the held-back ones through. A request in flight never notices.
+Engine restarts: the FrontendRecovery mixin (srt/recovery.py) holds new requests back and replays
+the ones in flight; a request in flight never notices.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -35,71 +30,23 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from srt.generate_parse import GenerateCall, GenerateParser, RequestError
-from srt.io_struct import (
-    AbortReq,
-    BatchStrOut,
-    ControlReply,
-    FinishReason,
-    FlushCacheReq,
-    GetInternalStateReq,
-    ResumeState,
-    TokenizedGenerateReq,
-)
+from srt.io_struct import AbortReq, BatchStrOut, ControlReply, FlushCacheReq, GetInternalStateReq
 from srt.logprob_meta import LogprobMeta
-from srt.metrics import FrontendMetrics, RequestTiming, metrics_dir
+from srt.metrics import FrontendMetrics, metrics_dir
+from srt.recovery import FrontendRecovery
+from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.tokenizer_manager")
 
-__all__ = ["GenerateCall", "RequestError", "ServiceUnavailableError", "TokenizerManager"]
+__all__ = ["GenerateCall", "ReqState", "RequestError", "ServiceUnavailableError", "TokenizerManager"]
 
 SHUTTING_DOWN = "server is shutting down"
 DISCONNECT_CHECK_S = 0.5
 
 
-class ServiceUnavailableError(RuntimeError):
-    """The server cannot serve (a rank died, or a control/health reply did not come): HTTP 503."""
-
-
-@dataclass
-class ReqState:
-    rid: str
-    prompt_tokens: int
-    wake: asyncio.Event  # shared by the requests of one call
-    index: int | None  # position in a batch call; None for a single request
-    logprobs: LogprobMeta | None = None  # set when the request asked for logprobs
-    timing: RequestTiming = field(default_factory=RequestTiming)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: FinishReason | None = None
-    updated: bool = False
-    sent: TokenizedGenerateReq | None = None  # what went to rank 0 (replayed after a restart)
-    replays: int = 0
-
-    def replay(self) -> TokenizedGenerateReq:
-        """The request again, continuing after the output the client already has."""
-        assert self.sent is not None
-        if not self.output_ids:
-            return self.sent
-        return dataclasses.replace(self.sent, resume=ResumeState(list(self.output_ids), len(self.text)))
-
-    def to_output(self) -> dict[str, Any]:
-        meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens,
-                "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
-                "e2e_latency": time.perf_counter() - self.timing.created}
-        if self.logprobs is not None:
-            meta.update(self.logprobs.meta_info())
-        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
-        if self.index is not None:
-            out["index"] = self.index
-        return out
-
-
-class TokenizerManager:
+class TokenizerManager(FrontendRecovery):
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str,
                  model_info: dict[str, Any]) -> None:
         self.server_args = server_args
@@ -116,12 +63,9 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
         self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on
-        self.recovering: str | None = None  # why the engine is restarting; new requests wait meanwhile
-        self._recovered: asyncio.Event | None = None  # set when not recovering (created on the loop)
-        self.held_back = 0  # requests waiting for the recovery to end
-        self.max_held_back = server_args.max_running_requests
+        self._init_recovery(server_args.max_running_requests)
         self._seed_counter = itertools.count()
-        self._control_waiters: dict[str, asyncio.Future[ControlReply]] = {}
+        self._control_calls = ControlCalls()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._send_sock: zmq.asyncio.Socket | None = None
@@ -213,59 +157,7 @@ class TokenizerManager:
             state.wake.set()
         if self._recovered is not None:
             self._recovered.set()  # the held-back requests see the failure
-        self._fail_control_calls(self.failure or "")
-
-    def _fail_control_calls(self, message: str) -> None:
-        for future in self._control_waiters.values():
-            if not future.done():
-                future.set_exception(ServiceUnavailableError(message))
-
-    # ---- engine restarts (called on the loop; srt/recovery.py gets there from its thread) ----
-    def begin_recovery(self, reason: str) -> None:
-        """The engine is going down to restart: /health 503, new requests wait, control calls fail."""
-        self.recovering = reason
-        if self._recovered is not None:
-            self._recovered.clear()
-        self._fail_control_calls(f"recovering: {reason}")
-
-    async def reset_channels(self) -> None:
-        """Call once the old engine's processes are dead and before the new ones start: whatever
-        they sent and was not read yet is dropped (those tokens are generated again), and no
-        message queued for the old rank 0 reaches the new one."""
-        if self._zmq is None:
-            return
-        if self._handle_task is not None:
-            self._handle_task.cancel()
-            await asyncio.gather(self._handle_task, return_exceptions=True)
-        for sock in (self._send_sock, self._recv_sock):
-            if sock is not None:
-                sock.close(linger=0)
-        self._open_sockets()
-
-    def resume(self) -> int:
-        """The new engine is up: replay every request in flight (with what its client already has),
-        let the held-back ones through. Returns how many were replayed."""
-        replays = [state for state in self.rid_to_state.values() if state.sent is not None
-                   and state.finish_reason is None]
-        for state in replays:
-            state.replays += 1
-            self._send_nowait(state.replay())
-        self.recovering = None
-        if self._recovered is not None:
-            self._recovered.set()
-        return len(replays)
-
-    async def _until_recovered(self) -> None:
-        """Hold a new request back while the engine restarts (bounded by max_held_back)."""
-        while self.recovering is not None and self.failure is None:
-            assert self._recovered is not None
-            self.held_back += 1
-            try:
-                await self._recovered.wait()
-            finally:
-                self.held_back -= 1
-        if self.failure is not None:
-            raise ServiceUnavailableError(self.failure)
+        self._control_calls.fail_all(self.failure or "")
 
     # ---- validation ----
     def parse_generate(self, obj: Any) -> GenerateCall:
@@ -375,17 +267,7 @@ class TokenizerManager:
         if self.unhealthy is not None:
             raise ServiceUnavailableError(self.unhealthy)
         self.start()
-        assert self._loop is not None
-        request_id = uuid.uuid4().hex
-        future: asyncio.Future[ControlReply] = self._loop.create_future()
-        self._control_waiters[request_id] = future
-        try:
-            await self._send(make(request_id))
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise ServiceUnavailableError(f"no reply to {make.__name__} within {timeout} s") from None
-        finally:
-            self._control_waiters.pop(request_id, None)
+        return await self._control_calls.call(make, self._send, timeout)
 
     # ---- sockets ----
     async def _send(self, msg: Any) -> None:
@@ -409,35 +291,14 @@ class TokenizerManager:
             logger.exception("the response loop failed")
             self.fail_all(f"the response loop failed: {error!r}")
 
-    def _record_metrics(self, state: ReqState) -> None:
-        assert self.metrics is not None
-        now = time.perf_counter()
-        self.metrics.on_tokens(state.rid, state.timing, state.completion_tokens, now)
-        if state.finish_reason is not None:
-            self.metrics.on_finish(state.rid, state.finish_reason.type, state.prompt_tokens, state.completion_tokens,
-                                   state.cached_tokens, now - state.timing.created)
-
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOut):
             for i, rid in enumerate(msg.rids):
                 state = self.rid_to_state.get(rid)
                 if state is None:  # finished, aborted or abandoned already
                     continue
-                state.text += msg.texts[i]
-                state.output_ids.extend(msg.new_token_ids[i])
-                state.completion_tokens = msg.completion_tokens[i]
-                if not state.replays:  # a replay's prefix hits are not the client's
-                    state.cached_tokens = msg.cached_tokens[i]
-                state.finish_reason = msg.finished_reasons[i]
-                if state.logprobs is not None and msg.output_logprobs:
-                    state.logprobs.add(msg.output_logprobs[i], msg.input_logprobs[i])
-                if self.metrics is not None:
-                    self._record_metrics(state)
-                state.updated = True
-                state.wake.set()
+                state.add_output(msg, i, self.metrics)
         elif isinstance(msg, ControlReply):
-            future = self._control_waiters.pop(msg.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(msg)
+            self._control_calls.deliver(msg)
         else:
             logger.warning("ignoring an unexpected message %s", type(msg).__name__)

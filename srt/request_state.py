@@ -1,0 +1,117 @@
+"""What the front end holds for each request in flight: a ReqState per generation request, a
+future per control call (ControlCalls); both end with ServiceUnavailableError when the server
+cannot serve them.
+
+The detokenizer sends increments (the new text and ids of each step); `ReqState.add_output`
+accumulates them, so a streaming client gets the cumulative output so far, and after an engine
+restart `replay` resends the request with what its client already has (ResumeState).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from srt.io_struct import BatchStrOut, ControlReply, FinishReason, ResumeState, TokenizedGenerateReq
+from srt.logprob_meta import LogprobMeta
+from srt.metrics import FrontendMetrics, RequestTiming
+
+
+class ServiceUnavailableError(RuntimeError):
+    """The server cannot serve (a rank died, or a control/health reply did not come): HTTP 503."""
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_tokens: int
+    wake: asyncio.Event  # shared by the requests of one call
+    index: int | None  # position in a batch call; None for a single request
+    logprobs: LogprobMeta | None = None  # set when the request asked for logprobs
+    timing: RequestTiming = field(default_factory=RequestTiming)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    updated: bool = False
+    sent: TokenizedGenerateReq | None = None  # what went to rank 0 (replayed after a restart)
+    replays: int = 0
+
+    def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
+        """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
+        self.text += out.texts[i]
+        self.output_ids.extend(out.new_token_ids[i])
+        self.completion_tokens = out.completion_tokens[i]
+        if not self.replays:  # a replay's prefix hits are not the client's
+            self.cached_tokens = out.cached_tokens[i]
+        self.finish_reason = out.finished_reasons[i]
+        if self.logprobs is not None and out.output_logprobs:
+            self.logprobs.add(out.output_logprobs[i], out.input_logprobs[i])
+        if metrics is not None:
+            self._record_metrics(metrics)
+        self.updated = True
+        self.wake.set()
+
+    def _record_metrics(self, metrics: FrontendMetrics) -> None:
+        now = time.perf_counter()
+        metrics.on_tokens(self.rid, self.timing, self.completion_tokens, now)
+        if self.finish_reason is not None:
+            metrics.on_finish(self.rid, self.finish_reason.type, self.prompt_tokens, self.completion_tokens,
+                              self.cached_tokens, now - self.timing.created)
+
+    def replay(self) -> TokenizedGenerateReq:
+        """The request again, continuing after the output the client already has."""
+        assert self.sent is not None
+        if not self.output_ids:
+            return self.sent
+        return dataclasses.replace(self.sent, resume=ResumeState(list(self.output_ids), len(self.text)))
+
+    def to_output(self) -> dict[str, Any]:
+        meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+                "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
+                "e2e_latency": time.perf_counter() - self.timing.created}
+        if self.logprobs is not None:
+            meta.update(self.logprobs.meta_info())
+        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        if self.index is not None:
+            out["index"] = self.index
+        return out
+
+
+class ControlCalls:
+    """Control calls in flight (flush_cache, get_internal_state): one future per request id, which
+    the ControlReply naming that id resolves."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, asyncio.Future[ControlReply]] = {}
+
+    async def call(self, make: Callable[[str], Any], send: Callable[[Any], Awaitable[None]],
+                   timeout: float) -> ControlReply:
+        """Send make(request_id) and wait for its reply; ServiceUnavailableError after `timeout` s."""
+        request_id = uuid.uuid4().hex
+        future: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = future
+        try:
+            await send(make(request_id))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(f"no reply to {make.__name__} within {timeout} s") from None
+        finally:
+            self._waiters.pop(request_id, None)
+
+    def deliver(self, reply: ControlReply) -> None:
+        future = self._waiters.pop(reply.request_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def fail_all(self, message: str) -> None:
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(ServiceUnavailableError(message))
