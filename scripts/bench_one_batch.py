@@ -1,8 +1,8 @@
 """Latency of one static batch, without a server (SGLang's bench_one_batch on srt's ModelRunner).
 
     python scripts/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 32 \\
-        [--tp-size N] [--model-path P] [--dtype D] [--compare-transformers] [--warmup N] [--runs N]
-        [--json PATH]
+        [--tp-size N] [--model-path P] [--dtype D] [--compare-transformers] [--compare-llama-cpp [GGUF]]
+        [--warmup N] [--runs N] [--json PATH]
 
 For each batch size: seeded random prompts of `input_len` tokens, one extend step for the whole
 batch, then `output_len` greedy decode steps. Only forward + sample are timed. With --tp-size > 1
@@ -15,6 +15,15 @@ such load falls on both alike.
 --compare-transformers times `generate` of transformers on the same checkpoint and dtype in the same
 run. Its prefill is one forward on the batch; its decode time is generate minus that prefill, over
 the same `output_len` decode steps (so generate makes output_len + 1 new tokens, as srt does).
+
+--compare-llama-cpp times llama.cpp (llama-cpp-python, if installed; `pip install llama-cpp-python`
+builds it) on a GGUF file (default: the bundled SmolLM2 GGUF, Q4_1) with the same threads, for
+batch 1: the prompt evaluated in one call, then `output_len` greedy single-token steps. Its
+weights are 4-bit there, so its decode reads a third of srt's bf16 bytes.
+
+At tp 1 the script also prints the prefill compute bound: the machine's bf16 matmul rate (a
+2048-cube matmul with torch's threads, best of 5) over 2 x (parameters outside the embedding and
+LM head) FLOPs per prompt token, and the share of it srt's best prefill reaches.
 """
 
 from __future__ import annotations
@@ -226,6 +235,37 @@ def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Tim
     return once
 
 
+# ---- llama.cpp -----------------------------------------------------------------------------------
+
+
+def load_llama_cpp(gguf: str, context: int, threads: int) -> Any:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SystemExit("--compare-llama-cpp needs llama-cpp-python: pip install llama-cpp-python") from None
+    return Llama(model_path=gguf, n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads,
+                 n_threads_batch=threads, verbose=False)
+
+
+def llama_cpp_timer(llm: Any, spec: BenchSpec) -> Callable[[], Timing]:
+    """Batch 1: the prompt in one eval, then output_len greedy steps of one token each."""
+    import numpy as np
+
+    prompt = make_prompts(1, spec.input_len, int(llm.n_vocab()), spec.seed)[0]
+
+    def once() -> Timing:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(spec.output_len):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return prefill_s, (time.perf_counter() - start) / spec.output_len
+
+    return once
+
+
 # ---- the machine's limit ---------------------------------------------------------------------
 
 
@@ -239,6 +279,25 @@ def read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5) -> float:
         data.sum()
         best = min(best, time.perf_counter() - start)
     return num_bytes / best
+
+
+def matmul_flops(size: int = 2048, runs: int = 5) -> float:
+    """FLOP/s of one bf16 [size x size] @ [size x size] matmul with torch's threads (best run)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    b = torch.randn(size, size, dtype=torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def compute_bound_line(num_params: int, flops: float, prefill_tok_s: float) -> str:
+    bound = flops / (2 * num_params)
+    return (f"prefill compute bound: {bound:.0f} tok/s ({2 * num_params / 1e6:.0f} MFLOP/token at "
+            f"{flops / 1e9:.0f} GFLOP/s measured bf16 matmul); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
 
 
 def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> str:
@@ -276,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per batch size; the best counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
+                        help="also time llama.cpp at batch 1 (default GGUF: the bundled SmolLM2)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "tp_size", "runs"):
@@ -305,24 +366,39 @@ def main(argv: list[str] | None = None) -> None:
                           max_total_tokens=max_bs * (args.input_len + args.output_len),
                           local_world_size=args.tp_size)
     hf: list[BatchResult] = []
-    weight_bytes = 0
+    llama: list[BatchResult] = []
+    weight_bytes = num_params = 0
+    llm = None
+    if args.compare_llama_cpp is not None:
+        from srt.default_model import default_model_path
+
+        gguf = args.compare_llama_cpp or default_model_path()
+        llm = load_llama_cpp(gguf, args.input_len + args.output_len + 8, torch.get_num_threads())
     if args.tp_size == 1:
         runner = ModelRunner(config)
         weight_bytes = runner.weight_bytes
+        # A prompt token runs every layer; the LM head only the last token of each prompt.
+        num_params = sum(p.numel() for name, p in runner.model.named_parameters()
+                         if "embed_tokens" not in name and "lm_head" not in name)
         hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
         srt = []
         for bs in spec.batch_sizes:
             timers = [srt_timer(runner, spec, bs)]
             if hf_model is not None:
                 timers.append(transformers_timer(hf_model, spec, bs))
+            if llm is not None and bs == 1:
+                timers.append(llama_cpp_timer(llm, spec))
             results = measure(timers, spec, bs)
             srt.append(results[0])
-            hf += results[1:]
+            hf += results[1:2] if hf_model is not None else []
+            llama += results[-1:] if llm is not None and bs == 1 else []
     else:
         srt = bench_srt_tp(config, spec, args.tp_size)
         if args.compare_transformers:
             hf_model = load_transformers(model_dir, dtype)
             hf = [measure([transformers_timer(hf_model, spec, bs)], spec, bs)[0] for bs in spec.batch_sizes]
+        if llm is not None and 1 in spec.batch_sizes:
+            llama = [measure([llama_cpp_timer(llm, spec)], spec, 1)[0]]
 
     print(f"model {model_dir}, dtype {dtype_name}, input {args.input_len}, output {args.output_len}, "
           f"torch threads {torch.get_num_threads() if args.tp_size == 1 else threads_per_rank(args.tp_size)}"
@@ -338,6 +414,12 @@ def main(argv: list[str] | None = None) -> None:
         print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s))
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes"] = weight_bytes
+    if num_params:
+        flops = matmul_flops()
+        best_prefill = max(r.prefill_tok_s for r in srt)
+        print(compute_bound_line(num_params, flops, best_prefill))
+        report["matmul_flops"] = flops
+        report["prefill_compute_bound_tok_s"] = flops / (2 * num_params)
     if args.compare_transformers:
         print(format_table("transformers generate", hf, "mean"))
         report["transformers"] = [r.to_json() for r in hf]
@@ -345,6 +427,17 @@ def main(argv: list[str] | None = None) -> None:
         for ratio in report["ratios"]:
             print(f"ratio vs transformers (batch {ratio['batch_size']} prefill): {ratio['prefill']:.2f}x")
             print(f"ratio vs transformers (batch {ratio['batch_size']} decode): {ratio['decode']:.2f}x")
+    if llm is not None:
+        if not llama:
+            print("llama.cpp: timed at batch 1 only (add 1 to --batch-size)")
+        else:
+            print(format_table("llama.cpp (batch 1)", llama, "mean"))
+            report["llama_cpp"] = [r.to_json() for r in llama]
+            srt_1 = next(r for r in srt if r.batch_size == 1)
+            report["ratios_llama_cpp"] = ratios([srt_1], llama)
+            for ratio in report["ratios_llama_cpp"]:
+                print(f"ratio vs llama.cpp (batch 1 prefill): {ratio['prefill']:.2f}x")
+                print(f"ratio vs llama.cpp (batch 1 decode): {ratio['decode']:.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

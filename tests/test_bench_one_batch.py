@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -31,10 +32,13 @@ def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[st
                       r"weights at ([\d.]+) GB/s measured read bandwidth\); srt batch-1 decode at \d+% of it$", out,
                       re.MULTILINE)
     assert floor is not None, out
+    assert re.search(r"^prefill compute bound: \d+ tok/s \(\d+ MFLOP/token at \d+ GFLOP/s measured bf16 matmul\); "
+                     r"srt prefill at \d+% of it$", out, re.MULTILINE), out
 
     report = json.loads(out_json.read_text())
     assert (report["input_len"], report["output_len"], report["dtype"]) == (8, 4, "bfloat16")
     assert report["read_bandwidth_bytes_per_s"] > 1e8 and report["weight_bytes"] > 0
+    assert report["matmul_flops"] > 1e9 and report["prefill_compute_bound_tok_s"] > 0
     for engine in ("srt", "transformers"):
         assert [r["batch_size"] for r in report[engine]] == [1, 2]
         for row in report[engine]:
@@ -47,3 +51,23 @@ def test_bench_one_batch_rejects_bad_lengths() -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--output-len", "0"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "--output-len must be >= 1, got 0" in proc.stderr
+
+
+def test_bench_one_batch_against_llama_cpp(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """With llama-cpp-python installed: its batch-1 row and ratios on the bundled GGUF; without it,
+    a message naming the package to install."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1",
+         "--input-len", "8", "--output-len", "4", "--runs", "1", "--warmup", "0", "--compare-llama-cpp",
+         "--json", "out.json"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert proc.returncode != 0 and "pip install llama-cpp-python" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert "llama.cpp (batch 1)" in proc.stdout, proc.stdout
+    for phase in ("prefill", "decode"):
+        assert re.search(rf"^ratio vs llama.cpp \(batch 1 {phase}\): \d+\.\d\dx$", proc.stdout, re.MULTILINE)
+    row = json.loads((tmp_path / "out.json").read_text())["llama_cpp"][0]
+    assert row["batch_size"] == 1 and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
