@@ -49,6 +49,7 @@ for path in (SCRIPTS, SCRIPTS.parent):  # the sibling bench modules, and this ch
         sys.path.insert(0, str(path))
 
 import bench_serving  # noqa: E402
+from bench_configs import warmup  # noqa: E402
 from server_process import SrtServer  # noqa: E402
 
 CONTROL_PLANE_TARGET_PCT = 5.0  # broadcast + scheduling, of a busy step
@@ -305,15 +306,6 @@ def scrape(url: str) -> Samples:
     if response.status_code != 200:
         raise RuntimeError(f"GET /metrics answered {response.status_code}: {response.text[:200]}")
     return parse_metrics(response.text)
-
-
-def warmup(url: str, input_len: int) -> None:
-    """One short request: the first timed step must not pay for lazy initialisation."""
-    payload = {"input_ids": [bench_serving.MIN_TOKEN_ID] * input_len,
-               "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
-    response = httpx.post(f"{url}/generate", json=payload, timeout=300, trust_env=False)
-    if response.status_code != 200:
-        raise RuntimeError(f"the warmup request failed: HTTP {response.status_code}: {response.text[:300]}")
 
 
 def full_run(args: argparse.Namespace, mem_fraction_static: float) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "scripts"))  # the benchmarks' tests import them (scripts/ is not a package)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

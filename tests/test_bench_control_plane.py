@@ -3,7 +3,6 @@ a tiny model at TP=2 (step timing of every rank, idle CPU, memory, the KV budget
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -11,15 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import bench_control_plane as bench
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_control_plane.py"
-_spec = importlib.util.spec_from_file_location("bench_control_plane", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_control_plane"] = bench  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(bench)
 
 NUMBER = r"(\d+\.\d+)"
 

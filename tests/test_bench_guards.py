@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import bench_guards as guards
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_guards.py"
-_spec = importlib.util.spec_from_file_location("bench_guards", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-guards = importlib.util.module_from_spec(_spec)
-sys.modules["bench_guards"] = guards  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(guards)
 
 
 def test_rounds_alternate_order() -> None:

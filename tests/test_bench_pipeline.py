@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import bench_pipeline as bench
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_pipeline.py"
-_spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 
 def test_configurations_put_the_baseline_first() -> None:

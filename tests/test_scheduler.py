@@ -113,13 +113,16 @@ def test_prefix_cache_reports_cached_tokens(tiny_model_dirs: dict[str, Path]) ->
     assert h.runner.allocator.num_free_tokens == h.runner.max_total_tokens
 
 
-def test_aborts_free_everything(tiny_model_dirs: dict[str, Path]) -> None:
-    h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096, chunked_prefill_size=8)
+@pytest.mark.parametrize("micro_batches", [0, 2])  # 0: the plain loop; 2: aborts reach batches in flight
+def test_aborts_free_everything(tiny_model_dirs: dict[str, Path], micro_batches: int) -> None:
+    h = Harness(tiny_model_dirs["llama"], micro_batches=micro_batches, max_total_tokens=4096, chunked_prefill_size=8)
     long = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(mixed_prompts(6)):
         h.submit(f"a{i}", p, long)
-    for _ in range(5):
+    for _ in range(7):
         h.scheduler.step()
+    if micro_batches:
+        assert any(b is not None for b in h.scheduler.in_flight)  # type: ignore[attr-defined]
     for i in range(6):
         h.send(AbortReq(f"a{i}"))
     h.run_until_idle()
@@ -214,19 +217,3 @@ def test_pipeline_loop_matches_offline_engine(tiny_model_dirs: dict[str, Path], 
         assert h.tokens == reference, budget
         assert h.integrity_error() is None
         assert most_in_flight == micro_batches
-
-
-def test_pipeline_loop_aborts_requests_in_flight(tiny_model_dirs: dict[str, Path]) -> None:
-    h = Harness(tiny_model_dirs["llama"], micro_batches=2, max_total_tokens=4096, chunked_prefill_size=8)
-    long = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(mixed_prompts(6)):
-        h.submit(f"a{i}", p, long)
-    for _ in range(7):
-        h.scheduler.step()
-    assert any(b is not None for b in h.scheduler.in_flight)  # type: ignore[attr-defined]
-    for i in range(6):
-        h.send(AbortReq(f"a{i}"))
-    h.run_until_idle()
-    assert all(h.finished[f"a{i}"].type == "abort" for i in range(6))
-    assert h.integrity_error() is None
-    assert h.scheduler.tree_cache.protected_size() == 0
