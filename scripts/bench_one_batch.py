@@ -241,8 +241,8 @@ def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Tim
 def load_llama_cpp(gguf: str, context: int, threads: int) -> Any:
     try:
         from llama_cpp import Llama
-    except ImportError:
-        raise SystemExit("--compare-llama-cpp needs llama-cpp-python: pip install llama-cpp-python") from None
+    except ImportError as error:
+        raise SystemExit(f"--compare-llama-cpp needs llama-cpp-python ({error}): pip install llama-cpp-python") from None
     return Llama(model_path=gguf, n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads,
                  n_threads_batch=threads, verbose=False)
 
