@@ -17,13 +17,14 @@ import logging
 from collections.abc import Callable
 
 from consensus import event_log as _event_log
+from consensus.canonical import canonical, event_digest
 from consensus.checker import DIVERGENCE_EXIT_CODE, ConsensusChecker, exit_on_divergence
 from consensus.decorator import rank_consensus
 from consensus.event_log import LOG, Event, EventLog, record, set_enabled
 from consensus.groups import CheckGroup, ConsensusGroups, create_groups
 
 __all__ = [
-    "DIVERGENCE_EXIT_CODE", "LOG", "CheckGroup", "ConsensusChecker", "ConsensusGroups", "Event", "EventLog",
+    "DIVERGENCE_EXIT_CODE", "LOG", "agree_before_step", "CheckGroup", "ConsensusChecker", "ConsensusGroups", "Event", "EventLog",
     "create_groups", "disable", "enable", "exit_on_divergence", "get_checker", "is_enabled", "rank_consensus",
     "record",
 ]
@@ -55,6 +56,13 @@ def enable(groups: ConsensusGroups, *, interval_s: float = 1.0,
     logger.info("rank consensus checker on: comparing with %s every %.2f s",
                 ", ".join(f"{g.name.upper()} ranks {list(g.ranks)}" for g in groups.compared), interval_s)
     return _CHECKER
+
+
+def agree_before_step(payload: object) -> None:
+    """While the checker is on: a collective over the TP group comparing `payload` (the batch
+    about to run) on every TP rank; see ConsensusChecker.agree_before_step. Off: nothing."""
+    if _CHECKER is not None and _event_log.ENABLED:
+        _CHECKER.agree_before_step(event_digest("step", canonical(payload)))
 
 
 def disable(timeout_s: float | None = None) -> bool:

@@ -15,6 +15,12 @@ Every `interval_s` each rank's checker thread runs one cycle, all ranks in the s
           calls on_divergence(message) (default: flush logs, os._exit(70)). A callback that
           returns ends the thread; the checker does not resume.
 
+Besides, the main thread calls `agree_before_step` with a digest of the batch it is about to run:
+one MIN all-reduce of [d, -d] over its TP ranks, on a group of its own. TP ranks that scheduled
+different batches would next issue model collectives of different sizes, which gloo may answer
+by aborting a process (SIGABRT) before any cycle has compared the logs; the gate stops them first
+and lets the thread name the divergence.
+
 Every branch depends only on all-reduced values, so all members take it together. The cycle
 order is the same on every rank (stop, tp, pp, stop, tp, pp ...), so the collectives form one
 global order and cannot deadlock; they run on the checker's own gloo groups only, never on the
@@ -102,6 +108,20 @@ class ConsensusChecker:
         if self.running:
             raise RuntimeError("check_now() would interleave collectives with the running checker thread")
         return all(self._round(g) for g in self.groups.compared)
+
+    def agree_before_step(self, digest: int) -> None:
+        """Collective over this rank's TP group (every TP rank, every step, before the forward).
+        Returns when every TP rank passed the same digest; otherwise waits for the thread to name
+        the divergence (it exits the process) and raises RuntimeError if it did not."""
+        if self.groups.gate is None:
+            return
+        min_max = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(min_max, op=dist.ReduceOp.MIN, group=self.groups.gate)
+        if int(min_max[0]) == -int(min_max[1]):
+            return
+        logger.error("TP ranks are about to run different batches; comparing their event logs")
+        self.settle(timeout_s=5 * self.interval_s + 5.0)
+        raise RuntimeError("TP ranks scheduled different batches (the rank consensus gate stopped the step)")
 
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Asks every rank's thread to stop at the next stop vote and waits for this rank's.

@@ -37,6 +37,7 @@ class ConsensusGroups:
     world: Any  # carries only the checker's stop vote; None when world_size == 1
     tp: CheckGroup
     pp: CheckGroup
+    gate: Any = None  # this rank's TP ranks again, for the main thread's per-step check (checker.py)
 
     @property
     def compared(self) -> list[CheckGroup]:
@@ -87,5 +88,10 @@ def create_groups(tp_size: int, pp_size: int, world_rank: int, timeout_s: float 
         for t in range(tp_size):
             group = new_group(pp_ranks(tp_size, pp_size, t))
             pp_group = group if t == tp_rank else pp_group
+    gate = None
+    if tp_size > 1:  # the main thread's own group: never interleaved with the checker thread's
+        for p in range(pp_size):
+            group = new_group(tp_ranks(tp_size, p))
+            gate = group if p == pp_rank else gate
     return ConsensusGroups(world_rank, world_size, world,
-                           CheckGroup("tp", my_tp, tp_group), CheckGroup("pp", my_pp, pp_group))
+                           CheckGroup("tp", my_tp, tp_group), CheckGroup("pp", my_pp, pp_group), gate)

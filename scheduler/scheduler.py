@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+import consensus
 from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
@@ -263,6 +264,7 @@ class Scheduler:
         lengths, the chunked prompt, a finished prompt joining `running`. What waits is only the
         sampled tokens: `complete` appends them (at once on one stage; a pipeline completes a
         micro-batch when its ids come back from the last stage)."""
+        consensus.agree_before_step((batch.phase.value, batch.rids, batch.extend_lens))  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
         if batch.phase is Phase.DECODE:
             ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)

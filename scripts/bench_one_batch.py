@@ -17,7 +17,8 @@ run. Its prefill is one forward on the batch; its decode time is generate minus 
 the same `output_len` decode steps (so generate makes output_len + 1 new tokens, as srt does).
 
 --compare-llama-cpp times llama.cpp (llama-cpp-python, if installed; `pip install llama-cpp-python`
-builds it) on a GGUF file (default: the bundled SmolLM2 GGUF, Q4_1) with the same threads, for
+builds it; on a VM whose CPU reports AMX the default native build may die with SIGILL: build with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF") on a GGUF file (default: the bundled SmolLM2 GGUF, Q4_1) with the same threads, for
 batch 1: the prompt evaluated in one call, then `output_len` greedy single-token steps. Its
 weights are 4-bit there, so its decode reads a third of srt's bf16 bytes.
 

@@ -217,6 +217,23 @@ def _payload_divergence_phase(rank: int, q: Any) -> None:
     consensus.disable(timeout_s=1)
 
 
+def _gate_phase(rank: int, q: Any) -> None:
+    """The main thread's per-step gate: the same batch passes; different batches stop the step
+    before it runs, and the thread names the divergence."""
+    consensus.enable(_GROUPS[0], interval_s=0.05, on_divergence=lambda m: q.put((rank, "gate divergence", m)))
+    s = FakeScheduler()
+    s.admit("g0", 4)
+    consensus.agree_before_step(("prefill", ["g0"], [4]))
+    tokens = 4 if rank == 0 else 5
+    s.admit("g1", tokens)
+    try:
+        consensus.agree_before_step(("prefill", ["g1"], [tokens]))
+        q.put((rank, "gate", "passed"))
+    except RuntimeError as error:
+        q.put((rank, "gate", str(error)))
+    consensus.disable(timeout_s=1)
+
+
 def _order_divergence_phase(rank: int, q: Any, release: Any) -> None:
     """Rank 1 runs a batch before scheduling at step 3. Only TP group {0, 1} checks (check_now);
     ranks 2 and 3 take part in no collective, so the TP group needs nobody else."""
@@ -245,6 +262,7 @@ def _rank_main(rank: int, tp: int, pp: int, port: int, q: Any, release: Any) -> 
         _agree_phase(rank, q)
         if pp == 1:
             _payload_divergence_phase(rank, q)
+            _gate_phase(rank, q)
         else:
             _order_divergence_phase(rank, q, release)
         q.put((rank, "done", None))
@@ -312,6 +330,9 @@ def test_two_ranks_agree_then_detect_a_different_payload() -> None:
         assert ">> #7 FakeScheduler.admit {'rid':'r7','num_tokens':8,'return':True}" in message
         assert ">> #7 FakeScheduler.admit {'rid':'r7','num_tokens':9,'return':True}" in message
     assert "world rank 0 (this rank)" in messages[0] and "world rank 1 (this rank)" in messages[1]
+    for rank in (0, 1):  # the per-step gate stopped both before the step, and the thread named why
+        assert results[(rank, "gate")] == "TP ranks scheduled different batches (the rank consensus gate stopped the step)"
+        assert ">> #1 FakeScheduler.admit {'rid':'g1','num_tokens':5,'return':True}" in results[(rank, "gate divergence")]
 
 
 def test_four_ranks_agree_then_one_tp_group_detects_a_different_call_order() -> None:
