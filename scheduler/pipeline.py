@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase
 from scheduler.scheduler import IDLE_WAIT_MS, Scheduler
 
@@ -48,6 +49,11 @@ class PipelineScheduler(Scheduler):
                          if b is not None and b.batch.phase is Phase.PREFILL), default=0)
         share = max(-(-pending // self.micro_batches), in_flight, MIN_PREFILL_SHARE)
         return min(self.args.max_prefill_tokens, share)
+
+    def _decode_candidates(self) -> list[Req]:
+        """Each decode micro-batch takes at most its share of the running requests, so the
+        micro-batches stay about equal."""
+        return super()._decode_candidates()[:-(-len(self.running) // self.micro_batches)]
 
     def has_work(self) -> bool:
         return super().has_work() or any(launched is not None for launched in self.in_flight)

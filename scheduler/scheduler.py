@@ -83,7 +83,6 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.forward_steps = 0
         self.outbox: list[Req] = []  # requests with something to stream this step
-        self.micro_batches = 1  # batches in flight at once (a pipeline runs several)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
@@ -172,12 +171,8 @@ class Scheduler:
         return self.args.max_prefill_tokens
 
     def _decode_candidates(self) -> list[Req]:
-        """Running requests whose last token is known. With several micro-batches each decodes at
-        most its share of them, so the micro-batches stay about equal."""
-        ready = [r for r in self.running if not r.awaiting_token]
-        if self.micro_batches > 1:
-            ready = ready[:-(-len(self.running) // self.micro_batches)]
-        return ready
+        """Running requests whose last token is known (a pipeline has others on the way)."""
+        return [r for r in self.running if not r.awaiting_token]
 
     def _get_prefill_batch(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
