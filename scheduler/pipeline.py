@@ -26,8 +26,8 @@ from collections import deque
 from typing import Any
 
 from scheduler.req import Req
-from scheduler.schedule_batch import Launched, Phase
-from scheduler.scheduler import IDLE_WAIT_MS, Scheduler
+from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
+from scheduler.scheduler import Scheduler
 
 MIN_PREFILL_SHARE = 256  # prompt tokens: below this a prefill is not split over micro-batches
 
@@ -67,24 +67,20 @@ class PipelineScheduler(Scheduler):
                     assert self.link is not None
                     ids = self.link.recv_ids(len(launched.batch.reqs)).tolist()
                 self.complete(launched, ids)
-        busy = self.has_work()
-        self.stats.timer.begin()
-        messages = self._receive(busy)
-        self.stats.timer.received()
-        self.process_messages(messages)
-        batch = self.get_next_batch()
-        self.in_flight.append(self.launch(batch) if batch is not None else None)
-        if batch is None:
-            self.stats.on_idle()
-        self.flush_outputs()
-        self.stats.publish()
-        self.stats.timer.end(counted=busy and batch is not None)
+        launched_before = len(self.in_flight)
+        super().step()  # messages, schedule, run_batch (below): the same step as on one stage
+        if len(self.in_flight) == launched_before:
+            self.in_flight.append(None)  # an idle iteration still takes its slot
+
+    def run_batch(self, batch: ScheduleBatch) -> None:
+        """Launch only: its tokens are appended K iterations later (step)."""
+        self.in_flight.append(self.launch(batch))
 
     def _receive(self, busy: bool) -> list[Any]:
         """This iteration's messages: from the front end on stage 0, from the stage before on the
         others; passed on to the next stage."""
         if self.link is None or self.link.pp.is_first:
-            messages = self.receiver.recv(0 if busy else IDLE_WAIT_MS)
+            messages = super()._receive(busy)
         else:
             received = self.link.recv_object(self.link.prev)
             assert isinstance(received, list)

@@ -95,7 +95,7 @@ class Scheduler:
     def step(self) -> None:
         busy = self.has_work()
         self.stats.timer.begin()
-        messages = self.receiver.recv(0 if busy else IDLE_WAIT_MS)
+        messages = self._receive(busy)
         self.stats.timer.received()
         self.process_messages(messages)
         batch = self.get_next_batch()
@@ -108,6 +108,9 @@ class Scheduler:
         self.stats.timer.end(counted=busy and batch is not None)
 
     # ------------------------------------------------------------------ messages
+    def _receive(self, busy: bool) -> list[Any]:
+        return self.receiver.recv(0 if busy else IDLE_WAIT_MS)
+
     def process_messages(self, messages: list[Any]) -> None:
         for msg in messages:
             if isinstance(msg, TokenizedGenerateReq):
