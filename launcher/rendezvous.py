@@ -5,7 +5,8 @@ Node 0's launcher hosts the store before any rank starts; every node's launcher 
     1. connects (plain TCP first, so an unreachable address fails quietly within --dist-timeout),
     2. claims `node/<node rank>` with compare_set (a second node with that rank is refused at once),
     3. publishes its launch fingerprint and compares it with node 0's (the differing fields are
-       named on both sides), and node 0 publishes one verdict once every node has joined.
+       named on both sides), and node 0 publishes one verdict once every node has joined; a refusal
+       keeps node 0's store up (at most LINGER_S) until every other node has read it.
 
 The ranks then join torch.distributed on the same store as clients: TORCHELASTIC_USE_AGENT_STORE
 is torch's own switch for "an agent process hosts the store" (torchrun's), and the launcher is
@@ -37,6 +38,7 @@ USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 POLL_S = 0.1
 PROBE_S = 2.0  # how long a busy port is asked whether an srt rendezvous lives behind it
 OP_TIMEOUT_S = 2.0  # after start-up, a store call that takes longer means node 0 is unreachable
+LINGER_S = 5.0  # node 0 keeps a failed rendezvous's store up this long for the others to read why
 
 
 class RendezvousError(LaunchError):
@@ -178,29 +180,43 @@ class Rendezvous:
     def _agree(self, fingerprint: dict[str, str], deadline: float, timeout_s: float) -> None:
         self.store.set(self.key(f"fingerprint/{self.node_rank}"), json.dumps(fingerprint))
         if self.node_rank == 0:
-            others = [f"fingerprint/{k}" for k in range(1, self.nnodes)]
-            missing = self._wait_for(others, deadline)
-            if missing:
-                nodes = ", ".join(k.split("/")[1] for k in missing)
-                verdict = (f"node {nodes} did not join the rendezvous at {self.where} within --dist-timeout "
-                           f"{timeout_s:g} s (started with the same --dist-init-addr and --nnodes {self.nnodes}?)")
-            else:
-                diffs = [d for k in range(1, self.nnodes) for d in self._diff_with(fingerprint, k)]
-                verdict = self._mismatch(diffs) if diffs else "ok"
+            verdict = self._judge(fingerprint, deadline, timeout_s)
             self.store.set(self.key("verdict"), verdict)
+            if verdict != "ok":  # the store dies with this process: let the others read the verdict first
+                self._wait_for([f"seen/{k}" for k in range(1, self.nnodes)], time.monotonic() + LINGER_S)
         else:
-            if self._wait_for(["fingerprint/0"], deadline):
-                raise RendezvousError(f"node 0 did not publish its configuration at {self.where} within "
-                                      f"--dist-timeout {timeout_s:g} s")
-            node0 = json.loads(self.store.get(self.key("fingerprint/0")))
-            diffs = fingerprint_diff(node0, fingerprint, 0, self.node_rank)
-            if diffs:
-                raise RendezvousError(self._mismatch(diffs))
-            if self._wait_for(["verdict"], deadline):
-                raise RendezvousError(f"node 0 did not answer at {self.where} within --dist-timeout {timeout_s:g} s")
-            verdict = self.store.get(self.key("verdict")).decode()
+            try:
+                verdict = self._hear_verdict(fingerprint, deadline, timeout_s)
+            except RendezvousError:
+                raise
+            except Exception as error:  # the store went away: node 0 exited during the handshake
+                raise RendezvousError(f"node 0 left the rendezvous at {self.where} during the start-up "
+                                      f"handshake ({error}); its log says why") from error
         if verdict != "ok":
             raise RendezvousError(verdict)
+
+    def _judge(self, fingerprint: dict[str, str], deadline: float, timeout_s: float) -> str:
+        """Node 0: "ok" once every node joined with the same configuration, else what went wrong."""
+        missing = self._wait_for([f"fingerprint/{k}" for k in range(1, self.nnodes)], deadline)
+        if missing:
+            nodes = ", ".join(k.split("/")[1] for k in missing)
+            return (f"node {nodes} did not join the rendezvous at {self.where} within --dist-timeout "
+                    f"{timeout_s:g} s (started with the same --dist-init-addr and --nnodes {self.nnodes}?)")
+        diffs = [d for k in range(1, self.nnodes) for d in self._diff_with(fingerprint, k)]
+        return self._mismatch(diffs) if diffs else "ok"
+
+    def _hear_verdict(self, fingerprint: dict[str, str], deadline: float, timeout_s: float) -> str:
+        """Another node: compare with node 0's configuration, then read node 0's verdict and say so."""
+        if self._wait_for(["fingerprint/0"], deadline):
+            raise RendezvousError(f"node 0 did not publish its configuration at {self.where} within "
+                                  f"--dist-timeout {timeout_s:g} s")
+        node0 = json.loads(self.store.get(self.key("fingerprint/0")))
+        diffs = fingerprint_diff(node0, fingerprint, 0, self.node_rank)
+        if self._wait_for(["verdict"], deadline):
+            raise RendezvousError(f"node 0 did not answer at {self.where} within --dist-timeout {timeout_s:g} s")
+        verdict = self.store.get(self.key("verdict")).decode()
+        self.store.set(self.key(f"seen/{self.node_rank}"), "1")
+        return self._mismatch(diffs) if diffs else verdict
 
     def _diff_with(self, mine: dict[str, str], node: int) -> list[str]:
         return fingerprint_diff(mine, json.loads(self.store.get(self.key(f"fingerprint/{node}"))), 0, node)

@@ -31,7 +31,7 @@ from tiny_models import hf_greedy
 from launcher.fingerprint import fingerprint_diff, launch_fingerprint
 from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
 from launcher.peers import HEARTBEAT_S, LOST_AFTER_S, PeerWatch
-from launcher.rendezvous import Rendezvous
+from launcher.rendezvous import Rendezvous, RendezvousError
 from srt.engine import free_port
 from srt.launch_server import plan_launch
 from srt.server_args import ServerArgs
@@ -263,6 +263,35 @@ def test_nodes_started_differently_both_fail_naming_the_fields(nodes: list[Node]
         assert "model (" in out and f"at {other_model}" in out
         assert "tp_size" not in out  # only what differs
         assert "child processes ready" not in out  # no rank started
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_node_still_hears_why_node_0_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 judges as soon as node 1's fingerprint is in, then exits and takes the store with it:
+    it waits (bounded) until node 1 has read the verdict, or node 1 saw only a closed connection."""
+    port = free_port()
+    node0 = subprocess.Popen([sys.executable, "-c", (
+        "from launcher.layout import RendezvousAddress; from launcher.rendezvous import Rendezvous; "
+        f"Rendezvous.join(RendezvousAddress('127.0.0.1', {port}, '--dist-init-addr'), 0, 2, "
+        "{'dtype': 'float32'}, 20)")], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    real_wait_for = Rendezvous._wait_for
+    slowed: list[bool] = []
+
+    def late_first_look(self: Rendezvous, keys: list[str], deadline: float) -> list[str]:
+        if not slowed:  # node 1 looks for node 0's fingerprint only after node 0 has judged
+            slowed.append(True)
+            time.sleep(1.5)
+        return real_wait_for(self, keys, deadline)
+
+    monkeypatch.setattr(Rendezvous, "_wait_for", late_first_look)
+    try:
+        with pytest.raises(RendezvousError, match=r"started differently.*dtype \(node 0: float32, node 1: bfloat16\)"):
+            Rendezvous.join(RendezvousAddress("127.0.0.1", port, "--dist-init-addr"), 1, 2,
+                            {"dtype": "bfloat16"}, 20)
+        _, err = node0.communicate(timeout=20)
+        assert node0.returncode == 1 and "dtype (node 0: float32, node 1: bfloat16)" in err
+    finally:
+        node0.kill()
 
 
 @pytest.mark.timeout(60)
