@@ -50,6 +50,7 @@ def test_bad_arguments_are_usage_errors() -> None:
     assert proc.returncode == 2 and "--mem-fraction-static values must be in (0, 1)" in proc.stderr
 
 
+@pytest.mark.slow  # the script's parts are tested above; the whole run costs ~20 s
 @pytest.mark.timeout(150)
 def test_full_run_on_a_tiny_model_at_tp2(tiny_model_dirs: dict[str, Path], smollm2_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -69,6 +69,7 @@ def check_ratio_lines(out: str, peers: list[str], levels: list[int]) -> None:
                 assert re.search(line, out, re.MULTILINE), f"no line {line!r} in:\n{out}"
 
 
+@pytest.mark.slow  # its parts (peer, ratio lines, --url) are tested above; the whole run costs ~25 s
 @pytest.mark.timeout(240)
 def test_compare_peers_starts_its_own_server_and_prints_ratios(tiny_model_dirs: dict[str, Path], smollm2_dir: Path,
                                                                tmp_path: Path) -> None:

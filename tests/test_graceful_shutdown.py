@@ -158,7 +158,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dirs: dict[str, Path]
 
 @pytest.mark.parametrize(("extra_args", "signals", "reason"), [
     (["--shutdown-timeout", "1"], [signal.SIGTERM], "--shutdown-timeout (1 s)"),
-    ([], [signal.SIGINT, signal.SIGINT], "a second shutdown signal"),
+    pytest.param([], [signal.SIGINT, signal.SIGINT], "a second shutdown signal", marks=pytest.mark.slow),
 ], ids=["timeout", "second_signal"])
 def test_requests_still_running_get_503(long_context_llama: Path, smollm2_dir: Path, extra_args: list[str],
                                         signals: list[signal.Signals], reason: str) -> None:

@@ -406,6 +406,7 @@ def assert_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
     assert not alive, [p.pid for p in alive]
 
 
+@pytest.mark.slow  # the default run: killing node 0 (PP over two real nodes) and a dead rank on node 1
 @pytest.mark.timeout(400)
 def test_two_nodes_serve_what_one_node_serves_and_go_down_with_node_1(
         nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path) -> None:

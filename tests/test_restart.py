@@ -176,6 +176,7 @@ def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: 
         assert "srt:replayed_requests_total" in metrics and "srt:recovery_seconds_count 4.0" in metrics
 
 
+@pytest.mark.slow  # the restart path itself is covered by the test above on the default run
 def test_a_crash_loop_goes_down_loudly_after_its_restarts(long_context_llama: Path, smollm2_dir: Path) -> None:
     args = server_args(long_context_llama, smollm2_dir, "--restart-on-failure", "2")
     with Server(*args, env={"SRT_TEST_FAULT": "crash@1:3"}) as server:  # every start crashes at step 3

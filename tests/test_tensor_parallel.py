@@ -24,7 +24,7 @@ def run(model_dir: Path, tp: int, prompt_ids: list[list[int]], params: SamplingP
         return [o.output_ids for o in engine.generate(prompt_ids, params)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama_mqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "llama_mqa", "qwen2", "qwen3"])
 def test_tp2_equals_tp1_tiny(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     ids = prompts(320)
     assert run(tiny_model_dirs[arch], 2, ids, GREEDY) == run(tiny_model_dirs[arch], 1, ids, GREEDY)
