@@ -1,4 +1,5 @@
-"""The oneDNN bf16 path gives F.linear's results and is used for every linear layer in bf16."""
+"""The packed bf16 paths (AMX kernel where the CPU has it, else oneDNN) give F.linear's results and
+are used for every linear layer in bf16."""
 
 from __future__ import annotations
 
@@ -8,13 +9,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_executor.layers.cpu_linear import linear, onednn_bf16_available, pack_weight
+from model_executor.kernels import cpu as cpu_kernels
+from model_executor.layers.cpu_linear import (
+    AMX_MAX_ROWS,
+    is_amx_packed,
+    linear,
+    onednn_bf16_available,
+    pack_weight,
+)
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
 
 
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("m", [1, 7, 64, AMX_MAX_ROWS + 3])
 def test_packed_bf16_linear_matches_f_linear(m: int) -> None:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 48, generator=g).bfloat16()
@@ -32,3 +40,31 @@ def test_bf16_runner_packs_every_linear(tiny_model_dirs: dict[str, Path]) -> Non
     assert layers and all(m.packed_weight is not None for m in layers)
     fp32 = ModelRunner(RunnerConfig(model_dir=tiny_model_dirs["llama"], dtype=torch.float32, max_total_tokens=256))
     assert all(m.packed_weight is None for m in fp32.model.modules() if hasattr(m, "packed_weight"))
+
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 70])
+def test_amx_linear_is_the_fp32_product_rounded_once(m: int) -> None:
+    """Every row count a decode batch can have (tiles of 16 rows, pairs of them, partial last
+    tiles), with a bias; fp32 sums, so within one bf16 rounding of the fp32 product."""
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(96, 64, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(m, 64, generator=g).bfloat16()
+    packed = pack_weight(weight)
+    assert packed is not None and is_amx_packed(packed)
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    got = linear(x, weight, bias, packed)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, 96)
+    assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+    assert torch.equal(linear(x, weight, None, packed), cpu_kernels.amx_linear(x, packed, None))
+
+
+@needs_amx
+def test_shapes_the_tiles_do_not_cover_keep_onednn() -> None:
+    weight = torch.randn(40, 64).bfloat16()  # 40 outputs: not whole pairs of 16
+    packed = pack_weight(weight)
+    assert packed is not None and not is_amx_packed(packed)

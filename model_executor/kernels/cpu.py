@@ -19,13 +19,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger("srt.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_amx.c"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -36,9 +37,12 @@ _SIGNATURES = {
     "srt_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
                              _i64, _i64, _i64, _i64, _f32, _i64],
     "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-                         _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
-                         _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
+                         *[_ptr] * 9,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, and their AMX-packed copies
+                         *[_ptr] * 7, _i64,  # positions, cos, sin, k/v cache, out_loc, req_to_token, stride
+                         _ptr, _ptr, *[_i64] * 7, _f32,  # rows, seq_lens, max_len, m, 4 sizes, scale
+                         *[_ptr] * 6],  # scratch, out
 }
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call. Measured against
@@ -63,7 +67,8 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
     cache = Path(os.environ.get("SRT_KERNEL_CACHE") or Path.home() / ".cache" / "srt" / "kernels")
     target = cache / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
@@ -72,7 +77,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -100,7 +105,38 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.srt_amx_init.argtypes, lib.srt_amx_init.restype = [], _i64
     return lib
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether srt_amx_linear runs here: built for a CPU with AMX-BF16, and the OS lets this
+    process use the tiles (SRT_AMX=0 turns it off)."""
+    lib = kernels()
+    return lib is not None and os.environ.get("SRT_AMX", "1") != "0" and bool(lib.srt_amx_init())
+
+
+def amx_packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 32 == 0 and k % 32 == 0
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] bf16 -> the tile order srt_amx_linear streams: [n/16, k/32, 16 (k pairs), 16 (n), 2]."""
+    n, k = weight.shape
+    return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see amx_pack)."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous()
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib.srt_amx_linear(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
+    return out
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -193,18 +229,22 @@ class DecodeLayerScratch:
 
 def decode_layer(hidden: torch.Tensor, first: bool, s: DecodeLayerScratch, ln1: torch.Tensor, ln2: torch.Tensor,
                  eps: float, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor,
-                 w_gate_up: torch.Tensor, w_down: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, amx: Sequence[torch.Tensor] | None,
+                 positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
                  req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-    """One Llama decoder layer for <= GEMV_MAX_ROWS decode rows, TP=1. Updates s.residual; returns
-    s.out (the MLP output, the next layer's `hidden`). Every tensor contiguous bf16 / int64."""
+    """One Llama decoder layer for a decode batch, TP=1: with `amx` (the four weights packed by
+    amx_pack, in the order qkv, o, gate_up, down) any number of rows, else at most GEMV_MAX_ROWS.
+    Updates s.residual; returns s.out (the MLP output, the next layer's `hidden`). Every tensor
+    contiguous bf16 / int64."""
     lib = kernels()
     m, hidden_size = hidden.shape
-    assert lib is not None and m <= GEMV_MAX_ROWS and hidden.is_contiguous()
+    assert lib is not None and (amx is not None or m <= GEMV_MAX_ROWS) and hidden.is_contiguous()
+    p_qkv, p_o, p_gate_up, p_down = [t.data_ptr() for t in amx] if amx is not None else [None] * 4
     lib.srt_decode_layer(hidden.data_ptr(), s.residual.data_ptr(), int(first), ln1.data_ptr(), ln2.data_ptr(), eps,
                          w_qkv.data_ptr(), _p(b_qkv), w_o.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(),
-                         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                         p_qkv, p_o, p_gate_up, p_down, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                          v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0),
                          rows.data_ptr(), seq_lens.data_ptr(), max_len, m, hidden_size, num_heads, num_kv_heads,
                          head_dim, w_down.shape[1], scale, s.qkv.data_ptr(), s.attn.data_ptr(), s.x.data_ptr(),

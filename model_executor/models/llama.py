@@ -16,6 +16,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
+from model_executor.layers.cpu_linear import AMX_MAX_ROWS, is_amx_packed
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -141,9 +142,18 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def _amx_weights(self, layer: Any) -> list[torch.Tensor] | None:
+        """The layer's qkv, o, gate_up and down weights packed for the AMX kernel, or None."""
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        packed = [m.packed_weight for m in linears]
+        return packed if all(p is not None and is_amx_packed(p) for p in packed) else None
+
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
-        """A small bf16 decode batch on one CPU rank runs each layer as one kernel call."""
-        return (batch.is_decode and batch.batch_size <= cpu_kernels.FUSED_DECODE_MAX_BATCH and self.single_rank
+        """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
+        AMX_MAX_ROWS with AMX-packed weights, else (the gemv kernel) a small one."""
+        max_batch = AMX_MAX_ROWS if self._amx_weights(self.local_layers[0]) is not None \
+            else cpu_kernels.FUSED_DECODE_MAX_BATCH
+        return (batch.is_decode and batch.batch_size <= max_batch and self.single_rank
                 and not self.qk_norm and self.local_layers[0].self_attn.o_proj.bias is None
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
                 and cpu_kernels.usable(hidden, self.rotary_emb.cos))
@@ -163,7 +173,7 @@ class LlamaModel(nn.Module):
             hidden = cpu_kernels.decode_layer(
                 hidden, i == 0, scratch, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 layer.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                mlp.gate_up_proj.weight, mlp.down_proj.weight, positions, self.rotary_emb.cos, self.rotary_emb.sin,
+                mlp.gate_up_proj.weight, mlp.down_proj.weight, self._amx_weights(layer), positions, self.rotary_emb.cos, self.rotary_emb.sin,
                 k_cache, v_cache, batch.out_cache_loc, backend.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 max_len, a.attn.num_heads, a.attn.num_kv_heads, a.head_dim, a.attn.scaling)
         return hidden, scratch.residual

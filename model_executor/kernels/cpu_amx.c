@@ -1,0 +1,147 @@
+/* bf16 linear layers on Intel AMX tiles, for the small row counts of decode steps.
+ *
+ * At a decode step's few rows a linear layer is a stream of its weight from memory. oneDNN's AMX
+ * GEMM reaches about 8 GB/s on weights that are not in cache (measured here on SmolLM2's layers),
+ * well under the machine's read bandwidth: this kernel streams the weight in the order the tiles
+ * consume it, prefetches a few tiles ahead, and reaches the bandwidth (~20 GB/s measured).
+ *
+ * The weight is packed once at load (model_executor/kernels/cpu.py, amx_pack) as
+ * [n/16][k/32][16][16][2]: for each block of 16 outputs, each 32-wide slice of k is one B tile of
+ * 16 rows (pairs of k) x 16 columns (outputs) x 2, contiguous, 1 KiB. The math is fp32 in the
+ * tiles; outputs are rounded to bf16 (round to nearest even) after the bias is added.
+ *
+ * Built with the rest of the CPU kernels (-march=native). Without AMX in the compiler's target,
+ * srt_amx_init() answers 0 and the callers keep oneDNN / the gemv kernel.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature */
+#define XFEATURE_XTILEDATA 18
+#define PREFETCH_TILES 2 /* how many k-slices ahead the B stream is prefetched (tuned: 1-4 alike) */
+#define PARALLEL_MIN_TILES 64
+
+/* 1 when this process may use AMX tiles (the kernel grants it per process), else 0. */
+int64_t srt_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles: C 0 (m0, n0), 1 (m0, n1), 2 (m1, n0), 3 (m1, n1); A 4 (m0), 5 (m1); B 6 (n0), 7 (n1).
+ * Every tile is 16 rows of 64 bytes; x is padded to whole 16-row blocks. */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* rows of a 16 x 16 fp32 C block (+ bias) -> bf16 outputs */
+static inline void store_block(const float *c, int64_t rows, const bf16 *bias, bf16 *out, int64_t n) {
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
+                          : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
+        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+static inline void prefetch_tile(const bf16 *tile) {
+    for (int line = 0; line < 16; line++) _mm_prefetch((const char *)tile + 64 * line, _MM_HINT_T0);
+}
+
+/* Outputs [32p, 32p + 32) for every row: B streams from memory for the first pair of 16-row blocks
+ * and from cache for the others. */
+static inline void output_pair(const bf16 *xp, int64_t m, int64_t blocks, const bf16 *packed, const bf16 *bias,
+                               bf16 *out, int64_t n, int64_t k, int64_t p) {
+    const int64_t slices = k / 32;
+    const bf16 *b0 = packed + 2 * p * slices * 512, *b1 = b0 + slices * 512;
+    float c[4][256];
+    for (int64_t mb = 0; mb < blocks; mb += 2) {
+        const int64_t two = mb + 1 < blocks;
+        const bf16 *a0 = xp + mb * 16 * k, *a1 = a0 + 16 * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < slices; j++) {
+            if (mb == 0 && j + PREFETCH_TILES < slices) {
+                prefetch_tile(b0 + (j + PREFETCH_TILES) * 512);
+                prefetch_tile(b1 + (j + PREFETCH_TILES) * 512);
+            }
+            _tile_loadd(4, a0 + j * 32, k * 2);
+            _tile_loadd(6, b0 + j * 512, 64);
+            _tile_loadd(7, b1 + j * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, a1 + j * 32, k * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        const int64_t rows0 = m - mb * 16 < 16 ? m - mb * 16 : 16;
+        bf16 *o = out + mb * 16 * n + 32 * p;
+        store_block(c[0], rows0, bias ? bias + 32 * p : NULL, o, n);
+        store_block(c[1], rows0, bias ? bias + 32 * p + 16 : NULL, o + 16, n);
+        if (two) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            const int64_t rows1 = m - (mb + 1) * 16 < 16 ? m - (mb + 1) * 16 : 16;
+            store_block(c[2], rows1, bias ? bias + 32 * p : NULL, o + 16 * n, n);
+            store_block(c[3], rows1, bias ? bias + 32 * p + 16 : NULL, o + 16 * n + 16, n);
+        }
+    }
+}
+
+/* out[m][n] = x[m][k] @ w.T (+ bias[n]); x rows contiguous; n % 32 == 0 and k % 32 == 0 (the
+ * caller checks). srt_amx_init() must have answered 1 in this process. */
+void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
+                    int64_t k) {
+    const int64_t blocks = (m + 15) / 16, pairs = n / 32;
+    const bf16 *xp = x;
+    bf16 *padded = NULL;
+    if (m % 16) { /* a tile reads 16 rows: zero rows past m (their outputs are not stored) */
+        padded = calloc((size_t)(blocks * 16 * k), sizeof(bf16));
+        memcpy(padded, x, (size_t)(m * k) * sizeof(bf16));
+        xp = padded;
+    }
+#pragma omp parallel if (pairs * (k / 32) >= PARALLEL_MIN_TILES)
+    {
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) output_pair(xp, m, blocks, packed, bias, out, n, k, p);
+        _tile_release();
+    }
+    free(padded);
+}
+
+#else
+
+int64_t srt_amx_init(void) { return 0; }
+
+void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
+                    int64_t k) {
+    (void)x, (void)m, (void)packed, (void)bias, (void)out, (void)n, (void)k;
+    abort(); /* never called: srt_amx_init() answered 0 */
+}
+
+#endif
