@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_executor.kernels import cpu as cpu_kernels
+
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0 (greedy)
 _MASK32 = 0xFFFFFFFF
 # Salts of four independent hash lanes: (block draw, token draw) x (first, second mixing key).
@@ -93,6 +95,12 @@ class SamplingBatchInfo:
         )
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax per row: the CPU kernel where it applies (torch's took ~1.8 ms for 32 x 49152)."""
+    tokens = cpu_kernels.argmax(logits)
+    return logits.argmax(dim=-1) if tokens is None else tokens
+
+
 class Sampler:
     """Stateless: greedy rows take the argmax, the others a seeded draw from filtered softmax."""
 
@@ -100,14 +108,14 @@ class Sampler:
         """logits [bs, vocab] (any float dtype) -> next token ids [bs] int64."""
         assert logits.dim() == 2 and logits.shape[0] == info.batch_size, (logits.shape, info.batch_size)
         if info.is_all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         is_greedy = info.temperatures == 0
         # Greedy rows divide by 1 to stay finite; their draw is replaced by the argmax below.
         temperatures = torch.where(is_greedy, 1.0, info.temperatures)
         probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
         tokens = draw(filter_probs(probs, info), info.seeds, info.output_positions)
         if info.has_greedy:
-            tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(is_greedy, greedy(logits), tokens)
         return tokens
 
 

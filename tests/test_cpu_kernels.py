@@ -170,3 +170,13 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     err_kernels = (with_kernels - ref).abs().max().item()
     err_torch = (without - ref).abs().max().item()
     assert err_kernels <= 1.5 * err_torch + 1e-3, (err_kernels, err_torch)
+
+
+@pytest.mark.parametrize("shape", [(32, 49152), (3, 17), (2, 5), (1, 16)])
+def test_argmax_is_torch_argmax_first_index_on_ties(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[1])
+    logits = torch.randn(*shape, generator=g)
+    logits[0, shape[1] // 2] = logits[0, -1] = 50.0  # a tie: the first index wins
+    logits[-1] = float("-inf")  # a row of -inf: index 0, as torch
+    assert torch.equal(cpu.argmax(logits), logits.argmax(dim=-1))
+    assert cpu.argmax(logits.bfloat16()) is None and cpu.argmax(logits[:, ::2]) is None  # torch's own there

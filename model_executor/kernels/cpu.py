@@ -37,6 +37,7 @@ _SIGNATURES = {
     "srt_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr,
                              _i64, _i64, _i64, _i64, _f32, _i64],
     "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
                          *[_ptr] * 9,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, and their AMX-packed copies
@@ -200,6 +201,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                              k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(),
                              req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), bs,
                              num_heads, num_kv_heads, head_dim, scale, max_len)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits.argmax(-1) for [rows, n] float32 CPU logits (None where the kernel does not apply)."""
+    lib = kernels()
+    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 \
+            or not logits.is_contiguous():
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.srt_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
     return out
 
 
