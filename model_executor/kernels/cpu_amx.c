@@ -41,13 +41,16 @@ typedef struct {
 /* Tiles: C 0 (m0, n0), 1 (m0, n1), 2 (m1, n0), 3 (m1, n1); A 4 (m0), 5 (m1); B 6 (n0), 7 (n1).
  * Every tile is 16 rows of 64 bytes; x is padded to whole 16-row blocks. */
 static void configure_tiles(void) {
-    tile_config cfg;
+    tile_config cfg __attribute__((aligned(64)));
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
+    /* gcc 12 does not count ldtilecfg as reading all 64 bytes and dropped part of the memset
+     * (unused tiles then held garbage: #GP): the barrier makes every store happen first. */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
