@@ -147,19 +147,22 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     fused = ModelRunner(config)
     assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
     calls: dict[str, int] = {}
-    for name in ("rmsnorm", "silu_mul", "rope", "decode_attention", "decode_layer"):
+    for name in ("rmsnorm", "silu_mul", "rope", "decode_attention"):
         real = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
+    real_layers = cpu.DecodeLayers.forward
+    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (
+        calls.__setitem__("decode_layers", calls.get("decode_layers", 0) + 1), real_layers(*a, **k))[1])
     with_kernels = decode_logits(fused, prompts, forced)
     layers = hf.config.num_hidden_layers
     if arch == "qwen3":  # q/k norm: the layer runs op by op, each op a kernel
         assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
         assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
     elif len(lens) > cpu.FUSED_DECODE_MAX_BATCH and not cpu.amx_available():  # op by op, each op a kernel
-        assert calls["decode_attention"] == layers * 6 and "decode_layer" not in calls
+        assert calls["decode_attention"] == layers * 6 and "decode_layers" not in calls
     else:  # one rank: each decode layer is one fused kernel call; prefill runs op by op
-        assert calls["decode_layer"] == layers * 6 and "decode_attention" not in calls
+        assert calls["decode_layers"] == 6 and "decode_attention" not in calls  # every layer, once a step
         assert calls["rope"] == layers and calls["silu_mul"] == layers
 
     monkeypatch.setattr(cpu, "usable", lambda *tensors: False)

@@ -121,6 +121,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = rotary_emb
         self.single_rank = comm.world_size == 1 and stage.size == 1
         self.qk_norm = qk_norm
+        self._fused_cache: tuple[Any, cpu_kernels.DecodeLayers] | None = None  # (KV pool, its layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
@@ -142,7 +143,8 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _amx_weights(self, layer: Any) -> list[torch.Tensor] | None:
+    @staticmethod
+    def _amx_weights(layer: Any) -> list[torch.Tensor] | None:
         """The layer's qkv, o, gate_up and down weights packed for the AMX kernel, or None."""
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         packed = [m.packed_weight for m in linears]
@@ -151,32 +153,39 @@ class LlamaModel(nn.Module):
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
         AMX_MAX_ROWS with AMX-packed weights, else (the gemv kernel) a small one."""
+        if not (batch.is_decode and self.single_rank and not self.qk_norm
+                and self.local_layers[0].self_attn.o_proj.bias is None
+                and bool(getattr(batch.attn_backend, "fused_decode", False))
+                and cpu_kernels.usable(hidden, self.rotary_emb.cos)):
+            return False
         max_batch = AMX_MAX_ROWS if self._amx_weights(self.local_layers[0]) is not None \
             else cpu_kernels.FUSED_DECODE_MAX_BATCH
-        return (batch.is_decode and batch.batch_size <= max_batch and self.single_rank
-                and not self.qk_norm and self.local_layers[0].self_attn.o_proj.bias is None
-                and bool(getattr(batch.attn_backend, "fused_decode", False))
-                and cpu_kernels.usable(hidden, self.rotary_emb.cos))
+        return batch.batch_size <= max_batch
+
+    def _fused_layers(self, kv_pool: Any) -> cpu_kernels.DecodeLayers:
+        """The layers' kernel arguments, gathered on the first fused step (weights are packed by
+        then) and again only if the KV pool is a different one."""
+        cached = self._fused_cache
+        if cached is None or cached[0] is not kv_pool:
+            layers = []
+            for layer in self.local_layers:
+                a, mlp = layer.self_attn, layer.mlp
+                k_cache, v_cache = kv_pool.get_kv_buffer(a.attn.layer_id)
+                layers.append(cpu_kernels.DecodeLayerWeights(
+                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                    a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, mlp.gate_up_proj.weight,
+                    mlp.down_proj.weight, self._amx_weights(layer), k_cache, v_cache, a.attn.num_heads,
+                    a.attn.num_kv_heads, a.head_dim, a.attn.scaling))
+            cached = (kv_pool, cpu_kernels.DecodeLayers(layers))
+            self._fused_cache = cached
+        return cached[1]
 
     def _fused_decode(self, hidden: torch.Tensor, positions: torch.Tensor,
                       batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         backend: Any = batch.attn_backend
-        layers: list[Any] = list(self.local_layers)
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        scratch = cpu_kernels.DecodeLayerScratch(
-            batch.batch_size, hidden.shape[1], attn.qkv_proj.weight.shape[0], attn.o_proj.weight.shape[1],
-            mlp.down_proj.weight.shape[1])
-        max_len = max(batch.seq_lens_cpu)
-        for i, layer in enumerate(layers):
-            a, mlp = layer.self_attn, layer.mlp
-            k_cache, v_cache = backend.kv_pool.get_kv_buffer(a.attn.layer_id)
-            hidden = cpu_kernels.decode_layer(
-                hidden, i == 0, scratch, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                mlp.gate_up_proj.weight, mlp.down_proj.weight, self._amx_weights(layer), positions, self.rotary_emb.cos, self.rotary_emb.sin,
-                k_cache, v_cache, batch.out_cache_loc, backend.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                max_len, a.attn.num_heads, a.attn.num_kv_heads, a.head_dim, a.attn.scaling)
-        return hidden, scratch.residual
+        return self._fused_layers(backend.kv_pool).forward(
+            hidden, positions, self.rotary_emb.cos, self.rotary_emb.sin, batch.out_cache_loc, backend.req_to_token,
+            batch.req_pool_indices, batch.seq_lens, max(batch.seq_lens_cpu))
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
