@@ -62,3 +62,12 @@ def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     texts = ["The capital of France is", "def fibonacci(n):", "Hello", "Once upon a time, in a land far away, there"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     check_model(smollm2_dir, prompts, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama_mqa", "qwen3"])
+def test_fresh_prompts_of_one_length_match_transformers(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
+    """Same-length fresh prompts prefill as one batched causal attention call: logits and the
+    continuations decoded from the KV it wrote are transformers' own."""
+    g = torch.Generator().manual_seed(2)
+    check_model(tiny_model_dirs[arch], [torch.randint(3, 320, (12,), generator=g).tolist() for _ in range(3)],
+                atol=LOGIT_ATOL)

