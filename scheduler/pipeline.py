@@ -7,7 +7,9 @@ Iteration t on every rank of every stage:
        the last stage sampled its ids then; the other stages receive them from it now
     2. messages of iteration t: stage 0 drains the front end's socket (rank 0) and broadcasts over
        its TP group; every stage passes them on to the next stage with the hidden states
-    3. schedule (identical everywhere: the same state, the same messages)
+    3. schedule (identical everywhere: the same state, the same messages); with the consensus
+       checker on, each stage passes a digest of what it scheduled to the next, which stops with
+       a message naming both when they differ (before any hidden state is sent or received)
     4. launch: receive the previous stage's hidden states, run this stage's layers, send them on;
        the last stage runs the LM head, samples, and sends the ids to every other stage
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+import consensus
+from consensus.canonical import canonical, event_digest
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
 from scheduler.scheduler import Scheduler
@@ -72,6 +76,32 @@ class PipelineScheduler(Scheduler):
         if len(self.in_flight) == launched_before:
             self.in_flight.append(None)  # an idle iteration still takes its slot
 
+    def get_next_batch(self) -> ScheduleBatch | None:
+        batch = super().get_next_batch()
+        if self.link is not None and consensus.get_checker() is not None:
+            self._agree_with_previous_stage(batch)
+        return batch
+
+    def _agree_with_previous_stage(self, batch: ScheduleBatch | None) -> None:
+        """The stage gate (checker on): stages that schedule differently would exchange hidden
+        states of different shapes, which gloo may answer with SIGABRT and no word of why. Every
+        iteration, batch or not, each stage receives the previous stage's summary of what it
+        scheduled, compares, and passes its own on: one small object per stage boundary."""
+        assert self.link is not None
+        mine = None if batch is None else (
+            batch.phase.value, len(batch.reqs), sum(batch.extend_lens),
+            event_digest("step", canonical((batch.phase.value, batch.rids, batch.extend_lens))))
+        if not self.link.pp.is_first:
+            theirs = self.link.recv_object(self.link.prev)
+            if theirs != mine:
+                stage = self.link.pp.rank_in_group
+                raise RuntimeError(
+                    f"pipeline stages scheduled different batches at forward step {self.forward_steps + 1}: "
+                    f"stage {stage - 1} {describe_batch(theirs)}, stage {stage} {describe_batch(mine)}; "
+                    f"the rank consensus gate stopped the step (the ranks' states diverged)")
+        if not self.link.pp.is_last:
+            self.link.send_object(mine, self.link.next)
+
     def run_batch(self, batch: ScheduleBatch) -> None:
         """Launch only: its tokens are appended K iterations later (step)."""
         self.in_flight.append(self.launch(batch))
@@ -88,3 +118,11 @@ class PipelineScheduler(Scheduler):
         if self.link is not None and not self.link.pp.is_last:
             self.link.send_object(messages, self.link.next)
         return messages
+
+
+def describe_batch(summary: object) -> str:
+    """A stage gate summary, (phase, requests, tokens, digest) or None, in words."""
+    if not isinstance(summary, tuple):
+        return "no batch"
+    phase, reqs, tokens, digest = summary
+    return f"{phase} of {reqs} requests / {tokens} tokens (digest {int(digest) & 0xFFFFFFFF:08x})"

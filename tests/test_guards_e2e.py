@@ -181,6 +181,25 @@ def test_diverge_batch_is_caught_by_the_consensus_checker(long_context_llama: Pa
         assert_tree_gone(server)
 
 
+def test_diverging_pipeline_stages_stop_at_the_stage_gate(long_context_llama: Path, smollm2_dir: Path) -> None:
+    """PP=2: stage 1 schedules one request fewer. Without the stage gate the stages exchanged
+    hidden states of different shapes and gloo killed stage 0 with SIGABRT, naming nothing."""
+    args = server_args(long_context_llama, smollm2_dir, "--enable-rank-consensus-checker", "--tp", "1", "--pp-size", "2")
+    with Server(*args, env={"SRT_TEST_FAULT": "diverge_batch@1:1"}) as server:
+        remember_tree(server)
+        start = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: server.generate({**LONG, "input_ids": LONG["input_ids"][i:]},  # type: ignore[index]
+                                                              timeout=30), range(4)))
+        assert all(r.status_code in (200, 503) for r in results)
+        assert wait_exit(server, 30) != 0
+        assert time.monotonic() - start < 30
+        out = server.output()
+        assert "pipeline stages scheduled different batches at forward step 1: stage 0 prefill of" in out, out[-4000:]
+        assert "SIGABRT" not in out
+        assert_tree_gone(server)
+
+
 def greedy_outputs(server: Server, n: int = 4) -> list[list[int]]:
     payloads = [{"input_ids": list(range(7 + i, 30 + 2 * i)),
                  "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}} for i in range(n)]
