@@ -176,6 +176,29 @@ def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: 
         assert "srt:replayed_requests_total" in metrics and "srt:recovery_seconds_count 4.0" in metrics
 
 
+def test_pipeline_streams_survive_losing_stage_1(long_context_llama: Path, smollm2_dir: Path) -> None:
+    """PP=2 (one rank a stage): SIGKILL of the last stage mid-stream restarts both stages and every
+    stream ends with the tokens of a fault-free run (greedy and seeded)."""
+    args = server_args(long_context_llama, smollm2_dir, "--tp", "1", "--pp-size", "2", "--restart-on-failure", "1")
+    bodies = payloads()[:4]
+    with Server(*args) as server:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            expected = [r.json() for r in pool.map(lambda b: server.generate(b, timeout=300), bodies)]
+        assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
+        progress = [[0] for _ in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            futures = [pool.submit(stream, server, b, p) for b, p in zip(bodies, progress)]
+            wait_for(lambda: all(p[0] >= 2 for p in progress), 60, "every stream under way", server)
+            os.kill(rank_pid(server, "srt::scheduler_PP1_TP0"), signal.SIGKILL)
+            results = [f.result(timeout=300) for f in futures]
+        out = server.output()
+        for (ids, text, _, meta), want in zip(results, expected):
+            assert ids == want["output_ids"] and text == want["text"], out[-3000:]
+            assert meta["completion_tokens"] == MAX_NEW_TOKENS
+        assert "scheduler PP1 TP0 (pid" in out and "killed by signal SIGKILL; restarting the engine" in out
+        assert "engine restarted in" in out and server.proc.poll() is None
+
+
 @pytest.mark.slow  # the restart path itself is covered by the test above on the default run
 def test_a_crash_loop_goes_down_loudly_after_its_restarts(long_context_llama: Path, smollm2_dir: Path) -> None:
     args = server_args(long_context_llama, smollm2_dir, "--restart-on-failure", "2")
