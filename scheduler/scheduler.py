@@ -19,16 +19,12 @@ from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
 from model_executor.sampler import SamplingBatchInfo
+from scheduler.admission import BatchSelection
 from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
 from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
 from scheduler.policy import (
     INIT_NEW_TOKEN_RATIO,
-    MIN_NEW_TOKEN_RATIO,
-    NEW_TOKEN_RATIO_DECAY,
-    PrefillBudget,
-    decode_reserve,
-    order_waiting,
 )
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
@@ -52,7 +48,7 @@ logger = logging.getLogger("srt.scheduler")
 IDLE_WAIT_MS = 100
 
 
-class Scheduler:
+class Scheduler(BatchSelection):
     def __init__(self, server_args: ServerArgs, parallel: ParallelState, runner: ModelRunner,
                  receiver: RequestReceiver, send_output: Callable[[Any], None] | None,
                  eos_token_ids: set[int], tokenizer_loader: Callable[[], Any],
@@ -157,98 +153,6 @@ class Scheduler:
     def _reply(self, reply: ControlReply) -> None:
         if self.send_output is not None:
             self.send_output(reply)
-
-    # ------------------------------------------------------------------ scheduling
-    @rank_consensus(result=lambda b: None if b is None else (b.phase.value, b.rids, b.extend_lens))
-    def get_next_batch(self) -> ScheduleBatch | None:
-        batch = self._get_prefill_batch()
-        if batch is not None:
-            return batch
-        reqs = self._make_room_for_decode(self._decode_candidates())
-        if not reqs:
-            return None
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ScheduleBatch(Phase.DECODE, reqs, [1] * len(reqs))
-
-    def _prefill_token_cap(self) -> int:
-        return self.args.max_prefill_tokens
-
-    def _decode_candidates(self) -> list[Req]:
-        """Running requests whose last token is known (a pipeline has others on the way)."""
-        return [r for r in self.running if not r.awaiting_token]
-
-    def _get_prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        budget = PrefillBudget(
-            max_prefill_tokens=self._prefill_token_cap(), chunked_prefill_size=self.args.chunked_prefill_size,
-            free_tokens=self.kv.available_tokens(),
-            reserved_tokens=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
-            page_size=self.kv.page_size)
-        reqs: list[Req] = []
-        lens: list[int] = []
-        used = 0
-        if self.chunked_req is not None:
-            req, self.chunked_req = self.chunked_req, None
-            n = budget.chunk_for(req.extend_len, used)
-            reqs.append(req)
-            lens.append(n)
-            used += n
-        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len)
-        for req in ordered:
-            if len(self.running) + len(reqs) >= self.runner.max_running_requests or not self.kv.free_rows():
-                break
-            prefix_len, match = self.kv.match(req)
-            n = budget.chunk_for(req.seq_len - prefix_len, used)
-            if n == 0 or (n < req.seq_len - prefix_len and any(r.extend_len > m for r, m in zip(reqs, lens))):
-                break  # out of prefill budget, or a second partial prompt (one chunked request at a time)
-            # The decode reserve is a forecast: with nothing else in flight, the prompt alone decides.
-            reserve = decode_reserve(req, self.new_token_ratio) if self.running or reqs else 0
-            if not budget.fits(n, reserve, used):
-                break  # first come, first served: no overtaking when memory is short
-            self.kv.admit(req, match)  # nothing changed the tree since the lookup
-            budget.free_tokens = self.kv.available_tokens()  # its prefix is locked now, not evictable
-            n = min(n, req.extend_len)
-            self.waiting.remove(req)
-            reqs.append(req)
-            lens.append(n)
-            used += n
-        if self.faults.drop_one_admission(self.forward_steps + 1) and reqs and reqs[-1] in ordered:
-            req = reqs.pop()
-            lens.pop()
-            self.kv.release(req, insert=False)
-            self.waiting.insert(0, req)
-        while reqs and not self.kv.reserve_extend(reqs, lens):
-            # The token budget is an estimate (partly filled pages): drop the newest until it fits.
-            req = reqs.pop()
-            lens.pop()
-            if req.kv_len > req.cached_len:  # a chunked prompt keeps what it already computed
-                self.chunked_req = req
-            else:
-                self.kv.release(req, insert=False)
-                self.waiting.insert(0, req)
-        return ScheduleBatch(Phase.PREFILL, reqs, lens) if reqs else None
-
-    def _make_room_for_decode(self, reqs: list[Req]) -> list[Req]:
-        """Evicts cache, then retracts the newest of `reqs` until one decode step of the rest fits."""
-        while reqs and not self.kv.fits_decode(reqs):
-            req = reqs.pop()
-            self.running.remove(req)
-            if self.running:  # others hold KV (some may be in flight): this one waits and resumes
-                self._retract(req)
-            else:
-                self._finish(req, FinishReason("abort", message=(
-                    f"request needs more KV cache than the server has ({self.kv.max_total_tokens} tokens); "
-                    "raise --max-total-tokens or lower max_new_tokens")))
-        return reqs
-
-    @rank_consensus(args={"req": lambda r: r.rid})
-    def _retract(self, req: Req) -> None:
-        self.kv.release(req, insert=True)
-        req.retractions += 1
-        self.waiting.insert(0, req)
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))
 
     # ------------------------------------------------------------------ execution
     def run_batch(self, batch: ScheduleBatch) -> None:
