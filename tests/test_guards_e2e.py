@@ -162,23 +162,29 @@ def test_hard_watchdog_takes_the_server_down(long_context_llama: Path, smollm2_d
         assert_tree_gone(server)
 
 
+def run_diverged(server: Server) -> tuple[list[requests.Response], str]:
+    """Four prompts into a server whose rank 1 admits one fewer: every request ends (200 or 503)
+    and the server exits non-zero within 30 s, leaving no process behind. -> (responses, log)."""
+    remember_tree(server)
+    start = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: server.generate({**LONG, "input_ids": LONG["input_ids"][i:]},  # type: ignore[index]
+                                                          timeout=30), range(4)))
+    assert all(r.status_code in (200, 503) for r in results)
+    assert wait_exit(server, 30) != 0
+    assert time.monotonic() - start < 30
+    assert_tree_gone(server)
+    return results, server.output()
+
+
 def test_diverge_batch_is_caught_by_the_consensus_checker(long_context_llama: Path,
                                                           smollm2_dir: Path) -> None:
     with Server(*server_args(long_context_llama, smollm2_dir, "--enable-rank-consensus-checker"),
                 env={"SRT_TEST_FAULT": "diverge_batch@1:1"}) as server:
-        remember_tree(server)
-        start = time.monotonic()
-        with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda i: server.generate({**LONG, "input_ids": LONG["input_ids"][i:]},  # type: ignore[index]
-                                                              timeout=30), range(4)))
-        assert all(r.status_code in (200, 503) for r in results)
+        results, out = run_diverged(server)
         assert any(r.status_code == 503 or r.json()["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
-        assert wait_exit(server, 30) != 0
-        assert time.monotonic() - start < 30
-        out = server.output()
         for rank in ("scheduler_TP0", "scheduler_TP1"):
             assert any("divergence" in line and rank in line for line in out.splitlines()), out[-4000:]
-        assert_tree_gone(server)
 
 
 def test_diverging_pipeline_stages_stop_at_the_stage_gate(long_context_llama: Path, smollm2_dir: Path) -> None:
@@ -186,18 +192,9 @@ def test_diverging_pipeline_stages_stop_at_the_stage_gate(long_context_llama: Pa
     hidden states of different shapes and gloo killed stage 0 with SIGABRT, naming nothing."""
     args = server_args(long_context_llama, smollm2_dir, "--enable-rank-consensus-checker", "--tp", "1", "--pp-size", "2")
     with Server(*args, env={"SRT_TEST_FAULT": "diverge_batch@1:1"}) as server:
-        remember_tree(server)
-        start = time.monotonic()
-        with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda i: server.generate({**LONG, "input_ids": LONG["input_ids"][i:]},  # type: ignore[index]
-                                                              timeout=30), range(4)))
-        assert all(r.status_code in (200, 503) for r in results)
-        assert wait_exit(server, 30) != 0
-        assert time.monotonic() - start < 30
-        out = server.output()
+        _, out = run_diverged(server)
         assert "pipeline stages scheduled different batches at forward step 1: stage 0 prefill of" in out, out[-4000:]
         assert "SIGABRT" not in out
-        assert_tree_gone(server)
 
 
 def greedy_outputs(server: Server, n: int = 4) -> list[list[int]]:

@@ -128,6 +128,17 @@ def wait_for(condition: Any, timeout: float, what: str, server: Server) -> None:
         time.sleep(0.05)
 
 
+def streams_through_a_kill(server: Server, bodies: list[dict[str, Any]], victim: str) -> list[Any]:
+    """Streams every body; once each has 2 tokens, SIGKILLs the process titled `victim`; waits for
+    every stream to end (see `stream`)."""
+    progress = [[0] for _ in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(stream, server, b, p) for b, p in zip(bodies, progress)]
+        wait_for(lambda: all(p[0] >= 2 for p in progress), 60, "every stream under way", server)
+        os.kill(rank_pid(server, victim), signal.SIGKILL)
+        return [f.result(timeout=400) for f in futures]
+
+
 def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: Path, smollm2_dir: Path) -> None:
     faults = f"raise@1:{STEP}/1,stall@1:{STEP}/2,diverge_batch@1:1/3"
     args = server_args(long_context_llama, smollm2_dir, "--restart-on-failure", "4", "--watchdog-timeout", "3",
@@ -141,12 +152,7 @@ def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: 
 
         watch = HealthWatch(server)
         watch.start()
-        progress = [[0] for _ in bodies]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            futures = [pool.submit(stream, server, b, p) for b, p in zip(bodies, progress)]
-            wait_for(lambda: all(p[0] >= 2 for p in progress), 60, "every stream under way", server)
-            os.kill(rank_pid(server, "srt::scheduler_TP1"), signal.SIGKILL)
-            results = [f.result(timeout=400) for f in futures]
+        results = streams_through_a_kill(server, bodies, "srt::scheduler_TP1")
         watch.stop.set()
         watch.join(10)
 
@@ -185,12 +191,7 @@ def test_pipeline_streams_survive_losing_stage_1(long_context_llama: Path, smoll
         with ThreadPoolExecutor(len(bodies)) as pool:
             expected = [r.json() for r in pool.map(lambda b: server.generate(b, timeout=300), bodies)]
         assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
-        progress = [[0] for _ in bodies]
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            futures = [pool.submit(stream, server, b, p) for b, p in zip(bodies, progress)]
-            wait_for(lambda: all(p[0] >= 2 for p in progress), 60, "every stream under way", server)
-            os.kill(rank_pid(server, "srt::scheduler_PP1_TP0"), signal.SIGKILL)
-            results = [f.result(timeout=300) for f in futures]
+        results = streams_through_a_kill(server, bodies, "srt::scheduler_PP1_TP0")
         out = server.output()
         for (ids, text, _, meta), want in zip(results, expected):
             assert ids == want["output_ids"] and text == want["text"], out[-3000:]
