@@ -49,7 +49,7 @@ class BatchSelection:
 
         def _finish(self, req: Req, reason: FinishReason) -> None: ...
 
-    @rank_consensus(result=lambda b: None if b is None else (b.phase.value, b.rids, b.extend_lens))
+    @rank_consensus(result=lambda b: None if b is None else b.identity)
     def get_next_batch(self) -> ScheduleBatch | None:
         batch = self._get_prefill_batch()
         if batch is not None:

@@ -90,7 +90,7 @@ class PipelineScheduler(Scheduler):
         assert self.link is not None
         mine = None if batch is None else (
             batch.phase.value, len(batch.reqs), sum(batch.extend_lens),
-            event_digest("step", canonical((batch.phase.value, batch.rids, batch.extend_lens))))
+            event_digest("step", canonical(batch.identity)))
         if not self.link.pp.is_first:
             theirs = self.link.recv_object(self.link.prev)
             if theirs != mine:

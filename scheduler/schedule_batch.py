@@ -31,6 +31,11 @@ class ScheduleBatch:
     def rids(self) -> list[str]:
         return [r.rid for r in self.reqs]
 
+    @property
+    def identity(self) -> tuple[str, list[str], list[int]]:
+        """What ranks compare to agree they run the same batch (consensus events and gates)."""
+        return self.phase.value, self.rids, self.extend_lens
+
     def samples(self, i: int) -> bool:
         """Whether request i completes its prompt this step (a mid-prompt chunk samples nothing)."""
         return self.reqs[i].kv_len + self.extend_lens[i] == self.reqs[i].seq_len

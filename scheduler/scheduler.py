@@ -166,7 +166,7 @@ class Scheduler(BatchSelection):
         lengths, the chunked prompt, a finished prompt joining `running`. What waits is only the
         sampled tokens: `complete` appends them (at once on one stage; a pipeline completes a
         micro-batch when its ids come back from the last stage)."""
-        consensus.agree_before_step((batch.phase.value, batch.rids, batch.extend_lens))  # checker on: TP ranks agree
+        consensus.agree_before_step(batch.identity)  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
         if batch.phase is Phase.DECODE:
             ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)

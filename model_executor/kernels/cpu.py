@@ -254,13 +254,13 @@ class DecodeLayers:
 
     The weights, norms and KV buffers never move, so their pointers are gathered once here: per
     step only the batch's own arguments are converted (Python glue around 30 per-layer calls cost
-    ~3 ms of a 38 ms batch-32 step on SmolLM2 before). With AMX-packed weights any number of rows,
-    else at most GEMV_MAX_ROWS. Every tensor contiguous bf16 / int64."""
+    ~3 ms of a 38 ms batch-32 step on SmolLM2 before). With AMX-packed weights (`amx`) any number
+    of rows, else at most GEMV_MAX_ROWS. Every tensor contiguous bf16 / int64."""
 
     def __init__(self, layers: Sequence[DecodeLayerWeights]) -> None:
         self.layers = list(layers)  # keeps the tensors behind the pointers alive
         first = self.layers[0]
-        self.max_rows = 1 << 62 if all(w.amx is not None for w in self.layers) else GEMV_MAX_ROWS
+        self.amx = all(w.amx is not None for w in self.layers)
         self.hidden_size = first.w_o.shape[0]
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], first.w_down.shape[1])  # qkv, q, intermediate
         self._args = []
@@ -277,7 +277,7 @@ class DecodeLayers:
         """(hidden, residual) after every layer, as the op-by-op layers would return them."""
         lib = kernels()
         m = hidden.shape[0]
-        assert lib is not None and m <= self.max_rows and hidden.is_contiguous()
+        assert lib is not None and (self.amx or m <= GEMV_MAX_ROWS) and hidden.is_contiguous()
         qkv_size, q_size, intermediate = self.sizes
 
         def buf(n: int) -> torch.Tensor:

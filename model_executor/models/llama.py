@@ -158,9 +158,9 @@ class LlamaModel(nn.Module):
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
                 and cpu_kernels.usable(hidden, self.rotary_emb.cos)):
             return False
-        max_batch = AMX_MAX_ROWS if self._amx_weights(self.local_layers[0]) is not None \
-            else cpu_kernels.FUSED_DECODE_MAX_BATCH
-        return batch.batch_size <= max_batch
+        backend: Any = batch.attn_backend
+        amx = self._fused_layers(backend.kv_pool).amx
+        return batch.batch_size <= (AMX_MAX_ROWS if amx else cpu_kernels.FUSED_DECODE_MAX_BATCH)
 
     def _fused_layers(self, kv_pool: Any) -> cpu_kernels.DecodeLayers:
         """The layers' kernel arguments, gathered on the first fused step (weights are packed by
