@@ -94,19 +94,26 @@ def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, tor
             "out_loc": req_to_token[rows, seq_lens - 1].clone()}
 
 
-@pytest.mark.parametrize(("lens", "hq", "hkv"), [([40], 9, 3), ([1, 17, 130, 64], 9, 3), ([5, 6], 4, 4), ([9, 3], 8, 1)])
-def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq: int, hkv: int) -> None:
-    c = paged_case(lens, hq, hkv)
+# Head sizes 64 and 128 with groups up to 8 take the AVX-512 BF16 path (vdpbf16ps scores, 16 tokens
+# reduced together), others the generic one; 8 or more requests make a task of all of a request's
+# kv heads, fewer a task per (request, kv head).
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
+    ([40], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([5, 6], 4, 4, 64), ([9, 3], 8, 1, 64),
+    ([33, 1, 16, 17, 2, 90, 5, 31, 64], 9, 3, 64), ([20, 47, 3, 8, 1, 15, 16, 32, 9], 8, 2, 128),
+    ([7, 19], 16, 1, 64), ([12, 5], 4, 2, 32)])
+def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq: int, hkv: int, d: int) -> None:
+    c = paged_case(lens, hq, hkv, d)
+    scale = d ** -0.5
     out = cpu.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], c["req_to_token"],
-                               c["rows"], c["seq_lens"], max(lens), hq, hkv, 64, 0.125)
-    assert torch.equal(c["k_cache"][c["out_loc"]], c["k"].reshape(-1, hkv, 64))
-    assert torch.equal(c["v_cache"][c["out_loc"]], c["v"].reshape(-1, hkv, 64))
+                               c["rows"], c["seq_lens"], max(lens), hq, hkv, d, scale)
+    assert torch.equal(c["k_cache"][c["out_loc"]], c["k"].reshape(-1, hkv, d))
+    assert torch.equal(c["v_cache"][c["out_loc"]], c["v"].reshape(-1, hkv, d))
     for b, n in enumerate(lens):
         slots = c["req_to_token"][c["rows"][b], :n]
         k = c["k_cache"][slots].float().transpose(0, 1)
         v = c["v_cache"][slots].float().transpose(0, 1)
-        q = c["q"][b].float().view(hq, 1, 64)
-        want = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=hq != hkv).reshape(-1)
+        q = c["q"][b].float().view(hq, 1, d)
+        want = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv).reshape(-1)
         assert_bf16_close(out[b], want)
 
 
