@@ -1,7 +1,8 @@
 """Latency of one static batch, without a server (SGLang's bench_one_batch on srt's ModelRunner).
 
     python scripts/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 32 \\
-        [--tp-size N] [--model-path P] [--dtype D] [--compare-transformers] [--compare-llama-cpp [GGUF]]
+        [--tp-size N] [--model-path P] [--dtype D] [--quantization w8a8_int8] [--compare-transformers]
+        [--compare-llama-cpp [GGUF]]
         [--warmup N] [--runs N] [--json PATH]
 
 For each batch size: seeded random prompts of `input_len` tokens, one extend step for the whole
@@ -52,8 +53,10 @@ import torch  # noqa: E402
 
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
+from model_executor.kernels.cpu import Int8Weight  # noqa: E402
+from model_executor.layers.cpu_linear import QUANTIZATIONS  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
-from model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
 from model_executor.sampler import SamplingBatchInfo  # noqa: E402
 from srt.engine import free_port, resolve_dtype, threads_per_rank  # noqa: E402
 
@@ -301,6 +304,18 @@ def compute_bound_line(num_params: int, flops: float, prefill_tok_s: float) -> s
             f"{flops / 1e9:.0f} GFLOP/s measured bf16 matmul); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
 
 
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: the parameters, with each int8-packed weight
+    (--quantization) counted at its int8 size and scales instead of its bf16 size."""
+    total = model_weight_bytes(model)
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(packed, Int8Weight):
+            weight = module.weight
+            total += packed.packed.numel() + packed.scale.numel() * 4 - weight.numel() * weight.element_size()
+    return total
+
+
 def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> str:
     floor_s = weight_bytes / bandwidth
     return (f"weight-bandwidth floor (batch 1 decode): {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
@@ -332,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--model-path", default=None, help="HF directory or .gguf; default: bundled SmolLM2")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="srt's weights (and activations) in int8, as launch_server --quantization")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per batch size")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per batch size; the best counts")
     parser.add_argument("--seed", type=int, default=0)
@@ -365,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     max_bs = max(spec.batch_sizes)
     config = RunnerConfig(model_dir=model_dir, dtype=dtype, max_running_requests=max_bs,
                           max_total_tokens=max_bs * (args.input_len + args.output_len),
-                          local_world_size=args.tp_size)
+                          local_world_size=args.tp_size, quantization=args.quantization)
     hf: list[BatchResult] = []
     llama: list[BatchResult] = []
     weight_bytes = num_params = 0
@@ -377,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = load_llama_cpp(gguf, args.input_len + args.output_len + 8, torch.get_num_threads())
     if args.tp_size == 1:
         runner = ModelRunner(config)
-        weight_bytes = runner.weight_bytes
+        weight_bytes = streamed_weight_bytes(runner.model)
         # A prompt token runs every layer; the LM head only the last token of each prompt.
         num_params = sum(p.numel() for name, p in runner.model.named_parameters()
                          if "embed_tokens" not in name and "lm_head" not in name)
@@ -401,11 +418,12 @@ def main(argv: list[str] | None = None) -> None:
         if llm is not None and 1 in spec.batch_sizes:
             llama = [measure([llama_cpp_timer(llm, spec)], spec, 1)[0]]
 
-    print(f"model {model_dir}, dtype {dtype_name}, input {args.input_len}, output {args.output_len}, "
+    print(f"model {model_dir}, dtype {dtype_name}{', ' + args.quantization if args.quantization else ''}, input {args.input_len}, output {args.output_len}, "
           f"torch threads {torch.get_num_threads() if args.tp_size == 1 else threads_per_rank(args.tp_size)}"
           f"{'' if args.tp_size == 1 else ' per rank'}; best of {args.runs} runs after {args.warmup} warmup")
     print(format_table(f"srt (tp={args.tp_size})", srt, "median"))
-    report: dict[str, Any] = {"model_dir": str(model_dir), "dtype": dtype_name, "tp_size": args.tp_size,
+    report: dict[str, Any] = {"model_dir": str(model_dir), "dtype": dtype_name, "quantization": args.quantization,
+                              "tp_size": args.tp_size,
                               "input_len": args.input_len, "output_len": args.output_len,
                               "warmup": args.warmup, "runs": args.runs,
                               "srt": [r.to_json() for r in srt]}

@@ -150,7 +150,7 @@ class Engine:
                  device: str = "cpu", page_size: int = 1, max_total_tokens: int | None = None,
                  mem_fraction_static: float = 0.8, max_running_requests: int = 256, random_seed: int = 0,
                  max_prefill_tokens: int = 4096, context_length: int | None = None,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, quantization: str | None = None) -> None:
         self.model_dir = resolve_model_path(model_path)
         self.tp_size = tp_size
         self.random_seed = random_seed
@@ -159,7 +159,8 @@ class Engine:
         self.config = RunnerConfig(model_dir=self.model_dir, dtype=resolve_dtype(dtype, device), device=device,
                                    page_size=page_size, mem_fraction_static=mem_fraction_static,
                                    max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
-                                   context_length=context_length, local_world_size=tp_size)
+                                   context_length=context_length, local_world_size=tp_size,
+                                   quantization=quantization)
         self.runner: ModelRunner | None = None
         self._procs: list[Any] = []
         if tp_size == 1:

@@ -15,6 +15,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+QUANTIZATIONS = ("w8a8_int8",)  # model_executor/layers/cpu_linear.py
 
 
 def _env_flag(name: str) -> bool:
@@ -27,6 +28,7 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    quantization: str | None = None  # QUANTIZATIONS: int8 weights (and activations) on AMX (CPU only)
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -102,6 +104,12 @@ class ServerArgs:
                                      ("attention-backend", self.attention_backend, ATTENTION_BACKENDS)):
             if value not in allowed:
                 raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+            if self.device != "cpu" or self.dtype not in ("auto", "bfloat16"):
+                raise ValueError(f"--quantization {self.quantization} needs --device cpu and --dtype bfloat16 "
+                                 f"(or auto); got --device {self.device} --dtype {self.dtype}")
 
     # ---- derived ----
     @property
@@ -125,6 +133,9 @@ class ServerArgs:
         a("--tokenizer-path", default=None, help="defaults to --model-path")
         a("--dtype", default=d["dtype"].default, choices=DTYPES)
         a("--device", default=d["device"].default, choices=DEVICES)
+        a("--quantization", default=None, choices=QUANTIZATIONS,
+          help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) on "
+               "AMX; CPU only, the LM head stays bf16")
         a("--host", default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1)

@@ -40,8 +40,9 @@ _SIGNATURES = {
     "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
-                         *[_ptr] * 9,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, and their AMX-packed copies
+                         *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their AMX-packed copies, int8 scales
                          *[_ptr] * 7, _i64,  # positions, cos, sin, k/v cache, out_loc, req_to_token, stride
                          _ptr, _ptr, *[_i64] * 7, _f32,  # rows, seq_lens, max_len, m, 4 sizes, scale
                          *[_ptr] * 6],  # scratch, out
@@ -107,7 +108,8 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    lib.srt_amx_init.argtypes, lib.srt_amx_init.restype = [], _i64
+    for name in ("srt_amx_init", "srt_amx_has_int8"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], _i64
     return lib
 
 
@@ -138,6 +140,49 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     lib.srt_amx_linear(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
+    return out
+
+
+@functools.cache
+def amx_int8_available() -> bool:
+    """Whether srt_amx_linear_i8 runs here (AMX with its int8 tiles)."""
+    lib = kernels()
+    return amx_available() and lib is not None and bool(lib.srt_amx_has_int8())
+
+
+def amx_int8_packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.device.type == "cpu" and weight.is_floating_point() and n % 32 == 0 and k % 64 == 0
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight for srt_amx_linear_i8: int8 in its tile order [n/16, k/64, 16 (k quads), 16 (n), 4]
+    and one fp32 scale per output (w ~ q * scale)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+
+def amx_int8_pack(weight: torch.Tensor) -> Int8Weight:
+    """[n, k] -> its Int8Weight: symmetric per-output quantization (absmax / 127), |q| <= 127."""
+    n, k = weight.shape
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.view(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous(), scale.contiguous())
+
+
+def amx_int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (q * scale).T (+ bias) in bf16, x quantized to int8 per row."""
+    lib = kernels()
+    packed = weight.packed
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16 and packed.dtype == torch.int8
+    n, k = packed.shape[0] * 16, packed.shape[1] * 64
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib.srt_amx_linear_i8(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), _p(bias), out.data_ptr(),
+                          n, k)
     return out
 
 
@@ -240,7 +285,8 @@ class DecodeLayerWeights:
     w_o: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
-    amx: Sequence[torch.Tensor] | None  # qkv, o, gate_up, down packed by amx_pack, or None (gemv)
+    amx: Sequence[torch.Tensor | Int8Weight] | None  # qkv, o, gate_up, down packed by amx_pack or
+    # amx_int8_pack, or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_heads: int
@@ -265,9 +311,12 @@ class DecodeLayers:
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], first.w_down.shape[1])  # qkv, q, intermediate
         self._args = []
         for w in self.layers:
-            packed = [t.data_ptr() for t in w.amx] if w.amx is not None else [None] * 4
+            amx = w.amx if w.amx is not None else [None] * 4
+            packed = [None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
+                      for t in amx]
+            scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in amx]
             weights = (w.ln1.data_ptr(), w.ln2.data_ptr(), w.eps, w.w_qkv.data_ptr(), _p(w.b_qkv), w.w_o.data_ptr(),
-                       w.w_gate_up.data_ptr(), w.w_down.data_ptr(), *packed)
+                       w.w_gate_up.data_ptr(), w.w_down.data_ptr(), *packed, *scales)
             dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, w.w_down.shape[1], w.scale)
             self._args.append((weights, (w.k_cache.data_ptr(), w.v_cache.data_ptr()), dims))
 

@@ -123,6 +123,109 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
     free(padded);
 }
 
+#if defined(__AMX_INT8__)
+/* ---- W8A8 int8 (--quantization w8a8_int8) ----
+ * Weights are int8 with one fp32 scale per output (symmetric, absmax / 127), packed by
+ * cpu.amx_int8_pack as [n/16][k/64][16 (k quads)][16 (n)][4]: each 64-wide slice of k for 16
+ * outputs is one B tile, 1 KiB. Each row of x is quantized the same way per call (one scale per
+ * row), the tiles multiply int8 into int32 (vpdpbssd's tile form, twice the bf16 rate per tile),
+ * and the epilogue applies both scales (and the bias) in fp32 before rounding to bf16. */
+
+/* x rows -> int8 rows (padded to whole 16-row blocks with zeros) and their scales */
+static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales) {
+#pragma omp parallel for if (m * k >= 65536) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const bf16 *xr = x + r * k;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 16) {
+            const __m512 v = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + j))), 16));
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        }
+        const float a = _mm512_reduce_max_ps(amax), scale = a > 0.0f ? a / 127.0f : 1.0f;
+        const __m512 inv = _mm512_set1_ps(1.0f / scale);
+        for (int64_t j = 0; j < k; j += 16) {
+            const __m512 v = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + j))), 16));
+            const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* round to nearest even */
+            _mm_storeu_si128((__m128i *)(q + r * k + j), _mm512_cvtsepi32_epi8(n));
+        }
+        scales[r] = scale;
+    }
+}
+
+static inline void store_block_i8(const int32_t *c, int64_t rows, const float *xs, const float *ws, const bf16 *bias,
+                                  bf16 *out, int64_t n) {
+    const __m512 w = _mm512_loadu_ps(ws);
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
+                          : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
+        const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[r])), w, b);
+        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+static inline void output_pair_i8(const int8_t *xq, const float *xs, int64_t m, int64_t blocks, const int8_t *packed,
+                                  const float *ws, const bf16 *bias, bf16 *out, int64_t n, int64_t k, int64_t p) {
+    const int64_t slices = k / 64;
+    const int8_t *b0 = packed + 2 * p * slices * 1024, *b1 = b0 + slices * 1024;
+    int32_t c[2][256];
+    for (int64_t mb = 0; mb < blocks; mb++) {
+        const int8_t *a = xq + mb * 16 * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t j = 0; j < slices; j++) {
+            if (mb == 0 && j + PREFETCH_TILES < slices) {
+                prefetch_tile((const bf16 *)(b0 + (j + PREFETCH_TILES) * 1024));
+                prefetch_tile((const bf16 *)(b1 + (j + PREFETCH_TILES) * 1024));
+            }
+            _tile_loadd(4, a + j * 64, k);
+            _tile_loadd(6, b0 + j * 1024, 64);
+            _tile_loadd(7, b1 + j * 1024, 64);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
+        bf16 *o = out + mb * 16 * n + 32 * p;
+        store_block_i8(c[0], rows, xs + mb * 16, ws + 32 * p, bias ? bias + 32 * p : NULL, o, n);
+        store_block_i8(c[1], rows, xs + mb * 16, ws + 32 * p + 16, bias ? bias + 32 * p + 16 : NULL, o + 16, n);
+    }
+}
+
+/* out[m][n] = x[m][k] @ (w * w_scale).T (+ bias), x quantized per row as above; n % 32 == 0 and
+ * k % 64 == 0 (the caller checks). srt_amx_init() must have answered 1 in this process. */
+void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                       bf16 *out, int64_t n, int64_t k) {
+    const int64_t blocks = (m + 15) / 16, pairs = n / 32;
+    int8_t *xq = calloc((size_t)(blocks * 16 * k), 1);
+    float *xs = calloc((size_t)(blocks * 16), sizeof(float));
+    quantize_rows(x, m, k, xq, xs);
+#pragma omp parallel if (pairs * (k / 64) >= PARALLEL_MIN_TILES / 2)
+    {
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) output_pair_i8(xq, xs, m, blocks, packed, w_scale, bias, out, n, k, p);
+        _tile_release();
+    }
+    free(xq);
+    free(xs);
+}
+
+int64_t srt_amx_has_int8(void) { return 1; }
+#else
+int64_t srt_amx_has_int8(void) { return 0; }
+
+void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                       bf16 *out, int64_t n, int64_t k) {
+    (void)x, (void)m, (void)packed, (void)w_scale, (void)bias, (void)out, (void)n, (void)k;
+    abort(); /* never called: srt_amx_has_int8() answered 0 */
+}
+#endif
+
 #else
 
 int64_t srt_amx_init(void) { return 0; }
@@ -130,6 +233,14 @@ int64_t srt_amx_init(void) { return 0; }
 void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
                     int64_t k) {
     (void)x, (void)m, (void)packed, (void)bias, (void)out, (void)n, (void)k;
+    abort(); /* never called: srt_amx_init() answered 0 */
+}
+
+int64_t srt_amx_has_int8(void) { return 0; }
+
+void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                       bf16 *out, int64_t n, int64_t k) {
+    (void)x, (void)m, (void)packed, (void)w_scale, (void)bias, (void)out, (void)n, (void)k;
     abort(); /* never called: srt_amx_init() answered 0 */
 }
 

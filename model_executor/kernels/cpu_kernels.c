@@ -500,19 +500,24 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 }
 
 void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                       bf16 *out, int64_t n, int64_t k);
 
-/* x @ w.T through the AMX kernel where the caller packed the weight (cpu_amx.c), else srt_gemv */
-static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const bf16 *packed, const bf16 *bias, bf16 *out,
-                         int64_t n, int64_t k) {
-    if (packed)
-        srt_amx_linear(x, m, packed, bias, out, n, k);
+/* x @ w.T through an AMX kernel where the caller packed the weight (cpu_amx.c; int8 when it has
+ * scales, --quantization w8a8_int8), else srt_gemv */
+static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
+                         const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
+    if (packed && scale)
+        srt_amx_linear_i8(x, m, (const int8_t *)packed, scale, bias, out, n, k);
+    else if (packed)
+        srt_amx_linear(x, m, (const bf16 *)packed, bias, out, n, k);
     else
         srt_gemv(x, m, w, bias, out, n, k);
 }
 
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
- * packed (AMX) weights, at most GEMV_MAX_ROWS requests. In the layer's order:
+ * packed (AMX, bf16 or int8 with scales) weights, at most GEMV_MAX_ROWS requests. In the layer's order:
  *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
@@ -520,8 +525,9 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const bf16 *pa
  * Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...] buffers of the caller's. */
 void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
-                      const bf16 *w_down, const bf16 *p_qkv, const bf16 *p_o, const bf16 *p_gate_up,
-                      const bf16 *p_down, const int64_t *positions, const bf16 *cos, const bf16 *sin,
+                      const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
+                      const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
+                      const float *s_down, const int64_t *positions, const bf16 *cos, const bf16 *sin,
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
@@ -533,7 +539,7 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
     } else {
         srt_rmsnorm(hidden, residual, ln1, x, residual, m, hidden_size, eps);
     }
-    layer_linear(x, m, w_qkv, p_qkv, b_qkv, qkv, qkv_size, hidden_size);
+    layer_linear(x, m, w_qkv, p_qkv, s_qkv, b_qkv, qkv, qkv_size, hidden_size);
     /* q and k heads sit side by side at the start of each qkv row: rotate them in place */
     bf16 rotated[(hq + hkv) * d];
     for (int64_t r = 0; r < m; r++) {
@@ -542,11 +548,11 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
-    layer_linear(attn, m, w_o, p_o, NULL, out, hidden_size, hq * d);
+    layer_linear(attn, m, w_o, p_o, s_o, NULL, out, hidden_size, hq * d);
     srt_rmsnorm(out, residual, ln2, x, residual, m, hidden_size, eps);
-    layer_linear(x, m, w_gate_up, p_gate_up, NULL, gate_up, 2 * inter, hidden_size);
+    layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, NULL, gate_up, 2 * inter, hidden_size);
     srt_silu_mul(gate_up, act, m, inter);
-    layer_linear(act, m, w_down, p_down, NULL, out, hidden_size, inter);
+    layer_linear(act, m, w_down, p_down, s_down, NULL, out, hidden_size, inter);
 }
 
 /* out[r] = the first index of the largest of logits[r][0 .. n) (torch.argmax's answer for rows

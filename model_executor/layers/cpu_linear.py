@@ -7,6 +7,11 @@ streams them at ~2x the speed of oneDNN's packed GEMM and of F.linear from 1 to 
 ahead up to a few hundred rows; larger prefill chunks use F.linear. Elsewhere the weight is
 reordered for oneDNN's bf16 kernel: ATen's bf16 GEMM at small M ran at 2-4x its time, with
 bit-identical results. fp32 and other devices keep F.linear.
+
+With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
+becomes int8 with one scale per output (cpu.amx_int8_pack) and every linear of every size runs on
+the AMX int8 kernel, its input quantized per row: half the bytes per decode step, and twice the
+tile rate for prefill. Not bit-identical to bf16: a separate mode, off by default.
 """
 
 from __future__ import annotations
@@ -18,20 +23,39 @@ from torch import nn
 from model_executor.kernels import cpu as cpu_kernels
 
 AMX_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast or faster
+QUANTIZATIONS = ("w8a8_int8",)
+PackedWeight = torch.Tensor | cpu_kernels.Int8Weight  # a layer's `packed_weight` when not None
 
 
 def onednn_bf16_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def is_amx_packed(packed: torch.Tensor) -> bool:
-    return packed.dim() == 5  # cpu_kernels.amx_pack's layout; oneDNN's packed weight is 2-D
+def is_amx_packed(packed: PackedWeight) -> bool:
+    # cpu_kernels.amx_pack's layout is 5-D, oneDNN's packed weight 2-D
+    return isinstance(packed, cpu_kernels.Int8Weight) or packed.dim() == 5
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
+    """Raises ValueError naming what --quantization needs and this process lacks."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if device != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
+                         f"got {device} with {dtype}")
+    if not cpu_kernels.amx_int8_available():
+        raise ValueError(f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
+                         "generation or later) and the CPU kernels built; this process has none")
+
+
+def pack_weight(weight: torch.Tensor, quantization: str | None = None) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
+    if quantization == "w8a8_int8" and cpu_kernels.amx_int8_packable(weight):
+        return cpu_kernels.amx_int8_pack(weight)
     if cpu_kernels.amx_packable(weight) and cpu_kernels.amx_available():
         return cpu_kernels.amx_pack(weight)
     if not onednn_bf16_available():
@@ -40,9 +64,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: PackedWeight | None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, cpu_kernels.Int8Weight):
+        return cpu_kernels.amx_int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
     if is_amx_packed(packed):
         if rows <= AMX_MAX_ROWS:
@@ -60,14 +86,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*shape[:-1], out.shape[-1])
 
 
-def pack_model(model: nn.Module) -> int:
-    """Packs every layer that declares `packed_weight` (set to None at construction). Returns how
-    many were packed. Call once, after the weights are loaded."""
+def pack_model(model: nn.Module, quantization: str | None = None) -> int:
+    """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
+    `quantization` unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM).
+    Returns how many were packed. Call once, after the weights are loaded."""
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "packed_weight") and isinstance(weight, torch.Tensor):
-            packed = pack_weight(weight)
+            packed = pack_weight(weight, quantization if getattr(module, "quantizable", True) else None)
             setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
             count += packed is not None
     return count

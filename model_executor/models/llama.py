@@ -16,7 +16,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.cpu_linear import AMX_MAX_ROWS, is_amx_packed
+from model_executor.layers.cpu_linear import AMX_MAX_ROWS, PackedWeight, is_amx_packed
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -144,8 +144,8 @@ class LlamaModel(nn.Module):
         return hidden
 
     @staticmethod
-    def _amx_weights(layer: Any) -> list[torch.Tensor] | None:
-        """The layer's qkv, o, gate_up and down weights packed for the AMX kernel, or None."""
+    def _amx_weights(layer: Any) -> list[PackedWeight] | None:
+        """The layer's qkv, o, gate_up and down weights packed for an AMX kernel (bf16 or int8), or None."""
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         packed = [m.packed_weight for m in linears]
         return packed if all(p is not None and is_amx_packed(p) for p in packed) else None
