@@ -185,6 +185,24 @@ static inline __attribute__((always_inline)) void weighted_sum(float *acc, const
     }
 }
 
+/* scores[h * stride + t] for t < len -> their softmax over t, for each of `heads` rows */
+static inline __attribute__((always_inline)) void softmax_rows(float *scores, int64_t heads, int64_t stride,
+                                                               int64_t len) {
+    for (int64_t g = 0; g < heads; g++) {
+        float *restrict sg = scores + g * stride, max_score = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max_score)
+        for (int64_t t = 0; t < len; t++) max_score = sg[t] > max_score ? sg[t] : max_score;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_f32(sg[t] - max_score);
+            sum += sg[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+    }
+}
+
 /* Attention of request b's query heads that share kv heads kv0 .. kv0 + heads_per_task - 1 (see
  * srt_decode_attention); scores/qf/acc are the calling thread's scratch. */
 static inline __attribute__((always_inline)) void attend_task(
@@ -204,19 +222,7 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int64_t h = 0; h < heads_per_task; h++)
             group_dots(qf + h * group * d, krow + h * d, d, group, scores + h * group * max_len + t, max_len);
     }
-    for (int64_t g = 0; g < task_heads; g++) {
-        float *restrict sg = scores + g * max_len, max_score = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max_score)
-        for (int64_t t = 0; t < len; t++) max_score = sg[t] > max_score ? sg[t] : max_score;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_f32(sg[t] - max_score);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-    }
+    softmax_rows(scores, task_heads, max_len, len);
     /* V in blocks of tokens: a block's rows come from memory once (prefetched during the block
      * before) and from L1 for every head and column chunk (one pass over V per chunk was 1.4x
      * slower on SmolLM2's batch-32 decode). */
@@ -299,19 +305,7 @@ static inline __attribute__((always_inline)) void attend_task_fast(
         }
     }
     const int64_t task_heads = heads_per_task * G;
-    for (int64_t g = 0; g < task_heads; g++) {
-        float *restrict sg = scores + g * max_len, max_score = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max_score)
-        for (int64_t t = 0; t < len; t++) max_score = sg[t] > max_score ? sg[t] : max_score;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_f32(sg[t] - max_score);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
-    }
+    softmax_rows(scores, task_heads, max_len, len);
     /* acc[head][32c .. 32c + 16) holds the even columns of chunk c, [32c + 16 .. 32c + 32) the odd */
     for (int64_t i = 0; i < task_heads * D; i++) acc[i] = 0.0f;
     const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
