@@ -131,6 +131,10 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
  * row), the tiles multiply int8 into int32 (vpdpbssd's tile form, twice the bf16 rate per tile),
  * and the epilogue applies both scales (and the bias) in fp32 before rounding to bf16. */
 
+#ifndef I8_CHUNK_BLOCKS
+#define I8_CHUNK_BLOCKS 32 /* 16-row blocks of x per pass over the weight */
+#endif
+
 /* x rows -> int8 rows (padded to whole 16-row blocks with zeros) and their scales */
 static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales) {
 #pragma omp parallel for if (m * k >= 65536) schedule(static)
@@ -207,8 +211,16 @@ void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const flo
 #pragma omp parallel if (pairs * (k / 64) >= PARALLEL_MIN_TILES / 2)
     {
         configure_tiles();
+        /* a prefill's rows a chunk at a time, so the chunk's int8 rows stay in L2 while every
+         * output pair passes over them (one pass over all rows re-read them from L3 per pair) */
+        for (int64_t b0 = 0; b0 < blocks; b0 += I8_CHUNK_BLOCKS) {
+            const int64_t nb = blocks - b0 < I8_CHUNK_BLOCKS ? blocks - b0 : I8_CHUNK_BLOCKS;
+            const int64_t rows = m - b0 * 16 < nb * 16 ? m - b0 * 16 : nb * 16;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) output_pair_i8(xq, xs, m, blocks, packed, w_scale, bias, out, n, k, p);
+            for (int64_t p = 0; p < pairs; p++)
+                output_pair_i8(xq + b0 * 16 * k, xs + b0 * 16, rows, nb, packed, w_scale, bias, out + b0 * 16 * n, n,
+                               k, p);
+        }
         _tile_release();
     }
     free(xq);
