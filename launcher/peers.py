@@ -8,6 +8,8 @@ until it exits, beats a counter in the rendezvous store, and a node that goes do
 - a node that goes down on its own (start-up failure, dead child, a signal) is reported at once to
   the other nodes' launchers (`failures`), which go down naming it, even when their ranks are
   still waiting in a rendezvous that would otherwise only time out;
+- node 0 stopped on purpose (a signal asked it to) ends the other nodes too, but as a clean exit:
+  `leader_stopped` is set before the message arrives, and their launchers exit 0;
 - when a child dies, `explain` says which other node went first: one that published an earlier
   failure ("node 1 went down first (...)"), one that stopped beating for LOST_AFTER_S ("node 1 is
   gone"), or node 0 when the store it hosts stops answering. Nothing, when every other node still
@@ -37,6 +39,7 @@ class PeerWatch:
         self.failures, self._failure_writer = Pipe(duplex=False)
         self._stop = threading.Event()
         self._seq: int | None = None  # this node's place among the published failures
+        self.leader_stopped = False  # node 0 went down because it was asked to (set before `failures` fires)
 
     def start(self) -> PeerWatch:
         if self.others:
@@ -53,6 +56,7 @@ class PeerWatch:
                 return
             if failed and not self._stop.is_set():
                 node, text = failed[0]
+                self.leader_stopped = node == 0 and self.rdzv.store.check([self.rdzv.key("stopped/0")])
                 self._failure_writer.send(f"node {node} went down ({text})")
                 return
             self._stop.wait(HEARTBEAT_S)
@@ -65,9 +69,12 @@ class PeerWatch:
             self.rdzv.store.set(self.rdzv.key(f"failure/{self.rdzv.node_rank}"), f"{self._seq} {message}")
         return self._seq
 
-    def announce(self, message: str) -> None:
-        """A deliberate or start-up exit: best effort, the store may be gone already."""
+    def announce(self, message: str, deliberate: bool = False) -> None:
+        """A deliberate (a signal asked for it) or start-up exit: best effort, the store may be
+        gone already."""
         try:
+            if deliberate:
+                self.rdzv.store.set(self.rdzv.key(f"stopped/{self.rdzv.node_rank}"), "1")
             self.publish(message)
         except RuntimeError:
             pass

@@ -232,6 +232,7 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
     supervisor: Supervisor | None = None
     peers: PeerWatch | None = None
     farewell = f"node {args.node_rank} shut down"  # what the other nodes are told when this one exits
+    deliberate = False  # a signal asked for the exit (then node 0 going down is a clean exit for the others)
     try:
         peers = meet_other_nodes(plan)
         plan = route_outputs_across_nodes(plan, peers.rdzv)
@@ -241,7 +242,9 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         logger.info("%d child processes ready", len(children))
         restarter = EngineRestarter(args, plan.port_args, lambda port_args: start_again(
             plan, port_args, children, scheduler_target, detokenizer_target), lambda: frontend.tm)
-        supervisor = Supervisor(children, frontend.fail_all, exit_fn=lambda code: _exit_now(plan, code),
+        watch = peers
+        supervisor = Supervisor(children, frontend.fail_all,
+                                exit_fn=lambda code: _exit_now(plan, 0 if watch.leader_stopped else code),
                                 explain=peers.explain, peer_failure=peers.failures,
                                 restart=restarter.restart if args.restart_on_failure else None)
         supervisor.start()
@@ -254,7 +257,7 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         return 1
     except Shutdown as e:
         logger.info("received %s; shutting down", e)
-        farewell = f"node {args.node_rank} received {e}"
+        farewell, deliberate = f"node {args.node_rank} received {e}", True
         return 0
     except SystemExit as e:  # uvicorn exits 1 when it cannot bind
         return e.code if isinstance(e.code, int) else 1
@@ -264,7 +267,7 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         if supervisor is not None:
             supervisor.stop()
         if peers is not None:
-            peers.announce(farewell)
+            peers.announce(farewell, deliberate)
         stop_children(children)
         kill_process_tree(os.getpid(), include_self=False, timeout=2.0)
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)

@@ -356,6 +356,23 @@ def test_a_node_that_fails_to_start_stops_the_others(nodes: list[Node], tmp_path
     assert "node 1 went down (node 1 failed to start: scheduler TP1 (pid" in node0.output(), node0.output()[-2000:]
 
 
+@pytest.mark.timeout(90)
+def test_stopping_node_0_stops_node_1_cleanly(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+    """SIGTERM to node 0 (a rollout, a scale-down) is not a failure: node 1 follows with exit 0."""
+    dist_port = free_port()
+    args0 = two_node_args(dist_port, 0)
+    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *args0])
+    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)])
+    wait_healthy(node0, int(args0[args0.index("--port") + 1]))
+    deadline = time.monotonic() + 30
+    while "child processes ready" not in node1.output() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    node0.proc.send_signal(signal.SIGTERM)
+    assert node0.wait(30) == 0
+    assert node1.wait(30) == 0, node1.output()[-2000:]
+    assert "node 0 went down (node 0 received SIGTERM)" in node1.output()
+
+
 def _pid_in(text: str, prefix: str) -> int:
     start = text.index(prefix) + len(prefix)
     return int(text[start:text.index(")", start)])
