@@ -54,11 +54,14 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* 16 bf16 values -> fp32 */
+static inline __m512 load_bf16x16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* rows of a 16 x 16 fp32 C block (+ bias) -> bf16 outputs */
 static inline void store_block(const float *c, int64_t rows, const bf16 *bias, bf16 *out, int64_t n) {
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
-                          : _mm512_setzero_ps();
+    const __m512 b = bias ? load_bf16x16(bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
         _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
@@ -142,15 +145,13 @@ static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float 
         const bf16 *xr = x + r * k;
         __m512 amax = _mm512_setzero_ps();
         for (int64_t j = 0; j < k; j += 16) {
-            const __m512 v = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + j))), 16));
+            const __m512 v = load_bf16x16(xr + j);
             amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
         }
         const float a = _mm512_reduce_max_ps(amax), scale = a > 0.0f ? a / 127.0f : 1.0f;
         const __m512 inv = _mm512_set1_ps(1.0f / scale);
         for (int64_t j = 0; j < k; j += 16) {
-            const __m512 v = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xr + j))), 16));
+            const __m512 v = load_bf16x16(xr + j);
             const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* round to nearest even */
             _mm_storeu_si128((__m128i *)(q + r * k + j), _mm512_cvtsepi32_epi8(n));
         }
@@ -161,9 +162,7 @@ static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float 
 static inline void store_block_i8(const int32_t *c, int64_t rows, const float *xs, const float *ws, const bf16 *bias,
                                   bf16 *out, int64_t n) {
     const __m512 w = _mm512_loadu_ps(ws);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
-                          : _mm512_setzero_ps();
+    const __m512 b = bias ? load_bf16x16(bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
         const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[r])), w, b);

@@ -385,32 +385,25 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
 #if defined(__AVX512BF16__)
 #define FAST(G, D) attend_task_fast(q, q_stride, k_cache, v_cache, req_to_token, rtt_stride, rows, out, b, kv0, \
                                  heads_per_task, hq, hkv, D, scale, max_len, seq_lens[b], G, scores, acc)
+#define FAST_GROUPS(D)                                                                                      \
+    switch (group) {                                                                                        \
+    case 1: FAST(1, D); break;                                                                              \
+    case 2: FAST(2, D); break;                                                                              \
+    case 3: FAST(3, D); break;                                                                              \
+    case 4: FAST(4, D); break;                                                                              \
+    case 5: FAST(5, D); break;                                                                              \
+    case 6: FAST(6, D); break;                                                                              \
+    case 7: FAST(7, D); break;                                                                              \
+    default: FAST(8, D); break;                                                                             \
+    }
             if (fast) {
-                if (d == 64) {
-                    switch (group) {
-                    case 1: FAST(1, 64); break;
-                    case 2: FAST(2, 64); break;
-                    case 3: FAST(3, 64); break;
-                    case 4: FAST(4, 64); break;
-                    case 5: FAST(5, 64); break;
-                    case 6: FAST(6, 64); break;
-                    case 7: FAST(7, 64); break;
-                    default: FAST(8, 64); break;
-                    }
-                } else {
-                    switch (group) {
-                    case 1: FAST(1, 128); break;
-                    case 2: FAST(2, 128); break;
-                    case 3: FAST(3, 128); break;
-                    case 4: FAST(4, 128); break;
-                    case 5: FAST(5, 128); break;
-                    case 6: FAST(6, 128); break;
-                    case 7: FAST(7, 128); break;
-                    default: FAST(8, 128); break;
-                    }
-                }
+                if (d == 64)
+                    FAST_GROUPS(64)
+                else
+                    FAST_GROUPS(128)
                 continue;
             }
+#undef FAST_GROUPS
 #undef FAST
 #endif
             switch (group) {
