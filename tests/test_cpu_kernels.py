@@ -36,29 +36,32 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, ulps: float = 2.0) 
     assert diff <= bound, f"max diff {diff} > {bound}"
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_rmsnorm_with_and_without_residual(rows: int) -> None:
-    x, residual, weight = rand(rows, 576, seed=1), rand(rows, 576, seed=2), rand(576, seed=3)
+# 576: whole 16-lane vectors; 40: a masked tail of 8 lanes; 4096 rows: the parallel loop
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 576), (64, 576), (3, 40), (4096, 576)])
+def test_rmsnorm_with_and_without_residual(rows: int, dim: int) -> None:
+    x, residual, weight = rand(rows, dim, seed=1), rand(rows, dim, seed=2), rand(dim, seed=3)
     out, none = cpu.rmsnorm(x, weight, 1e-5)
     assert none is None
-    assert_bf16_close(out, F.rms_norm(x.float(), (576,), weight.float(), 1e-5))
+    assert_bf16_close(out, F.rms_norm(x.float(), (dim,), weight.float(), 1e-5))
     out, new_residual = cpu.rmsnorm(x, weight, 1e-5, residual)
     assert new_residual is not None and torch.equal(new_residual, x + residual)  # same bf16 rounding as torch
-    assert_bf16_close(out, F.rms_norm(new_residual.float(), (576,), weight.float(), 1e-5))
+    assert_bf16_close(out, F.rms_norm(new_residual.float(), (dim,), weight.float(), 1e-5))
 
 
-@pytest.mark.parametrize("rows", [1, 33])
-def test_silu_mul(rows: int) -> None:
-    x = rand(rows, 2 * 1536, seed=4, scale=4.0)
+@pytest.mark.parametrize(("rows", "d"), [(1, 1536), (33, 1536), (2, 20), (4096, 1536)])
+def test_silu_mul(rows: int, d: int) -> None:
+    x = rand(rows, 2 * d, seed=4, scale=4.0)
+    x[0, :6] = torch.tensor([-100.0, -88.0, 0.0, 88.0, 100.0, -0.0])  # exp's clamps, both signs of 0
     gate, up = x.float().chunk(2, dim=-1)
     assert_bf16_close(cpu.silu_mul(x), F.silu(gate) * up)
 
 
-@pytest.mark.parametrize("n", [1, 7, 300])
-def test_rope_on_strided_rows_matches_the_torch_rotation(n: int) -> None:
-    rot = RotaryEmbedding(64, 1024, {"rope_theta": 10000.0, "rope_type": "default"}, torch.float32)
-    qkv = rand(n, 15 * 64, seed=5)
-    x = qkv[:, : 12 * 64].view(n, 12, 64)  # q and k heads of a qkv row: a strided view
+# d 64 and 128: AVX-512 with cos/sin rows widened once per token; 48: the plain loops
+@pytest.mark.parametrize(("n", "d"), [(1, 64), (7, 64), (300, 64), (5, 128), (5, 48)])
+def test_rope_on_strided_rows_matches_the_torch_rotation(n: int, d: int) -> None:
+    rot = RotaryEmbedding(d, 1024, {"rope_theta": 10000.0, "rope_type": "default"}, torch.float32)
+    qkv = rand(n, 15 * d, seed=5)
+    x = qkv[:, : 12 * d].view(n, 12, d)  # q and k heads of a qkv row: a strided view
     positions = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(6))
     want = rot.rotate(positions, x.float())  # fp32 tables and math
     got = cpu.rope(x, positions, rot.cos.to(BF16), rot.sin.to(BF16))

@@ -55,37 +55,113 @@ static inline float exp_f32(float x) {
 /* Parallel regions only pay above this much work; below it one thread is faster. */
 #define PARALLEL_MIN_ELEMS 32768
 
+#if defined(__AVX512BF16__)
+/* Sixteen lanes at a time: bf16 <-> fp32 (the store rounds to nearest even, as torch's cast) and
+ * exp_f32 with the same reduction and polynomial (2^n applied by scalef). A tail of n < 16 lanes
+ * uses masked loads and stores. */
+static inline __m512 load16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 load16_tail(const bf16 *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline void store16(bf16 *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline void store16_tail(bf16 *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+/* silu(g) * u: g / (1 + exp(-g)) with the reciprocal from rcp14 and one Newton step (~23 bits,
+ * far below bf16's 8), which costs a fraction of a vector division. */
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 den = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)), _mm512_set1_ps(1.0f));
+    __m512 inv = _mm512_rcp14_ps(den);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(_mm512_mul_ps(g, inv), u);
+}
+#define SIMD_ROWS 1
+#else
+#define SIMD_ROWS 0
+#endif
+
 /* out = rmsnorm(x (+ residual)) * weight, rows of `dim`. With a residual, the sum is rounded to
  * bf16 (the residual stream's dtype), stored in residual_out and normalised. */
+static void rmsnorm_row(const bf16 *xr, const bf16 *rr, const bf16 *weight, bf16 *o, bf16 *ro, int64_t dim,
+                        float eps) {
+    float ss = 0.0f;
+#if SIMD_ROWS
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        __m512 v = load16(xr + i);
+        if (rr) {
+            store16(ro + i, _mm512_add_ps(v, load16(rr + i)));
+            v = load16(ro + i);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    if (i < dim) {
+        const __mmask16 m = (__mmask16)((1u << (dim - i)) - 1);
+        __m512 v = load16_tail(xr + i, m);
+        if (rr) {
+            store16_tail(ro + i, _mm512_add_ps(v, load16_tail(rr + i, m)), m);
+            v = load16_tail(ro + i, m);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+    if (rr) xr = ro;
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dim + eps));
+    for (i = 0; i + 16 <= dim; i += 16)
+        store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), load16(weight + i)));
+    if (i < dim) {
+        const __mmask16 m = (__mmask16)((1u << (dim - i)) - 1);
+        store16_tail(o + i, _mm512_mul_ps(_mm512_mul_ps(load16_tail(xr + i, m), inv), load16_tail(weight + i, m)), m);
+    }
+#else
+    if (rr) {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            bf16 s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+            ro[i] = s;
+            float f = bf16_to_f32(s);
+            ss += f * f;
+        }
+        xr = ro;
+    } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            float f = bf16_to_f32(xr[i]);
+            ss += f * f;
+        }
+    }
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
+#endif
+}
+
 void srt_rmsnorm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
                  int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *xr = x + r * dim;
-        bf16 *o = out + r * dim;
-        float ss = 0.0f;
-        if (residual) {
-            const bf16 *rr = residual + r * dim;
-            bf16 *ro = residual_out + r * dim;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                bf16 s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
-                ro[i] = s;
-                float f = bf16_to_f32(s);
-                ss += f * f;
-            }
-            xr = ro;
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                float f = bf16_to_f32(xr[i]);
-                ss += f * f;
-            }
-        }
-        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rmsnorm_row(x + r * dim, residual ? residual + r * dim : NULL, weight, out + r * dim,
+                    residual ? residual_out + r * dim : NULL, dim, eps);
 }
 
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up. */
@@ -94,23 +170,54 @@ void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *g = x + r * 2 * d, *u = g + d;
         bf16 *o = out + r * d;
+#if SIMD_ROWS
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16) store16(o + i, silu_mul16(load16(g + i), load16(u + i)));
+        if (i < d) {
+            const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+            store16_tail(o + i, silu_mul16(load16_tail(g + i, m), load16_tail(u + i, m)), m);
+        }
+#else
 #pragma omp simd
         for (int64_t i = 0; i < d; i++) {
             float gf = bf16_to_f32(g[i]);
             o[i] = f32_to_bf16(gf / (1.0f + exp_f32(-gf)) * bf16_to_f32(u[i]));
         }
+#endif
     }
 }
 
 /* Rotary embedding, rotate-half layout: x [n, heads, d] (row stride x_stride elements, heads
  * contiguous) -> out [n, heads, d] contiguous. cos/sin are [max_pos, d] tables holding
- * [cos, cos] and [-sin, sin], so out[j] = x[j] * cos[j] + x[(j + d/2) % d] * sin[j]. */
+ * [cos, cos] and [-sin, sin], so out[j] = x[j] * cos[j] + x[(j + d/2) % d] * sin[j]. With AVX-512
+ * and d a multiple of 32 (64, 128), a token's cos/sin rows are widened once for all its heads. */
+#define ROPE_MAX_D 256
 void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
               const int64_t *positions, const bf16 *cos, const bf16 *sin) {
     const int64_t half = d / 2;
 #pragma omp parallel for if (n * heads * d >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const bf16 *c = cos + positions[t] * d, *s = sin + positions[t] * d;
+#if SIMD_ROWS
+        if (d % 32 == 0 && d <= ROPE_MAX_D) {
+            __m512 cv[ROPE_MAX_D / 16], sv[ROPE_MAX_D / 16];
+            for (int64_t j = 0; j < d / 16; j++) {
+                cv[j] = load16(c + 16 * j);
+                sv[j] = load16(s + 16 * j);
+            }
+            for (int64_t h = 0; h < heads; h++) {
+                const bf16 *xi = x + t * x_stride + h * d;
+                bf16 *o = out + (t * heads + h) * d;
+                for (int64_t j = 0; j < half / 16; j++) {
+                    const int64_t jh = j + half / 16;
+                    const __m512 x1 = load16(xi + 16 * j), x2 = load16(xi + 16 * jh);
+                    store16(o + 16 * j, _mm512_fmadd_ps(x2, sv[j], _mm512_mul_ps(x1, cv[j])));
+                    store16(o + 16 * jh, _mm512_fmadd_ps(x1, sv[jh], _mm512_mul_ps(x2, cv[jh])));
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < heads; h++) {
             const bf16 *xi = x + t * x_stride + h * d;
             bf16 *o = out + (t * heads + h) * d;
@@ -188,6 +295,31 @@ static inline __attribute__((always_inline)) void weighted_sum(float *acc, const
 /* scores[h * stride + t] for t < len -> their softmax over t, for each of `heads` rows */
 static inline __attribute__((always_inline)) void softmax_rows(float *scores, int64_t heads, int64_t stride,
                                                                int64_t len) {
+#if SIMD_ROWS
+    for (int64_t g = 0; g < heads; g++) {
+        float *restrict sg = scores + g * stride;
+        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sg + t));
+        const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, sg + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        for (t = 0; t + 16 <= len; t += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+            _mm512_storeu_ps(sg + t, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        if (tail) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
+            _mm512_mask_storeu_ps(sg + t, tail, e);
+            vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+        for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+        if (tail) _mm512_mask_storeu_ps(sg + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sg + t), inv));
+    }
+    return;
+#endif
     for (int64_t g = 0; g < heads; g++) {
         float *restrict sg = scores + g * stride, max_score = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : max_score)
