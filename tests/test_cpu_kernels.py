@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from tiny_models import make_tiny_model
 
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.forward_batch import ForwardMode, make_forward_batch
@@ -118,6 +119,62 @@ def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq
         q = c["q"][b].float().view(hq, 1, d)
         want = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv).reshape(-1)
         assert_bf16_close(out[b], want)
+
+
+needs_amx = pytest.mark.skipif(cpu._compiler() is None or not cpu.amx_available(), reason="no AMX tiles here")
+
+
+# Prompts packed one after another, ragged: partial 16-query blocks, a prompt past one 128-query
+# task, one token alone; grouped query heads 1, 3, 8.
+@needs_amx
+@pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
+    ([128, 128, 128], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([300], 8, 1, 64), ([5, 16, 33, 257], 4, 4, 128),
+    ([40, 7], 16, 2, 128)])
+def test_prefill_attention_matches_causal_sdpa(lens: list[int], hq: int, hkv: int, d: int) -> None:
+    n = sum(lens)
+    qkv = rand(n, (hq + 2 * hkv) * d, seed=12)
+    q = qkv[:, :hq * d].view(n, hq, d)  # strided rows, as the columns of one qkv tensor
+    k, v = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d), qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    assert cpu.prefill_attention_applies(q, hq, hkv, d)
+    out = cpu.prefill_attention(q, k, v, lens, d ** -0.5)
+    start = 0
+    for length in lens:
+        qi, ki, vi = (t[start:start + length].float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        want = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=d ** -0.5, enable_gqa=hq != hkv)
+        assert_bf16_close(out[start:start + length], want[0].transpose(0, 1).reshape(length, -1))
+        start += length
+
+
+@needs_amx
+def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh ragged prompts: every layer's prefill attention is one kernel call, and the last
+    tokens' logits are as close to fp32 transformers as with torch's SDPA."""
+    model_dir = make_tiny_model("llama_d64", tmp_path / "llama_d64")
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 140, 17)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+    def prefill(runner: ModelRunner) -> torch.Tensor:
+        rows = [int(runner.req_to_token_pool.alloc()) for _ in prompts]  # type: ignore[arg-type]
+        lens = [len(p) for p in prompts]
+        loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(rows), lens)
+        return runner.forward(make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows,
+                                                 [0] * len(rows), lens, loc))
+
+    calls: list[int] = []
+    real = cpu.prefill_attention
+    monkeypatch.setattr(cpu, "prefill_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=512)
+    with_kernel = prefill(ModelRunner(config))
+    assert len(calls) == hf.config.num_hidden_layers
+    monkeypatch.setattr(cpu, "prefill_attention_applies", lambda *a: False)
+    with_sdpa = prefill(ModelRunner(config))
+    assert len(calls) == hf.config.num_hidden_layers
+    err_kernel, err_sdpa = ((x - ref).abs().max().item() for x in (with_kernel, with_sdpa))
+    assert err_kernel <= 1.5 * err_sdpa + 1e-3, (err_kernel, err_sdpa)
 
 
 def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:

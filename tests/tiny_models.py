@@ -20,6 +20,9 @@ ARCHS = {
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    # head size 64, 3 query heads per kv head (as SmolLM2): the shapes the AMX attention kernels take
+    "llama_d64": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                  {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
 }
 
 

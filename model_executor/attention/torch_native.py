@@ -4,7 +4,8 @@ KV pool.
 Decode with a bf16 pool on the CPU is one fused kernel (model_executor/kernels): it writes the new
 K/V and attends straight from the pool through `req_to_token`, with no gathered copy. Otherwise
 decode gathers every request's K/V into one padded [bs, L] block and runs a single SDPA call for
-the whole batch (no per-request loop). Extend runs fresh prompts of one length as one causal call;
+the whole batch (no per-request loop). Extend runs fresh prompts in one AMX kernel call where the
+CPU has AMX (bf16, head size 64 or 128), else fresh prompts of one length as one causal call;
 otherwise it loops over requests: each attends over its cached prefix plus its new tokens with a
 causal mask shifted by the prefix.
 """
@@ -75,6 +76,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                  scale=layer.scaling, enable_gqa=gqa)
             return out.reshape(n, layer.num_heads * layer.head_dim)
         lens = batch.extend_seq_lens_cpu
+        if not any(batch.extend_prefix_lens_cpu) and \
+                cpu_kernels.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
+            # Fresh prompts, bf16 on AMX: every prompt in one kernel call (~1.9x SDPA at 32 x 128)
+            return cpu_kernels.prefill_attention(q, k, v, lens, layer.scaling)
         if len(lens) > 1 and not any(batch.extend_prefix_lens_cpu) and min(lens) == max(lens):
             # Fresh prompts of one length (a burst of same-size requests): one causal call for the
             # batch, bit-identical to the loop below and ~1.5x faster for 32 x 128 tokens.

@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger("srt.kernels")
 
 SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_amx.c"))
+HEADERS = (Path(__file__).with_name("simd_bf16.h"),)  # included by the sources: part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -41,6 +42,8 @@ _SIGNATURES = {
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                                  _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
                          *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their AMX-packed copies, int8 scales
                          *[_ptr] * 7, _i64,  # positions, cos, sin, k/v cache, out_loc, req_to_token, stride
@@ -70,7 +73,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, cc, version, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
     cache = Path(os.environ.get("SRT_KERNEL_CACHE") or Path.home() / ".cache" / "srt" / "kernels")
     target = cache / f"cpu_kernels-{key[:16]}.so"
@@ -247,6 +250,31 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                              k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(),
                              req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), bs,
                              num_heads, num_kv_heads, head_dim, scale, max_len)
+    return out
+
+
+def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `prefill_attention` runs here: bf16 on a CPU with AMX, head size 64 or 128."""
+    return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and amx_available()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int],
+                      scale: float) -> torch.Tensor:
+    """Causal attention of fresh prompts packed one after another (no cached prefix): q [tokens,
+    heads, d], k/v [tokens, kv_heads, d], rows may be strided (heads and d contiguous). Returns
+    [tokens, heads * d]. On AMX tiles; check `prefill_attention_applies` first."""
+    lib = kernels()
+    n, num_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    for t in (q, k, v):
+        assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d and t.shape[0] == n
+    assert lib is not None and sum(lens) == n and d in (64, 128)
+    lens_t = torch.tensor(list(lens), dtype=torch.int64)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    out = torch.empty(n, num_heads * d, dtype=torch.bfloat16)
+    lib.srt_amx_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                  out.data_ptr(), starts.data_ptr(), lens_t.data_ptr(), len(lens), num_heads,
+                                  num_kv_heads, d, scale)
     return out
 
 

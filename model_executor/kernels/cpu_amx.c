@@ -13,6 +13,7 @@
  * Built with the rest of the CPU kernels (-march=native). Without AMX in the compiler's target,
  * srt_amx_init() answers 0 and the callers keep oneDNN / the gemv kernel.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,8 @@ typedef uint16_t bf16;
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "simd_bf16.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature */
 #define XFEATURE_XTILEDATA 18
@@ -54,14 +57,10 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* 16 bf16 values -> fp32 */
-static inline __m512 load_bf16x16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 
 /* rows of a 16 x 16 fp32 C block (+ bias) -> bf16 outputs */
 static inline void store_block(const float *c, int64_t rows, const bf16 *bias, bf16 *out, int64_t n) {
-    const __m512 b = bias ? load_bf16x16(bias) : _mm512_setzero_ps();
+    const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
         _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
@@ -126,6 +125,182 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
     free(padded);
 }
 
+/* ---- Prefill attention on AMX tiles (fresh prompts: no cached prefix) ----
+ * For each (request, kv head, chunk of up to 128 queries): the keys the chunk can see are laid out
+ * once as B tiles (K transposed into dim pairs; V interleaved by token pairs); then for each query
+ * head of the group and each block of 16 queries, S = Q K^T block by block (A = 16 query rows in
+ * place, C = 16 x 16 scores), a causal softmax over each row in fp32, and O = P V with P rounded to
+ * bf16 (as flash attention's second GEMM) and the output in four C tiles (two passes for d = 128).
+ * Tiles as configure_tiles() sets them: C 0-3, A 4-5, B 5-7. */
+#define PF_CHUNK 128 /* queries per task */
+
+typedef struct {
+    uint32_t *kt;  /* [key block][32-dim chunk][16 dim pairs][16 keys] */
+    bf16 *vt;      /* [32-key chunk][16-dim tile][16 key pairs][16 dims][2] */
+    float *s;      /* [16 queries][keys] scores, then probabilities */
+    bf16 *p;       /* [32-key chunk][16 queries][32 keys] */
+    bf16 *qpad;    /* [16][d]: a last, partial block of queries, zero-padded */
+    float o[4][256];
+} pf_scratch;
+
+static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                         int64_t v_stride, bf16 *out, int64_t start, int64_t n, int64_t c0, int64_t kvh, int64_t hq,
+                         int64_t G, int64_t d, float scale, pf_scratch *sc) {
+    const int64_t c1 = c0 + PF_CHUNK < n ? c0 + PF_CHUNK : n; /* queries [c0, c1) */
+    const int64_t nk = c1, chunks = d / 32, kblocks = (nk + 15) / 16, kchunks = (nk + 31) / 32;
+    const int64_t smax = kchunks * 32;
+    /* K as B tiles: kt[kb][c][i][j] = the i-th dim pair of chunk c of key kb*16 + j */
+    for (int64_t kb = 0; kb < kblocks; kb++)
+        for (int64_t c = 0; c < chunks; c++) {
+            uint32_t *t = sc->kt + (kb * chunks + c) * 256;
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t key = kb * 16 + j;
+                if (key < nk) {
+                    const uint32_t *kr = (const uint32_t *)(k + (start + key) * k_stride + kvh * d) + c * 16;
+                    for (int64_t i = 0; i < 16; i++) t[i * 16 + j] = kr[i];
+                } else {
+                    for (int64_t i = 0; i < 16; i++) t[i * 16 + j] = 0;
+                }
+            }
+        }
+    /* V as B tiles: vt[kc][dt][i] = dims [16dt, 16dt + 16) of keys 32kc + 2i and + 1, interleaved */
+    const __m512i pair_lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                              0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                              0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+    const int64_t dtiles = d / 16;
+    for (int64_t kc = 0; kc < kchunks; kc++)
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t key = kc * 32 + 2 * i;
+            for (int64_t c = 0; c < chunks; c++) {
+                __m512i e = _mm512_setzero_si512(), o = e;
+                if (key < nk) e = _mm512_loadu_si512(v + (start + key) * v_stride + kvh * d + 32 * c);
+                if (key + 1 < nk) o = _mm512_loadu_si512(v + (start + key + 1) * v_stride + kvh * d + 32 * c);
+                bf16 *t = sc->vt + ((kc * dtiles + 2 * c) * 16 + i) * 32;
+                _mm512_storeu_si512(t, _mm512_permutex2var_epi16(e, pair_lo, o));
+                _mm512_storeu_si512(t + 16 * 32, _mm512_permutex2var_epi16(e, pair_hi, o));
+            }
+        }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t head = kvh * G + g;
+        for (int64_t q0 = c0; q0 < c1; q0 += 16) {
+            const int64_t rows = c1 - q0 < 16 ? c1 - q0 : 16;
+            const int64_t seen = q0 + rows; /* keys [0, seen) matter to this block */
+            const bf16 *a = q + (start + q0) * q_stride + head * d;
+            int64_t a_stride = q_stride * 2;
+            if (rows < 16) {
+                memset(sc->qpad, 0, (size_t)(16 * d) * sizeof(bf16));
+                for (int64_t r = 0; r < rows; r++) memcpy(sc->qpad + r * d, a + r * q_stride, (size_t)d * sizeof(bf16));
+                a = sc->qpad;
+                a_stride = d * 2;
+            }
+            for (int64_t kb = 0; kb * 16 < seen; kb++) {
+                _tile_zero(0);
+                for (int64_t c = 0; c < chunks; c++) {
+                    if (c & 1) {
+                        _tile_loadd(5, a + 32 * c, a_stride);
+                        _tile_loadd(7, sc->kt + (kb * chunks + c) * 256, 64);
+                        _tile_dpbf16ps(0, 5, 7);
+                    } else {
+                        _tile_loadd(4, a + 32 * c, a_stride);
+                        _tile_loadd(6, sc->kt + (kb * chunks + c) * 256, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                    }
+                }
+                _tile_stored(0, sc->s + kb * 16, smax * 4);
+            }
+            /* causal softmax of each row; P as bf16 A tiles, zero past the row's last key */
+            const int64_t pchunks = (seen + 31) / 32;
+            const __m512 vscale = _mm512_set1_ps(scale);
+            for (int64_t r = 0; r < 16; r++) {
+                float *sr = sc->s + r * smax;
+                const int64_t len = r < rows ? q0 + r + 1 : 0;
+                __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+                for (int64_t t = 0; t < len; t += 16) {
+                    const __mmask16 m = (__mmask16)(len - t >= 16 ? 0xffffu : (1u << (len - t)) - 1u);
+                    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), vscale));
+                }
+                const __m512 mx = _mm512_set1_ps(len ? _mm512_reduce_max_ps(vmax) : 0.0f);
+                for (int64_t t = 0; t < pchunks * 32; t += 16) {
+                    const __mmask16 m = (__mmask16)(t >= len ? 0u : len - t >= 16 ? 0xffffu : (1u << (len - t)) - 1u);
+                    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), vscale), mx)));
+                    _mm512_storeu_ps(sr + t, e);
+                    vsum = _mm512_add_ps(vsum, e);
+                }
+                const __m512 inv = _mm512_set1_ps(len ? 1.0f / _mm512_reduce_add_ps(vsum) : 0.0f);
+                for (int64_t kc = 0; kc < pchunks; kc++)
+                    _mm512_storeu_si512(sc->p + (kc * 16 + r) * 32,
+                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sr + kc * 32 + 16), inv),
+                                                                     _mm512_mul_ps(_mm512_loadu_ps(sr + kc * 32), inv)));
+            }
+            for (int64_t half = 0; half < d / 64; half++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kc = 0; kc < pchunks; kc++) {
+                    const bf16 *vb = sc->vt + (kc * dtiles + 4 * half) * 512;
+                    _tile_loadd(4, sc->p + kc * 512, 64);
+                    _tile_loadd(5, vb, 64);
+                    _tile_loadd(6, vb + 512, 64);
+                    _tile_loadd(7, vb + 1024, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_loadd(5, vb + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, sc->o[0], 64);
+                _tile_stored(1, sc->o[1], 64);
+                _tile_stored(2, sc->o[2], 64);
+                _tile_stored(3, sc->o[3], 64);
+                for (int64_t r = 0; r < rows; r++) {
+                    bf16 *orow = out + (start + q0 + r) * hq * d + head * d + 64 * half;
+                    for (int64_t j = 0; j < 4; j++) store16(orow + 16 * j, _mm512_loadu_ps(sc->o[j] + r * 16));
+                }
+            }
+        }
+    }
+}
+
+/* Causal self-attention of bs fresh prompts packed one after another (request b's tokens start at
+ * starts[b], lens[b] of them): q/k/v rows strided (heads contiguous), out [tokens, hq * d]
+ * contiguous. d 64 or 128, hq a multiple of hkv (the caller checks); srt_amx_init() answered 1. */
+void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *lens, int64_t bs,
+                               int64_t hq, int64_t hkv, int64_t d, float scale) {
+    int64_t max_len = 0, tasks = 0;
+    for (int64_t b = 0; b < bs; b++) {
+        max_len = lens[b] > max_len ? lens[b] : max_len;
+        tasks += (lens[b] + PF_CHUNK - 1) / PF_CHUNK;
+    }
+    const int64_t G = hq / hkv, kpad = (max_len + 31) / 32 * 32;
+#pragma omp parallel
+    {
+        configure_tiles();
+        pf_scratch sc;
+        sc.kt = aligned_alloc(64, (size_t)(kpad / 16 * (d / 32) * 256) * sizeof(uint32_t));
+        sc.vt = aligned_alloc(64, (size_t)(kpad / 32 * (d / 16) * 512) * sizeof(bf16));
+        sc.s = aligned_alloc(64, (size_t)(16 * kpad) * sizeof(float));
+        sc.p = aligned_alloc(64, (size_t)(kpad / 32 * 512) * sizeof(bf16));
+        sc.qpad = aligned_alloc(64, (size_t)(16 * d) * sizeof(bf16));
+        /* tasks: (request, query chunk, kv head), longest chunks first in each request's order */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks * hkv; t++) {
+            int64_t rest = t / hkv, b = 0;
+            while (rest >= (lens[b] + PF_CHUNK - 1) / PF_CHUNK) rest -= (lens[b++] + PF_CHUNK - 1) / PF_CHUNK;
+            prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], lens[b], rest * PF_CHUNK, t % hkv, hq,
+                         G, d, scale, &sc);
+        }
+        free(sc.kt);
+        free(sc.vt);
+        free(sc.s);
+        free(sc.p);
+        free(sc.qpad);
+        _tile_release();
+    }
+}
+
 #if defined(__AMX_INT8__)
 /* ---- W8A8 int8 (--quantization w8a8_int8) ----
  * Weights are int8 with one fp32 scale per output (symmetric, absmax / 127), packed by
@@ -145,13 +320,13 @@ static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float 
         const bf16 *xr = x + r * k;
         __m512 amax = _mm512_setzero_ps();
         for (int64_t j = 0; j < k; j += 16) {
-            const __m512 v = load_bf16x16(xr + j);
+            const __m512 v = load16(xr + j);
             amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
         }
         const float a = _mm512_reduce_max_ps(amax), scale = a > 0.0f ? a / 127.0f : 1.0f;
         const __m512 inv = _mm512_set1_ps(1.0f / scale);
         for (int64_t j = 0; j < k; j += 16) {
-            const __m512 v = load_bf16x16(xr + j);
+            const __m512 v = load16(xr + j);
             const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* round to nearest even */
             _mm_storeu_si128((__m128i *)(q + r * k + j), _mm512_cvtsepi32_epi8(n));
         }
@@ -162,7 +337,7 @@ static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float 
 static inline void store_block_i8(const int32_t *c, int64_t rows, const float *xs, const float *ws, const bf16 *bias,
                                   bf16 *out, int64_t n) {
     const __m512 w = _mm512_loadu_ps(ws);
-    const __m512 b = bias ? load_bf16x16(bias) : _mm512_setzero_ps();
+    const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
         const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[r])), w, b);
@@ -240,6 +415,14 @@ void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const flo
 #else
 
 int64_t srt_amx_init(void) { return 0; }
+
+void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *lens, int64_t bs,
+                               int64_t hq, int64_t hkv, int64_t d, float scale) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out, (void)starts, (void)lens;
+    (void)bs, (void)hq, (void)hkv, (void)d, (void)scale;
+    abort(); /* never called: srt_amx_init() answered 0 */
+}
 
 void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
                     int64_t k) {

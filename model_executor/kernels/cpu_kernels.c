@@ -16,6 +16,8 @@
 
 typedef uint16_t bf16;
 
+#include "simd_bf16.h"
+
 static inline float bf16_to_f32(bf16 x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -56,36 +58,6 @@ static inline float exp_f32(float x) {
 #define PARALLEL_MIN_ELEMS 32768
 
 #if defined(__AVX512BF16__)
-/* Sixteen lanes at a time: bf16 <-> fp32 (the store rounds to nearest even, as torch's cast) and
- * exp_f32 with the same reduction and polynomial (2^n applied by scalef). A tail of n < 16 lanes
- * uses masked loads and stores. */
-static inline __m512 load16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline __m512 load16_tail(const bf16 *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-static inline void store16(bf16 *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
-static inline void store16_tail(bf16 *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
 /* silu(g) * u: g / (1 + exp(-g)) with the reciprocal from rcp14 and one Newton step (~23 bits,
  * far below bf16's 8), which costs a fraction of a vector division. */
 static inline __m512 silu_mul16(__m512 g, __m512 u) {
