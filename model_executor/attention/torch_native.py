@@ -76,11 +76,11 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                  scale=layer.scaling, enable_gqa=gqa)
             return out.reshape(n, layer.num_heads * layer.head_dim)
         lens = batch.extend_seq_lens_cpu
-        if not any(batch.extend_prefix_lens_cpu) and \
-                cpu_kernels.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
+        fresh = not any(batch.extend_prefix_lens_cpu)
+        if fresh and cpu_kernels.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
             # Fresh prompts, bf16 on AMX: every prompt in one kernel call (~1.9x SDPA at 32 x 128)
             return cpu_kernels.prefill_attention(q, k, v, lens, layer.scaling)
-        if len(lens) > 1 and not any(batch.extend_prefix_lens_cpu) and min(lens) == max(lens):
+        if len(lens) > 1 and fresh and min(lens) == max(lens):
             # Fresh prompts of one length (a burst of same-size requests): one causal call for the
             # batch, bit-identical to the loop below and ~1.5x faster for 32 x 128 tokens.
             bs, new = len(lens), lens[0]
