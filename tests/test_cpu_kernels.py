@@ -145,11 +145,33 @@ def test_prefill_attention_matches_causal_sdpa(lens: list[int], hq: int, hkv: in
         start += length
 
 
+# New tokens after cached prefixes (chunked prefill, prefix-cache hits): each request's keys are
+# its prefix then its new tokens, packed.
+@needs_amx
+@pytest.mark.parametrize(("spec", "hq", "hkv", "d"), [
+    ([(0, 40), (17, 5), (128, 130), (3, 1)], 9, 3, 64), ([(300, 20), (1, 257)], 8, 2, 128)])
+def test_prefill_attention_after_cached_prefixes_matches_masked_sdpa(spec: list[tuple[int, int]], hq: int, hkv: int,
+                                                                     d: int) -> None:
+    prefixes, lens = [p for p, _ in spec], [n for _, n in spec]
+    q = rand(sum(lens), hq, d, seed=14)
+    k, v = rand(sum(prefixes) + sum(lens), hkv, d, seed=15), rand(sum(prefixes) + sum(lens), hkv, d, seed=16)
+    out = cpu.prefill_attention(q, k, v, lens, d ** -0.5, prefixes)
+    qs = ks = 0
+    for prefix, new in spec:
+        qi = q[qs:qs + new].float().transpose(0, 1).unsqueeze(0)
+        ki, vi = (t[ks:ks + prefix + new].float().transpose(0, 1).unsqueeze(0) for t in (k, v))
+        mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(diagonal=prefix)
+        want = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=d ** -0.5, enable_gqa=hq != hkv)
+        assert_bf16_close(out[qs:qs + new], want[0].transpose(0, 1).reshape(new, -1))
+        qs, ks = qs + new, ks + prefix + new
+
+
 @needs_amx
 def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh ragged prompts: every layer's prefill attention is one kernel call, and the last
-    tokens' logits are as close to fp32 transformers as with torch's SDPA."""
+    """Ragged prompts, prefilled fresh and then in two chunks (the second after its cached
+    prefix): every layer's prefill attention is one kernel call, and the last tokens' logits are
+    as close to fp32 transformers as with torch's SDPA."""
     model_dir = make_tiny_model("llama_d64", tmp_path / "llama_d64")
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 140, 17)]
@@ -157,24 +179,35 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path:
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
 
-    def prefill(runner: ModelRunner) -> torch.Tensor:
+    def prefill(runner: ModelRunner, cut: int) -> torch.Tensor:
+        """Tokens [0, cut) of every prompt, then the rest after them as a cached prefix (cut 0: one extend)."""
         rows = [int(runner.req_to_token_pool.alloc()) for _ in prompts]  # type: ignore[arg-type]
-        lens = [len(p) for p in prompts]
-        loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(rows), lens)
-        return runner.forward(make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows,
-                                                 [0] * len(rows), lens, loc))
+        logits = None
+        for lo, hi in ((0, cut), (cut, None)) if cut else ((0, None),):
+            parts = [p[lo:hi] for p in prompts]
+            prefix, seq = [min(lo, len(p)) for p in prompts], [len(p[:hi]) for p in prompts]
+            live = [i for i, part in enumerate(parts) if part]
+            loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, [rows[i] for i in live],
+                                                [prefix[i] for i in live], [seq[i] for i in live])
+            logits = runner.forward(make_forward_batch(
+                ForwardMode.EXTEND, [t for i in live for t in parts[i]], [rows[i] for i in live],
+                [prefix[i] for i in live], [seq[i] for i in live], loc))
+        assert logits is not None
+        return logits
 
     calls: list[int] = []
     real = cpu.prefill_attention
     monkeypatch.setattr(cpu, "prefill_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=512)
-    with_kernel = prefill(ModelRunner(config))
-    assert len(calls) == hf.config.num_hidden_layers
+    config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=1024)
+    layers = hf.config.num_hidden_layers
+    fresh, chunked = prefill(ModelRunner(config), 0), prefill(ModelRunner(config), 2)  # prompt 3 keeps 1 token
+    assert len(calls) == 3 * layers
     monkeypatch.setattr(cpu, "prefill_attention_applies", lambda *a: False)
-    with_sdpa = prefill(ModelRunner(config))
-    assert len(calls) == hf.config.num_hidden_layers
-    err_kernel, err_sdpa = ((x - ref).abs().max().item() for x in (with_kernel, with_sdpa))
-    assert err_kernel <= 1.5 * err_sdpa + 1e-3, (err_kernel, err_sdpa)
+    fresh_sdpa, chunked_sdpa = prefill(ModelRunner(config), 0), prefill(ModelRunner(config), 2)
+    assert len(calls) == 3 * layers
+    for with_kernel, with_sdpa in ((fresh, fresh_sdpa), (chunked, chunked_sdpa)):
+        err_kernel, err_sdpa = ((x - ref).abs().max().item() for x in (with_kernel, with_sdpa))
+        assert err_kernel <= 1.5 * err_sdpa + 1e-3, (err_kernel, err_sdpa)
 
 
 def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:

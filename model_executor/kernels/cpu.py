@@ -42,8 +42,8 @@ _SIGNATURES = {
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                                  _f32],
+    "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
+                                  _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
                          *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their AMX-packed copies, int8 scales
                          *[_ptr] * 7, _i64,  # positions, cos, sin, k/v cache, out_loc, req_to_token, stride
@@ -258,23 +258,26 @@ def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int
     return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and amx_available()
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int],
-                      scale: float) -> torch.Tensor:
-    """Causal attention of fresh prompts packed one after another (no cached prefix): q [tokens,
-    heads, d], k/v [tokens, kv_heads, d], rows may be strided (heads and d contiguous). Returns
-    [tokens, heads * d]. On AMX tiles; check `prefill_attention_applies` first."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int], scale: float,
+                      prefix_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """Causal attention of requests' new tokens packed one after another: q [new tokens, heads, d];
+    k/v [keys, kv_heads, d] hold each request's prefix_lens[i] cached keys then its lens[i] new ones
+    (no prefixes: k/v are the new tokens' own). Rows may be strided (heads and d contiguous).
+    Returns [new tokens, heads * d]. On AMX tiles; check `prefill_attention_applies` first."""
     lib = kernels()
     n, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
-    for t in (q, k, v):
-        assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d and t.shape[0] == n
-    assert lib is not None and sum(lens) == n and d in (64, 128)
+    prefixes = torch.tensor(list(prefix_lens) if prefix_lens is not None else [0] * len(lens), dtype=torch.int64)
     lens_t = torch.tensor(list(lens), dtype=torch.int64)
+    assert lib is not None and int(lens_t.sum()) == n and d in (64, 128) and len(prefixes) == len(lens_t)
+    for t, rows in ((q, n), (k, int((lens_t + prefixes).sum())), (v, int((lens_t + prefixes).sum()))):
+        assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d and t.shape[0] == rows
     starts = torch.cumsum(lens_t, 0) - lens_t
+    kstarts = torch.cumsum(lens_t + prefixes, 0) - (lens_t + prefixes)
     out = torch.empty(n, num_heads * d, dtype=torch.bfloat16)
     lib.srt_amx_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                  out.data_ptr(), starts.data_ptr(), lens_t.data_ptr(), len(lens), num_heads,
-                                  num_kv_heads, d, scale)
+                                  out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),
+                                  prefixes.data_ptr(), len(lens), num_heads, num_kv_heads, d, scale)
     return out
 
 

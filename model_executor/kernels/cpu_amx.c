@@ -125,8 +125,9 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
     free(padded);
 }
 
-/* ---- Prefill attention on AMX tiles (fresh prompts: no cached prefix) ----
- * For each (request, kv head, chunk of up to 128 queries): the keys the chunk can see are laid out
+/* ---- Prefill attention on AMX tiles ----
+ * For each (request, kv head, chunk of up to 128 new tokens' queries): the keys the chunk can see
+ * (the request's cached prefix, then its new tokens up to the chunk's last) are laid out
  * once as B tiles (K transposed into dim pairs; V interleaved by token pairs); then for each query
  * head of the group and each block of 16 queries, S = Q K^T block by block (A = 16 query rows in
  * place, C = 16 x 16 scores), a causal softmax over each row in fp32, and O = P V with P rounded to
@@ -144,10 +145,10 @@ typedef struct {
 } pf_scratch;
 
 static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
-                         int64_t v_stride, bf16 *out, int64_t start, int64_t n, int64_t c0, int64_t kvh, int64_t hq,
-                         int64_t G, int64_t d, float scale, pf_scratch *sc) {
-    const int64_t c1 = c0 + PF_CHUNK < n ? c0 + PF_CHUNK : n; /* queries [c0, c1) */
-    const int64_t nk = c1, chunks = d / 32, kblocks = (nk + 15) / 16, kchunks = (nk + 31) / 32;
+                         int64_t v_stride, bf16 *out, int64_t start, int64_t kstart, int64_t n, int64_t prefix,
+                         int64_t c0, int64_t kvh, int64_t hq, int64_t G, int64_t d, float scale, pf_scratch *sc) {
+    const int64_t c1 = c0 + PF_CHUNK < n ? c0 + PF_CHUNK : n; /* new tokens [c0, c1) */
+    const int64_t nk = prefix + c1, chunks = d / 32, kblocks = (nk + 15) / 16, kchunks = (nk + 31) / 32;
     const int64_t smax = kchunks * 32;
     /* K as B tiles: kt[kb][c][i][j] = the i-th dim pair of chunk c of key kb*16 + j */
     for (int64_t kb = 0; kb < kblocks; kb++)
@@ -156,7 +157,7 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
             for (int64_t j = 0; j < 16; j++) {
                 const int64_t key = kb * 16 + j;
                 if (key < nk) {
-                    const uint32_t *kr = (const uint32_t *)(k + (start + key) * k_stride + kvh * d) + c * 16;
+                    const uint32_t *kr = (const uint32_t *)(k + (kstart + key) * k_stride + kvh * d) + c * 16;
                     for (int64_t i = 0; i < 16; i++) t[i * 16 + j] = kr[i];
                 } else {
                     for (int64_t i = 0; i < 16; i++) t[i * 16 + j] = 0;
@@ -174,8 +175,8 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
             const int64_t key = kc * 32 + 2 * i;
             for (int64_t c = 0; c < chunks; c++) {
                 __m512i e = _mm512_setzero_si512(), o = e;
-                if (key < nk) e = _mm512_loadu_si512(v + (start + key) * v_stride + kvh * d + 32 * c);
-                if (key + 1 < nk) o = _mm512_loadu_si512(v + (start + key + 1) * v_stride + kvh * d + 32 * c);
+                if (key < nk) e = _mm512_loadu_si512(v + (kstart + key) * v_stride + kvh * d + 32 * c);
+                if (key + 1 < nk) o = _mm512_loadu_si512(v + (kstart + key + 1) * v_stride + kvh * d + 32 * c);
                 bf16 *t = sc->vt + ((kc * dtiles + 2 * c) * 16 + i) * 32;
                 _mm512_storeu_si512(t, _mm512_permutex2var_epi16(e, pair_lo, o));
                 _mm512_storeu_si512(t + 16 * 32, _mm512_permutex2var_epi16(e, pair_hi, o));
@@ -185,7 +186,7 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
         const int64_t head = kvh * G + g;
         for (int64_t q0 = c0; q0 < c1; q0 += 16) {
             const int64_t rows = c1 - q0 < 16 ? c1 - q0 : 16;
-            const int64_t seen = q0 + rows; /* keys [0, seen) matter to this block */
+            const int64_t seen = prefix + q0 + rows; /* keys [0, seen) matter to this block */
             const bf16 *a = q + (start + q0) * q_stride + head * d;
             int64_t a_stride = q_stride * 2;
             if (rows < 16) {
@@ -214,7 +215,7 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
             const __m512 vscale = _mm512_set1_ps(scale);
             for (int64_t r = 0; r < 16; r++) {
                 float *sr = sc->s + r * smax;
-                const int64_t len = r < rows ? q0 + r + 1 : 0;
+                const int64_t len = r < rows ? prefix + q0 + r + 1 : 0;
                 __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
                 for (int64_t t = 0; t < len; t += 16) {
                     const __mmask16 m = (__mmask16)(len - t >= 16 ? 0xffffu : (1u << (len - t)) - 1u);
@@ -263,15 +264,18 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
     }
 }
 
-/* Causal self-attention of bs fresh prompts packed one after another (request b's tokens start at
- * starts[b], lens[b] of them): q/k/v rows strided (heads contiguous), out [tokens, hq * d]
- * contiguous. d 64 or 128, hq a multiple of hkv (the caller checks); srt_amx_init() answered 1. */
+/* Causal attention of bs requests' new tokens, packed one after another: request b's lens[b]
+ * queries are q rows starts[b] .., and its prefixes[b] + lens[b] keys (its cached prefix, then its
+ * new tokens) k/v rows kstarts[b] ..; new token i sees keys [0, prefixes[b] + i]. Rows strided
+ * (heads contiguous), out [new tokens, hq * d] contiguous. d 64 or 128, hq a multiple of hkv (the
+ * caller checks); srt_amx_init() answered 1. */
 void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
-                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *lens, int64_t bs,
-                               int64_t hq, int64_t hkv, int64_t d, float scale) {
+                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
+                               const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
+                               int64_t d, float scale) {
     int64_t max_len = 0, tasks = 0;
     for (int64_t b = 0; b < bs; b++) {
-        max_len = lens[b] > max_len ? lens[b] : max_len;
+        max_len = prefixes[b] + lens[b] > max_len ? prefixes[b] + lens[b] : max_len;
         tasks += (lens[b] + PF_CHUNK - 1) / PF_CHUNK;
     }
     const int64_t G = hq / hkv, kpad = (max_len + 31) / 32 * 32;
@@ -289,8 +293,8 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
         for (int64_t t = 0; t < tasks * hkv; t++) {
             int64_t rest = t / hkv, b = 0;
             while (rest >= (lens[b] + PF_CHUNK - 1) / PF_CHUNK) rest -= (lens[b++] + PF_CHUNK - 1) / PF_CHUNK;
-            prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], lens[b], rest * PF_CHUNK, t % hkv, hq,
-                         G, d, scale, &sc);
+            prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], kstarts[b], lens[b], prefixes[b],
+                         rest * PF_CHUNK, t % hkv, hq, G, d, scale, &sc);
         }
         free(sc.kt);
         free(sc.vt);
@@ -417,10 +421,11 @@ void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const flo
 int64_t srt_amx_init(void) { return 0; }
 
 void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
-                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *lens, int64_t bs,
-                               int64_t hq, int64_t hkv, int64_t d, float scale) {
-    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out, (void)starts, (void)lens;
-    (void)bs, (void)hq, (void)hkv, (void)d, (void)scale;
+                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
+                               const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
+                               int64_t d, float scale) {
+    (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out, (void)starts, (void)kstarts;
+    (void)lens, (void)prefixes, (void)bs, (void)hq, (void)hkv, (void)d, (void)scale;
     abort(); /* never called: srt_amx_init() answered 0 */
 }
 
