@@ -269,11 +269,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: S
     num_kv_heads = k.shape[1]
     prefixes = torch.tensor(list(prefix_lens) if prefix_lens is not None else [0] * len(lens), dtype=torch.int64)
     lens_t = torch.tensor(list(lens), dtype=torch.int64)
+    keys = lens_t + prefixes  # per request
     assert lib is not None and int(lens_t.sum()) == n and d in (64, 128) and len(prefixes) == len(lens_t)
-    for t, rows in ((q, n), (k, int((lens_t + prefixes).sum())), (v, int((lens_t + prefixes).sum()))):
+    for t, rows in ((q, n), (k, int(keys.sum())), (v, int(keys.sum()))):
         assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == d and t.shape[0] == rows
     starts = torch.cumsum(lens_t, 0) - lens_t
-    kstarts = torch.cumsum(lens_t + prefixes, 0) - (lens_t + prefixes)
+    kstarts = torch.cumsum(keys, 0) - keys
     out = torch.empty(n, num_heads * d, dtype=torch.bfloat16)
     lib.srt_amx_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                   out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),

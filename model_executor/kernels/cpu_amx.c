@@ -212,27 +212,16 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
             }
             /* causal softmax of each row; P as bf16 A tiles, zero past the row's last key */
             const int64_t pchunks = (seen + 31) / 32;
-            const __m512 vscale = _mm512_set1_ps(scale);
-            for (int64_t r = 0; r < 16; r++) {
+            for (int64_t r = 0; r < 16; r++) { /* rows past the block's queries: P = 0 */
                 float *sr = sc->s + r * smax;
                 const int64_t len = r < rows ? prefix + q0 + r + 1 : 0;
-                __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-                for (int64_t t = 0; t < len; t += 16) {
-                    const __mmask16 m = (__mmask16)(len - t >= 16 ? 0xffffu : (1u << (len - t)) - 1u);
-                    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), vscale));
+                if (len) softmax16(sr, len, scale);
+                for (int64_t kc = 0; kc < pchunks; kc++) {
+                    const int64_t t = kc * 32;
+                    const __m512 lo = _mm512_maskz_loadu_ps(lanes16(len - t), sr + t);
+                    const __m512 hi = _mm512_maskz_loadu_ps(lanes16(len - t - 16), sr + t + 16);
+                    _mm512_storeu_si512(sc->p + (kc * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
-                const __m512 mx = _mm512_set1_ps(len ? _mm512_reduce_max_ps(vmax) : 0.0f);
-                for (int64_t t = 0; t < pchunks * 32; t += 16) {
-                    const __mmask16 m = (__mmask16)(t >= len ? 0u : len - t >= 16 ? 0xffffu : (1u << (len - t)) - 1u);
-                    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), vscale), mx)));
-                    _mm512_storeu_ps(sr + t, e);
-                    vsum = _mm512_add_ps(vsum, e);
-                }
-                const __m512 inv = _mm512_set1_ps(len ? 1.0f / _mm512_reduce_add_ps(vsum) : 0.0f);
-                for (int64_t kc = 0; kc < pchunks; kc++)
-                    _mm512_storeu_si512(sc->p + (kc * 16 + r) * 32,
-                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sr + kc * 32 + 16), inv),
-                                                                     _mm512_mul_ps(_mm512_loadu_ps(sr + kc * 32), inv)));
             }
             for (int64_t half = 0; half < d / 64; half++) {
                 _tile_zero(0);

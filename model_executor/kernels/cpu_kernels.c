@@ -211,6 +211,13 @@ void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t hea
 #define K_PREFETCH 8 /* K rows prefetched this many tokens ahead */
 #define V_BLOCK 16   /* tokens whose V rows are used for every head before the next block */
 
+/* Prefetches rows [t0, t1) of the slots: `elems` bf16 values from `offset` in each (a task's heads) */
+static inline void prefetch_rows(const bf16 *cache, const int64_t *slots, int64_t t0, int64_t t1, int64_t row_elems,
+                                 int64_t offset, int64_t elems) {
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t c = 0; c < elems; c += 32) __builtin_prefetch(cache + slots[t] * row_elems + offset + c);
+}
+
 static inline __attribute__((always_inline)) void group_dots(const float *q, const bf16 *k, int64_t d, int64_t group, float *scores,
                               int64_t stride) {
 #ifdef __AVX512F__
@@ -268,28 +275,7 @@ static inline __attribute__((always_inline)) void weighted_sum(float *acc, const
 static inline __attribute__((always_inline)) void softmax_rows(float *scores, int64_t heads, int64_t stride,
                                                                int64_t len) {
 #if SIMD_ROWS
-    for (int64_t g = 0; g < heads; g++) {
-        float *restrict sg = scores + g * stride;
-        __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sg + t));
-        const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1u);
-        vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, sg + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        for (t = 0; t + 16 <= len; t += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
-            _mm512_storeu_ps(sg + t, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        if (tail) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), m));
-            _mm512_mask_storeu_ps(sg + t, tail, e);
-            vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-        for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
-        if (tail) _mm512_mask_storeu_ps(sg + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sg + t), inv));
-    }
+    for (int64_t g = 0; g < heads; g++) softmax16(scores + g * stride, len, 1.0f); /* already scaled */
     return;
 #endif
     for (int64_t g = 0; g < heads; g++) {
@@ -321,8 +307,7 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t t = 0; t < len; t++) {
         const bf16 *krow = k_cache + slots[t] * row_elems + kv0 * d;
         if (t + K_PREFETCH < len)
-            for (int64_t c = 0; c < heads_per_task * d; c += 32)
-                __builtin_prefetch(k_cache + slots[t + K_PREFETCH] * row_elems + kv0 * d + c);
+            prefetch_rows(k_cache, slots, t + K_PREFETCH, t + K_PREFETCH + 1, row_elems, kv0 * d, heads_per_task * d);
         for (int64_t h = 0; h < heads_per_task; h++)
             group_dots(qf + h * group * d, krow + h * d, d, group, scores + h * group * max_len + t, max_len);
     }
@@ -333,9 +318,8 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t i = 0; i < task_heads * d; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < len; t0 += V_BLOCK) {
         const int64_t t1 = t0 + V_BLOCK < len ? t0 + V_BLOCK : len;
-        for (int64_t t = t1; t < t1 + V_BLOCK && t < len; t++)
-            for (int64_t c = 0; c < heads_per_task * d; c += 32)
-                __builtin_prefetch(v_cache + slots[t] * row_elems + kv0 * d + c);
+        prefetch_rows(v_cache, slots, t1, t1 + V_BLOCK < len ? t1 + V_BLOCK : len, row_elems, kv0 * d,
+                      heads_per_task * d);
         for (int64_t h = 0; h < heads_per_task; h++)
             weighted_sum(acc + h * group * d, scores + h * group * max_len, max_len, v_cache, slots, t0, t1,
                          row_elems, (kv0 + h) * d, d, group);
@@ -385,9 +369,8 @@ static inline __attribute__((always_inline)) void attend_task_fast(
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        for (int64_t t = t0 + 16; t < t0 + 32 && t < len; t++) /* the next block's K rows */
-            for (int64_t c = 0; c < heads_per_task * D; c += 32)
-                __builtin_prefetch(k_cache + slots[t] * row_elems + kv0 * D + c);
+        prefetch_rows(k_cache, slots, t0 + 16, t0 + 32 < len ? t0 + 32 : len, row_elems, kv0 * D,
+                      heads_per_task * D); /* the next block's K rows */
         for (int64_t h = 0; h < heads_per_task; h++) {
             const bf16 *krows[16];
             for (int64_t i = 0; i < n; i++) krows[i] = k_cache + slots[t0 + i] * row_elems + (kv0 + h) * D;
@@ -415,9 +398,8 @@ static inline __attribute__((always_inline)) void attend_task_fast(
     const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t t0 = 0; t0 < len; t0 += V_BLOCK) {
         const int64_t t1 = t0 + V_BLOCK < len ? t0 + V_BLOCK : len;
-        for (int64_t t = t1; t < t1 + V_BLOCK && t < len; t++)
-            for (int64_t c = 0; c < heads_per_task * D; c += 32)
-                __builtin_prefetch(v_cache + slots[t] * row_elems + kv0 * D + c);
+        prefetch_rows(v_cache, slots, t1, t1 + V_BLOCK < len ? t1 + V_BLOCK : len, row_elems, kv0 * D,
+                      heads_per_task * D);
         for (int64_t h = 0; h < heads_per_task; h++)
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 even[FAST_MAX_GROUP], odd[FAST_MAX_GROUP];

@@ -3,6 +3,8 @@
 #ifndef SRT_SIMD_BF16_H
 #define SRT_SIMD_BF16_H
 #if defined(__AVX512BF16__)
+#include <math.h>
+
 /* Sixteen lanes at a time: bf16 <-> fp32 (the store rounds to nearest even, as torch's cast) and
  * cpu_kernels.c's exp_f32 with the same reduction and polynomial (2^n applied by scalef). A tail
  * of n < 16 lanes uses masked loads and stores. */
@@ -32,6 +34,33 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(y, n);
+}
+/* the first n lanes (none for n <= 0, all for n >= 16) */
+static inline __mmask16 lanes16(int64_t n) {
+    return (__mmask16)(n <= 0 ? 0u : n >= 16 ? 0xffffu : (1u << n) - 1u);
+}
+/* s[0 .. len) -> softmax(scale * s), in place (len >= 1): decode's scores and prefill's rows */
+static inline void softmax16(float *s, int64_t len, float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = lanes16(len - t);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), vscale);
+        _mm512_mask_storeu_ps(s + t, m, v);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = lanes16(len - t);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = lanes16(len - t);
+        _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+    }
 }
 #endif
 #endif
