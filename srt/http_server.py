@@ -24,6 +24,7 @@ from contextlib import aclosing, asynccontextmanager
 from types import FrameType
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -69,11 +70,12 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     return obj
 
 
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(data: Any) -> bytes:
+    """One server-sent event. orjson: a stream sends one of these per request per decode step."""
+    return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-async def sse_stream(outputs: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+async def sse_stream(outputs: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
     async with aclosing(outputs):  # a disconnect closes this generator; close (and abort) the requests too
         try:
             async for out in outputs:
@@ -82,7 +84,7 @@ async def sse_stream(outputs: AsyncGenerator[dict[str, Any], None]) -> AsyncIter
             yield sse(error_body(400, str(error), getattr(error, "param", None)))
         except ServiceUnavailableError as error:
             yield sse(error_body(503, str(error)))
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any]) -> FastAPI:
@@ -233,11 +235,17 @@ class DrainingServer(uvicorn.Server):
         self.tm.fail_all(f"{SHUTTING_DOWN}: {reason}")
 
 
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """loop / http "auto": uvloop and httptools (dependencies; uvicorn falls back to asyncio and h11
+    without them). Measured with 32 streams on 2 cores: the front end's CPU per 64-request run
+    0.46-0.63 s with asyncio + h11, 0.35-0.43 s with these; log_config=None: uvicorn's lines go
+    through the process's own handler, labelled like every other line."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto", http="auto",
+                          timeout_keep_alive=5, timeout_graceful_shutdown=CLOSE_GRACE_S, log_config=None)
+
+
 def run_http_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
     """Serve until SIGTERM/SIGINT, drain (DrainingServer, --shutdown-timeout), return. Blocks; call
     it from the main thread, where signal handlers can be installed."""
     tm: TokenizerManager = app.state.tokenizer_manager
-    # log_config=None: uvicorn's lines go through the process's own handler, labelled like every other line.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="asyncio", timeout_keep_alive=5,
-                            timeout_graceful_shutdown=CLOSE_GRACE_S, log_config=None)
-    DrainingServer(config, tm, tm.server_args.shutdown_timeout).run()
+    DrainingServer(uvicorn_config(app, host, port, log_level), tm, tm.server_args.shutdown_timeout).run()

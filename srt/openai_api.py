@@ -120,7 +120,7 @@ def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> d
 
 
 async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None],
-                        model: str) -> AsyncIterator[str]:
+                        model: str) -> AsyncIterator[bytes]:
     created, chunk_id = int(time.time()), None
     progress: dict[int, ChoiceProgress] = {}
     last_metas: dict[int, dict[str, Any]] = {}
@@ -143,7 +143,7 @@ async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any]
             if call.include_usage and chunk_id is not None:
                 yield sse({**_envelope(call, chunk_id, created, model, chunk=True), "choices": [],
                            "usage": _usage([last_metas[i] for i in sorted(last_metas)])})
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _serve(request: Request, chat: bool) -> Response:

@@ -19,11 +19,14 @@ from typing import Any
 import pytest
 import requests
 import uvicorn
+import uvloop
 import zmq
+from fastapi import FastAPI
 from transformers import AutoTokenizer
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from srt.detokenizer import DetokenizerManager
-from srt.http_server import create_app
+from srt.http_server import create_app, sse, uvicorn_config
 from srt.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -108,8 +111,7 @@ class Server:
             port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         app = create_app(self.tm, {"tp_size": 1, "model_path": "/models/fake"})
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                     loop="asyncio"))
+        self.uvicorn = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -258,6 +260,16 @@ def test_streaming_sends_cumulative_chunks_then_done(server: Server, tokenizer: 
     for earlier, later in zip(chunks, chunks[1:]):
         assert later["text"].startswith(earlier["text"]) and earlier["meta_info"]["finish_reason"] is None
     assert all("\ufffd" not in c["text"] for c in chunks)
+
+
+def test_sse_events_are_utf8_json_and_the_server_runs_uvloop_and_httptools() -> None:
+    # raw UTF-8 as json.dumps(ensure_ascii=False) wrote it, not \\u escapes; one event per chunk
+    event = sse({"text": "é 😀", "output_ids": [1, 2], "meta_info": {"finish_reason": None}})
+    assert event == 'data: {"text":"é 😀","output_ids":[1,2],"meta_info":{"finish_reason":null}}\n\n'.encode()
+    config = uvicorn_config(FastAPI(), "127.0.0.1", 0)
+    config.load()
+    assert config.http_protocol_class is HttpToolsProtocol
+    assert config.get_loop_factory() is uvloop.new_event_loop
 
 
 def test_abort_request_route_ends_a_running_request(server: Server) -> None:
