@@ -20,14 +20,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 SCRIPTS = Path(__file__).resolve().parent
 for path in (SCRIPTS, SCRIPTS.parent):  # the sibling bench modules, and this checkout installed or not
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
 import bench_serving  # noqa: E402
+from bench_clients import HTTP_ERRORS, http_call  # noqa: E402
 from server_process import SrtServer  # noqa: E402
 
 
@@ -46,9 +45,9 @@ def warmup(url: str, input_len: int) -> None:
     """One short request, so the first timed request does not pay for lazy initialisation."""
     payload = {"input_ids": [bench_serving.MIN_TOKEN_ID] * input_len,
                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
-    response = httpx.post(f"{url}/generate", json=payload, timeout=300, trust_env=False)
-    if response.status_code != 200:
-        raise RuntimeError(f"the warmup request failed: HTTP {response.status_code}: {response.text[:300]}")
+    response = http_call(f"{url}/generate", timeout_s=300, json_body=payload)
+    if response.status != 200:
+        raise RuntimeError(f"the warmup request failed: HTTP {response.status}: {response.text[:300]}")
 
 
 def measure(config: str, flags: Sequence[str], round_index: int, args: argparse.Namespace) -> Run:
@@ -156,7 +155,7 @@ def compare(args: argparse.Namespace, configs: Mapping[str, Sequence[str]], rati
     try:
         for round_index, order in enumerate(round_orders(list(configs), args.rounds)):
             runs += [measure(config, configs[config], round_index, args) for config in order]
-    except (RuntimeError, httpx.HTTPError) as error:
+    except HTTP_ERRORS + (RuntimeError,) as error:
         print(f"{name}: {error}", file=sys.stderr)
         return 1
     rows = summarize(runs, configs)

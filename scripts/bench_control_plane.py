@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,6 +48,7 @@ for path in (SCRIPTS, SCRIPTS.parent):  # the sibling bench modules, and this ch
         sys.path.insert(0, str(path))
 
 import bench_serving  # noqa: E402
+from bench_clients import HTTP_ERRORS, http_call  # noqa: E402
 from bench_configs import warmup  # noqa: E402
 from server_process import SrtServer  # noqa: E402
 
@@ -295,16 +295,16 @@ def server_flags(args: argparse.Namespace, mem_fraction_static: float) -> list[s
 
 
 def server_info(url: str) -> dict[str, Any]:
-    response = httpx.get(f"{url}/server_info", timeout=60, trust_env=False)
-    if response.status_code != 200:
-        raise RuntimeError(f"GET /server_info answered {response.status_code}: {response.text[:200]}")
+    response = http_call(f"{url}/server_info", timeout_s=60)
+    if response.status != 200:
+        raise RuntimeError(f"GET /server_info answered {response.status}: {response.text[:200]}")
     return response.json()
 
 
 def scrape(url: str) -> Samples:
-    response = httpx.get(f"{url}/metrics", timeout=60, trust_env=False)
-    if response.status_code != 200:
-        raise RuntimeError(f"GET /metrics answered {response.status_code}: {response.text[:200]}")
+    response = http_call(f"{url}/metrics", timeout_s=60)
+    if response.status != 200:
+        raise RuntimeError(f"GET /metrics answered {response.status}: {response.text[:200]}")
     return parse_metrics(response.text)
 
 
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = full_run(args, args.mem_fraction_static[0])
         budgets = [report["kv"]] + [kv_run(args, f) for f in args.mem_fraction_static[1:]]
-    except (RuntimeError, httpx.HTTPError) as error:
+    except HTTP_ERRORS + (RuntimeError,) as error:
         print(f"bench_control_plane: {error}", file=sys.stderr)
         return 1
     print(format_kv_table(budgets), flush=True)

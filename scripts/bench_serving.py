@@ -35,8 +35,8 @@ SCRIPTS = Path(__file__).resolve().parent
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))  # the sibling bench_* modules, however this file was loaded
 
-import httpx  # noqa: E402
-from bench_clients import BACKENDS, Target, resolve_target, run_one  # noqa: E402
+import aiohttp  # noqa: E402
+from bench_clients import BACKENDS, Target, open_session, resolve_target, run_one  # noqa: E402
 from bench_metrics import (  # noqa: E402
     SHOWN_ERRORS,  # noqa: F401  (scripts/bench_guards.py reads it from here)
     BenchMetrics,
@@ -93,9 +93,8 @@ def make_workload(args: argparse.Namespace, vocab_size: int, rng: random.Random)
 async def run_level(target: Target, workload: Workload, concurrency: int | None, stream: bool,
                     timeout_s: float) -> LevelResult:
     """The workload with at most `concurrency` requests in flight (None: no limit)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency) if concurrency else None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as client:
+    async with open_session(timeout_s, limit=concurrency) as client:
         start = time.perf_counter()
         tasks = []
         for ids, out_len, offset in zip(workload.prompts, workload.output_lens, workload.offsets):
@@ -109,7 +108,7 @@ async def run_level(target: Target, workload: Workload, concurrency: int | None,
 async def warmup(target: Target, prompts: list[list[int]], timeout_s: float) -> None:
     """Short untimed requests, one at a time, so the first level does not pay for lazy
     initialisation; raises RuntimeError when one fails (a wrong backend or model fails here)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False) as client:
+    async with open_session(timeout_s) as client:
         for ids in prompts:
             result = await run_one(client, target, ids, WARMUP_OUTPUT_LEN, True, timeout_s, None)
             if not result.success:
@@ -118,7 +117,7 @@ async def warmup(target: Target, prompts: list[list[int]], timeout_s: float) -> 
 
 async def prepare(args: argparse.Namespace) -> tuple[Target, int]:
     """The target and the vocabulary size the prompts are drawn from."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+    async with open_session(60.0) as client:
         target, server_vocab = await resolve_target(client, args.base_url, args.backend, args.model)
     vocab_size = args.vocab_size or server_vocab
     if vocab_size is None:
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         target, vocab_size, levels = asyncio.run(sweep(args))
-    except httpx.HTTPError as error:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         print(f"bench_serving: cannot reach the server at {args.base_url}: {error!r}", file=sys.stderr)
         return 1
     except (ValueError, RuntimeError) as error:

@@ -41,10 +41,9 @@ for path in (SCRIPTS, ROOT):  # the sibling bench modules, and this checkout ins
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import httpx  # noqa: E402
 import torch  # noqa: E402
 import transformers_peer as peers  # noqa: E402
-from bench_clients import BACKENDS, resolve_target  # noqa: E402
+from bench_clients import BACKENDS, HTTP_ERRORS, http_call, open_session, resolve_target  # noqa: E402
 from bench_metrics import BenchMetrics, LevelResult, compute_metrics  # noqa: E402
 from bench_serving import Workload, random_prompts, run_level, warmup  # noqa: E402
 from server_process import SrtServer  # noqa: E402
@@ -117,7 +116,7 @@ def server_args(args: argparse.Namespace) -> list[str]:
 
 
 async def measure_server(url: str, args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+    async with open_session(60.0) as client:
         target, _ = await resolve_target(client, url, args.backend)
     first_prompt = next(iter(workloads.values())).prompts[0]
     await warmup(target, [first_prompt], args.request_timeout)
@@ -156,8 +155,8 @@ def transformers_model_dir(args: argparse.Namespace) -> Path:
     """--model-path, else the running server's own model directory (srt's /server_info), else the default."""
     if args.model_path is not None or args.url is None:
         return resolve_model_path(args.model_path)
-    response = httpx.get(f"{args.url}/server_info", timeout=60, trust_env=False)
-    info = response.json() if response.status_code == 200 else {}
+    response = http_call(f"{args.url}/server_info", timeout_s=60)
+    info = response.json() if response.status == 200 else {}
     if not isinstance(info, dict) or not info.get("model_dir"):
         raise ValueError(f"{args.url} does not say which model it serves: pass --model-path for transformers")
     return Path(info["model_dir"])
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = transformers_model_dir(args)
         config = load_hf_config(model_dir)
-    except (ValueError, httpx.HTTPError) as error:
+    except HTTP_ERRORS + (ValueError,) as error:
         print(f"compare_peers: {error}", file=sys.stderr)
         return 1
     context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_dir}; {description}; levels {args.concurrency}", flush=True)
     try:
         systems: dict[str, list[LevelResult]] = {"srt": run_srt(args, workloads)}
-    except (RuntimeError, ValueError, httpx.HTTPError) as error:
+    except HTTP_ERRORS + (RuntimeError, ValueError) as error:
         print(f"compare_peers: srt: {error}", file=sys.stderr)
         return 1
     model = peers.load_model(str(model_dir), getattr(torch, args.dtype))

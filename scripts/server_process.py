@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import psutil
+from bench_clients import HTTP_ERRORS, http_call
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOWN_LOG_CHARS = 3000
@@ -47,9 +47,9 @@ class SrtServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2, trust_env=False).status_code == 200:
+                if http_call(f"{self.url}/health", timeout_s=2).status == 200:
                     return
-            except httpx.HTTPError:
+            except HTTP_ERRORS:
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"the server was not healthy within {timeout_s} s:\n{self.output_tail()}")

@@ -8,14 +8,17 @@ import asyncio
 import json
 import random
 import re
+import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from server_fixture import Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,26 +126,59 @@ def test_workload_is_seeded_and_in_range() -> None:
 
 
 # ---- HTTP client against canned answers ----
-def canned(handler: Callable[[httpx.Request], httpx.Response], coro: Callable[[httpx.AsyncClient], Any]) -> Any:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def canned(handler: Handler, coro: Callable[[aiohttp.ClientSession, str], Awaitable[Any]]) -> Any:
+    """`coro(client, base_url)` with the benchmark's own session, against a real HTTP server on
+    127.0.0.1 where `handler` answers every request."""
     async def go() -> Any:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await coro(client)
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", handler)
+        async with TestServer(app, host="127.0.0.1") as server, bench_clients.open_session(5.0) as client:
+            return await coro(client, f"http://127.0.0.1:{server.port}")
 
     return asyncio.run(go())
 
 
 def sse_result(body: str, status: int = 200, backend: str = "srt", stream: bool = True) -> Any:
-    """run_one against a canned answer; the request sent is kept in `.sent`."""
+    """run_one against a canned answer, sent in 7-byte pieces of a chunked body so that lines and
+    events straddle the pieces; the request sent is kept in `.sent`."""
     sent: list[dict[str, Any]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        sent.append({"path": request.url.path, **json.loads(request.content)})
-        return httpx.Response(status, content=body.encode(), headers={"content-type": "text/event-stream"})
+    async def handler(request: web.Request) -> web.StreamResponse:
+        sent.append({"path": request.path, **await request.json()})
+        response = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        data = body.encode()
+        for i in range(0, len(data), 7):
+            await response.write(data[i:i + 7])
+            await asyncio.sleep(0.001)  # the client reads it piece by piece
+        await response.write_eof()
+        return response
 
-    target = bench_clients.Target(backend, "http://x", "m" if backend == "openai" else None)
-    result = canned(handler, lambda client: bench_clients.run_one(client, target, [11, 12], 2, stream, 5.0, None))
+    def run(client: aiohttp.ClientSession, base_url: str) -> Awaitable[Any]:
+        target = bench_clients.Target(backend, base_url, "m" if backend == "openai" else None)
+        return bench_clients.run_one(client, target, [11, 12], 2, stream, 5.0, None)
+
+    result = canned(handler, run)
     result.sent = sent[0]
     return result
+
+
+def test_lines_are_split_across_pieces_and_unbounded() -> None:
+    async def pieces(*chunks: bytes) -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    async def lines(*chunks: bytes) -> list[bytes]:
+        return [line async for line in bench_clients._lines(pieces(*chunks))]
+
+    assert asyncio.run(lines(b"da", b"ta: 1\r\n\nda", b"ta: 2", b"\n", b"", b"tail")) == [
+        b"data: 1\r", b"", b"data: 2", b"tail"]
+    long_line = b"x" * (1 << 20)  # past aiohttp's own line limit
+    assert asyncio.run(lines(*[long_line[i:i + 4096] for i in range(0, len(long_line), 4096)], b"\n")) == [long_line]
+    assert asyncio.run(lines()) == []
 
 
 def chunk(ids: list[int], finish: str | None = None) -> str:
@@ -163,8 +199,8 @@ def test_srt_stream_parsing_records_chunks_and_failures() -> None:
     assert not aborted.success and "finish_reason 'abort'" in aborted.error
     rejected = sse_result('{"error": {"message": "prompt too long"}}', status=400)
     assert not rejected.success and rejected.error.startswith("HTTP 400:") and "prompt too long" in rejected.error
-    garbled = sse_result("data: {not json\n\n")
-    assert not garbled.success and garbled.error.startswith("JSONDecodeError:")
+    garbled = sse_result("data: {not json\n\n")  # orjson's JSONDecodeError, or json's without orjson
+    assert not garbled.success and garbled.error.startswith("JSONDecodeError:"), garbled.error
 
 
 def completion_chunk(text: str, finish: str | None = None) -> str:
@@ -191,24 +227,61 @@ def test_openai_stream_counts_chunks_and_takes_the_length_from_usage() -> None:
 
 
 def test_auto_backend_is_srt_only_when_server_info_names_a_vocab_size() -> None:
-    def server(routes: dict[str, Any]) -> Callable[[httpx.Request], httpx.Response]:
-        def handler(request: httpx.Request) -> httpx.Response:
-            body = routes.get(request.url.path)
-            return httpx.Response(404) if body is None else httpx.Response(200, json=body)
+    def server(routes: dict[str, Any]) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            body = routes.get(request.path)
+            return web.Response(status=404, text="Not Found") if body is None else web.json_response(body)
         return handler
 
-    def resolve(routes: dict[str, Any], **kwargs: Any) -> Any:
-        return canned(server(routes), lambda c: bench_clients.resolve_target(c, "http://x", **kwargs))
+    def resolve(routes: dict[str, Any], **kwargs: Any) -> tuple[tuple[bench_clients.Target, int | None], str]:
+        """resolve_target's answer, and the server's base URL."""
+        async def run(client: aiohttp.ClientSession, base_url: str) -> Any:
+            return await bench_clients.resolve_target(client, base_url, **kwargs), base_url
+        return canned(server(routes), run)
 
     srt_routes = {"/server_info": {"vocab_size": 320}, "/v1/models": {"data": [{"id": "tiny"}]}}
-    assert resolve(srt_routes) == (bench_clients.Target("srt", "http://x", None), 320)
-    assert resolve(srt_routes, backend="openai") == (bench_clients.Target("openai", "http://x", "tiny"), 320)
+    answer, base = resolve(srt_routes)
+    assert answer == (bench_clients.Target("srt", base, None), 320)
+    answer, base = resolve(srt_routes, backend="openai")
+    assert answer == (bench_clients.Target("openai", base, "tiny"), 320)
     vllm_like = {"/v1/models": {"object": "list", "data": [{"id": "org/model"}]}}
-    target, vocab = resolve(vllm_like)
-    assert (target.backend, target.model, target.url, vocab) == ("openai", "org/model", "http://x/v1/completions", None)
-    assert resolve(vllm_like, model="other")[0].model == "other"
+    (target, vocab), base = resolve(vllm_like)
+    assert (target.backend, target.model, target.url, vocab) == ("openai", "org/model", f"{base}/v1/completions", None)
+    assert resolve(vllm_like, model="other")[0][0].model == "other"
     with pytest.raises(ValueError, match="lists no model"):
         resolve({"/v1/models": {"data": []}})
+
+
+def test_http_call_returns_every_status_and_raises_only_when_unreachable() -> None:
+    seen: list[tuple[str, str, Any]] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append((request.method, request.path, await request.json() if request.can_read_body else None))
+        if request.path == "/missing":
+            return web.Response(status=404, text="no such route")
+        return web.json_response({"ok": True})
+
+    async def calls(client: aiohttp.ClientSession, base_url: str) -> tuple[Any, Any]:
+        return (await asyncio.to_thread(bench_clients.http_call, f"{base_url}/missing", 5.0),
+                await asyncio.to_thread(bench_clients.http_call, f"{base_url}/generate", 5.0, {"input_ids": [1]}))
+
+    missing, posted = canned(handler, calls)
+    assert (missing.status, missing.text) == (404, "no such route")
+    assert posted.status == 200 and posted.json() == {"ok": True}
+    assert seen == [("GET", "/missing", None), ("POST", "/generate", {"input_ids": [1]})]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(bench_clients.HTTP_ERRORS):
+        bench_clients.http_call(f"{closed}/health", 5.0)
+
+
+def test_unreachable_server_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert bench.main(["--base-url", closed, "--num-prompts", "1"]) == 1
+    assert f"cannot reach the server at {closed}: ClientConnectorError" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_usage_errors() -> None:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_peers.py"
 sys.path.insert(0, str(SCRIPT.parent))  # scripts/ is not a package
 
+import bench_clients  # noqa: E402
 import bench_metrics  # noqa: E402
 import compare_peers  # noqa: E402
 import transformers_peer  # noqa: E402
@@ -95,9 +95,11 @@ def test_compare_peers_starts_its_own_server_and_prints_ratios(tiny_model_dirs: 
 
 def test_with_url_transformers_loads_the_model_the_server_reports(tiny_model_dirs: dict[str, Path],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    answers = {"http://srt/server_info": httpx.Response(200, json={"model_dir": str(tiny_model_dirs["llama"])}),
-               "http://vllm/server_info": httpx.Response(404)}
-    monkeypatch.setattr(compare_peers.httpx, "get", lambda url, **kwargs: answers[url])
+    model_dir = json.dumps({"model_dir": str(tiny_model_dirs["llama"])}).encode()
+    elsewhere = json.dumps({"model_dir": str(tiny_model_dirs["qwen2"])}).encode()  # read only if the 404 is ignored
+    answers = {"http://srt/server_info": bench_clients.HttpAnswer(200, model_dir),
+               "http://vllm/server_info": bench_clients.HttpAnswer(404, elsewhere)}
+    monkeypatch.setattr(compare_peers, "http_call", lambda url, **kwargs: answers[url])
     args = compare_peers.parse_args(["--url", "http://srt/"])
     assert compare_peers.transformers_model_dir(args) == tiny_model_dirs["llama"]
     with pytest.raises(ValueError, match="pass --model-path"):
