@@ -1,8 +1,9 @@
 """The HTTP side of the serving benchmark: which API a server speaks, and one timed request on it.
 
 Two backends, both greedy with `ignore_eos` so every request makes exactly its output length:
-- `srt`: srt's native `POST /generate` with `input_ids`; each streamed chunk carries the cumulative
-  `output_ids`, so the tokens per chunk are known exactly.
+- `srt`: srt's native `POST /generate` with `input_ids`; each streamed chunk's
+  `meta_info.completion_tokens` (else the length of its cumulative `output_ids`) gives the tokens
+  so far, so the tokens per chunk are known exactly, with or without --incremental-streaming-output.
 - `openai`: `POST /v1/completions` with a token-id `prompt` (vLLM, SGLang and srt accept one) and
   `stream_options.include_usage`. The tokens per chunk are not visible there: each chunk counts as
   one token for TTFT / ITL (as vLLM's and SGLang's benchmarks count them), and the output length is
@@ -180,7 +181,10 @@ async def _read_srt_stream(response: aiohttp.ClientResponse, start: float, resul
     async for event in _events(response):
         if "error" in event:
             raise BadAnswer(_stream_error(event))
-        new_tokens = len(event["output_ids"]) - result.output_len
+        # meta_info.completion_tokens is the total so far whether the server streams cumulative
+        # output (srt's and SGLang's default) or deltas (--incremental-streaming-output)
+        total = event["meta_info"].get("completion_tokens")
+        new_tokens = (total if isinstance(total, int) else len(event["output_ids"])) - result.output_len
         if new_tokens > 0:
             result.chunk_times.append(time.perf_counter() - start)
             result.chunk_tokens.append(new_tokens)

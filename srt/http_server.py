@@ -110,7 +110,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
             return bad_request(error)
         except ServiceUnavailableError as error:
             return error_response(503, str(error))
-        outputs = tm.generate(call, request)
+        outputs = tm.generate(call, request, incremental=tm.server_args.incremental_streaming_output)
         if call.stream:
             return StreamingResponse(sse_stream(outputs), media_type="text/event-stream")
         try:

@@ -49,11 +49,13 @@ class LogprobMeta:
             for top in chunk.top:  # None for the first prompt token: nothing to rank
                 tops.append(None if top is None else [[v, i, next(texts)] for v, i in zip(*top)])
 
-    def meta_info(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"output_token_logprobs": list(self.output_token)}
+    def meta_info(self, output_from: int = 0) -> dict[str, Any]:
+        """The lists so far; with output_from > 0 (an incremental stream's later chunk) only the
+        output entries from that token on, and no prompt entries (the first chunk had them)."""
+        meta: dict[str, Any] = {"output_token_logprobs": self.output_token[output_from:]}
         if self.with_top:
-            meta["output_top_logprobs"] = list(self.output_top)
-        if self.with_input:
+            meta["output_top_logprobs"] = self.output_top[output_from:]
+        if self.with_input and output_from == 0:
             meta["input_token_logprobs"] = list(self.input_token)
             if self.with_top:
                 meta["input_top_logprobs"] = list(self.input_top)

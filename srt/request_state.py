@@ -40,6 +40,8 @@ class ReqState:
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     updated: bool = False
+    streamed_ids: int = 0  # output ids (and chars of text) an incremental stream has sent
+    streamed_text: int = 0
     sent: TokenizedGenerateReq | None = None  # what went to rank 0 (replayed after a restart)
     replays: int = 0
 
@@ -72,14 +74,20 @@ class ReqState:
             return self.sent
         return dataclasses.replace(self.sent, resume=ResumeState(list(self.output_ids), len(self.text)))
 
-    def to_output(self) -> dict[str, Any]:
+    def to_output(self, incremental: bool = False) -> dict[str, Any]:
+        """The output so far; `incremental` (--incremental-streaming-output): only what the previous
+        incremental call did not return (meta_info's counts stay totals)."""
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "cached_tokens": self.cached_tokens,
                 "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
                 "e2e_latency": time.perf_counter() - self.timing.created}
+        ids_from, text_from = (self.streamed_ids, self.streamed_text) if incremental else (0, 0)
         if self.logprobs is not None:
-            meta.update(self.logprobs.meta_info())
-        out: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+            meta.update(self.logprobs.meta_info(ids_from))
+        out: dict[str, Any] = {"text": self.text[text_from:], "output_ids": self.output_ids[ids_from:],
+                               "meta_info": meta}
+        if incremental:
+            self.streamed_ids, self.streamed_text = len(self.output_ids), len(self.text)
         if self.index is not None:
             out["index"] = self.index
         return out

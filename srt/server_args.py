@@ -51,6 +51,7 @@ class ServerArgs:
     served_model_name: str | None = None
     log_level: str = "info"
     stream_interval: int = 1
+    incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative output
     attention_backend: str = "auto"
     watchdog_timeout: float = 300.0
     soft_watchdog_timeout: float | None = None
@@ -159,6 +160,9 @@ class ServerArgs:
         a("--served-model-name", default=None)
         a("--log-level", default=d["log_level"].default, choices=LOG_LEVELS)
         a("--stream-interval", type=int, default=d["stream_interval"].default)
+        a("--incremental-streaming-output", action="store_true",
+          help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
+               "since the previous chunk (default: everything so far)")
         a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default)
         a("--soft-watchdog-timeout", type=float, default=None)

@@ -6,8 +6,9 @@ what the detokenizer sends back (BatchStrOut, ControlReply) to the waiting calle
 
 Usage: `call = tm.parse_generate(obj)` (synchronous, raises; generate_parse.py), then `async for
 out in tm.generate(call, request)`. Streaming yields one dict per update with the *cumulative*
-text, output ids and logprobs so far (SGLang's /generate default); non-streaming yields each
-request's final dict. Batch items carry "index". When the client disconnects, every unfinished
+text, output ids and logprobs so far (SGLang's /generate default; with `incremental`, as
+--incremental-streaming-output asks of /generate, only what is new since the previous chunk);
+non-streaming yields each request's final dict. Batch items carry "index". When the client disconnects, every unfinished
 request is aborted. With --enable-metrics it records the front end's series (metrics.py).
 
 Engine restarts: the FrontendRecovery mixin (srt/recovery.py) holds new requests back and replays
@@ -186,9 +187,11 @@ class TokenizerManager(FrontendRecovery):
         return [str(t) for t in self.tokenizer.batch_decode([[i] for i in token_ids])]
 
     # ---- generation ----
-    async def generate(self, call: GenerateCall, request: Request | None = None) -> AsyncGenerator[dict[str, Any], None]:
-        """Send the call's requests and yield outputs (see the module doc). Raises
-        ServiceUnavailableError after fail_all; returns early when the client disconnects."""
+    async def generate(self, call: GenerateCall, request: Request | None = None,
+                       incremental: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+        """Send the call's requests and yield outputs (see the module doc; `incremental`: a stream's
+        chunks carry only what is new since the previous one). Raises ServiceUnavailableError
+        after fail_all; returns early when the client disconnects."""
         self.start()
         self._check_rids_free([req.rid for req in call.reqs])  # the rid may have been taken since parsing
         wake = asyncio.Event()
@@ -225,7 +228,7 @@ class TokenizerManager(FrontendRecovery):
                     if state.finish_reason is not None:
                         pending.remove(state)
                     if call.stream or state.finish_reason is not None:
-                        yield state.to_output()
+                        yield state.to_output(incremental and call.stream)
         finally:
             for state in states:
                 if state.finish_reason is None and self.failure is None:

@@ -181,8 +181,10 @@ def test_lines_are_split_across_pieces_and_unbounded() -> None:
     assert asyncio.run(lines()) == []
 
 
-def chunk(ids: list[int], finish: str | None = None) -> str:
-    meta = {"finish_reason": {"type": finish} if finish else None}
+def chunk(ids: list[int], finish: str | None = None, total: int | None = None) -> str:
+    meta: dict[str, Any] = {"finish_reason": {"type": finish} if finish else None}
+    if total is not None:
+        meta["completion_tokens"] = total
     return f"data: {json.dumps({'text': '', 'output_ids': ids, 'meta_info': meta})}\n\n"
 
 
@@ -191,6 +193,10 @@ def test_srt_stream_parsing_records_chunks_and_failures() -> None:
     assert ok.success and ok.output_len == 3 and ok.chunk_tokens == [1, 2] and ok.latency >= ok.chunk_times[-1]
     assert ok.sent == {"path": "/generate", "input_ids": [11, 12], "stream": True,
                        "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
+    # --incremental-streaming-output: each chunk has only its new ids; completion_tokens is the total
+    deltas = sse_result(chunk([5], total=1) + chunk([6, 7], total=3) + chunk([8], "length", total=4)
+                        + "data: [DONE]\n\n")
+    assert deltas.success and deltas.output_len == 4 and deltas.chunk_tokens == [1, 2, 1], deltas
     mid_error = sse_result(chunk([5]) + 'data: {"error": {"message": "rank died", "code": 503}}\n\ndata: [DONE]\n\n')
     assert not mid_error.success and mid_error.error == "stream error: rank died"
     truncated = sse_result(chunk([5]))

@@ -8,6 +8,7 @@ output until aborted (then they finish with reason "abort").
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import threading
@@ -35,7 +36,10 @@ from srt.io_struct import (
     FlushCacheReq,
     GetInternalStateReq,
     TokenizedGenerateReq,
+    TokenLogprobs,
 )
+from srt.logprob_meta import LogprobMeta
+from srt.request_state import ReqState
 from srt.server_args import PortArgs, ServerArgs
 from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
 
@@ -98,12 +102,13 @@ class FakeBackend(threading.Thread):
 
 
 class Server:
-    def __init__(self, tmp_path: Path, tokenizer_dir: Path, tokenizer: Any) -> None:
+    def __init__(self, tmp_path: Path, tokenizer_dir: Path, tokenizer: Any, server_args: ServerArgs | None = None) -> None:
         self.port_args = PortArgs(tokenizer_ipc=f"ipc://{tmp_path}/t", detokenizer_ipc=f"ipc://{tmp_path}/d",
                                   tokenizer_manager_ipc=f"ipc://{tmp_path}/tm", dist_init_method="tcp://127.0.0.1:1")
         model_info = {"context_length": CONTEXT_LENGTH, "vocab_size": VOCAB_SIZE, "max_total_tokens": 1000,
                       "eos_token_ids": [2], "model_path": "/models/fake"}
-        self.tm = TokenizerManager(ServerArgs(random_seed=7), self.port_args, str(tokenizer_dir), model_info)
+        self.tm = TokenizerManager(server_args or ServerArgs(random_seed=7), self.port_args, str(tokenizer_dir),
+                                   model_info)
         self.backend = FakeBackend(self.port_args, tokenizer)
         self.backend.start()
         with socket.socket() as probe:
@@ -260,6 +265,50 @@ def test_streaming_sends_cumulative_chunks_then_done(server: Server, tokenizer: 
     for earlier, later in zip(chunks, chunks[1:]):
         assert later["text"].startswith(earlier["text"]) and earlier["meta_info"]["finish_reason"] is None
     assert all("\ufffd" not in c["text"] for c in chunks)
+
+
+def test_incremental_streaming_sends_disjoint_chunks(tmp_path: Path, smollm2_dir: Path, tokenizer: Any) -> None:
+    srv = Server(tmp_path, smollm2_dir, tokenizer, ServerArgs(random_seed=7, incremental_streaming_output=True))
+    try:
+        text = "Streaming ok 😀"
+        ids = tokenizer(text)["input_ids"][-3:]  # the fake backend's output: " ok", the emoji's two tokens
+        resp = srv.post("/generate", {"text": text, "stream": True}, stream=True)
+        events = [line for line in resp.iter_lines(decode_unicode=False) if line]
+        assert events[-1] == b"data: [DONE]"
+        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        # updates that arrive together go out as one chunk: disjoint pieces, whatever their number
+        assert [i for c in chunks for i in c["output_ids"]] == ids, chunks
+        assert "".join(c["text"] for c in chunks) == tokenizer.decode(ids)
+        assert all("\ufffd" not in c["text"] for c in chunks)  # half an emoji is held back
+        totals = list(itertools.accumulate(len(c["output_ids"]) for c in chunks))
+        assert [c["meta_info"]["completion_tokens"] for c in chunks] == totals and totals[-1] == 3  # totals
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        whole = srv.post("/generate", {"text": text}).json()  # not streamed: the whole output, as before
+        assert whole["output_ids"] == ids and whole["text"] == tokenizer.decode(ids)
+    finally:
+        srv.close()
+
+
+def test_incremental_output_slices_text_ids_and_output_logprobs() -> None:
+    logprobs = LogprobMeta(top_logprobs_num=1, logprob_start_len=0, decode=None)
+    state = ReqState("r", 2, asyncio.Event(), None, logprobs)
+    logprobs.add(TokenLogprobs([-0.5], [7], [([-0.5], [7])]), TokenLogprobs([None, -1.0], [1, 2], [None, ([-1.0], [2])]))
+    state.text, state.output_ids = "a", [7]
+    first = state.to_output(incremental=True)
+    assert (first["text"], first["output_ids"]) == ("a", [7])
+    assert first["meta_info"]["output_token_logprobs"] == [[-0.5, 7, None]]
+    assert first["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-1.0, 2, None]]
+    logprobs.add(TokenLogprobs([-0.25, -2.0], [8, 9], [([-0.25], [8]), ([-2.0], [9])]), None)
+    state.text, state.output_ids = "abc", [7, 8, 9]
+    second = state.to_output(incremental=True)
+    assert (second["text"], second["output_ids"]) == ("bc", [8, 9])
+    assert second["meta_info"]["output_token_logprobs"] == [[-0.25, 8, None], [-2.0, 9, None]]
+    assert second["meta_info"]["output_top_logprobs"] == [[[-0.25, 8, None]], [[-2.0, 9, None]]]
+    assert "input_token_logprobs" not in second["meta_info"]  # the first chunk carried them
+    assert state.to_output(incremental=True)["output_ids"] == []  # nothing new
+    cumulative = state.to_output()
+    assert cumulative["text"] == "abc" and cumulative["output_ids"] == [7, 8, 9]
+    assert len(cumulative["meta_info"]["output_token_logprobs"]) == 3 and "input_token_logprobs" in cumulative["meta_info"]
 
 
 def test_sse_events_are_utf8_json_and_the_server_runs_uvloop_and_httptools() -> None:
