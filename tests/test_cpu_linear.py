@@ -64,6 +64,25 @@ def test_amx_linear_is_the_fp32_product_rounded_once(m: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [1, 17, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
+def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
+    """An LM head's logits straight from the kernel as float32 are exactly .float() of its bf16
+    output (every value rounded to bf16 once), with and without a bias, on the AMX path and past it."""
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(160, 96, generator=g).bfloat16()
+    bias = torch.randn(160, generator=g).bfloat16()
+    x = torch.randn(m, 96, generator=g).bfloat16()
+    packed = pack_weight(weight)
+    assert packed is not None and is_amx_packed(packed)
+    for b in (None, bias):
+        got = linear(x, weight, b, packed, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == (m, 160)
+        assert torch.equal(got, linear(x, weight, b, packed).float())
+    assert torch.equal(cpu_kernels.amx_linear(x, packed, bias, out_dtype=torch.float32),
+                       cpu_kernels.amx_linear(x, packed, bias).float())
+
+
+@needs_amx
 def test_shapes_the_tiles_do_not_cover_keep_onednn() -> None:
     weight = torch.randn(40, 64).bfloat16()  # 40 outputs: not whole pairs of 16
     packed = pack_weight(weight)

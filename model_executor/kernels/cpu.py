@@ -41,6 +41,7 @@ _SIGNATURES = {
     "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_amx_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
@@ -135,14 +136,17 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see amx_pack)."""
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see amx_pack), in bf16,
+    or in float32 (the bf16 values widened: what .float() of the bf16 output gives, in one pass)."""
     lib = kernels()
-    assert lib is not None and x.is_contiguous()
+    assert lib is not None and x.is_contiguous() and out_dtype in (torch.bfloat16, torch.float32)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     m = x.numel() // k
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    lib.srt_amx_linear(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
+    fn = lib.srt_amx_linear if out_dtype == torch.bfloat16 else lib.srt_amx_linear_f32
+    fn(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
     return out
 
 

@@ -64,7 +64,18 @@ def pack_weight(weight: torch.Tensor, quantization: str | None = None) -> Packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
+           packed: PackedWeight | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), in x's dtype, or in `out_dtype` (float32 for logits: the AMX kernel then
+    stores the widened bf16 values itself, as .float() would, without a second pass)."""
+    if (out_dtype == torch.float32 and packed is not None and is_amx_packed(packed)
+            and not isinstance(packed, cpu_kernels.Int8Weight) and x.numel() // x.shape[-1] <= AMX_MAX_ROWS):
+        return cpu_kernels.amx_linear(x.contiguous(), packed, bias, out_dtype=torch.float32)
+    out = _linear(x, weight, bias, packed)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            packed: PackedWeight | None) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, cpu_kernels.Int8Weight):

@@ -61,8 +61,12 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight
         self.packed_weight: PackedWeight | None = None  # see cpu_linear.pack_model
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, vocab_size] on every TP rank."""
-        logits = linear(hidden, self.weight, None, self.packed_weight)
-        logits = self.comm.all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size]
+    def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab_size] on every TP rank, in `out_dtype` if given
+        (converted after the gather: the gather moves the weight's dtype)."""
+        if self.comm.world_size == 1:
+            logits = linear(hidden, self.weight, None, self.packed_weight, out_dtype)
+        else:
+            logits = self.comm.all_gather(linear(hidden, self.weight, None, self.packed_weight), dim=-1)
+            logits = logits if out_dtype is None else logits.to(out_dtype)
+        return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size].contiguous()

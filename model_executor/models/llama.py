@@ -243,7 +243,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, out_dtype=torch.float32)
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
         qkv = self.model.local_layers[0].self_attn.qkv_proj
