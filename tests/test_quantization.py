@@ -34,7 +34,8 @@ def quantized_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 @needs_amx_int8
 @pytest.mark.parametrize(("m", "n", "k", "with_bias"), [(1, 960, 576, False), (5, 64, 128, True),
-                                                        (33, 3072, 576, False), (300, 576, 1536, True)])
+                                                        (33, 3072, 576, False), (300, 576, 1536, True),
+                                                        (560, 64, 128, True)])  # a second chunk of 3 blocks
 def test_int8_linear_is_the_quantized_product(m: int, n: int, k: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(m)
     weight = torch.randn(n, k, generator=g) * 0.05

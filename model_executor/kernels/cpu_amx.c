@@ -41,8 +41,9 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Tiles: C 0 (n0), 1 (n1); A 4; B 6 (n0), 7 (n1). Every tile is 16 rows of 64 bytes; x is
- * padded to whole 16-row blocks. */
+/* All eight tiles 16 rows of 64 bytes. The linear kernels use C 0 (rows r, n0), 1 (r, n1),
+ * 2 (r + 16, n0), 3 (r + 16, n1); A 4 (r), 5 (r + 16); B 6 (n0), 7 (n1); x is padded to whole
+ * 16-row blocks. */
 static void configure_tiles(void) {
     tile_config cfg __attribute__((aligned(64)));
     memset(&cfg, 0, sizeof cfg);
@@ -81,43 +82,59 @@ static inline void store_block_f32(const float *c, int64_t rows, const bf16 *bia
     }
 }
 
-/* Outputs [32p, 32p + 32) for every row, one 16-row block of x at a time: B streams from memory
- * for the first block and from cache for the others. (Two row blocks in one pass over k, four C
- * tiles, measured 8-17% slower at 32 and 64 rows on SmolLM2's layers; a later interleaved
- * measurement with cold weights swung between 11% faster and 17% slower from run to run.) `out`
- * is bf16, or fp32 when f32 (a constant at each call site). */
+/* Outputs [32p, 32p + 32) for every row, two 16-row blocks of x at a time (four C tiles: each B
+ * tile load feeds two products): B streams from memory for the first two blocks and from cache
+ * for the others. Against one block at a time, alternating in one process on SmolLM2's 30 layers
+ * with cold weights (medians of 20): 10-15% less time at 32 rows, 7-10% at 48-64, equal at 16; the
+ * 49152 x 576 LM head 1-13% less. (An earlier measurement of the same idea had found it slower;
+ * one-block-at-a-time timings on this VM swing by more than that from run to run, hence the
+ * alternating medians.) `out` is bf16, or fp32 when f32 (a constant at each call site). */
 static inline void output_pair(const bf16 *xp, int64_t m, int64_t blocks, const bf16 *packed, const bf16 *bias,
                                void *out, int64_t n, int64_t k, int64_t p, const int f32) {
     const int64_t slices = k / 32;
     const bf16 *b0 = packed + 2 * p * slices * 512, *b1 = b0 + slices * 512;
-    float c[2][256];
-    for (int64_t mb = 0; mb < blocks; mb++) {
-        const bf16 *a = xp + mb * 16 * k;
+    const bf16 *b = bias ? bias + 32 * p : NULL;
+    float c[4][256];
+    for (int64_t mb = 0; mb < blocks; mb += 2) {
+        const bf16 *a0 = xp + mb * 16 * k, *a1 = a0 + 16 * k;
+        const int two = mb + 1 < blocks;
         _tile_zero(0);
         _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int64_t j = 0; j < slices; j++) {
             if (mb == 0 && j + PREFETCH_TILES < slices) {
                 prefetch_tile(b0 + (j + PREFETCH_TILES) * 512);
                 prefetch_tile(b1 + (j + PREFETCH_TILES) * 512);
             }
-            _tile_loadd(4, a + j * 32, k * 2);
+            _tile_loadd(4, a0 + j * 32, k * 2);
             _tile_loadd(6, b0 + j * 512, 64);
             _tile_loadd(7, b1 + j * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, a1 + j * 32, k * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
-        const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
-        const bf16 *b = bias ? bias + 32 * p : NULL;
-        if (f32) {
-            float *o = (float *)out + mb * 16 * n + 32 * p;
-            store_block_f32(c[0], rows, b, o, n);
-            store_block_f32(c[1], rows, b ? b + 16 : NULL, o + 16, n);
-        } else {
-            bf16 *o = (bf16 *)out + mb * 16 * n + 32 * p;
-            store_block(c[0], rows, b, o, n);
-            store_block(c[1], rows, b ? b + 16 : NULL, o + 16, n);
+        if (two) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+        }
+        for (int64_t i = 0; i <= two; i++) {
+            const int64_t row0 = (mb + i) * 16, rows = m - row0 < 16 ? m - row0 : 16;
+            if (f32) {
+                float *o = (float *)out + row0 * n + 32 * p;
+                store_block_f32(c[2 * i], rows, b, o, n);
+                store_block_f32(c[2 * i + 1], rows, b ? b + 16 : NULL, o + 16, n);
+            } else {
+                bf16 *o = (bf16 *)out + row0 * n + 32 * p;
+                store_block(c[2 * i], rows, b, o, n);
+                store_block(c[2 * i + 1], rows, b ? b + 16 : NULL, o + 16, n);
+            }
         }
     }
 }
@@ -368,6 +385,9 @@ static inline void store_block_i8(const int32_t *c, int64_t rows, const float *x
     }
 }
 
+/* One 16-row block at a time: output_pair's two-block form, tried here too, was within noise at a
+ * batch-32 decode step of SmolLM2 (17.6 ms against 17.8) and slower at 64 (45.7 ms against 43.4),
+ * alternating step by step. */
 static inline void output_pair_i8(const int8_t *xq, const float *xs, int64_t m, int64_t blocks, const int8_t *packed,
                                   const float *ws, const bf16 *bias, bf16 *out, int64_t n, int64_t k, int64_t p) {
     const int64_t slices = k / 64;
