@@ -45,17 +45,23 @@ def test_bf16_runner_packs_every_linear(tiny_model_dirs: dict[str, Path]) -> Non
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX on this CPU")
 
 
+def amx_case(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bf16 weight [n, k], bias and input [m, k] seeded by m, and the weight packed for the AMX kernel."""
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    packed = pack_weight(weight)
+    assert isinstance(packed, torch.Tensor) and is_amx_packed(packed)
+    return weight, bias, x, packed
+
+
 @needs_amx
 @pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 70])
 def test_amx_linear_is_the_fp32_product_rounded_once(m: int) -> None:
     """Every row count a decode batch can have (tiles of 16 rows, pairs of them, partial last
     tiles), with a bias; fp32 sums, so within one bf16 rounding of the fp32 product."""
-    g = torch.Generator().manual_seed(m)
-    weight = torch.randn(96, 64, generator=g).bfloat16()
-    bias = torch.randn(96, generator=g).bfloat16()
-    x = torch.randn(m, 64, generator=g).bfloat16()
-    packed = pack_weight(weight)
-    assert packed is not None and is_amx_packed(packed)
+    weight, bias, x, packed = amx_case(m, 96, 64)
     exact = F.linear(x.float(), weight.float(), bias.float())
     got = linear(x, weight, bias, packed)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 96)
@@ -68,12 +74,7 @@ def test_amx_linear_is_the_fp32_product_rounded_once(m: int) -> None:
 def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
     """An LM head's logits straight from the kernel as float32 are exactly .float() of its bf16
     output (every value rounded to bf16 once), with and without a bias, on the AMX path and past it."""
-    g = torch.Generator().manual_seed(m)
-    weight = torch.randn(160, 96, generator=g).bfloat16()
-    bias = torch.randn(160, generator=g).bfloat16()
-    x = torch.randn(m, 96, generator=g).bfloat16()
-    packed = pack_weight(weight)
-    assert packed is not None and is_amx_packed(packed)
+    weight, bias, x, packed = amx_case(m, 160, 96)
     for b in (None, bias):
         got = linear(x, weight, b, packed, out_dtype=torch.float32)
         assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == (m, 160)
