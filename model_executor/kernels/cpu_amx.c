@@ -64,7 +64,7 @@ static inline void store_block(const float *c, int64_t rows, const bf16 *bias, b
     const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
-        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
+        store16(out + r * n, v);
     }
 }
 
@@ -381,7 +381,7 @@ static inline void store_block_i8(const int32_t *c, int64_t rows, const float *x
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * 16));
         const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[r])), w, b);
-        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(y));
+        store16(out + r * n, y);
     }
 }
 

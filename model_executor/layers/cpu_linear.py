@@ -67,15 +67,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), in x's dtype, or in `out_dtype` (float32 for logits: the AMX kernel then
     stores the widened bf16 values itself, as .float() would, without a second pass)."""
-    if (out_dtype == torch.float32 and packed is not None and is_amx_packed(packed)
-            and not isinstance(packed, cpu_kernels.Int8Weight) and x.numel() // x.shape[-1] <= AMX_MAX_ROWS):
-        return cpu_kernels.amx_linear(x.contiguous(), packed, bias, out_dtype=torch.float32)
-    out = _linear(x, weight, bias, packed)
-    return out if out_dtype is None else out.to(out_dtype)
+    out = _linear(x, weight, bias, packed, out_dtype == torch.float32)
+    return out if out_dtype is None else out.to(out_dtype)  # a no-op where the kernel wrote float32
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            packed: PackedWeight | None) -> torch.Tensor:
+            packed: PackedWeight | None, float32_out: bool) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, cpu_kernels.Int8Weight):
@@ -83,7 +80,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows = x.numel() // x.shape[-1]
     if is_amx_packed(packed):
         if rows <= AMX_MAX_ROWS:
-            return cpu_kernels.amx_linear(x.contiguous(), packed, bias)
+            return cpu_kernels.amx_linear(x.contiguous(), packed, bias,
+                                          torch.float32 if float32_out else torch.bfloat16)
         return F.linear(x, weight, bias)
     if rows == 1:
         # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
