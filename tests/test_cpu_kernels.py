@@ -247,9 +247,10 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     fused = ModelRunner(config)
     assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
     calls: dict[str, int] = {}
-    for name in ("rmsnorm", "silu_mul", "rope", "decode_attention"):
+    for name in ("rmsnorm", "silu_mul", "amx_linear_silu", "rope", "decode_attention"):
         real = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **k: (
+        key = "silu_mul" if name == "amx_linear_silu" else name  # silu * up alone or in the gate_up product
+        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=key, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
     real_layers = cpu.DecodeLayers.forward
     monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (

@@ -14,6 +14,7 @@ from model_executor.layers.cpu_linear import (
     AMX_MAX_ROWS,
     is_amx_packed,
     linear,
+    linear_silu_mul,
     onednn_bf16_available,
     pack_weight,
 )
@@ -81,6 +82,23 @@ def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
         assert torch.equal(got, linear(x, weight, b, packed).float())
     assert torch.equal(cpu_kernels.amx_linear(x, packed, bias, out_dtype=torch.float32),
                        cpu_kernels.amx_linear(x, packed, bias).float())
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, AMX_MAX_ROWS])
+def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None:
+    """The MLP's gate_up product with silu(gate) * up in the AMX epilogue gives exactly the values of
+    the product stored in bf16 and then srt_silu_mul; int8, biased and larger inputs keep two passes."""
+    weight, bias, x, packed = amx_case(m, 2 * 48, 64)  # gate rows 0-47, up rows 48-95
+    fused = linear_silu_mul(x, packed, None)
+    assert fused is not None and fused.shape == (m, 48)
+    assert torch.equal(fused, cpu_kernels.silu_mul(linear(x, weight, None, packed)))
+    gate, up = F.linear(x.float(), weight.float()).split(48, dim=-1)
+    torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    assert linear_silu_mul(x, packed, bias) is None
+    assert linear_silu_mul(torch.cat([x] * (AMX_MAX_ROWS // m + 1)), packed, None) is None
+    if cpu_kernels.amx_int8_available():
+        assert linear_silu_mul(x, pack_weight(weight, "w8a8_int8"), None) is None
 
 
 @needs_amx

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_amx_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
@@ -147,6 +148,18 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
     fn = lib.srt_amx_linear if out_dtype == torch.bfloat16 else lib.srt_amx_linear_f32
     fn(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
+    return out
+
+
+def amx_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 and a packed gate_up weight [2d, k] (gate rows, then up rows; see amx_pack)
+    -> silu(x @ gate.T) * (x @ up.T) [.., d] in one pass, equal to silu_mul(amx_linear(x, packed))."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous() and packed.shape[0] % 2 == 0
+    d, k = packed.shape[0] * 8, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_amx_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
     return out
 
 

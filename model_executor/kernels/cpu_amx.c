@@ -82,18 +82,32 @@ static inline void store_block_f32(const float *c, int64_t rows, const bf16 *bia
     }
 }
 
-/* Outputs [32p, 32p + 32) for every row, two 16-row blocks of x at a time (four C tiles: each B
- * tile load feeds two products): B streams from memory for the first two blocks and from cache
- * for the others. Against one block at a time, alternating in one process on SmolLM2's 30 layers
- * with cold weights (medians of 20): 10-15% less time at 32 rows, 7-10% at 48-64, equal at 16; the
- * 49152 x 576 LM head 1-13% less. (An earlier measurement of the same idea had found it slower;
- * one-block-at-a-time timings on this VM swing by more than that from run to run, hence the
- * alternating medians.) `out` is bf16, or fp32 when f32 (a constant at each call site). */
-static inline void output_pair(const bf16 *xp, int64_t m, int64_t blocks, const bf16 *packed, const bf16 *bias,
-                               void *out, int64_t n, int64_t k, int64_t p, const int f32) {
+/* rows of the gate (c_gate) and up (c_up) 16 x 16 fp32 blocks of one set of 16 outputs ->
+ * silu(gate) * up in bf16, each input rounded to bf16 first: the values srt_silu_mul computes from
+ * the bf16 gate_up output of the unfused path */
+static inline void store_block_silu(const float *c_gate, const float *c_up, int64_t rows, bf16 *out, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(c_gate + r * 16)));
+        const __m512 u = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(c_up + r * 16)));
+        store16(out + r * n, silu_mul16(g, u));
+    }
+}
+
+enum { OUT_BF16, OUT_F32, OUT_SILU }; /* what output_pair stores */
+
+/* Two sets of 16 outputs for every row, from the B tile streams b0 and b1, two 16-row blocks of x at
+ * a time (four C tiles: each B tile load feeds two products): B streams from memory for the first
+ * two blocks and from cache for the others. Against one block at a time, alternating in one process
+ * on SmolLM2's 30 layers with cold weights (medians of 20): 10-15% less time at 32 rows, 7-10% at
+ * 48-64, equal at 16; the 49152 x 576 LM head 1-13% less. (An earlier measurement of the same idea
+ * had found it slower; one-block-at-a-time timings on this VM swing by more than that from run to
+ * run, hence the alternating medians.)
+ * OUT_BF16 / OUT_F32: b0, b1 are outputs [col, col + 32) of a linear; out [m][n] bf16 / fp32 (+ bias).
+ * OUT_SILU: b0 is the gate's outputs [col, col + 16), b1 the up projection's same outputs; out
+ * [m][n] bf16 gets silu(gate) * up there. `mode` is a constant at each call site. */
+static inline void output_pair(const bf16 *xp, int64_t m, int64_t blocks, const bf16 *b0, const bf16 *b1, int64_t k,
+                               const bf16 *bias, void *out, int64_t n, int64_t col, const int mode) {
     const int64_t slices = k / 32;
-    const bf16 *b0 = packed + 2 * p * slices * 512, *b1 = b0 + slices * 512;
-    const bf16 *b = bias ? bias + 32 * p : NULL;
     float c[4][256];
     for (int64_t mb = 0; mb < blocks; mb += 2) {
         const bf16 *a0 = xp + mb * 16 * k, *a1 = a0 + 16 * k;
@@ -126,34 +140,43 @@ static inline void output_pair(const bf16 *xp, int64_t m, int64_t blocks, const 
         }
         for (int64_t i = 0; i <= two; i++) {
             const int64_t row0 = (mb + i) * 16, rows = m - row0 < 16 ? m - row0 : 16;
-            if (f32) {
-                float *o = (float *)out + row0 * n + 32 * p;
-                store_block_f32(c[2 * i], rows, b, o, n);
-                store_block_f32(c[2 * i + 1], rows, b ? b + 16 : NULL, o + 16, n);
+            if (mode == OUT_SILU) {
+                store_block_silu(c[2 * i], c[2 * i + 1], rows, (bf16 *)out + row0 * n + col, n);
+            } else if (mode == OUT_F32) {
+                float *o = (float *)out + row0 * n + col;
+                store_block_f32(c[2 * i], rows, bias, o, n);
+                store_block_f32(c[2 * i + 1], rows, bias ? bias + 16 : NULL, o + 16, n);
             } else {
-                bf16 *o = (bf16 *)out + row0 * n + 32 * p;
-                store_block(c[2 * i], rows, b, o, n);
-                store_block(c[2 * i + 1], rows, b ? b + 16 : NULL, o + 16, n);
+                bf16 *o = (bf16 *)out + row0 * n + col;
+                store_block(c[2 * i], rows, bias, o, n);
+                store_block(c[2 * i + 1], rows, bias ? bias + 16 : NULL, o + 16, n);
             }
         }
     }
 }
 
+/* x [m][k] with m padded to whole 16-row blocks: the padded copy (free it), or NULL when x is whole */
+static bf16 *pad_rows(const bf16 *x, int64_t m, int64_t k) {
+    if (m % 16 == 0) return NULL;
+    /* a tile reads 16 rows: zero rows past m (their outputs are not stored) */
+    bf16 *padded = calloc((size_t)((m + 15) / 16 * 16 * k), sizeof(bf16));
+    memcpy(padded, x, (size_t)(m * k) * sizeof(bf16));
+    return padded;
+}
+
 static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n,
-                              int64_t k, const int f32) {
-    const int64_t blocks = (m + 15) / 16, pairs = n / 32;
-    const bf16 *xp = x;
-    bf16 *padded = NULL;
-    if (m % 16) { /* a tile reads 16 rows: zero rows past m (their outputs are not stored) */
-        padded = calloc((size_t)(blocks * 16 * k), sizeof(bf16));
-        memcpy(padded, x, (size_t)(m * k) * sizeof(bf16));
-        xp = padded;
-    }
-#pragma omp parallel if (pairs * (k / 32) >= PARALLEL_MIN_TILES)
+                              int64_t k, const int mode) {
+    const int64_t blocks = (m + 15) / 16, pairs = n / 32, slices = k / 32;
+    bf16 *padded = pad_rows(x, m, k);
+    const bf16 *xp = padded ? padded : x;
+#pragma omp parallel if (pairs * slices >= PARALLEL_MIN_TILES)
     {
         configure_tiles();
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) output_pair(xp, m, blocks, packed, bias, out, n, k, p, f32);
+        for (int64_t p = 0; p < pairs; p++) {
+            const bf16 *b0 = packed + 2 * p * slices * 512;
+            output_pair(xp, m, blocks, b0, b0 + slices * 512, k, bias ? bias + 32 * p : NULL, out, n, 32 * p, mode);
+        }
         _tile_release();
     }
     free(padded);
@@ -163,13 +186,33 @@ static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, cons
  * caller checks). srt_amx_init() must have answered 1 in this process. */
 void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
                     int64_t k) {
-    amx_linear(x, m, packed, bias, out, n, k, 0);
+    amx_linear(x, m, packed, bias, out, n, k, OUT_BF16);
 }
 
 /* The same with fp32 outputs, each the bf16 result widened (an LM head's logits) */
 void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                         int64_t k) {
-    amx_linear(x, m, packed, bias, out, n, k, 1);
+    amx_linear(x, m, packed, bias, out, n, k, OUT_F32);
+}
+
+/* act[m][d] = silu(x @ w_gate.T) * (x @ w_up.T) for the packed [2d, k] gate_up weight (gate rows
+ * first, then up, as MergedColumnParallelLinear holds them), without the [m][2d] gate_up output:
+ * the same values as srt_amx_linear then srt_silu_mul. d % 16 == 0 and k % 32 == 0. */
+void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
+    const int64_t blocks = (m + 15) / 16, sets = d / 16, slices = k / 32;
+    bf16 *padded = pad_rows(x, m, k);
+    const bf16 *xp = padded ? padded : x;
+#pragma omp parallel if (sets * slices >= PARALLEL_MIN_TILES)
+    {
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < sets; j++) {
+            const bf16 *gate = packed + j * slices * 512, *up = packed + (sets + j) * slices * 512;
+            output_pair(xp, m, blocks, gate, up, k, NULL, act, d, 16 * j, OUT_SILU);
+        }
+        _tile_release();
+    }
+    free(padded);
 }
 
 /* ---- Prefill attention on AMX tiles ----
@@ -477,6 +520,11 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
 void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                         int64_t k) {
     (void)x, (void)m, (void)packed, (void)bias, (void)out, (void)n, (void)k;
+    abort(); /* never called: srt_amx_init() answered 0 */
+}
+
+void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
+    (void)x, (void)m, (void)packed, (void)act, (void)d, (void)k;
     abort(); /* never called: srt_amx_init() answered 0 */
 }
 

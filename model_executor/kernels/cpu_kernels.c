@@ -58,14 +58,6 @@ static inline float exp_f32(float x) {
 #define PARALLEL_MIN_ELEMS 32768
 
 #if defined(__AVX512BF16__)
-/* silu(g) * u: g / (1 + exp(-g)) with the reciprocal from rcp14 and one Newton step (~23 bits,
- * far below bf16's 8), which costs a fraction of a vector division. */
-static inline __m512 silu_mul16(__m512 g, __m512 u) {
-    const __m512 den = _mm512_add_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)), _mm512_set1_ps(1.0f));
-    __m512 inv = _mm512_rcp14_ps(den);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-    return _mm512_mul_ps(_mm512_mul_ps(g, inv), u);
-}
 #define SIMD_ROWS 1
 #else
 #define SIMD_ROWS 0
@@ -573,6 +565,7 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 }
 
 void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
 void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                        bf16 *out, int64_t n, int64_t k);
 
@@ -594,7 +587,8 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
  *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
- *   out = silu_mul(x @ w_gate_up.T) @ w_down.T
+ *   out = silu_mul(x @ w_gate_up.T) @ w_down.T (one AMX call for the first product and silu_mul
+ *   with bf16 packed weights, the gate_up output never stored)
  * Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...] buffers of the caller's. */
 void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
@@ -623,8 +617,12 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
     layer_linear(attn, m, w_o, p_o, s_o, NULL, out, hidden_size, hq * d);
     srt_rmsnorm(out, residual, ln2, x, residual, m, hidden_size, eps);
-    layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, NULL, gate_up, 2 * inter, hidden_size);
-    srt_silu_mul(gate_up, act, m, inter);
+    if (p_gate_up && !s_gate_up) { /* bf16 AMX: silu * up in the gate_up product's epilogue */
+        srt_amx_linear_silu(x, m, (const bf16 *)p_gate_up, act, inter, hidden_size);
+    } else {
+        layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, NULL, gate_up, 2 * inter, hidden_size);
+        srt_silu_mul(gate_up, act, m, inter);
+    }
     layer_linear(act, m, w_down, p_down, s_down, NULL, out, hidden_size, inter);
 }
 

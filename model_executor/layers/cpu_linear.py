@@ -95,6 +95,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*shape[:-1], out.shape[-1])
 
 
+def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up of x @ gate_up.T in one AMX pass where `packed` is a bf16 AMX-packed gate_up
+    weight without bias and x has at most AMX_MAX_ROWS rows (the [rows, 2d] product is never
+    stored; equal to silu_mul(linear(...))), else None."""
+    if (packed is None or isinstance(packed, cpu_kernels.Int8Weight) or not is_amx_packed(packed)
+            or bias is not None or x.numel() // x.shape[-1] > AMX_MAX_ROWS):
+        return None
+    return cpu_kernels.amx_linear_silu(x.contiguous(), packed)
+
+
 def pack_model(model: nn.Module, quantization: str | None = None) -> int:
     """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
     `quantization` unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM).

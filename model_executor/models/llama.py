@@ -16,7 +16,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.cpu_linear import AMX_MAX_ROWS, PackedWeight, is_amx_packed
+from model_executor.layers.cpu_linear import AMX_MAX_ROWS, PackedWeight, is_amx_packed, linear_silu_mul
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -72,7 +72,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        act = linear_silu_mul(x, gate_up.packed_weight, gate_up.bias)  # bf16 AMX, few rows: one pass
+        return self.down_proj(act if act is not None else self.act_fn(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
