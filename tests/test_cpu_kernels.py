@@ -276,6 +276,25 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     assert err_kernels <= 1.5 * err_torch + 1e-3, (err_kernels, err_torch)
 
 
+
+@pytest.mark.parametrize(("n", "hkv", "d"), [(1, 1, 64), (37, 3, 64), (4096, 2, 128)])
+def test_store_kv_writes_the_rows_index_copy_writes(n: int, hkv: int, d: int) -> None:
+    """k and v as the extend path has them (column slices of one qkv output) into slots in any order."""
+    qkv = rand(n, (4 + 2) * hkv * d, seed=n)
+    k = qkv[:, 4 * hkv * d:5 * hkv * d].reshape(n, hkv, d)
+    v = qkv[:, 5 * hkv * d:].reshape(n, hkv, d)
+    slots = n + 50
+    loc = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:n]
+    k_cache, v_cache = rand(slots, hkv, d, seed=2), rand(slots, hkv, d, seed=3)
+    want_k, want_v = k_cache.clone().index_copy_(0, loc, k), v_cache.clone().index_copy_(0, loc, v)
+    assert cpu.store_kv_applies(k, v, k_cache, v_cache, loc)
+    cpu.store_kv(k, v, k_cache, v_cache, loc)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert not cpu.store_kv_applies(k, v, k_cache.float(), v_cache, loc)  # the pool's dtype decides
+    assert not cpu.store_kv_applies(k, v, k_cache, v_cache, loc.int())
+    assert not cpu.store_kv_applies(qkv[:, :2 * hkv * d:2].reshape(n, hkv, d), v, k_cache, v_cache, loc)
+
+
 @pytest.mark.parametrize("shape", [(32, 49152), (3, 17), (2, 5), (1, 16)])
 def test_argmax_is_torch_argmax_first_index_on_ties(shape: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(shape[1])

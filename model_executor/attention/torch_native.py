@@ -72,8 +72,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.reshape(n, layer.num_heads, layer.head_dim)
         k = k.reshape(n, layer.num_kv_heads, layer.head_dim)
         v = v.reshape(n, layer.num_kv_heads, layer.head_dim)
-        self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+        if cpu_kernels.store_kv_applies(k, v, k_cache, v_cache, batch.out_cache_loc):
+            cpu_kernels.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)  # ~3.6x index_copy_
+        else:
+            self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         gqa = layer.num_heads != layer.num_kv_heads
         if batch.is_decode:
             assert self._decode_slots is not None

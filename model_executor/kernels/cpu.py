@@ -40,6 +40,7 @@ _SIGNATURES = {
                              _i64, _i64, _i64, _i64, _f32, _i64],
     "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
+    "srt_store_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
@@ -297,6 +298,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: S
                                   out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),
                                   prefixes.data_ptr(), len(lens), num_heads, num_kv_heads, d, scale)
     return out
+
+
+def store_kv_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     loc: torch.Tensor) -> bool:
+    """Whether store_kv takes these: bf16 [n, kv heads, d] rows with each row's values contiguous
+    (column slices of a qkv output are), contiguous caches of the same width, int64 slots."""
+    return (usable(k, v, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and loc.dtype == torch.int64 and loc.is_contiguous() and k.shape == v.shape
+            and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             loc: torch.Tensor) -> None:
+    """k_cache[loc] = k and v_cache[loc] = v (see store_kv_applies), rows copied in parallel."""
+    lib = kernels()
+    assert lib is not None
+    n, width = k.shape[0], k.shape[1] * k.shape[2]
+    lib.srt_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                     loc.data_ptr(), n, width)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
