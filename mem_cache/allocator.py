@@ -159,6 +159,14 @@ class PageAllocator:
             return None
 
         ps, dev = self.page_size, self.device
+        if ps == 1 and all(n == 1 for n in extend_lens):
+            # A decode step on one-token pages: request i's new token is new_pages[i] (the general
+            # path below gives the same in ~20 tensor ops; this is on every decode step's path).
+            slots = new_pages.clone()
+            rows_t = torch.tensor(req_pool_indices, dtype=torch.int64, device=req_to_token.device)
+            pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=req_to_token.device)
+            req_to_token[rows_t, pos_t] = slots.to(req_to_token.device)
+            return slots
         # Per request, on Python ints: where the partial last page ends and where its fresh pages
         # start in `new_pages`.
         boundaries = [_ceil_div(prefix, ps) * ps for prefix in prefix_lens]

@@ -67,6 +67,26 @@ def test_alloc_extend_page_size_1_prefill_then_decode() -> None:
     alloc.check_integrity(expected_used_pages=7)
 
 
+def test_decode_step_takes_one_free_page_per_request_in_request_order() -> None:
+    """One new token per request on one-token pages (every decode step): request i gets the i-th
+    page the free list hands out, freed pages included, written at its own position."""
+    alloc = PageAllocator(num_pages=12, page_size=1)
+    req_to_token = torch.zeros((4, 10), dtype=torch.int64)
+    first = alloc.alloc_extend(req_to_token, [0, 1, 3], [0, 0, 0], [2, 4, 3])
+    assert first is not None and first.tolist() == list(range(9))
+    alloc.free_slots(req_to_token[1, :4].clone())  # pages 2-5 back, merged when the rest run out
+    step = alloc.alloc_extend(req_to_token, [3, 0], [3, 2], [4, 3])
+    assert step is not None and step.tolist() == [9, 10]
+    assert req_to_token[3, :4].tolist() == [6, 7, 8, 9] and req_to_token[0, :3].tolist() == [0, 1, 10]
+    step = alloc.alloc_extend(req_to_token, [0, 3], [3, 4], [4, 5])
+    assert step is not None and step.tolist() == [2, 3]  # one page left: the freed ones merged in
+    assert req_to_token[0, 3].item() == 2 and req_to_token[3, 4].item() == 3
+    step = alloc.alloc_extend(req_to_token, [0, 3, 2], [4, 5, 0], [5, 6, 1])
+    assert step is not None and step.tolist() == [4, 5, 11] and req_to_token[2, 0].item() == 11
+    assert alloc.alloc_extend(req_to_token, [0, 3], [5, 6], [6, 7]) is None  # none left
+    alloc.check_integrity(expected_used_pages=12)
+
+
 def test_alloc_extend_page_size_4_continues_partial_pages_and_opens_pages_at_boundaries() -> None:
     alloc = PageAllocator(num_pages=8, page_size=4)
     req_to_token = torch.zeros((2, 16), dtype=torch.int64)
