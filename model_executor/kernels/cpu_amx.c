@@ -164,18 +164,21 @@ static bf16 *pad_rows(const bf16 *x, int64_t m, int64_t k) {
     return padded;
 }
 
+/* One task per two 16-output B streams: outputs [32t, 32t + 32) of a linear, or with OUT_SILU the
+ * gate's block t and the up projection's block t (out [m][n] then has n = d outputs) */
 static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n,
                               int64_t k, const int mode) {
-    const int64_t blocks = (m + 15) / 16, pairs = n / 32, slices = k / 32;
+    const int64_t blocks = (m + 15) / 16, slices = k / 32, width = mode == OUT_SILU ? 16 : 32, tasks = n / width;
     bf16 *padded = pad_rows(x, m, k);
     const bf16 *xp = padded ? padded : x;
-#pragma omp parallel if (pairs * slices >= PARALLEL_MIN_TILES)
+#pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES)
     {
         configure_tiles();
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            const bf16 *b0 = packed + 2 * p * slices * 512;
-            output_pair(xp, m, blocks, b0, b0 + slices * 512, k, bias ? bias + 32 * p : NULL, out, n, 32 * p, mode);
+        for (int64_t t = 0; t < tasks; t++) {
+            const bf16 *b0 = packed + (mode == OUT_SILU ? t : 2 * t) * slices * 512;
+            const bf16 *b1 = b0 + (mode == OUT_SILU ? tasks : 1) * slices * 512;
+            output_pair(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
         }
         _tile_release();
     }
@@ -199,20 +202,7 @@ void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16
  * first, then up, as MergedColumnParallelLinear holds them), without the [m][2d] gate_up output:
  * the same values as srt_amx_linear then srt_silu_mul. d % 16 == 0 and k % 32 == 0. */
 void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
-    const int64_t blocks = (m + 15) / 16, sets = d / 16, slices = k / 32;
-    bf16 *padded = pad_rows(x, m, k);
-    const bf16 *xp = padded ? padded : x;
-#pragma omp parallel if (sets * slices >= PARALLEL_MIN_TILES)
-    {
-        configure_tiles();
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < sets; j++) {
-            const bf16 *gate = packed + j * slices * 512, *up = packed + (sets + j) * slices * 512;
-            output_pair(xp, m, blocks, gate, up, k, NULL, act, d, 16 * j, OUT_SILU);
-        }
-        _tile_release();
-    }
-    free(padded);
+    amx_linear(x, m, packed, NULL, act, d, k, OUT_SILU);
 }
 
 /* ---- Prefill attention on AMX tiles ----
