@@ -212,6 +212,7 @@ void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act
  * head of the group and each block of 16 queries, S = Q K^T block by block (A = 16 query rows in
  * place, C = 16 x 16 scores), a causal softmax over each row in fp32, and O = P V with P rounded to
  * bf16 (as flash attention's second GEMM) and the output in four C tiles (two passes for d = 128).
+ * P is exp(scale * (s - row max)) and each output row is divided by its sum at the end.
  * Tiles as configure_tiles() sets them: C 0-3, A 4-5, B 5-7. */
 #define PF_CHUNK 128 /* queries per task */
 
@@ -275,33 +276,65 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
                 a = sc->qpad;
                 a_stride = d * 2;
             }
-            for (int64_t kb = 0; kb * 16 < seen; kb++) {
+            /* S = Q K^T four key blocks at a time (C tiles 0-3: four independent sums, each query
+             * chunk loaded once for the four) */
+            const int64_t seen_blocks = (seen + 15) / 16;
+            for (int64_t kb0 = 0; kb0 < seen_blocks; kb0 += 4) {
+                const int64_t nb = seen_blocks - kb0 < 4 ? seen_blocks - kb0 : 4;
                 _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
                 for (int64_t c = 0; c < chunks; c++) {
-                    if (c & 1) {
-                        _tile_loadd(5, a + 32 * c, a_stride);
-                        _tile_loadd(7, sc->kt + (kb * chunks + c) * 256, 64);
-                        _tile_dpbf16ps(0, 5, 7);
-                    } else {
-                        _tile_loadd(4, a + 32 * c, a_stride);
-                        _tile_loadd(6, sc->kt + (kb * chunks + c) * 256, 64);
-                        _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(4, a + 32 * c, a_stride);
+                    const uint32_t *kt = sc->kt + (kb0 * chunks + c) * 256;
+                    _tile_loadd(6, kt, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (nb > 1) {
+                        _tile_loadd(7, kt + chunks * 256, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (nb > 2) {
+                        _tile_loadd(5, kt + 2 * chunks * 256, 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                    }
+                    if (nb > 3) {
+                        _tile_loadd(6, kt + 3 * chunks * 256, 64);
+                        _tile_dpbf16ps(3, 4, 6);
                     }
                 }
-                _tile_stored(0, sc->s + kb * 16, smax * 4);
+                float *s0 = sc->s + kb0 * 16;
+                _tile_stored(0, s0, smax * 4);
+                if (nb > 1) _tile_stored(1, s0 + 16, smax * 4);
+                if (nb > 2) _tile_stored(2, s0 + 32, smax * 4);
+                if (nb > 3) _tile_stored(3, s0 + 48, smax * 4);
             }
-            /* causal softmax of each row; P as bf16 A tiles, zero past the row's last key */
+            /* causal softmax of each row, normalised at the end (flash attention's order): P =
+             * exp(scale * (s - max)) as bf16 A tiles, zero past the row's last key, and the output
+             * row divided by the row's sum of those */
             const int64_t pchunks = (seen + 31) / 32;
+            float inv_sum[16];
             for (int64_t r = 0; r < 16; r++) { /* rows past the block's queries: P = 0 */
-                float *sr = sc->s + r * smax;
+                const float *sr = sc->s + r * smax;
                 const int64_t len = r < rows ? prefix + q0 + r + 1 : 0;
-                if (len) softmax16(sr, len, scale);
+                __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+                for (int64_t t = 0; t < len; t += 16) {
+                    const __mmask16 m = lanes16(len - t);
+                    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, sr + t));
+                }
+                const __m512 vscale = _mm512_set1_ps(scale);
+                const __m512 shift = _mm512_set1_ps(len ? -scale * _mm512_reduce_max_ps(vmax) : 0.0f);
                 for (int64_t kc = 0; kc < pchunks; kc++) {
                     const int64_t t = kc * 32;
-                    const __m512 lo = _mm512_maskz_loadu_ps(lanes16(len - t), sr + t);
-                    const __m512 hi = _mm512_maskz_loadu_ps(lanes16(len - t - 16), sr + t + 16);
+                    const __mmask16 mlo = lanes16(len - t), mhi = lanes16(len - t - 16);
+                    const __m512 lo = _mm512_maskz_mov_ps(
+                        mlo, exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mlo, sr + t), vscale, shift)));
+                    const __m512 hi = _mm512_maskz_mov_ps(
+                        mhi, exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mhi, sr + t + 16), vscale, shift)));
+                    vsum = _mm512_add_ps(vsum, _mm512_add_ps(lo, hi));
                     _mm512_storeu_si512(sc->p + (kc * 16 + r) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
+                inv_sum[r] = len ? 1.0f / _mm512_reduce_add_ps(vsum) : 0.0f;
             }
             for (int64_t half = 0; half < d / 64; half++) {
                 _tile_zero(0);
@@ -326,7 +359,9 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
                 _tile_stored(3, sc->o[3], 64);
                 for (int64_t r = 0; r < rows; r++) {
                     bf16 *orow = out + (start + q0 + r) * hq * d + head * d + 64 * half;
-                    for (int64_t j = 0; j < 4; j++) store16(orow + 16 * j, _mm512_loadu_ps(sc->o[j] + r * 16));
+                    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+                    for (int64_t j = 0; j < 4; j++)
+                        store16(orow + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(sc->o[j] + r * 16), inv));
                 }
             }
         }
