@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) void weighted_sum(float *acc, const
 static inline __attribute__((always_inline)) void softmax_rows(float *scores, int64_t heads, int64_t stride,
                                                                int64_t len) {
 #if SIMD_ROWS
-    for (int64_t g = 0; g < heads; g++) softmax16(scores + g * stride, len, 1.0f); /* already scaled */
+    for (int64_t g = 0; g < heads; g++) softmax16(scores + g * stride, len); /* already scaled */
     return;
 #endif
     for (int64_t g = 0; g < heads; g++) {
@@ -384,7 +384,8 @@ static inline __attribute__((always_inline)) void attend_task_fast(
         }
     }
     const int64_t task_heads = heads_per_task * G;
-    softmax_rows(scores, task_heads, max_len, len);
+    float inv_sum[task_heads]; /* softmax's division, applied to the output rows at the end */
+    for (int64_t g = 0; g < task_heads; g++) inv_sum[g] = 1.0f / exp_shifted16(scores + g * max_len, len);
     /* acc[head][32c .. 32c + 16) holds the even columns of chunk c, [32c + 16 .. 32c + 32) the odd */
     for (int64_t i = 0; i < task_heads * D; i++) acc[i] = 0.0f;
     const __m512i odd_mask = _mm512_set1_epi32((int)0xffff0000u);
@@ -419,7 +420,8 @@ static inline __attribute__((always_inline)) void attend_task_fast(
     const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     bf16 *o = out + (b * hq + kv0 * G) * D;
     for (int64_t i = 0; i < task_heads * D; i += 32) {
-        const __m512 e = _mm512_loadu_ps(acc + i), od = _mm512_loadu_ps(acc + i + 16);
+        const __m512 inv = _mm512_set1_ps(inv_sum[i / D]);
+        const __m512 e = _mm512_mul_ps(_mm512_loadu_ps(acc + i), inv), od = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), inv);
         _mm512_storeu_si512(o + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(e, hi, od),
                                                                 _mm512_permutex2var_ps(e, lo, od)));
     }

@@ -47,15 +47,13 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
 static inline __mmask16 lanes16(int64_t n) {
     return (__mmask16)(n <= 0 ? 0u : n >= 16 ? 0xffffu : (1u << n) - 1u);
 }
-/* s[0 .. len) -> softmax(scale * s), in place (len >= 1): decode's scores and prefill's rows */
-static inline void softmax16(float *s, int64_t len, float scale) {
-    const __m512 vscale = _mm512_set1_ps(scale);
+/* s[0 .. len) -> exp(s - max(s)), in place (len >= 1); returns their sum: a softmax with the
+ * division left to the caller (decode attention divides its output instead of the scores) */
+static inline float exp_shifted16(float *s, int64_t len) {
     __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = lanes16(len - t);
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), vscale);
-        _mm512_mask_storeu_ps(s + t, m, v);
-        vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + t));
     }
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     for (int64_t t = 0; t < len; t += 16) {
@@ -64,7 +62,11 @@ static inline void softmax16(float *s, int64_t len, float scale) {
         _mm512_mask_storeu_ps(s + t, m, e);
         vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    return _mm512_reduce_add_ps(vsum);
+}
+/* s[0 .. len) -> softmax(s), in place (len >= 1) */
+static inline void softmax16(float *s, int64_t len) {
+    const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted16(s, len));
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = lanes16(len - t);
         _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
