@@ -88,7 +88,8 @@ def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
 @pytest.mark.parametrize("m", [1, 15, 17, 32, 33, AMX_MAX_ROWS])
 def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None:
     """The MLP's gate_up product with silu(gate) * up in the AMX epilogue gives exactly the values of
-    the product stored in bf16 and then srt_silu_mul; int8, biased and larger inputs keep two passes."""
+    the product stored in bf16 and then srt_silu_mul, in bf16 and in int8 (w8a8); a biased product
+    and bf16 inputs past AMX_MAX_ROWS keep two passes."""
     weight, bias, x, packed = amx_case(m, 2 * 48, 64)  # gate rows 0-47, up rows 48-95
     fused = linear_silu_mul(x, packed, None)
     assert fused is not None and fused.shape == (m, 48)
@@ -98,7 +99,10 @@ def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None
     assert linear_silu_mul(x, packed, bias) is None
     assert linear_silu_mul(torch.cat([x] * (AMX_MAX_ROWS // m + 1)), packed, None) is None
     if cpu_kernels.amx_int8_available():
-        assert linear_silu_mul(x, pack_weight(weight, "w8a8_int8"), None) is None
+        int8 = pack_weight(weight, "w8a8_int8")
+        for rows in (x, torch.cat([x] * (AMX_MAX_ROWS // m + 1))):  # int8: every row count
+            fused = linear_silu_mul(rows, int8, None)
+            assert fused is not None and torch.equal(fused, cpu_kernels.silu_mul(linear(rows, weight, None, int8)))
 
 
 @needs_amx

@@ -45,6 +45,7 @@ _SIGNATURES = {
     "srt_amx_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_amx_linear_i8_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
@@ -204,6 +205,19 @@ def amx_int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | No
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     lib.srt_amx_linear_i8(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), _p(bias), out.data_ptr(),
                           n, k)
+    return out
+
+
+def amx_int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """x [.., k] bf16 and an int8 gate_up weight [2d, k] (gate rows, then up rows) -> silu(gate) * up
+    [.., d] in one pass, equal to silu_mul(amx_int8_linear(x, weight, None))."""
+    lib = kernels()
+    packed = weight.packed
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16 and packed.shape[0] % 2 == 0
+    d, k = packed.shape[0] * 8, packed.shape[1] * 64
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_amx_linear_i8_silu(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k)
     return out
 
 

@@ -453,13 +453,28 @@ static inline void store_block_i8(const int32_t *c, int64_t rows, const float *x
     }
 }
 
-/* One 16-row block at a time: output_pair's two-block form, tried here too, was within noise at a
- * batch-32 decode step of SmolLM2 (17.6 ms against 17.8) and slower at 64 (45.7 ms against 43.4),
- * alternating step by step. */
-static inline void output_pair_i8(const int8_t *xq, const float *xs, int64_t m, int64_t blocks, const int8_t *packed,
-                                  const float *ws, const bf16 *bias, bf16 *out, int64_t n, int64_t k, int64_t p) {
+/* silu(gate) * up from the gate's and up projection's int32 blocks of one set of 16 outputs, each
+ * scaled and rounded to bf16 first (the values srt_silu_mul gets from the unfused path) */
+static inline void store_block_i8_silu(const int32_t *c_gate, const int32_t *c_up, int64_t rows, const float *xs,
+                                       const float *ws_gate, const float *ws_up, bf16 *out, int64_t n) {
+    const __m512 wg = _mm512_loadu_ps(ws_gate), wu = _mm512_loadu_ps(ws_up);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 x = _mm512_set1_ps(xs[r]);
+        const __m512 g = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c_gate + r * 16)), x), wg);
+        const __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c_up + r * 16)), x), wu);
+        store16(out + r * n, silu_mul16(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(g)), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(u))));
+    }
+}
+
+/* Two sets of 16 outputs from the B streams b0 and b1 (weight scales ws0, ws1; bias b), one 16-row
+ * block at a time: outputs [col, col + 32) of a linear, or with silu the gate's outputs [col, col +
+ * 16) (b0) and the up projection's (b1) as silu(gate) * up. (output_pair's two-block form, tried
+ * here too, was within noise at a batch-32 decode step of SmolLM2 (17.6 ms against 17.8) and slower
+ * at 64 (45.7 ms against 43.4), alternating step by step.) */
+static inline void output_pair_i8(const int8_t *xq, const float *xs, int64_t m, int64_t blocks, const int8_t *b0,
+                                  const int8_t *b1, const float *ws0, const float *ws1, const bf16 *b, bf16 *out,
+                                  int64_t n, int64_t k, int64_t col, const int silu) {
     const int64_t slices = k / 64;
-    const int8_t *b0 = packed + 2 * p * slices * 1024, *b1 = b0 + slices * 1024;
     int32_t c[2][256];
     for (int64_t mb = 0; mb < blocks; mb++) {
         const int8_t *a = xq + mb * 16 * k;
@@ -479,37 +494,59 @@ static inline void output_pair_i8(const int8_t *xq, const float *xs, int64_t m, 
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
         const int64_t rows = m - mb * 16 < 16 ? m - mb * 16 : 16;
-        bf16 *o = out + mb * 16 * n + 32 * p;
-        store_block_i8(c[0], rows, xs + mb * 16, ws + 32 * p, bias ? bias + 32 * p : NULL, o, n);
-        store_block_i8(c[1], rows, xs + mb * 16, ws + 32 * p + 16, bias ? bias + 32 * p + 16 : NULL, o + 16, n);
+        bf16 *o = out + mb * 16 * n + col;
+        if (silu) {
+            store_block_i8_silu(c[0], c[1], rows, xs + mb * 16, ws0, ws1, o, n);
+        } else {
+            store_block_i8(c[0], rows, xs + mb * 16, ws0, b, o, n);
+            store_block_i8(c[1], rows, xs + mb * 16, ws1, b ? b + 16 : NULL, o + 16, n);
+        }
     }
+}
+
+/* out[m][n] = x[m][k] @ (w * w_scale).T (+ bias) with x quantized per row as above, or with silu
+ * silu(gate) * up of the gate_up weight into out[m][n] (n = d): one task per two 16-output B
+ * streams, as in amx_linear */
+static void amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                          bf16 *out, int64_t n, int64_t k, const int silu) {
+    const int64_t blocks = (m + 15) / 16, slices = k / 64, width = silu ? 16 : 32, tasks = n / width;
+    int8_t *xq = calloc((size_t)(blocks * 16 * k), 1);
+    float *xs = calloc((size_t)(blocks * 16), sizeof(float));
+    quantize_rows(x, m, k, xq, xs);
+#pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES / 2)
+    {
+        configure_tiles();
+        /* a prefill's rows a chunk at a time, so the chunk's int8 rows stay in L2 while every
+         * output pair passes over them (one pass over all rows re-read them from L3 per pair) */
+        for (int64_t c0 = 0; c0 < blocks; c0 += I8_CHUNK_BLOCKS) {
+            const int64_t nb = blocks - c0 < I8_CHUNK_BLOCKS ? blocks - c0 : I8_CHUNK_BLOCKS;
+            const int64_t rows = m - c0 * 16 < nb * 16 ? m - c0 * 16 : nb * 16;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tasks; t++) {
+                const int64_t first = silu ? t : 2 * t, second = silu ? tasks + t : 2 * t + 1;
+                output_pair_i8(xq + c0 * 16 * k, xs + c0 * 16, rows, nb, packed + first * slices * 1024,
+                               packed + second * slices * 1024, w_scale + 16 * first, w_scale + 16 * second,
+                               bias ? bias + width * t : NULL, out + c0 * 16 * n, n, k, width * t, silu);
+            }
+        }
+        _tile_release();
+    }
+    free(xq);
+    free(xs);
 }
 
 /* out[m][n] = x[m][k] @ (w * w_scale).T (+ bias), x quantized per row as above; n % 32 == 0 and
  * k % 64 == 0 (the caller checks). srt_amx_init() must have answered 1 in this process. */
 void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                        bf16 *out, int64_t n, int64_t k) {
-    const int64_t blocks = (m + 15) / 16, pairs = n / 32;
-    int8_t *xq = calloc((size_t)(blocks * 16 * k), 1);
-    float *xs = calloc((size_t)(blocks * 16), sizeof(float));
-    quantize_rows(x, m, k, xq, xs);
-#pragma omp parallel if (pairs * (k / 64) >= PARALLEL_MIN_TILES / 2)
-    {
-        configure_tiles();
-        /* a prefill's rows a chunk at a time, so the chunk's int8 rows stay in L2 while every
-         * output pair passes over them (one pass over all rows re-read them from L3 per pair) */
-        for (int64_t b0 = 0; b0 < blocks; b0 += I8_CHUNK_BLOCKS) {
-            const int64_t nb = blocks - b0 < I8_CHUNK_BLOCKS ? blocks - b0 : I8_CHUNK_BLOCKS;
-            const int64_t rows = m - b0 * 16 < nb * 16 ? m - b0 * 16 : nb * 16;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < pairs; p++)
-                output_pair_i8(xq + b0 * 16 * k, xs + b0 * 16, rows, nb, packed, w_scale, bias, out + b0 * 16 * n, n,
-                               k, p);
-        }
-        _tile_release();
-    }
-    free(xq);
-    free(xs);
+    amx_linear_i8(x, m, packed, w_scale, bias, out, n, k, 0);
+}
+
+/* act[m][d] = silu(gate) * up of the int8 gate_up weight [2d, k] (gate rows first), without the
+ * [m][2d] product: the same values as srt_amx_linear_i8 then srt_silu_mul. d % 16 == 0. */
+void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
+                            int64_t d, int64_t k) {
+    amx_linear_i8(x, m, packed, w_scale, NULL, act, d, k, 1);
 }
 
 int64_t srt_amx_has_int8(void) { return 1; }
@@ -519,6 +556,12 @@ int64_t srt_amx_has_int8(void) { return 0; }
 void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                        bf16 *out, int64_t n, int64_t k) {
     (void)x, (void)m, (void)packed, (void)w_scale, (void)bias, (void)out, (void)n, (void)k;
+    abort(); /* never called: srt_amx_has_int8() answered 0 */
+}
+
+void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
+                            int64_t d, int64_t k) {
+    (void)x, (void)m, (void)packed, (void)w_scale, (void)act, (void)d, (void)k;
     abort(); /* never called: srt_amx_has_int8() answered 0 */
 }
 #endif
@@ -558,6 +601,12 @@ int64_t srt_amx_has_int8(void) { return 0; }
 void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                        bf16 *out, int64_t n, int64_t k) {
     (void)x, (void)m, (void)packed, (void)w_scale, (void)bias, (void)out, (void)n, (void)k;
+    abort(); /* never called: srt_amx_init() answered 0 */
+}
+
+void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
+                            int64_t d, int64_t k) {
+    (void)x, (void)m, (void)packed, (void)w_scale, (void)act, (void)d, (void)k;
     abort(); /* never called: srt_amx_init() answered 0 */
 }
 

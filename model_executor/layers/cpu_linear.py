@@ -96,11 +96,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """silu(gate) * up of x @ gate_up.T in one AMX pass where `packed` is a bf16 AMX-packed gate_up
-    weight without bias and x has at most AMX_MAX_ROWS rows (the [rows, 2d] product is never
-    stored; equal to silu_mul(linear(...))), else None."""
-    if (packed is None or isinstance(packed, cpu_kernels.Int8Weight) or not is_amx_packed(packed)
-            or bias is not None or x.numel() // x.shape[-1] > AMX_MAX_ROWS):
+    """silu(gate) * up of x @ gate_up.T in one AMX pass where `packed` is a gate_up weight without
+    bias for an AMX kernel that `linear` would use on x (int8: any rows; bf16: at most AMX_MAX_ROWS),
+    the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
+    if packed is None or bias is not None or not is_amx_packed(packed):
+        return None
+    if isinstance(packed, cpu_kernels.Int8Weight):
+        return cpu_kernels.amx_int8_linear_silu(x.contiguous(), packed)
+    if x.numel() // x.shape[-1] > AMX_MAX_ROWS:
         return None
     return cpu_kernels.amx_linear_silu(x.contiguous(), packed)
 
