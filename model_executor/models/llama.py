@@ -73,7 +73,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        act = linear_silu_mul(x, gate_up.packed_weight, gate_up.bias)  # bf16 AMX, few rows: one pass
+        act = linear_silu_mul(x, gate_up.packed_weight, gate_up.bias)  # AMX-packed: silu * up in one pass
         return self.down_proj(act if act is not None else self.act_fn(gate_up(x)))
 
 
