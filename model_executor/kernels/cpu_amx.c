@@ -78,7 +78,7 @@ static inline void store_block_f32(const float *c, int64_t rows, const bf16 *bia
     const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
-        _mm512_storeu_ps(out + r * n, _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)));
+        _mm512_storeu_ps(out + r * n, round16(v));
     }
 }
 
@@ -87,8 +87,7 @@ static inline void store_block_f32(const float *c, int64_t rows, const bf16 *bia
  * the bf16 gate_up output of the unfused path */
 static inline void store_block_silu(const float *c_gate, const float *c_up, int64_t rows, bf16 *out, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
-        const __m512 g = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(c_gate + r * 16)));
-        const __m512 u = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(c_up + r * 16)));
+        const __m512 g = round16(_mm512_loadu_ps(c_gate + r * 16)), u = round16(_mm512_loadu_ps(c_up + r * 16));
         store16(out + r * n, silu_mul16(g, u));
     }
 }
@@ -462,7 +461,7 @@ static inline void store_block_i8_silu(const int32_t *c_gate, const int32_t *c_u
         const __m512 x = _mm512_set1_ps(xs[r]);
         const __m512 g = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c_gate + r * 16)), x), wg);
         const __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c_up + r * 16)), x), wu);
-        store16(out + r * n, silu_mul16(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(g)), _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(u))));
+        store16(out + r * n, silu_mul16(round16(g), round16(u)));
     }
 }
 

@@ -421,7 +421,8 @@ static inline __attribute__((always_inline)) void attend_task_fast(
     bf16 *o = out + (b * hq + kv0 * G) * D;
     for (int64_t i = 0; i < task_heads * D; i += 32) {
         const __m512 inv = _mm512_set1_ps(inv_sum[i / D]);
-        const __m512 e = _mm512_mul_ps(_mm512_loadu_ps(acc + i), inv), od = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), inv);
+        const __m512 e = _mm512_mul_ps(_mm512_loadu_ps(acc + i), inv);
+        const __m512 od = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), inv);
         _mm512_storeu_si512(o + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_permutex2var_ps(e, hi, od),
                                                                 _mm512_permutex2var_ps(e, lo, od)));
     }
