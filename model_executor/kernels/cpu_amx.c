@@ -163,6 +163,11 @@ static bf16 *pad_rows(const bf16 *x, int64_t m, int64_t k) {
     return padded;
 }
 
+/* The two 16-output weight blocks task t of `tasks` reads: blocks 2t and 2t + 1 of a linear, or
+ * with silu the gate's block t and the up projection's (block tasks + t of the gate_up weight) */
+static inline int64_t first_block(int64_t t, const int silu) { return silu ? t : 2 * t; }
+static inline int64_t second_block(int64_t t, int64_t tasks, const int silu) { return silu ? tasks + t : 2 * t + 1; }
+
 /* One task per two 16-output B streams: outputs [32t, 32t + 32) of a linear, or with OUT_SILU the
  * gate's block t and the up projection's block t (out [m][n] then has n = d outputs) */
 static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n,
@@ -175,9 +180,10 @@ static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, cons
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const bf16 *b0 = packed + (mode == OUT_SILU ? t : 2 * t) * slices * 512;
-            const bf16 *b1 = b0 + (mode == OUT_SILU ? tasks : 1) * slices * 512;
-            output_pair(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
+            const int silu = mode == OUT_SILU;
+            output_pair(xp, m, blocks, packed + first_block(t, silu) * slices * 512,
+                        packed + second_block(t, tasks, silu) * slices * 512, k, bias ? bias + width * t : NULL, out,
+                        n, width * t, mode);
         }
         _tile_release();
     }
@@ -316,13 +322,9 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
             for (int64_t r = 0; r < 16; r++) { /* rows past the block's queries: P = 0 */
                 const float *sr = sc->s + r * smax;
                 const int64_t len = r < rows ? prefix + q0 + r + 1 : 0;
-                __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
-                for (int64_t t = 0; t < len; t += 16) {
-                    const __mmask16 m = lanes16(len - t);
-                    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, sr + t));
-                }
+                __m512 vsum = _mm512_setzero_ps();
                 const __m512 vscale = _mm512_set1_ps(scale);
-                const __m512 shift = _mm512_set1_ps(len ? -scale * _mm512_reduce_max_ps(vmax) : 0.0f);
+                const __m512 shift = _mm512_set1_ps(len ? -scale * max16(sr, len) : 0.0f);
                 for (int64_t kc = 0; kc < pchunks; kc++) {
                     const int64_t t = kc * 32;
                     const __mmask16 mlo = lanes16(len - t), mhi = lanes16(len - t - 16);
@@ -522,7 +524,7 @@ static void amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const 
             const int64_t rows = m - c0 * 16 < nb * 16 ? m - c0 * 16 : nb * 16;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; t++) {
-                const int64_t first = silu ? t : 2 * t, second = silu ? tasks + t : 2 * t + 1;
+                const int64_t first = first_block(t, silu), second = second_block(t, tasks, silu);
                 output_pair_i8(xq + c0 * 16 * k, xs + c0 * 16, rows, nb, packed + first * slices * 1024,
                                packed + second * slices * 1024, w_scale + 16 * first, w_scale + 16 * second,
                                bias ? bias + width * t : NULL, out + c0 * 16 * n, n, k, width * t, silu);

@@ -49,15 +49,20 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
 static inline __mmask16 lanes16(int64_t n) {
     return (__mmask16)(n <= 0 ? 0u : n >= 16 ? 0xffffu : (1u << n) - 1u);
 }
-/* s[0 .. len) -> exp(s - max(s)), in place (len >= 1); returns their sum: a softmax with the
- * division left to the caller (decode attention divides its output instead of the scores) */
-static inline float exp_shifted16(float *s, int64_t len) {
-    __m512 vmax = _mm512_set1_ps(-INFINITY), vsum = _mm512_setzero_ps();
+/* max of s[0 .. len) (len >= 1) */
+static inline float max16(const float *s, int64_t len) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = lanes16(len - t);
         vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + t));
     }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    return _mm512_reduce_max_ps(vmax);
+}
+/* s[0 .. len) -> exp(s - max(s)), in place (len >= 1); returns their sum: a softmax with the
+ * division left to the caller (decode attention divides its output instead of the scores) */
+static inline float exp_shifted16(float *s, int64_t len) {
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 mx = _mm512_set1_ps(max16(s, len));
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = lanes16(len - t);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
