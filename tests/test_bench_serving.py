@@ -334,7 +334,10 @@ def test_sweep_against_a_real_server_prints_the_table_and_plots(server: Server, 
     assert list(rows) == ["1", "4"], out
     for cells in rows.values():
         assert cells[:2] == ["8", "0"], out  # completed, failed
-        assert all(re.fullmatch(r"\d+\.\d\d", c) and float(c) > 0 for c in cells[2:]), out
+        assert all(re.fullmatch(r"\d+\.\d\d", c) for c in cells[2:]), out
+        # ITL p50 / p99 may print 0.00: with a tiny model two tokens' events can reach the client in one read
+        req_s, tok_s, ttft_p50, ttft_p99, _, _, e2e_p50, e2e_p99 = map(float, cells[2:])
+        assert min(req_s, tok_s, ttft_p50, ttft_p99, e2e_p50, e2e_p99) > 0, out
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["backend"] == "srt" and [lv["concurrency"] for lv in report["levels"]] == [1, 4]
     for level in report["levels"]:
