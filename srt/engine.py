@@ -136,8 +136,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's cpuset, `taskset`), not
+    the host's count, which would oversubscribe them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this platform
+        return os.cpu_count() or 1
+
+
 def threads_per_rank(local_ranks: int) -> int:
-    return max(1, (os.cpu_count() or 1) // local_ranks)
+    """torch threads for each of `local_ranks` ranks sharing this node's usable CPUs. The ranks are
+    not pinned: on the 2-vCPU VM two TP ranks pinned one per vCPU served 194-217 tok/s against
+    243-256 floating (docs/performance.md), as a pinned rank cannot move off the vCPU the front end
+    takes."""
+    return max(1, usable_cpus() // local_ranks)
 
 
 class Engine:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import pickle
 import re
 
@@ -93,3 +94,11 @@ def test_resolve_init_method_rejects(addr: str) -> None:
         resolve_init_method(addr, 2)
     with pytest.raises(ValueError, match="--dist-init-addr HOST:PORT is required"):
         resolve_init_method(None, 2)
+
+
+def test_threads_per_rank_count_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from srt.engine import threads_per_rank
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the host; a cpuset or taskset allows fewer
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)
+    assert [threads_per_rank(n) for n in (1, 2, 4, 8)] == [4, 2, 1, 1]
