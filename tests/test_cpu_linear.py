@@ -85,6 +85,22 @@ def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [1, 33])
+def test_float32_logits_into_an_unaligned_buffer(m: int) -> None:
+    """The fp32 epilogue writes whole cache lines with non-temporal stores where the output is
+    64-byte aligned (as torch allocates it); an output that is not gets the same values by plain
+    stores (a non-temporal store to an unaligned address would fault)."""
+    weight, bias, x, packed = amx_case(m, 160, 96)
+    lib = cpu_kernels.kernels()
+    assert lib is not None
+    buffer = torch.full((m * 160 + 1,), float("nan"))
+    out = buffer[1:]  # 4 bytes past a 64-byte boundary
+    assert out.data_ptr() % 64 == 4
+    lib.srt_amx_linear_f32(x.data_ptr(), m, packed.data_ptr(), bias.data_ptr(), out.data_ptr(), 160, 96)
+    assert torch.equal(out.view(m, 160), cpu_kernels.amx_linear(x, packed, bias).float())
+
+
+@needs_amx
 @pytest.mark.parametrize("m", [1, 15, 17, 32, 33, AMX_MAX_ROWS])
 def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None:
     """The MLP's gate_up product with silu(gate) * up in the AMX epilogue gives exactly the values of
