@@ -58,7 +58,7 @@ def amx_case(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 48, 64, 70])
 def test_amx_linear_is_the_fp32_product_rounded_once(m: int) -> None:
     """Every row count a decode batch can have (tiles of 16 rows, pairs of them, partial last
     tiles), with a bias; fp32 sums, so within one bf16 rounding of the fp32 product."""
@@ -101,7 +101,7 @@ def test_float32_logits_into_an_unaligned_buffer(m: int) -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, AMX_MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, 64, AMX_MAX_ROWS])
 def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None:
     """The MLP's gate_up product with silu(gate) * up in the AMX epilogue gives exactly the values of
     the product stored in bf16 and then srt_silu_mul, in bf16 and in int8 (w8a8); a biased product

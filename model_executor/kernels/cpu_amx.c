@@ -162,6 +162,61 @@ static inline void output_pair(const bf16 *xp, int64_t m, int64_t blocks, const 
     }
 }
 
+/* C tiles 0 .. nb-1 (nb <= 4) = row blocks 0 .. nb-1 of a (16 rows each, k apart) times the B stream
+ * b of 16 outputs: each B tile is loaded once and meets every row block (A tiles 4 and 5 in turn) */
+static inline void quad_pass(const bf16 *a, int64_t nb, const bf16 *b, int64_t k, float c[4][256]) {
+    const int64_t slices = k / 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < slices; j++) {
+        if (j + PREFETCH_TILES < slices) prefetch_tile(b + (j + PREFETCH_TILES) * 512);
+        _tile_loadd(6, b + j * 512, 64);
+        _tile_loadd(4, a + j * 32, k * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb > 1) {
+            _tile_loadd(5, a + 16 * k + j * 32, k * 2);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (nb > 2) {
+            _tile_loadd(4, a + 32 * k + j * 32, k * 2);
+            _tile_dpbf16ps(2, 4, 6);
+        }
+        if (nb > 3) {
+            _tile_loadd(5, a + 48 * k + j * 32, k * 2);
+            _tile_dpbf16ps(3, 5, 6);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (nb > 1) _tile_stored(1, c[1], 64);
+    if (nb > 2) _tile_stored(2, c[2], 64);
+    if (nb > 3) _tile_stored(3, c[3], 64);
+}
+
+/* 16 outputs [col, col + 16) for every row of a 33-64 row x (3-4 blocks): the weight streams once,
+ * where output_pair would stream it for the first two row blocks and re-read it from cache for the
+ * others (no overlap with the next stream). OUT_BF16 / OUT_F32: b0 is the linear's 16-output
+ * block; OUT_SILU: b0 the gate's and b1 the up projection's, one pass each. Alternating in one
+ * process, a SmolLM2 decode step (with sampling) at batch 64: 51.7 -> 47.9 and 52.5 -> 48.6 ms while
+ * the VM was slow, 37.2 -> 37.1 and 38.2 -> 38.0 while it was fast; at 48: 39.9 -> 38.1. Above 64
+ * rows (more than one pass either way) it was not reliably faster. */
+static inline void output_quad(const bf16 *xp, int64_t m, int64_t blocks, const bf16 *b0, const bf16 *b1, int64_t k,
+                               const bf16 *bias, void *out, int64_t n, int64_t col, const int mode) {
+    float c[4][256], c_up[4][256];
+    quad_pass(xp, blocks, b0, k, c);
+    if (mode == OUT_SILU) quad_pass(xp, blocks, b1, k, c_up);
+    for (int64_t i = 0; i < blocks; i++) {
+        const int64_t row0 = i * 16, rows = m - row0 < 16 ? m - row0 : 16;
+        if (mode == OUT_SILU)
+            store_block_silu(c[i], c_up[i], rows, (bf16 *)out + row0 * n + col, n);
+        else if (mode == OUT_F32)
+            store_block_f32(c[i], rows, bias, (float *)out + row0 * n + col, n);
+        else
+            store_block(c[i], rows, bias, (bf16 *)out + row0 * n + col, n);
+    }
+}
+
 /* x [m][k] with m padded to whole 16-row blocks: the padded copy (free it), or NULL when x is whole */
 static bf16 *pad_rows(const bf16 *x, int64_t m, int64_t k) {
     if (m % 16 == 0) return NULL;
@@ -171,16 +226,19 @@ static bf16 *pad_rows(const bf16 *x, int64_t m, int64_t k) {
     return padded;
 }
 
-/* The two 16-output weight blocks task t of `tasks` reads: blocks 2t and 2t + 1 of a linear, or
- * with silu the gate's block t and the up projection's (block tasks + t of the gate_up weight) */
-static inline int64_t first_block(int64_t t, const int silu) { return silu ? t : 2 * t; }
+/* The 16-output weight blocks task t of `tasks` reads: blocks 2t and 2t + 1 of a linear (pairs),
+ * block t alone (`single`: output_quad's linears), or with silu the gate's block t and the up
+ * projection's (block tasks + t of the gate_up weight) */
+static inline int64_t first_block(int64_t t, const int silu, const int single) { return silu || single ? t : 2 * t; }
 static inline int64_t second_block(int64_t t, int64_t tasks, const int silu) { return silu ? tasks + t : 2 * t + 1; }
 
 /* One task per two 16-output B streams: outputs [32t, 32t + 32) of a linear, or with OUT_SILU the
  * gate's block t and the up projection's block t (out [m][n] then has n = d outputs) */
 static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n,
                               int64_t k, const int mode) {
-    const int64_t blocks = (m + 15) / 16, slices = k / 32, width = mode == OUT_SILU ? 16 : 32, tasks = n / width;
+    const int64_t blocks = (m + 15) / 16, slices = k / 32;
+    const int silu = mode == OUT_SILU, quad = blocks > 2 && blocks <= 4;
+    const int64_t width = silu || quad ? 16 : 32, tasks = n / width;
     bf16 *padded = pad_rows(x, m, k);
     const bf16 *xp = padded ? padded : x;
 #pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES)
@@ -188,10 +246,12 @@ static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, cons
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const int silu = mode == OUT_SILU;
-            output_pair(xp, m, blocks, packed + first_block(t, silu) * slices * 512,
-                        packed + second_block(t, tasks, silu) * slices * 512, k, bias ? bias + width * t : NULL, out,
-                        n, width * t, mode);
+            const bf16 *b0 = packed + first_block(t, silu, quad) * slices * 512;
+            const bf16 *b1 = quad && !silu ? NULL : packed + second_block(t, tasks, silu) * slices * 512;
+            if (quad)
+                output_quad(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
+            else
+                output_pair(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
         }
         _tile_release();
         if (mode == OUT_F32) _mm_sfence(); /* store_block_f32's non-temporal stores */
@@ -533,7 +593,7 @@ static void amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const 
             const int64_t rows = m - c0 * 16 < nb * 16 ? m - c0 * 16 : nb * 16;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; t++) {
-                const int64_t first = first_block(t, silu), second = second_block(t, tasks, silu);
+                const int64_t first = first_block(t, silu, 0), second = second_block(t, tasks, silu);
                 output_pair_i8(xq + c0 * 16 * k, xs + c0 * 16, rows, nb, packed + first * slices * 1024,
                                packed + second * slices * 1024, w_scale + 16 * first, w_scale + 16 * second,
                                bias ? bias + width * t : NULL, out + c0 * 16 * n, n, k, width * t, silu);
