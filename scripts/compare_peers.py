@@ -2,7 +2,8 @@
 
     python scripts/compare_peers.py [--model-path P] [--tokenizer-path P] [--url URL] \\
         [--num-prompts 32] [--input-len 128] [--output-len 64] [--concurrency 32 ...] [--dtype bfloat16] \\
-        [--tp-size 1] [--server-args="--max-running-requests 64"] [--peers generate continuous] [--json out.json]
+        [--tp-size 1] [--server-args="--max-running-requests 64"] [--peers generate continuous] [--rounds 3] \\
+        [--json out.json]
 
 Workload: per concurrency level, `--num-prompts` fresh seeded random prompts of exactly `--input-len`
 token ids, greedy, EOS ignored so that every request makes exactly `--output-len` tokens; at most
@@ -19,6 +20,12 @@ requests are timed.
 Prints one table per level and one line per metric and peer, e.g.
 `ratio vs transformers generate (output tok/s, 32 concurrent): 1.23x`; a ratio above 1 means srt is
 better (srt / peer for throughput, peer / srt for latency). Exit status 1 when a request failed.
+
+`--rounds N` measures srt and then the peers N times over, on fresh prompts each round (a running
+server's prefix cache cannot serve a later round), and prints each round's tables and ratios, then
+each ratio's median over the rounds with the rounds' values: on a shared machine whose speed moves
+from minute to minute, a ratio of two figures measured next to each other, taken over several rounds,
+says more than one pair of runs.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import math
 import random
 import shlex
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -90,17 +98,40 @@ def format_level(concurrency: int, systems: dict[str, LevelResult], description:
     return "\n".join(lines)
 
 
+def _x(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
+
+
 def ratio_lines(concurrency: int, srt: BenchMetrics, peer_name: str, peer: BenchMetrics) -> list[str]:
     lines = []
     for _, name, value, higher_is_better in METRICS:
         r = ratio(value(srt), value(peer), higher_is_better)
-        lines.append(f"ratio vs {peer_name} ({name}, {concurrency} concurrent): {'n/a' if r is None else f'{r:.2f}x'}")
+        lines.append(f"ratio vs {peer_name} ({name}, {concurrency} concurrent): {_x(r)}")
     return lines
 
 
+def round_ratios(pairs: list[tuple[BenchMetrics, BenchMetrics]]) -> dict[str, list[float | None]]:
+    """Per metric, the ratio of each round's (srt, peer) figures, in round order."""
+    return {name: [ratio(value(srt), value(peer), better) for srt, peer in pairs]
+            for _, name, value, better in METRICS}
+
+
+def median_ratio(values: list[float | None]) -> float | None:
+    """The median of the rounds' ratios; None when a round has none."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(v for v in values if v is not None)
+
+
+def median_ratio_lines(concurrency: int, peer_name: str, pairs: list[tuple[BenchMetrics, BenchMetrics]]) -> list[str]:
+    return [f"ratio vs {peer_name} ({name}, {concurrency} concurrent): {_x(median_ratio(values))} "
+            f"(median of {len(values)} rounds: {', '.join(_x(v) for v in values)})"
+            for name, values in round_ratios(pairs).items()]
+
+
 # ---- the two sides ----
-def make_workloads(args: argparse.Namespace, vocab_size: int) -> dict[int, Workload]:
-    rng = random.Random(args.seed)
+def make_workloads(args: argparse.Namespace, vocab_size: int, round_index: int = 0) -> dict[int, Workload]:
+    rng = random.Random(args.seed + 1_000_003 * round_index)
     n = args.num_prompts
     return {c: Workload(random_prompts([args.input_len] * n, vocab_size, rng), [args.output_len] * n, [0.0] * n)
             for c in args.concurrency}
@@ -182,9 +213,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to start; default: %(default)s")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure srt and the peers this many times over, each round on fresh prompts; "
+                             "ratios are then the median of the rounds' ratios; default: %(default)s")
     parser.add_argument("--json", type=Path, default=None, help="write the figures and ratios here")
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "input_len", "output_len", "tp_size"):
+    for name in ("num_prompts", "input_len", "output_len", "tp_size", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.concurrency) < 1:
@@ -209,45 +243,77 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare_peers: --input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
               f"model's context length ({context})", file=sys.stderr)
         return 1
-    workloads = make_workloads(args, int(config.vocab_size))
     description = (f"{args.num_prompts} prompts, {args.input_len} input / {args.output_len} output tokens, "
                    f"greedy, {args.dtype}")
-    print(f"model {model_dir}; {description}; levels {args.concurrency}", flush=True)
-    try:
-        systems: dict[str, list[LevelResult]] = {"srt": run_srt(args, workloads)}
-    except HTTP_ERRORS + (RuntimeError, ValueError) as error:
-        print(f"compare_peers: srt: {error}", file=sys.stderr)
-        return 1
-    model = peers.load_model(str(model_dir), getattr(torch, args.dtype))
-    for mode in args.peers:
-        if mode == "continuous" and not peers.has_continuous_batching(model):
-            print("transformers continuous batching is not in this transformers version: skipped", flush=True)
-            continue
-        systems[PEER_NAMES[mode]] = run_peer(model, mode, args, workloads)
+    print(f"model {model_dir}; {description}; levels {args.concurrency}; rounds {args.rounds}", flush=True)
+    rounds: list[dict[str, list[LevelResult]]] = []
+    model = None
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        workloads = make_workloads(args, int(config.vocab_size), r)
+        try:
+            systems: dict[str, list[LevelResult]] = {"srt": run_srt(args, workloads)}
+        except HTTP_ERRORS + (RuntimeError, ValueError) as error:
+            print(f"compare_peers: srt: {error}", file=sys.stderr)
+            return 1
+        model = model if model is not None else peers.load_model(str(model_dir), getattr(torch, args.dtype))
+        for mode in args.peers:
+            if mode == "continuous" and not peers.has_continuous_batching(model):
+                if r == 0:
+                    print("transformers continuous batching is not in this transformers version: skipped", flush=True)
+                continue
+            systems[PEER_NAMES[mode]] = run_peer(model, mode, args, workloads)
+        rounds.append(systems)
     print(f"torch threads {torch.get_num_threads()} for transformers; "
           "ratios above 1 mean srt is better (srt / peer for throughput, peer / srt for latency)")
-    report: dict[str, Any] = {"model_dir": str(model_dir), "config": {k: str(v) if isinstance(v, Path) else v
-                                                                      for k, v in vars(args).items()},
-                              "levels": []}
-    for i, concurrency in enumerate(args.concurrency):
-        at_level = {name: levels[i] for name, levels in systems.items()}
-        print(format_level(concurrency, at_level, description))
-        srt = at_level["srt"].metrics
-        for name, level in at_level.items():
-            if name != "srt":
-                print("\n".join(ratio_lines(concurrency, srt, name, level.metrics)))
-        report["levels"].append({
-            "concurrency": concurrency, **{name: level.to_json() for name, level in at_level.items()},
-            "ratios": {name: {m[1]: ratio(m[2](srt), m[2](level.metrics), m[3]) for m in METRICS}
-                       for name, level in at_level.items() if name != "srt"}})
-    failed = {name: sum(level.metrics.failed for level in levels) for name, levels in systems.items()}
+    print_report(args, rounds, description)
+    report = json_report(args, model_dir, rounds)
+    failed = {name: sum(level.metrics.failed for systems in rounds for level in systems[name])
+              for name in rounds[0]}
     for name, count in failed.items():
         if count:
-            errors = [e for level in systems[name] for e in level.metrics.errors]
+            errors = [e for systems in rounds for level in systems[name] for e in level.metrics.errors]
             print(f"{name}: {count} request(s) failed, first: {errors[0]}", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if any(failed.values()) else 0
+
+
+def print_report(args: argparse.Namespace, rounds: list[dict[str, list[LevelResult]]], description: str) -> None:
+    """Per level: each round's table and ratio lines; with more than one round, the median lines."""
+    for i, concurrency in enumerate(args.concurrency):
+        for r, systems in enumerate(rounds):
+            at_level = {name: levels[i] for name, levels in systems.items()}
+            label = description if len(rounds) == 1 else f"{description}, round {r + 1} of {len(rounds)}"
+            print(format_level(concurrency, at_level, label))
+            for name, level in at_level.items():
+                if name != "srt":
+                    lines = ratio_lines(concurrency, at_level["srt"].metrics, name, level.metrics)
+                    print("\n".join(lines if len(rounds) == 1 else [f"round {r + 1}: {line}" for line in lines]))
+        if len(rounds) > 1:
+            for name in rounds[0]:
+                if name != "srt":
+                    pairs = [(systems["srt"][i].metrics, systems[name][i].metrics) for systems in rounds]
+                    print("\n".join(median_ratio_lines(concurrency, name, pairs)))
+
+
+def json_report(args: argparse.Namespace, model_dir: Path, rounds: list[dict[str, list[LevelResult]]]) -> dict[str, Any]:
+    """Per level: every system's figures in each round (`rounds`; the first round's also at the top, as
+    before --rounds), the median ratios (`ratios`) and each round's (`round_ratios`)."""
+    report: dict[str, Any] = {"model_dir": str(model_dir), "config": {k: str(v) if isinstance(v, Path) else v
+                                                                      for k, v in vars(args).items()},
+                              "levels": []}
+    for i, concurrency in enumerate(args.concurrency):
+        peer_names = [name for name in rounds[0] if name != "srt"]
+        per_round = {name: round_ratios([(systems["srt"][i].metrics, systems[name][i].metrics) for systems in rounds])
+                     for name in peer_names}
+        report["levels"].append({
+            "concurrency": concurrency, **{name: levels[i].to_json() for name, levels in rounds[0].items()},
+            "rounds": [{name: levels[i].to_json() for name, levels in systems.items()} for systems in rounds],
+            "ratios": {name: {m: median_ratio(v) for m, v in per_round[name].items()} for name in peer_names},
+            "round_ratios": per_round})
+    return report
 
 
 if __name__ == "__main__":

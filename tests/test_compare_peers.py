@@ -47,6 +47,35 @@ def test_report_lines_name_the_peer_metric_and_level() -> None:
     assert re.search(r"^E2E p50 \(ms\)\s+100\.00\s+300\.00$", table, re.MULTILINE), table
 
 
+def test_rounds_report_each_ratio_median_with_the_rounds_values() -> None:
+    def metrics(duration: float, latency: float) -> bench_metrics.BenchMetrics:
+        result = bench_metrics.RequestResult(prompt_len=4, output_len=8, success=True, latency=latency,
+                                             chunk_times=[latency / 2, latency], chunk_tokens=[1, 7])
+        return bench_metrics.compute_metrics([result], duration)
+
+    peer = metrics(1.0, 0.3)
+    pairs = [(metrics(0.5, 0.1), peer), (metrics(0.25, 0.1), peer), (metrics(1 / 3, 0.1), peer)]  # 2x, 4x, 3x
+    per_round = compare_peers.round_ratios(pairs)
+    assert per_round["output tok/s"] == pytest.approx([2.0, 4.0, 3.0])
+    assert compare_peers.median_ratio(per_round["output tok/s"]) == pytest.approx(3.0)
+    assert compare_peers.median_ratio([2.0, None]) is None and compare_peers.median_ratio([]) is None
+    lines = compare_peers.median_ratio_lines(32, "transformers generate", pairs)
+    assert "ratio vs transformers generate (output tok/s, 32 concurrent): 3.00x (median of 3 rounds: 2.00x, 4.00x, " \
+           "3.00x)" in lines
+    assert "ratio vs transformers generate (E2E p50, 32 concurrent): 3.00x (median of 3 rounds: 3.00x, 3.00x, " \
+           "3.00x)" in lines
+
+
+def test_each_round_gets_fresh_prompts_and_round_one_the_seed_s() -> None:
+    args = compare_peers.parse_args(["--num-prompts", "4", "--input-len", "6", "--concurrency", "2", "4", "--seed", "7"])
+    first, second = (compare_peers.make_workloads(args, 320, r) for r in (0, 1))
+    assert first == compare_peers.make_workloads(args, 320)  # round 1 is the run without --rounds
+    seen = [set(map(tuple, w.prompts)) for w in (*first.values(), *second.values())]
+    assert all(len(p) == 4 for p in seen) and len(set().union(*seen)) == 16  # fresh for every level and round
+    with pytest.raises(SystemExit):
+        compare_peers.parse_args(["--rounds", "0"])
+
+
 def test_left_pad_puts_every_prompt_last_token_in_the_last_column() -> None:
     ids, mask = transformers_peer.left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
@@ -106,3 +135,26 @@ def test_with_url_transformers_loads_the_model_the_server_reports(tiny_model_dir
         compare_peers.transformers_model_dir(compare_peers.parse_args(["--url", "http://vllm"]))
     explicit = compare_peers.parse_args(["--url", "http://vllm", "--model-path", str(tiny_model_dirs["qwen2"])])
     assert compare_peers.transformers_model_dir(explicit) == tiny_model_dirs["qwen2"]
+
+
+@pytest.mark.slow  # ~20 s: a server per round
+@pytest.mark.timeout(240)
+def test_rounds_alternate_srt_and_the_peer_and_print_medians(tiny_model_dirs: dict[str, Path], smollm2_dir: Path,
+                                                             tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path",
+         str(smollm2_dir), *WORKLOAD, "--concurrency", "3", "--dtype", "float32", "--peers", "generate",
+         "--rounds", "2", "--server-args", "--max-total-tokens 4096", "--json", "out.json"],
+        capture_output=True, text=True, timeout=220, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert out.index("round 1 of 2") < out.index("round 2 of 2"), out
+    assert len(re.findall(r"^round [12]: ratio vs transformers generate \(output tok/s, 3 concurrent\): "
+                          rf"{RATIO}$", out, re.MULTILINE)) == 2, out
+    assert re.search(rf"^ratio vs transformers generate \(output tok/s, 3 concurrent\): {RATIO} "
+                     rf"\(median of 2 rounds: {RATIO}, {RATIO}\)$", out, re.MULTILINE), out
+    level = json.loads((tmp_path / "out.json").read_text())["levels"][0]
+    assert len(level["rounds"]) == 2 and len(level["round_ratios"]["transformers generate"]["output tok/s"]) == 2
+    assert level["ratios"]["transformers generate"]["output tok/s"] == pytest.approx(
+        sum(level["round_ratios"]["transformers generate"]["output tok/s"]) / 2)  # the median of two
+    assert all(r["srt"]["completed"] == 3 and r["transformers generate"]["completed"] == 3 for r in level["rounds"])
