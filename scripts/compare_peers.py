@@ -304,8 +304,8 @@ def json_report(args: argparse.Namespace, model_dir: Path, rounds: list[dict[str
     report: dict[str, Any] = {"model_dir": str(model_dir), "config": {k: str(v) if isinstance(v, Path) else v
                                                                       for k, v in vars(args).items()},
                               "levels": []}
+    peer_names = [name for name in rounds[0] if name != "srt"]
     for i, concurrency in enumerate(args.concurrency):
-        peer_names = [name for name in rounds[0] if name != "srt"]
         per_round = {name: round_ratios([(systems["srt"][i].metrics, systems[name][i].metrics) for systems in rounds])
                      for name in peer_names}
         report["levels"].append({

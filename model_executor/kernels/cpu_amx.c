@@ -233,7 +233,8 @@ static inline int64_t first_block(int64_t t, const int silu, const int single) {
 static inline int64_t second_block(int64_t t, int64_t tasks, const int silu) { return silu ? tasks + t : 2 * t + 1; }
 
 /* One task per two 16-output B streams: outputs [32t, 32t + 32) of a linear, or with OUT_SILU the
- * gate's block t and the up projection's block t (out [m][n] then has n = d outputs) */
+ * gate's block t and the up projection's block t (out [m][n] then has n = d outputs); at 33-64 rows
+ * a linear's task is its 16 outputs [16t, 16t + 16) alone (output_quad) */
 static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n,
                               int64_t k, const int mode) {
     const int64_t blocks = (m + 15) / 16, slices = k / 32;
