@@ -226,10 +226,11 @@ static bf16 *pad_rows(const bf16 *x, int64_t m, int64_t k) {
     return padded;
 }
 
-/* The 16-output weight blocks task t of `tasks` reads: blocks 2t and 2t + 1 of a linear (pairs),
- * block t alone (`single`: output_quad's linears), or with silu the gate's block t and the up
- * projection's (block tasks + t of the gate_up weight) */
-static inline int64_t first_block(int64_t t, const int silu, const int single) { return silu || single ? t : 2 * t; }
+/* The 16-output weight blocks task t of `tasks` (each `width` outputs wide) reads: first the block
+ * of its first output (blocks 2t and 2t + 1 of a linear in pairs, block t alone for output_quad's
+ * linears), and with silu the gate's block t and the up projection's (block tasks + t of the
+ * gate_up weight) */
+static inline int64_t first_block(int64_t t, int64_t width) { return width * t / 16; }
 static inline int64_t second_block(int64_t t, int64_t tasks, const int silu) { return silu ? tasks + t : 2 * t + 1; }
 
 /* One task per two 16-output B streams: outputs [32t, 32t + 32) of a linear, or with OUT_SILU the
@@ -247,7 +248,7 @@ static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, cons
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const bf16 *b0 = packed + first_block(t, silu, quad) * slices * 512;
+            const bf16 *b0 = packed + first_block(t, width) * slices * 512;
             const bf16 *b1 = quad && !silu ? NULL : packed + second_block(t, tasks, silu) * slices * 512;
             if (quad)
                 output_quad(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
@@ -594,7 +595,7 @@ static void amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const 
             const int64_t rows = m - c0 * 16 < nb * 16 ? m - c0 * 16 : nb * 16;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; t++) {
-                const int64_t first = first_block(t, silu, 0), second = second_block(t, tasks, silu);
+                const int64_t first = first_block(t, width), second = second_block(t, tasks, silu);
                 output_pair_i8(xq + c0 * 16 * k, xs + c0 * 16, rows, nb, packed + first * slices * 1024,
                                packed + second * slices * 1024, w_scale + 16 * first, w_scale + 16 * second,
                                bias ? bias + width * t : NULL, out + c0 * 16 * n, n, k, width * t, silu);
