@@ -234,7 +234,8 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[li
 def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tuple[int, ...],
                                                              tiny_model_dirs: dict[str, Path],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ragged batches: 2 rows (fused with the gemv kernel or AMX), 5 rows (fused only with AMX)."""
+    """Ragged batches: 2 rows (fused with the gemv kernel or packed weights), 5 rows (fused only with
+    packed weights: AMX or AVX-512 BF16)."""
     model_dir = tiny_model_dirs[arch]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in lens]
@@ -247,9 +248,9 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     fused = ModelRunner(config)
     assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
     calls: dict[str, int] = {}
-    for name in ("rmsnorm", "silu_mul", "amx_linear_silu", "rope", "decode_attention"):
+    for name in ("rmsnorm", "silu_mul", "bf16_linear_silu", "rope", "decode_attention"):
         real = getattr(cpu, name)
-        key = "silu_mul" if name == "amx_linear_silu" else name  # silu * up alone or in the gate_up product
+        key = "silu_mul" if name == "bf16_linear_silu" else name  # silu * up alone or in the gate_up product
         monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=key, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
     real_layers = cpu.DecodeLayers.forward
@@ -260,7 +261,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     if arch == "qwen3":  # q/k norm: the layer runs op by op, each op a kernel
         assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
         assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
-    elif len(lens) > cpu.FUSED_DECODE_MAX_BATCH and not cpu.amx_available():  # op by op, each op a kernel
+    elif len(lens) > cpu.FUSED_DECODE_MAX_BATCH and not cpu.bf16_linear_available():  # op by op, each op a kernel
         assert calls["decode_attention"] == layers * 6 and "decode_layers" not in calls
     else:  # one rank: each decode layer is one fused kernel call; prefill runs op by op
         assert calls["decode_layers"] == 6 and "decode_attention" not in calls  # every layer, once a step

@@ -1,5 +1,5 @@
-"""The packed bf16 paths (AMX kernel where the CPU has it, else oneDNN) give F.linear's results and
-are used for every linear layer in bf16."""
+"""The packed bf16 paths (our kernel on AMX or AVX-512 BF16 where the CPU has either, else oneDNN) give
+F.linear's results and are used for every linear layer in bf16."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.cpu_linear import (
-    AMX_MAX_ROWS,
-    is_amx_packed,
+    PACKED_MAX_ROWS,
+    is_kernel_packed,
     linear,
     linear_silu_mul,
     onednn_bf16_available,
@@ -23,7 +23,7 @@ from model_executor.model_runner import ModelRunner, RunnerConfig
 pytestmark = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, AMX_MAX_ROWS + 3])
+@pytest.mark.parametrize("m", [1, 7, 64, PACKED_MAX_ROWS + 3])
 def test_packed_bf16_linear_matches_f_linear(m: int) -> None:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 48, generator=g).bfloat16()
@@ -43,86 +43,109 @@ def test_bf16_runner_packs_every_linear(tiny_model_dirs: dict[str, Path]) -> Non
     assert all(m.packed_weight is None for m in fp32.model.modules() if hasattr(m, "packed_weight"))
 
 
-needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX on this CPU")
+needs_packed = pytest.mark.skipif(not cpu_kernels.bf16_linear_available(),
+                                  reason="neither AMX nor AVX-512 BF16 on this CPU")
 
 
-def amx_case(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A bf16 weight [n, k], bias and input [m, k] seeded by m, and the weight packed for the AMX kernel."""
+def kernel_case(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bf16 weight [n, k], bias and input [m, k] seeded by m, and the weight packed for srt_bf16_linear."""
     g = torch.Generator().manual_seed(m)
     weight = torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
     packed = pack_weight(weight)
-    assert isinstance(packed, torch.Tensor) and is_amx_packed(packed)
+    assert isinstance(packed, torch.Tensor) and is_kernel_packed(packed)
     return weight, bias, x, packed
 
 
-@needs_amx
+@needs_packed
 @pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 48, 64, 70])
-def test_amx_linear_is_the_fp32_product_rounded_once(m: int) -> None:
-    """Every row count a decode batch can have (tiles of 16 rows, pairs of them, partial last
-    tiles), with a bias; fp32 sums, so within one bf16 rounding of the fp32 product."""
-    weight, bias, x, packed = amx_case(m, 96, 64)
+def test_packed_linear_is_the_fp32_product_rounded_once(m: int) -> None:
+    """Every row count a decode batch can have (AMX: tiles of 16 rows, pairs of them, partial last
+    tiles; AVX-512: tiles of 6 rows and partial ones), with a bias; fp32 sums, so within one bf16
+    rounding of the fp32 product."""
+    weight, bias, x, packed = kernel_case(m, 96, 64)
     exact = F.linear(x.float(), weight.float(), bias.float())
     got = linear(x, weight, bias, packed)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 96)
     assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
-    assert torch.equal(linear(x, weight, None, packed), cpu_kernels.amx_linear(x, packed, None))
+    assert torch.equal(linear(x, weight, None, packed), cpu_kernels.bf16_linear(x, packed, None))
 
 
-@needs_amx
-@pytest.mark.parametrize("m", [1, 17, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
+@pytest.mark.skipif(not cpu_kernels.bf16_linear_available() or cpu_kernels.amx_available(),
+                    reason="the AVX-512 BF16 kernel runs only where AMX does not")
+def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
+    """Without AMX a row's outputs do not depend on the rows beside it (each sum runs over k in one
+    order whatever the row count and tiling): a request decodes the same tokens alone or in a
+    batch. Also across the thread split (n = 1024 outputs, so both threads get blocks) and for
+    every tail of the 6-row tiles, in all three output forms."""
+    weight, bias, x, packed = kernel_case(70, 1024, 576)
+    d = 512  # as a gate_up weight: gate rows 0-511, up rows 512-1023
+    whole = (cpu_kernels.bf16_linear(x, packed, bias), cpu_kernels.bf16_linear(x, packed, bias, torch.float32),
+             cpu_kernels.bf16_linear_silu(x, packed))
+    assert whole[2].shape == (70, d)
+    for rows in (1, 2, 5, 6, 7, 13, 64):
+        for start in (0, 70 - rows):
+            part = x[start:start + rows]
+            got = (cpu_kernels.bf16_linear(part, packed, bias), cpu_kernels.bf16_linear(part, packed, bias, torch.float32),
+                   cpu_kernels.bf16_linear_silu(part, packed))
+            for g, w in zip(got, whole):
+                assert torch.equal(g, w[start:start + rows]), (rows, start)
+
+
+@needs_packed
+@pytest.mark.parametrize("m", [1, 17, 64, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
 def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
     """An LM head's logits straight from the kernel as float32 are exactly .float() of its bf16
-    output (every value rounded to bf16 once), with and without a bias, on the AMX path and past it."""
-    weight, bias, x, packed = amx_case(m, 160, 96)
+    output (every value rounded to bf16 once), with and without a bias, on the kernel's path and past it."""
+    weight, bias, x, packed = kernel_case(m, 160, 96)
     for b in (None, bias):
         got = linear(x, weight, b, packed, out_dtype=torch.float32)
         assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == (m, 160)
         assert torch.equal(got, linear(x, weight, b, packed).float())
-    assert torch.equal(cpu_kernels.amx_linear(x, packed, bias, out_dtype=torch.float32),
-                       cpu_kernels.amx_linear(x, packed, bias).float())
+    assert torch.equal(cpu_kernels.bf16_linear(x, packed, bias, out_dtype=torch.float32),
+                       cpu_kernels.bf16_linear(x, packed, bias).float())
 
 
-@needs_amx
+@needs_packed
 @pytest.mark.parametrize("m", [1, 33])
 def test_float32_logits_into_an_unaligned_buffer(m: int) -> None:
     """The fp32 epilogue writes whole cache lines with non-temporal stores where the output is
     64-byte aligned (as torch allocates it); an output that is not gets the same values by plain
     stores (a non-temporal store to an unaligned address would fault)."""
-    weight, bias, x, packed = amx_case(m, 160, 96)
+    weight, bias, x, packed = kernel_case(m, 160, 96)
     lib = cpu_kernels.kernels()
     assert lib is not None
     buffer = torch.full((m * 160 + 1,), float("nan"))
     out = buffer[1:]  # 4 bytes past a 64-byte boundary
     assert out.data_ptr() % 64 == 4
-    lib.srt_amx_linear_f32(x.data_ptr(), m, packed.data_ptr(), bias.data_ptr(), out.data_ptr(), 160, 96)
-    assert torch.equal(out.view(m, 160), cpu_kernels.amx_linear(x, packed, bias).float())
+    lib.srt_bf16_linear_f32(x.data_ptr(), m, packed.data_ptr(), bias.data_ptr(), out.data_ptr(), 160, 96)
+    assert torch.equal(out.view(m, 160), cpu_kernels.bf16_linear(x, packed, bias).float())
 
 
-@needs_amx
-@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, 64, AMX_MAX_ROWS])
+@needs_packed
+@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, 64, PACKED_MAX_ROWS])
 def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None:
-    """The MLP's gate_up product with silu(gate) * up in the AMX epilogue gives exactly the values of
+    """The MLP's gate_up product with silu(gate) * up in the kernel's epilogue gives exactly the values of
     the product stored in bf16 and then srt_silu_mul, in bf16 and in int8 (w8a8); a biased product
-    and bf16 inputs past AMX_MAX_ROWS keep two passes."""
-    weight, bias, x, packed = amx_case(m, 2 * 48, 64)  # gate rows 0-47, up rows 48-95
+    and bf16 inputs past PACKED_MAX_ROWS keep two passes."""
+    weight, bias, x, packed = kernel_case(m, 2 * 48, 64)  # gate rows 0-47, up rows 48-95
     fused = linear_silu_mul(x, packed, None)
     assert fused is not None and fused.shape == (m, 48)
     assert torch.equal(fused, cpu_kernels.silu_mul(linear(x, weight, None, packed)))
     gate, up = F.linear(x.float(), weight.float()).split(48, dim=-1)
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
     assert linear_silu_mul(x, packed, bias) is None
-    assert linear_silu_mul(torch.cat([x] * (AMX_MAX_ROWS // m + 1)), packed, None) is None
+    assert linear_silu_mul(torch.cat([x] * (PACKED_MAX_ROWS // m + 1)), packed, None) is None
     if cpu_kernels.amx_int8_available():
         int8 = pack_weight(weight, "w8a8_int8")
-        for rows in (x, torch.cat([x] * (AMX_MAX_ROWS // m + 1))):  # int8: every row count
+        for rows in (x, torch.cat([x] * (PACKED_MAX_ROWS // m + 1))):  # int8: every row count
             fused = linear_silu_mul(rows, int8, None)
             assert fused is not None and torch.equal(fused, cpu_kernels.silu_mul(linear(rows, weight, None, int8)))
 
 
-@needs_amx
+@needs_packed
 def test_shapes_the_tiles_do_not_cover_keep_onednn() -> None:
     weight = torch.randn(40, 64).bfloat16()  # 40 outputs: not whole pairs of 16
     packed = pack_weight(weight)
-    assert packed is not None and not is_amx_packed(packed)
+    assert packed is not None and not is_kernel_packed(packed)

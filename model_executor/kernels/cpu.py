@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger("srt.kernels")
 
-SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_amx.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c"))
 HEADERS = (Path(__file__).with_name("simd_bf16.h"),)  # included by the sources: part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -41,9 +41,9 @@ _SIGNATURES = {
     "srt_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_argmax": [_ptr, _i64, _i64, _ptr],
     "srt_store_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_amx_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_amx_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_amx_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
+    "srt_bf16_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_bf16_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_bf16_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_linear_i8_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
@@ -115,53 +115,62 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("srt_amx_init", "srt_amx_has_int8"):
+    for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], _i64
     return lib
 
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether srt_amx_linear runs here: built for a CPU with AMX-BF16, and the OS lets this
-    process use the tiles (SRT_AMX=0 turns it off)."""
+    """Whether the AMX kernels run here: built for a CPU with AMX-BF16, and the OS lets this
+    process use the tiles (SRT_AMX=0 turns them off). Asking grants the tiles to the process, and
+    from then on srt_bf16_linear runs on them."""
     lib = kernels()
     return lib is not None and os.environ.get("SRT_AMX", "1") != "0" and bool(lib.srt_amx_init())
 
 
-def amx_packable(weight: torch.Tensor) -> bool:
+@functools.cache
+def bf16_linear_available() -> bool:
+    """Whether srt_bf16_linear runs here: on AMX tiles, or else on AVX-512 BF16 (cpu_bf16_linear.c)."""
+    lib = kernels()
+    return lib is not None and (amx_available() or bool(lib.srt_dp_linear_available()))
+
+
+def bf16_packable(weight: torch.Tensor) -> bool:
     n, k = weight.shape
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 32 == 0 and k % 32 == 0
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """[n, k] bf16 -> the tile order srt_amx_linear streams: [n/16, k/32, 16 (k pairs), 16 (n), 2]."""
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] bf16 -> the order srt_bf16_linear streams it in: [n/16, k/32, 16 (k pairs), 16 (n), 2]
+    (an AMX B tile per 32-wide slice of k; one vdpbf16ps operand per k pair)."""
     n, k = weight.shape
     return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see amx_pack), in bf16,
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see bf16_pack), in bf16,
     or in float32 (the bf16 values widened: what .float() of the bf16 output gives, in one pass)."""
     lib = kernels()
     assert lib is not None and x.is_contiguous() and out_dtype in (torch.bfloat16, torch.float32)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
-    fn = lib.srt_amx_linear if out_dtype == torch.bfloat16 else lib.srt_amx_linear_f32
+    fn = lib.srt_bf16_linear if out_dtype == torch.bfloat16 else lib.srt_bf16_linear_f32
     fn(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
     return out
 
 
-def amx_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [.., k] bf16 and a packed gate_up weight [2d, k] (gate rows, then up rows; see amx_pack)
-    -> silu(x @ gate.T) * (x @ up.T) [.., d] in one pass, equal to silu_mul(amx_linear(x, packed))."""
+def bf16_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 and a packed gate_up weight [2d, k] (gate rows, then up rows; see bf16_pack)
+    -> silu(x @ gate.T) * (x @ up.T) [.., d] in one pass, equal to silu_mul(bf16_linear(x, packed))."""
     lib = kernels()
     assert lib is not None and x.is_contiguous() and packed.shape[0] % 2 == 0
     d, k = packed.shape[0] * 8, packed.shape[1] * 32
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
-    lib.srt_amx_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
+    lib.srt_bf16_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
     return out
 
 
@@ -369,7 +378,7 @@ class DecodeLayerWeights:
     w_o: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
-    amx: Sequence[torch.Tensor | Int8Weight] | None  # qkv, o, gate_up, down packed by amx_pack or
+    packed: Sequence[torch.Tensor | Int8Weight] | None  # qkv, o, gate_up, down packed by bf16_pack or
     # amx_int8_pack, or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -384,21 +393,21 @@ class DecodeLayers:
 
     The weights, norms and KV buffers never move, so their pointers are gathered once here: per
     step only the batch's own arguments are converted (Python glue around 30 per-layer calls cost
-    ~3 ms of a 38 ms batch-32 step on SmolLM2 before). With AMX-packed weights (`amx`) any number
+    ~3 ms of a 38 ms batch-32 step on SmolLM2 before). With packed weights (`packed`) any number
     of rows, else at most GEMV_MAX_ROWS. Every tensor contiguous bf16 / int64."""
 
     def __init__(self, layers: Sequence[DecodeLayerWeights]) -> None:
         self.layers = list(layers)  # keeps the tensors behind the pointers alive
         first = self.layers[0]
-        self.amx = all(w.amx is not None for w in self.layers)
+        self.packed = all(w.packed is not None for w in self.layers)
         self.hidden_size = first.w_o.shape[0]
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], first.w_down.shape[1])  # qkv, q, intermediate
         self._args = []
         for w in self.layers:
-            amx = w.amx if w.amx is not None else [None] * 4
+            kernel_weights = w.packed if w.packed is not None else [None] * 4
             packed = [None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
-                      for t in amx]
-            scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in amx]
+                      for t in kernel_weights]
+            scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
             weights = (w.ln1.data_ptr(), w.ln2.data_ptr(), w.eps, w.w_qkv.data_ptr(), _p(w.b_qkv), w.w_o.data_ptr(),
                        w.w_gate_up.data_ptr(), w.w_down.data_ptr(), *packed, *scales)
             dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, w.w_down.shape[1], w.scale)
@@ -410,7 +419,7 @@ class DecodeLayers:
         """(hidden, residual) after every layer, as the op-by-op layers would return them."""
         lib = kernels()
         m = hidden.shape[0]
-        assert lib is not None and (self.amx or m <= GEMV_MAX_ROWS) and hidden.is_contiguous()
+        assert lib is not None and (self.packed or m <= GEMV_MAX_ROWS) and hidden.is_contiguous()
         qkv_size, q_size, intermediate = self.sizes
 
         def buf(n: int) -> torch.Tensor:

@@ -11,7 +11,8 @@
  * tiles; outputs are rounded to bf16 (round to nearest even) after the bias is added.
  *
  * Built with the rest of the CPU kernels (-march=native). Without AMX in the compiler's target,
- * srt_amx_init() answers 0 and the callers keep oneDNN / the gemv kernel.
+ * srt_amx_init() answers 0 and the bf16 linears run on AVX-512 BF16 (cpu_bf16_linear.c), or
+ * without it on oneDNN / the gemv kernel.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,8 +33,15 @@ typedef uint16_t bf16;
 #define PREFETCH_TILES 2 /* how many k-slices ahead the B stream is prefetched (tuned: 1-4 alike) */
 #define PARALLEL_MIN_TILES 64
 
+static int64_t granted; /* set by srt_amx_init: the bf16 linears of cpu_bf16_linear.c then run here */
+
 /* 1 when this process may use AMX tiles (the kernel grants it per process), else 0. */
-int64_t srt_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+int64_t srt_amx_init(void) {
+    granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+int64_t srt_amx_granted(void) { return granted; }
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -641,6 +649,8 @@ void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, cons
 #else
 
 int64_t srt_amx_init(void) { return 0; }
+
+int64_t srt_amx_granted(void) { return 0; }
 
 void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
                                int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,

@@ -1,12 +1,14 @@
 """bf16 matmuls on the CPU with weights packed once at load time.
 
 Decode steps multiply a few rows by each weight, so a linear layer is a stream of its weight from
-memory. Where the CPU has AMX, the weight is packed in the order srt_amx_linear's tiles read it
-(model_executor/kernels/cpu_amx.c): measured on SmolLM2's 30 layers with weights not in cache, it
-streams them at ~2x the speed of oneDNN's packed GEMM and of F.linear from 1 to 32 rows, and stays
-ahead up to a few hundred rows; larger prefill chunks use F.linear. Elsewhere the weight is
-reordered for oneDNN's bf16 kernel: ATen's bf16 GEMM at small M ran at 2-4x its time, with
-bit-identical results. fp32 and other devices keep F.linear.
+memory. Where the CPU has AMX or AVX-512 BF16, the weight is packed in the order srt_bf16_linear
+reads it (model_executor/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): measured on
+SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them at ~2x the speed of
+oneDNN's packed GEMM and of F.linear from 1 to 32 rows and stays ahead up to a few hundred rows;
+the AVX-512 one (AMD Zen 4) takes 0.6-0.9x oneDNN's time from 1 to 256 rows. Larger prefill
+chunks use F.linear. Without either the weight is reordered for oneDNN's bf16 kernel: ATen's bf16
+GEMM at small M ran at 2-4x its time, with bit-identical results. fp32 and other devices keep
+F.linear.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
 becomes int8 with one scale per output (cpu.amx_int8_pack) and every linear of every size runs on
@@ -22,7 +24,7 @@ from torch import nn
 
 from model_executor.kernels import cpu as cpu_kernels
 
-AMX_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast or faster
+PACKED_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast as the AMX kernel or faster
 QUANTIZATIONS = ("w8a8_int8",)
 PackedWeight = torch.Tensor | cpu_kernels.Int8Weight  # a layer's `packed_weight` when not None
 
@@ -31,8 +33,9 @@ def onednn_bf16_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def is_amx_packed(packed: PackedWeight) -> bool:
-    # cpu_kernels.amx_pack's layout is 5-D, oneDNN's packed weight 2-D
+def is_kernel_packed(packed: PackedWeight) -> bool:
+    """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
+    # cpu_kernels.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
     return isinstance(packed, cpu_kernels.Int8Weight) or packed.dim() == 5
 
 
@@ -56,8 +59,8 @@ def pack_weight(weight: torch.Tensor, quantization: str | None = None) -> Packed
         return None
     if quantization == "w8a8_int8" and cpu_kernels.amx_int8_packable(weight):
         return cpu_kernels.amx_int8_pack(weight)
-    if cpu_kernels.amx_packable(weight) and cpu_kernels.amx_available():
-        return cpu_kernels.amx_pack(weight)
+    if cpu_kernels.bf16_packable(weight) and cpu_kernels.bf16_linear_available():
+        return cpu_kernels.bf16_pack(weight)
     if not onednn_bf16_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -78,10 +81,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if isinstance(packed, cpu_kernels.Int8Weight):
         return cpu_kernels.amx_int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
-    if is_amx_packed(packed):
-        if rows <= AMX_MAX_ROWS:
-            return cpu_kernels.amx_linear(x.contiguous(), packed, bias,
-                                          torch.float32 if float32_out else torch.bfloat16)
+    if is_kernel_packed(packed):
+        if rows <= PACKED_MAX_ROWS:
+            return cpu_kernels.bf16_linear(x.contiguous(), packed, bias,
+                                           torch.float32 if float32_out else torch.bfloat16)
         return F.linear(x, weight, bias)
     if rows == 1:
         # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
@@ -96,16 +99,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """silu(gate) * up of x @ gate_up.T in one AMX pass where `packed` is a gate_up weight without
-    bias for an AMX kernel that `linear` would use on x (int8: any rows; bf16: at most AMX_MAX_ROWS),
+    """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
+    for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most PACKED_MAX_ROWS),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
-    if packed is None or bias is not None or not is_amx_packed(packed):
+    if packed is None or bias is not None or not is_kernel_packed(packed):
         return None
     if isinstance(packed, cpu_kernels.Int8Weight):
         return cpu_kernels.amx_int8_linear_silu(x.contiguous(), packed)
-    if x.numel() // x.shape[-1] > AMX_MAX_ROWS:
+    if x.numel() // x.shape[-1] > PACKED_MAX_ROWS:
         return None
-    return cpu_kernels.amx_linear_silu(x.contiguous(), packed)
+    return cpu_kernels.bf16_linear_silu(x.contiguous(), packed)
 
 
 def pack_model(model: nn.Module, quantization: str | None = None) -> int:

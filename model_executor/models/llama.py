@@ -16,7 +16,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.cpu_linear import AMX_MAX_ROWS, PackedWeight, is_amx_packed, linear_silu_mul
+from model_executor.layers.cpu_linear import PACKED_MAX_ROWS, PackedWeight, is_kernel_packed, linear_silu_mul
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -146,23 +146,23 @@ class LlamaModel(nn.Module):
         return hidden
 
     @staticmethod
-    def _amx_weights(layer: Any) -> list[PackedWeight] | None:
-        """The layer's qkv, o, gate_up and down weights packed for an AMX kernel (bf16 or int8), or None."""
+    def _kernel_weights(layer: Any) -> list[PackedWeight] | None:
+        """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16 or int8), or None."""
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         packed = [m.packed_weight for m in linears]
-        return packed if all(p is not None and is_amx_packed(p) for p in packed) else None
+        return packed if all(p is not None and is_kernel_packed(p) for p in packed) else None
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
-        AMX_MAX_ROWS with AMX-packed weights, else (the gemv kernel) a small one."""
+        PACKED_MAX_ROWS with packed weights, else (the gemv kernel) a small one."""
         if not (batch.is_decode and self.single_rank and not self.qk_norm
                 and self.local_layers[0].self_attn.o_proj.bias is None
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
                 and cpu_kernels.usable(hidden, self.rotary_emb.cos)):
             return False
         backend: Any = batch.attn_backend
-        amx = self._fused_layers(backend.kv_pool).amx
-        return batch.batch_size <= (AMX_MAX_ROWS if amx else cpu_kernels.FUSED_DECODE_MAX_BATCH)
+        packed = self._fused_layers(backend.kv_pool).packed
+        return batch.batch_size <= (PACKED_MAX_ROWS if packed else cpu_kernels.FUSED_DECODE_MAX_BATCH)
 
     def _fused_layers(self, kv_pool: Any) -> cpu_kernels.DecodeLayers:
         """The layers' kernel arguments, gathered on the first fused step (weights are packed by
@@ -176,7 +176,7 @@ class LlamaModel(nn.Module):
                 layers.append(cpu_kernels.DecodeLayerWeights(
                     layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
                     a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight, self._amx_weights(layer), k_cache, v_cache, a.attn.num_heads,
+                    mlp.down_proj.weight, self._kernel_weights(layer), k_cache, v_cache, a.attn.num_heads,
                     a.attn.num_kv_heads, a.head_dim, a.attn.scaling))
             cached = (kv_pool, cpu_kernels.DecodeLayers(layers))
             self._fused_cache = cached

@@ -1,0 +1,185 @@
+/* bf16 linear layers on packed weights, for the row counts of decode steps (and short prefills):
+ * AMX tiles where this process was granted them (cpu_amx.c), else AVX-512 BF16 dot products
+ * (vdpbf16ps: AMD Zen 4 and 5, Intel Cooper Lake and later), both on the one packed layout.
+ *
+ * The weight is packed once at load (model_executor/kernels/cpu.py, bf16_pack) as
+ * [n/16][k/32][16][16][2]: for each block of 16 outputs, k in pairs, each pair's 16 outputs x 2
+ * values one 64-byte line. An AMX B tile is 16 such lines; for vdpbf16ps one line is one register,
+ * and each 16-output block is one contiguous stream of k/2 lines.
+ *
+ * The AVX-512 kernel computes a tile of ROWS rows x up to four 16-output blocks in 24 fp32
+ * registers: per k pair, four weight lines are loaded and each row's pair of x values broadcast.
+ * A task is a group of four blocks (the gate's two and the up projection's two with silu) for
+ * every row of x: the group's weights stream from memory for the first ROWS rows and come from L2
+ * for the others, while the next group's lines are prefetched into L2. Each output's sum runs over
+ * k in the same order whatever the row count or grouping (batch-invariant). Measured on SmolLM2's
+ * 30 layers with cold weights on a 2-core AMD EPYC (Zen 4, no AMX), against oneDNN's packed bf16
+ * GEMM in the same process: see docs/performance.md.
+ *
+ * Outputs: bf16 (+ bias; rounded to nearest even), fp32 (each value rounded to bf16 first, so equal
+ * to the bf16 output widened: an LM head's logits), or silu(gate) * up of a gate_up weight.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uint16_t bf16;
+
+int64_t srt_amx_granted(void);
+void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
+                        int64_t k);
+void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "simd_bf16.h"
+
+#define ROWS 6       /* rows per register tile: 6 x 4 sums + 4 weight lines + 1 broadcast of 32 registers */
+#define GROUP 4      /* 16-output blocks per task */
+#define PARALLEL_MIN 65536
+
+enum { OUT_BF16, OUT_F32, OUT_SILU };
+
+int64_t srt_dp_linear_available(void) { return 1; }
+
+/* acc[r][b] = row r of x (rows k apart) times weight block wb[b], over every k pair; meanwhile one
+ * line per pair of each block pf[pf0 .. pf1) is prefetched into L2 (a block is k/2 lines) */
+static inline __attribute__((always_inline)) void dp_tile(const bf16 *x, int64_t k, const bf16 *const *wb,
+                                                          const int R, const int NB, __m512 acc[ROWS][GROUP],
+                                                          const bf16 *const *pf, int64_t pf0, int64_t pf1) {
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+    const int32_t *xp = (const int32_t *)x; /* a pair of bf16 x values as one 32-bit lane */
+    const int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[GROUP];
+        for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_loadu_si512(wb[b] + p * 32);
+        for (int64_t b = pf0; b < pf1; b++) _mm_prefetch((const char *)(pf[b] + p * 32), _MM_HINT_T1);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], w[b], xv);
+        }
+    }
+}
+
+/* R rows of sums -> out (row stride n, its first column at `out`). OUT_SILU: blocks [0, NB/2) are
+ * the gate's, [NB/2, NB) the up projection's same outputs. Aligned fp32 rows go out by
+ * non-temporal stores (a whole line each; dp_linear fences them), as cpu_amx.c's LM head does. */
+static inline __attribute__((always_inline)) void dp_store(__m512 acc[ROWS][GROUP], const int R, const int NB,
+                                                           const bf16 *bias, void *out, int64_t n, const int mode) {
+    for (int r = 0; r < R; r++) {
+        if (mode == OUT_SILU) {
+            for (int b = 0; b < NB / 2; b++)
+                store16((bf16 *)out + r * n + 16 * b, silu_mul16(round16(acc[r][b]), round16(acc[r][b + NB / 2])));
+            continue;
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m512 v = bias ? _mm512_add_ps(acc[r][b], load16(bias + 16 * b)) : acc[r][b];
+            if (mode == OUT_BF16) {
+                store16((bf16 *)out + r * n + 16 * b, v);
+            } else {
+                float *o = (float *)out + r * n + 16 * b;
+                if (((uintptr_t)o & 63) == 0)
+                    _mm512_stream_ps(o, round16(v));
+                else
+                    _mm512_storeu_ps(o, round16(v));
+            }
+        }
+    }
+}
+
+/* Every row of x against the NB blocks wb -> out's columns from `out` on. With `next` (the next
+ * task's blocks), row tile i >= 1 prefetches its share of them. */
+static inline __attribute__((always_inline)) void dp_group(const bf16 *x, int64_t m, int64_t k, const bf16 *const *wb,
+                                                           const int NB, const bf16 *bias, void *out, int64_t n,
+                                                           const int mode, const bf16 *const *next) {
+    const int64_t esize = mode == OUT_F32 ? 4 : 2, tiles = (m + ROWS - 1) / ROWS;
+    const int64_t share = next && tiles > 1 ? (NB + tiles - 2) / (tiles - 1) : 0; /* blocks per tile */
+    __m512 acc[ROWS][GROUP];
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t r0 = i * ROWS, lo = i ? (i - 1) * share : 0, hi = i ? i * share : 0;
+        const int64_t pf0 = lo < NB ? lo : NB, pf1 = hi < NB ? hi : NB;
+        const bf16 *xr = x + r0 * k;
+        void *o = (char *)out + r0 * n * esize;
+        switch (m - r0 < ROWS ? m - r0 : ROWS) {
+#define TILE(R)                                                \
+    case R:                                                    \
+        dp_tile(xr, k, wb, R, NB, acc, next, pf0, pf1);        \
+        dp_store(acc, R, NB, bias, o, n, mode);                \
+        break;
+            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+#undef TILE
+        default: break;
+        }
+    }
+}
+
+/* out[m][n] = x[m][k] @ w.T (+ bias) in `mode`'s form; with OUT_SILU n is d, the gate_up weight's
+ * [2d, k] half. Each thread takes a contiguous run of 16-output blocks, GROUP (silu: two gate
+ * blocks with their up blocks) at a time. */
+static void dp_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n, int64_t k,
+                      const int mode) {
+    const int64_t block = 16 * k, units = n / 16, esize = mode == OUT_F32 ? 4 : 2;
+    const int64_t step = mode == OUT_SILU ? GROUP / 2 : GROUP;
+#pragma omp parallel if (units * k * (m + 8) >= PARALLEL_MIN)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t u1 = units * (t + 1) / threads;
+        for (int64_t u = units * t / threads; u < u1; u += step) {
+            const int64_t left = u1 - u < step ? u1 - u : step;
+            const bf16 *wb[GROUP], *pf[GROUP];
+            int nb = 0;
+            for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (u + i) * block;
+            if (mode == OUT_SILU)
+                for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (units + u + i) * block;
+            for (int i = 0; i < nb; i++) pf[i] = wb[i] + step * block;
+            const bf16 *const *next = u + step < u1 ? pf : NULL;
+            void *o = (char *)out + 16 * u * esize;
+            const bf16 *b = bias ? bias + 16 * u : NULL;
+            switch (nb) { /* a constant block count for each instance */
+            case 4: dp_group(x, m, k, wb, 4, b, o, n, mode, next); break;
+            case 3: dp_group(x, m, k, wb, 3, b, o, n, mode, next); break;
+            case 2: dp_group(x, m, k, wb, 2, b, o, n, mode, next); break;
+            default: dp_group(x, m, k, wb, 1, b, o, n, mode, next); break;
+            }
+        }
+        if (mode == OUT_F32) _mm_sfence(); /* dp_store's non-temporal stores */
+    }
+}
+
+#define DP(mode, ...) dp_linear(__VA_ARGS__, mode)
+#else
+int64_t srt_dp_linear_available(void) { return 0; }
+#define DP(mode, ...) abort() /* never called: srt_dp_linear_available() answered 0 */
+#endif
+
+/* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the packed weight; x rows contiguous; n % 32 == 0 and
+ * k % 32 == 0 (the caller checks). */
+void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
+                     int64_t k) {
+    if (srt_amx_granted())
+        srt_amx_linear(x, m, packed, bias, out, n, k);
+    else
+        DP(OUT_BF16, x, m, packed, bias, out, n, k);
+}
+
+/* The same with fp32 outputs, each the bf16 result widened (an LM head's logits) */
+void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
+                         int64_t k) {
+    if (srt_amx_granted())
+        srt_amx_linear_f32(x, m, packed, bias, out, n, k);
+    else
+        DP(OUT_F32, x, m, packed, bias, out, n, k);
+}
+
+/* act[m][d] = silu(x @ w_gate.T) * (x @ w_up.T) for the packed [2d, k] gate_up weight (gate rows
+ * first, then up, as MergedColumnParallelLinear holds them), without the [m][2d] gate_up output:
+ * the same values as srt_bf16_linear then srt_silu_mul. d % 16 == 0 and k % 32 == 0. */
+void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
+    if (srt_amx_granted())
+        srt_amx_linear_silu(x, m, packed, act, d, k);
+    else
+        DP(OUT_SILU, x, m, packed, NULL, act, d, k);
+}
