@@ -137,7 +137,7 @@ def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
     assert linear_silu_mul(x, packed, bias) is None
     assert linear_silu_mul(torch.cat([x] * (PACKED_MAX_ROWS // m + 1)), packed, None) is None
-    if cpu_kernels.amx_int8_available():
+    if cpu_kernels.int8_available():
         int8 = pack_weight(weight, "w8a8_int8")
         for rows in (x, torch.cat([x] * (PACKED_MAX_ROWS // m + 1))):  # int8: every row count
             fused = linear_silu_mul(rows, int8, None)

@@ -1,4 +1,4 @@
-"""--quantization w8a8_int8: the AMX int8 kernel against the same quantization done in fp32, a
+"""--quantization w8a8_int8: the int8 kernel (AMX or AVX-512 VNNI) against the same quantization done in fp32, a
 quantized model against its bf16 self and fp32 transformers, and a server that serves with it."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.server_args import ServerArgs
 
-needs_amx_int8 = pytest.mark.skipif(cpu._compiler() is None or not cpu.amx_int8_available(),
-                                    reason="no AMX int8 tiles here: --quantization w8a8_int8 is refused")
+needs_int8 = pytest.mark.skipif(cpu._compiler() is None or not cpu.int8_available(),
+                                reason="neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused")
 
 
 def quantized_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -32,7 +32,7 @@ def quantized_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out if bias is None else out + bias.float()
 
 
-@needs_amx_int8
+@needs_int8
 @pytest.mark.parametrize(("m", "n", "k", "with_bias"), [(1, 960, 576, False), (5, 64, 128, True),
                                                         (33, 3072, 576, False), (300, 576, 1536, True),
                                                         (560, 64, 128, True)])  # a second chunk of 3 blocks
@@ -43,9 +43,10 @@ def test_int8_linear_is_the_quantized_product(m: int, n: int, k: int, with_bias:
     if m > 1:
         x[m // 2] = 0  # a row of zeros: its scale is 1 and its outputs the bias
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    packed = cpu.amx_int8_pack(weight)
-    assert packed.packed.dtype == torch.int8 and packed.packed.numel() == n * k
-    out = cpu.amx_int8_linear(x, packed, bias).float()
+    packed = cpu.int8_pack(weight)
+    assert packed.packed.dtype == (torch.int8 if cpu.amx_available() else torch.uint8)
+    assert packed.packed.numel() == n * k
+    out = cpu.int8_linear(x, packed, bias).float()
     want = quantized_reference(x, weight, bias)
     # int32 sums are exact; what differs is the fp32 epilogue and the bf16 rounding of the output
     assert ((out - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (out - want).abs().max()
@@ -53,7 +54,7 @@ def test_int8_linear_is_the_quantized_product(m: int, n: int, k: int, with_bias:
     assert (out - exact).norm() / exact.norm() < 0.02  # and int8 is close to the unquantized product
 
 
-@needs_amx_int8
+@needs_int8
 def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
         tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     model_dir = tiny_model_dirs["llama"]
@@ -85,7 +86,7 @@ def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
     assert err_fused > err_bf16  # int8 rounds more than bf16: the quantized weights were used
 
 
-@needs_amx_int8
+@needs_int8
 def test_int8_smollm2_predicts_mostly_what_bf16_predicts(smollm2_dir: Path) -> None:
     """Teacher-forced on a real prompt, int8's next-token choice agrees with bf16's at most
     positions (measured over 1024 tokens of this repo's docs with transformers emulating the
@@ -112,13 +113,13 @@ def test_quantization_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyP
     assert ServerArgs.from_cli(["--quantization", "w8a8_int8"]).quantization == "w8a8_int8"
     with pytest.raises(ValueError, match="runs on --device cpu with bfloat16 activations"):
         check_quantization("w8a8_int8", torch.float32, "cpu")
-    monkeypatch.setattr(cpu, "amx_int8_available", lambda: False)
-    with pytest.raises(ValueError, match="needs a CPU with AMX int8 tiles"):
+    monkeypatch.setattr(cpu, "int8_available", lambda: False)
+    with pytest.raises(ValueError, match="needs a CPU with AMX int8 tiles .* or AVX-512 VNNI"):
         check_quantization("w8a8_int8", torch.bfloat16, "cpu")
     check_quantization(None, torch.float32, "cpu")  # no quantization: nothing to check
 
 
-@needs_amx_int8
+@needs_int8
 def test_server_serves_with_int8_weights() -> None:
     with Server("--quantization", "w8a8_int8", "--max-total-tokens", "2048") as server:
         response = server.generate({"text": "The capital of France is",

@@ -27,7 +27,8 @@ import torch
 
 logger = logging.getLogger("srt.kernels")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c"))
 HEADERS = (Path(__file__).with_name("simd_bf16.h"),)  # included by the sources: part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -44,8 +45,8 @@ _SIGNATURES = {
     "srt_bf16_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_bf16_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_bf16_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
-    "srt_amx_linear_i8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_amx_linear_i8_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_int8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_int8_linear_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
@@ -115,7 +116,7 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available"):
+    for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available", "srt_vnni_linear_available"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], _i64
     return lib
 
@@ -175,58 +176,63 @@ def bf16_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def amx_int8_available() -> bool:
-    """Whether srt_amx_linear_i8 runs here (AMX with its int8 tiles)."""
+def int8_available() -> bool:
+    """Whether srt_int8_linear runs here: on AMX int8 tiles where AMX is granted, else on AVX-512 VNNI."""
     lib = kernels()
-    return amx_available() and lib is not None and bool(lib.srt_amx_has_int8())
+    if lib is None:
+        return False
+    return bool(lib.srt_amx_has_int8()) if amx_available() else bool(lib.srt_vnni_linear_available())
 
 
-def amx_int8_packable(weight: torch.Tensor) -> bool:
+def int8_packable(weight: torch.Tensor) -> bool:
     n, k = weight.shape
     return weight.device.type == "cpu" and weight.is_floating_point() and n % 32 == 0 and k % 64 == 0
 
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A weight for srt_amx_linear_i8: int8 in its tile order [n/16, k/64, 16 (k quads), 16 (n), 4]
-    and one fp32 scale per output (w ~ q * scale)."""
+    """A weight for srt_int8_linear: int8 in its tile order [n/16, k/64, 16 (k quads), 16 (n), 4]
+    and one fp32 scale per output (w ~ q * scale). For AMX `packed` holds q (torch.int8); for the
+    AVX-512 VNNI path, whose products take one operand unsigned, q + 128 (torch.uint8)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
 
 
-def amx_int8_pack(weight: torch.Tensor) -> Int8Weight:
-    """[n, k] -> its Int8Weight: symmetric per-output quantization (absmax / 127), |q| <= 127."""
+def int8_pack(weight: torch.Tensor) -> Int8Weight:
+    """[n, k] -> its Int8Weight for the path srt_int8_linear takes here: symmetric per-output
+    quantization (absmax / 127), |q| <= 127."""
     n, k = weight.shape
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    if not amx_available():
+        q = (q.to(torch.int16) + 128).to(torch.uint8)
     return Int8Weight(q.view(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous(), scale.contiguous())
 
 
-def amx_int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [.., k] bf16 -> x @ (q * scale).T (+ bias) in bf16, x quantized to int8 per row."""
     lib = kernels()
     packed = weight.packed
-    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16 and packed.dtype == torch.int8
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
     n, k = packed.shape[0] * 16, packed.shape[1] * 64
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    lib.srt_amx_linear_i8(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), _p(bias), out.data_ptr(),
-                          n, k)
+    lib.srt_int8_linear(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), _p(bias), out.data_ptr(), n, k)
     return out
 
 
-def amx_int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """x [.., k] bf16 and an int8 gate_up weight [2d, k] (gate rows, then up rows) -> silu(gate) * up
-    [.., d] in one pass, equal to silu_mul(amx_int8_linear(x, weight, None))."""
+    [.., d] in one pass, equal to silu_mul(int8_linear(x, weight, None))."""
     lib = kernels()
     packed = weight.packed
     assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16 and packed.shape[0] % 2 == 0
     d, k = packed.shape[0] * 8, packed.shape[1] * 64
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
-    lib.srt_amx_linear_i8_silu(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k)
+    lib.srt_int8_linear_silu(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k)
     return out
 
 
@@ -379,7 +385,7 @@ class DecodeLayerWeights:
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
     packed: Sequence[torch.Tensor | Int8Weight] | None  # qkv, o, gate_up, down packed by bf16_pack or
-    # amx_int8_pack, or None (gemv)
+    # int8_pack, or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_heads: int

@@ -492,7 +492,7 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
 #if defined(__AMX_INT8__)
 /* ---- W8A8 int8 (--quantization w8a8_int8) ----
  * Weights are int8 with one fp32 scale per output (symmetric, absmax / 127), packed by
- * cpu.amx_int8_pack as [n/16][k/64][16 (k quads)][16 (n)][4]: each 64-wide slice of k for 16
+ * cpu.int8_pack as [n/16][k/64][16 (k quads)][16 (n)][4]: each 64-wide slice of k for 16
  * outputs is one B tile, 1 KiB. Each row of x is quantized the same way per call (one scale per
  * row), the tiles multiply int8 into int32 (vpdpbssd's tile form, twice the bf16 rate per tile),
  * and the epilogue applies both scales (and the bias) in fp32 before rounding to bf16. */
@@ -501,26 +501,8 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
 #define I8_CHUNK_BLOCKS 32 /* 16-row blocks of x per pass over the weight */
 #endif
 
-/* x rows -> int8 rows (padded to whole 16-row blocks with zeros) and their scales */
-static void quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales) {
-#pragma omp parallel for if (m * k >= 65536) schedule(static)
-    for (int64_t r = 0; r < m; r++) {
-        const bf16 *xr = x + r * k;
-        __m512 amax = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; j += 16) {
-            const __m512 v = load16(xr + j);
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        }
-        const float a = _mm512_reduce_max_ps(amax), scale = a > 0.0f ? a / 127.0f : 1.0f;
-        const __m512 inv = _mm512_set1_ps(1.0f / scale);
-        for (int64_t j = 0; j < k; j += 16) {
-            const __m512 v = load16(xr + j);
-            const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* round to nearest even */
-            _mm_storeu_si128((__m128i *)(q + r * k + j), _mm512_cvtsepi32_epi8(n));
-        }
-        scales[r] = scale;
-    }
-}
+/* cpu_int8_linear.c: x rows -> int8 rows and their scales (and sums) */
+void srt_quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales, int32_t *sums);
 
 static inline void store_block_i8(const int32_t *c, int64_t rows, const float *xs, const float *ws, const bf16 *bias,
                                   bf16 *out, int64_t n) {
@@ -592,7 +574,7 @@ static void amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const 
     const int64_t blocks = (m + 15) / 16, slices = k / 64, width = silu ? 16 : 32, tasks = n / width;
     int8_t *xq = calloc((size_t)(blocks * 16 * k), 1);
     float *xs = calloc((size_t)(blocks * 16), sizeof(float));
-    quantize_rows(x, m, k, xq, xs);
+    srt_quantize_rows(x, m, k, xq, xs, NULL); /* rows past m stay zero: whole 16-row tiles */
 #pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES / 2)
     {
         configure_tiles();

@@ -569,17 +569,18 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 
 void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
 void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
-void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
-                            int64_t d, int64_t k);
-void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
-                       bf16 *out, int64_t n, int64_t k);
+void srt_int8_linear_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
+                          int64_t d, int64_t k);
+void srt_int8_linear(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                     bf16 *out, int64_t n, int64_t k);
 
 /* x @ w.T through a packed-weight kernel where the caller packed the weight (cpu_bf16_linear.c: AMX
- * or AVX-512 BF16; int8 on AMX when it has scales, --quantization w8a8_int8), else srt_gemv */
+ * or AVX-512 BF16; cpu_int8_linear.c when it has scales, --quantization w8a8_int8: AMX or AVX-512
+ * VNNI), else srt_gemv */
 static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
                          const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
     if (packed && scale)
-        srt_amx_linear_i8(x, m, (const int8_t *)packed, scale, bias, out, n, k);
+        srt_int8_linear(x, m, (const int8_t *)packed, scale, bias, out, n, k);
     else if (packed)
         srt_bf16_linear(x, m, (const bf16 *)packed, bias, out, n, k);
     else
@@ -588,7 +589,7 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
 
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
- * packed weights (bf16 for AMX or AVX-512 BF16, int8 with scales for AMX), at most GEMV_MAX_ROWS
+ * packed weights (bf16, or int8 with scales), at most GEMV_MAX_ROWS
  * requests. In the layer's order:
  *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
@@ -624,7 +625,7 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
     layer_linear(attn, m, w_o, p_o, s_o, NULL, out, hidden_size, hq * d);
     srt_rmsnorm(out, residual, ln2, x, residual, m, hidden_size, eps);
     if (p_gate_up && s_gate_up) { /* int8, bf16: silu * up in the gate_up product's epilogue */
-        srt_amx_linear_i8_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);
+        srt_int8_linear_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);
     } else if (p_gate_up) {
         srt_bf16_linear_silu(x, m, (const bf16 *)p_gate_up, act, inter, hidden_size);
     } else {

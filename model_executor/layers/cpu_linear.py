@@ -11,9 +11,10 @@ GEMM at small M ran at 2-4x its time, with bit-identical results. fp32 and other
 F.linear.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
-becomes int8 with one scale per output (cpu.amx_int8_pack) and every linear of every size runs on
-the AMX int8 kernel, its input quantized per row: half the bytes per decode step, and twice the
-tile rate for prefill. Not bit-identical to bf16: a separate mode, off by default.
+becomes int8 with one scale per output (cpu.int8_pack) and every linear of every size runs on
+the int8 kernel (AMX tiles, or AVX-512 VNNI), its input quantized per row: half the bytes per
+decode step, and twice the multiply rate of bf16. Not bit-identical to bf16: a separate mode, off
+by default.
 """
 
 from __future__ import annotations
@@ -48,17 +49,18 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
     if device != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
                          f"got {device} with {dtype}")
-    if not cpu_kernels.amx_int8_available():
+    if not cpu_kernels.int8_available():
         raise ValueError(f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
-                         "generation or later) and the CPU kernels built; this process has none")
+                         "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
+                         "and the CPU kernels built; this process has neither")
 
 
 def pack_weight(weight: torch.Tensor, quantization: str | None = None) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    if quantization == "w8a8_int8" and cpu_kernels.amx_int8_packable(weight):
-        return cpu_kernels.amx_int8_pack(weight)
+    if quantization == "w8a8_int8" and cpu_kernels.int8_packable(weight):
+        return cpu_kernels.int8_pack(weight)
     if cpu_kernels.bf16_packable(weight) and cpu_kernels.bf16_linear_available():
         return cpu_kernels.bf16_pack(weight)
     if not onednn_bf16_available():
@@ -79,7 +81,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, cpu_kernels.Int8Weight):
-        return cpu_kernels.amx_int8_linear(x.contiguous(), packed, bias)
+        return cpu_kernels.int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
     if is_kernel_packed(packed):
         if rows <= PACKED_MAX_ROWS:
@@ -105,7 +107,7 @@ def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Te
     if packed is None or bias is not None or not is_kernel_packed(packed):
         return None
     if isinstance(packed, cpu_kernels.Int8Weight):
-        return cpu_kernels.amx_int8_linear_silu(x.contiguous(), packed)
+        return cpu_kernels.int8_linear_silu(x.contiguous(), packed)
     if x.numel() // x.shape[-1] > PACKED_MAX_ROWS:
         return None
     return cpu_kernels.bf16_linear_silu(x.contiguous(), packed)
