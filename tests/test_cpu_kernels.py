@@ -121,12 +121,14 @@ def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq
         assert_bf16_close(out[b], want)
 
 
-needs_amx = pytest.mark.skipif(cpu._compiler() is None or not cpu.amx_available(), reason="no AMX tiles here")
+needs_prefill_kernel = pytest.mark.skipif(
+    cpu._compiler() is None or not cpu.prefill_attention_applies(torch.zeros(1, 1, 64, dtype=BF16), 1, 1, 64),
+    reason="neither AMX nor AVX-512 BF16 here")
 
 
-# Prompts packed one after another, ragged: partial 16-query blocks, a prompt past one 128-query
-# task, one token alone; grouped query heads 1, 3, 8.
-@needs_amx
+# Prompts packed one after another, ragged: partial 16-query blocks (AVX-512: 6-row tiles), a
+# prompt past one 128-query task (AVX-512: 64), one token alone; grouped query heads 1, 3, 8.
+@needs_prefill_kernel
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
     ([128, 128, 128], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([300], 8, 1, 64), ([5, 16, 33, 257], 4, 4, 128),
     ([40, 7], 16, 2, 128)])
@@ -147,7 +149,7 @@ def test_prefill_attention_matches_causal_sdpa(lens: list[int], hq: int, hkv: in
 
 # New tokens after cached prefixes (chunked prefill, prefix-cache hits): each request's keys are
 # its prefix then its new tokens, packed.
-@needs_amx
+@needs_prefill_kernel
 @pytest.mark.parametrize(("spec", "hq", "hkv", "d"), [
     ([(0, 40), (17, 5), (128, 130), (3, 1)], 9, 3, 64), ([(300, 20), (1, 257)], 8, 2, 128)])
 def test_prefill_attention_after_cached_prefixes_matches_masked_sdpa(spec: list[tuple[int, int]], hq: int, hkv: int,
@@ -166,7 +168,7 @@ def test_prefill_attention_after_cached_prefixes_matches_masked_sdpa(spec: list[
         qs, ks = qs + new, ks + prefix + new
 
 
-@needs_amx
+@needs_prefill_kernel
 def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Ragged prompts, prefilled fresh and then in two chunks (the second after its cached

@@ -11,19 +11,20 @@ import torch.nn.functional as F
 
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.cpu_linear import (
-    PACKED_MAX_ROWS,
+    AMX_MAX_ROWS,
     is_kernel_packed,
     linear,
     linear_silu_mul,
     onednn_bf16_available,
     pack_weight,
+    packed_max_rows,
 )
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, PACKED_MAX_ROWS + 3])
+@pytest.mark.parametrize("m", [1, 7, 64, AMX_MAX_ROWS + 3])
 def test_packed_bf16_linear_matches_f_linear(m: int) -> None:
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 48, generator=g).bfloat16()
@@ -94,7 +95,7 @@ def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
 
 
 @needs_packed
-@pytest.mark.parametrize("m", [1, 17, 64, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("m", [1, 17, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
 def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
     """An LM head's logits straight from the kernel as float32 are exactly .float() of its bf16
     output (every value rounded to bf16 once), with and without a bias, on the kernel's path and past it."""
@@ -124,11 +125,11 @@ def test_float32_logits_into_an_unaligned_buffer(m: int) -> None:
 
 
 @needs_packed
-@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, 64, PACKED_MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 15, 17, 32, 33, 64, AMX_MAX_ROWS])
 def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None:
     """The MLP's gate_up product with silu(gate) * up in the kernel's epilogue gives exactly the values of
     the product stored in bf16 and then srt_silu_mul, in bf16 and in int8 (w8a8); a biased product
-    and bf16 inputs past PACKED_MAX_ROWS keep two passes."""
+    and (on AMX) bf16 inputs past AMX_MAX_ROWS keep two passes; on AVX-512 BF16 those are fused too."""
     weight, bias, x, packed = kernel_case(m, 2 * 48, 64)  # gate rows 0-47, up rows 48-95
     fused = linear_silu_mul(x, packed, None)
     assert fused is not None and fused.shape == (m, 48)
@@ -136,10 +137,15 @@ def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None
     gate, up = F.linear(x.float(), weight.float()).split(48, dim=-1)
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
     assert linear_silu_mul(x, packed, bias) is None
-    assert linear_silu_mul(torch.cat([x] * (PACKED_MAX_ROWS // m + 1)), packed, None) is None
+    many = torch.cat([x] * (AMX_MAX_ROWS // m + 1))
+    if cpu_kernels.amx_available():
+        assert packed_max_rows() == AMX_MAX_ROWS and linear_silu_mul(many, packed, None) is None
+    else:
+        fused_many = linear_silu_mul(many, packed, None)
+        assert fused_many is not None and torch.equal(fused_many, cpu_kernels.silu_mul(linear(many, weight, None, packed)))
     if cpu_kernels.int8_available():
         int8 = pack_weight(weight, "w8a8_int8")
-        for rows in (x, torch.cat([x] * (PACKED_MAX_ROWS // m + 1))):  # int8: every row count
+        for rows in (x, many):  # int8: every row count
             fused = linear_silu_mul(rows, int8, None)
             assert fused is not None and torch.equal(fused, cpu_kernels.silu_mul(linear(rows, weight, None, int8)))
 

@@ -28,8 +28,9 @@ import torch
 logger = logging.getLogger("srt.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c"))
-HEADERS = (Path(__file__).with_name("simd_bf16.h"),)  # included by the sources: part of the build key
+                for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c",
+                             "cpu_prefill_attention.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd_bf16.h", "dp_bf16.h"))  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -47,7 +48,7 @@ _SIGNATURES = {
     "srt_bf16_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_int8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_int8_linear_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
-    "srt_amx_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
+    "srt_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
                          *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their AMX-packed copies, int8 scales
@@ -116,7 +117,8 @@ def kernels() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available", "srt_vnni_linear_available"):
+    for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available", "srt_vnni_linear_available",
+                 "srt_dp_prefill_attention_available"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], _i64
     return lib
 
@@ -301,8 +303,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether `prefill_attention` runs here: bf16 on a CPU with AMX, head size 64 or 128."""
-    return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and amx_available()
+    """Whether `prefill_attention` runs here: bf16 on a CPU with AMX or AVX-512 BF16, head size 64 or 128."""
+    if not (head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q)):
+        return False
+    lib = kernels()
+    return amx_available() or (lib is not None and bool(lib.srt_dp_prefill_attention_available()))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int], scale: float,
@@ -310,7 +315,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: S
     """Causal attention of requests' new tokens packed one after another: q [new tokens, heads, d];
     k/v [keys, kv_heads, d] hold each request's prefix_lens[i] cached keys then its lens[i] new ones
     (no prefixes: k/v are the new tokens' own). Rows may be strided (heads and d contiguous).
-    Returns [new tokens, heads * d]. On AMX tiles; check `prefill_attention_applies` first."""
+    Returns [new tokens, heads * d]. On AMX tiles or AVX-512 BF16 (cpu_prefill_attention.c); check
+    `prefill_attention_applies` first."""
     lib = kernels()
     n, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
@@ -323,9 +329,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: S
     starts = torch.cumsum(lens_t, 0) - lens_t
     kstarts = torch.cumsum(keys, 0) - keys
     out = torch.empty(n, num_heads * d, dtype=torch.bfloat16)
-    lib.srt_amx_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                  out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),
-                                  prefixes.data_ptr(), len(lens), num_heads, num_kv_heads, d, scale)
+    lib.srt_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                              out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),
+                              prefixes.data_ptr(), len(lens), num_heads, num_kv_heads, d, scale)
     return out
 
 

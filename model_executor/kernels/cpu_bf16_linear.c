@@ -35,34 +35,15 @@ void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act
 #include <omp.h>
 
 #include "simd_bf16.h"
+#include "dp_bf16.h"
 
-#define ROWS 6       /* rows per register tile: 6 x 4 sums + 4 weight lines + 1 broadcast of 32 registers */
-#define GROUP 4      /* 16-output blocks per task */
+#define ROWS DP_ROWS
+#define GROUP DP_GROUP /* 16-output blocks per task */
 #define PARALLEL_MIN 65536
 
 enum { OUT_BF16, OUT_F32, OUT_SILU };
 
 int64_t srt_dp_linear_available(void) { return 1; }
-
-/* acc[r][b] = row r of x (rows k apart) times weight block wb[b], over every k pair; meanwhile one
- * line per pair of each block pf[pf0 .. pf1) is prefetched into L2 (a block is k/2 lines) */
-static inline __attribute__((always_inline)) void dp_tile(const bf16 *x, int64_t k, const bf16 *const *wb,
-                                                          const int R, const int NB, __m512 acc[ROWS][GROUP],
-                                                          const bf16 *const *pf, int64_t pf0, int64_t pf1) {
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
-    const int32_t *xp = (const int32_t *)x; /* a pair of bf16 x values as one 32-bit lane */
-    const int64_t pairs = k / 2;
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512bh w[GROUP];
-        for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_loadu_si512(wb[b] + p * 32);
-        for (int64_t b = pf0; b < pf1; b++) _mm_prefetch((const char *)(pf[b] + p * 32), _MM_HINT_T1);
-        for (int r = 0; r < R; r++) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * pairs + p]);
-            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], w[b], xv);
-        }
-    }
-}
 
 /* R rows of sums -> out (row stride n, its first column at `out`). OUT_SILU: blocks [0, NB/2) are
  * the gate's, [NB/2, NB) the up projection's same outputs. Aligned fp32 rows go out by
@@ -106,7 +87,7 @@ static inline __attribute__((always_inline)) void dp_group(const bf16 *x, int64_
         switch (m - r0 < ROWS ? m - r0 : ROWS) {
 #define TILE(R)                                                \
     case R:                                                    \
-        dp_tile(xr, k, wb, R, NB, acc, next, pf0, pf1);        \
+        dp_tile(xr, k, k / 2, wb, R, NB, acc, next, pf0, pf1); \
         dp_store(acc, R, NB, bias, o, n, mode);                \
         break;
             TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)

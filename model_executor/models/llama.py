@@ -16,7 +16,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels import cpu as cpu_kernels
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.cpu_linear import PACKED_MAX_ROWS, PackedWeight, is_kernel_packed, linear_silu_mul
+from model_executor.layers.cpu_linear import PackedWeight, is_kernel_packed, linear_silu_mul, packed_max_rows
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
@@ -154,7 +154,7 @@ class LlamaModel(nn.Module):
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
-        PACKED_MAX_ROWS with packed weights, else (the gemv kernel) a small one."""
+        packed_max_rows() with packed weights, else (the gemv kernel) a small one."""
         if not (batch.is_decode and self.single_rank and not self.qk_norm
                 and self.local_layers[0].self_attn.o_proj.bias is None
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
@@ -162,7 +162,7 @@ class LlamaModel(nn.Module):
             return False
         backend: Any = batch.attn_backend
         packed = self._fused_layers(backend.kv_pool).packed
-        return batch.batch_size <= (PACKED_MAX_ROWS if packed else cpu_kernels.FUSED_DECODE_MAX_BATCH)
+        return batch.batch_size <= (packed_max_rows() if packed else cpu_kernels.FUSED_DECODE_MAX_BATCH)
 
     def _fused_layers(self, kv_pool: Any) -> cpu_kernels.DecodeLayers:
         """The layers' kernel arguments, gathered on the first fused step (weights are packed by
