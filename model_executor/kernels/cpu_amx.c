@@ -330,10 +330,6 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
             }
         }
     /* V as B tiles: vt[kc][dt][i] = dims [16dt, 16dt + 16) of keys 32kc + 2i and + 1, interleaved */
-    const __m512i pair_lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
-                                              0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
-                                              0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
-    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
     const int64_t dtiles = d / 16;
     for (int64_t kc = 0; kc < kchunks; kc++)
         for (int64_t i = 0; i < 16; i++) {
@@ -343,8 +339,10 @@ static void prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t
                 if (key < nk) e = _mm512_loadu_si512(v + (kstart + key) * v_stride + kvh * d + 32 * c);
                 if (key + 1 < nk) o = _mm512_loadu_si512(v + (kstart + key + 1) * v_stride + kvh * d + 32 * c);
                 bf16 *t = sc->vt + ((kc * dtiles + 2 * c) * 16 + i) * 32;
-                _mm512_storeu_si512(t, _mm512_permutex2var_epi16(e, pair_lo, o));
-                _mm512_storeu_si512(t + 16 * 32, _mm512_permutex2var_epi16(e, pair_hi, o));
+                __m512i lo, hi;
+                interleave32(e, o, &lo, &hi);
+                _mm512_storeu_si512(t, lo);
+                _mm512_storeu_si512(t + 16 * 32, hi);
             }
         }
     for (int64_t g = 0; g < G; g++) {

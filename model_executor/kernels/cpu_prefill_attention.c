@@ -104,18 +104,16 @@ static void dp_prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int6
             for (int64_t p = 0; p < pairs; p++) kt[(kb * pairs + p) * 16 + j] = key < nk ? kr[p] : 0;
         }
     /* V: vt[db][t][i] = dim 16 db + i of keys 2t and 2t + 1, interleaved; zero past nk */
-    const __m512i pair_lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
-                                              0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
-                                              0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
-    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
     for (int64_t t = 0; t < kp / 2; t++)
         for (int64_t c = 0; c < d / 32; c++) {
             const int64_t key = 2 * t;
             __m512i e = _mm512_setzero_si512(), o = e;
             if (key < nk) e = _mm512_loadu_si512(v + (kstart + key) * v_stride + kvh * d + 32 * c);
             if (key + 1 < nk) o = _mm512_loadu_si512(v + (kstart + key + 1) * v_stride + kvh * d + 32 * c);
-            _mm512_storeu_si512(sc->vt + (2 * c) * 16 * kp + t * 32, _mm512_permutex2var_epi16(e, pair_lo, o));
-            _mm512_storeu_si512(sc->vt + (2 * c + 1) * 16 * kp + t * 32, _mm512_permutex2var_epi16(e, pair_hi, o));
+            __m512i lo, hi;
+            interleave32(e, o, &lo, &hi);
+            _mm512_storeu_si512(sc->vt + (2 * c) * 16 * kp + t * 32, lo);
+            _mm512_storeu_si512(sc->vt + (2 * c + 1) * 16 * kp + t * 32, hi);
         }
     const int64_t first_visible = prefix + c0 + 1; /* keys row 0 (the chunk's first query) sees */
     dp_product(sc->q, d, rows, sc->kt, 16 * d, kblocks, sc->s, kp, G, first_visible, pairs, 1);

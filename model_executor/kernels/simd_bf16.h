@@ -45,6 +45,15 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
     inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
     return _mm512_mul_ps(_mm512_mul_ps(g, inv), u);
 }
+/* Two rows' 32 bf16 values e and o interleaved as vdpbf16ps pairs: *lo = e0 o0 e1 o1 .. e15 o15,
+ * *hi = the same for values 16 .. 31 (16 dims of two tokens each, for P V) */
+static inline void interleave32(__m512i e, __m512i o, __m512i *lo, __m512i *hi) {
+    const __m512i pair_lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                              0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                              0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+    *lo = _mm512_permutex2var_epi16(e, pair_lo, o);
+    *hi = _mm512_permutex2var_epi16(e, _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16)), o);
+}
 /* the first n lanes (none for n <= 0, all for n >= 16) */
 static inline __mmask16 lanes16(int64_t n) {
     return (__mmask16)(n <= 0 ? 0u : n >= 16 ? 0xffffu : (1u << n) - 1u);
