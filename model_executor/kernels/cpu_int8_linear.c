@@ -156,7 +156,7 @@ static void vnni_linear(const bf16 *x, int64_t m, const uint8_t *packed, const f
             const int64_t rows = m - c0 < CHUNK_ROWS ? m - c0 : CHUNK_ROWS;
             for (int64_t u = units * t / threads; u < u1; u += step) {
                 const int64_t left = u1 - u < step ? u1 - u : step;
-                const uint8_t *wb[GROUP], *pf[GROUP];
+                const uint8_t *wb[GROUP] = {0}, *pf[GROUP];
                 const float *ws[GROUP];
                 int nb = 0;
                 for (int64_t i = 0; i < left; i++, nb++) wb[nb] = packed + (u + i) * block, ws[nb] = w_scale + 16 * (u + i);

@@ -87,8 +87,7 @@ static void dp_product(const bf16 *x, int64_t x_stride, int64_t rows, const bf16
 
 static void dp_prefill_task(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
                             int64_t v_stride, bf16 *out, int64_t start, int64_t kstart, int64_t n, int64_t prefix,
-                            int64_t c0, int64_t kvh, int64_t hq, int64_t G, int64_t d, float scale, int64_t kpad,
-                            scratch *sc) {
+                            int64_t c0, int64_t kvh, int64_t hq, int64_t G, int64_t d, float scale, scratch *sc) {
     const int64_t c1 = c0 + QUERY_CHUNK < n ? c0 + QUERY_CHUNK : n; /* new tokens [c0, c1) */
     const int64_t nk = prefix + c1, kblocks = (nk + 15) / 16, kp = kblocks * 16, pairs = d / 2;
     const int64_t rows = (c1 - c0) * G;
@@ -167,7 +166,7 @@ static void dp_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k,
             int64_t rest = t / hkv, b = 0;
             while (rest >= (lens[b] + QUERY_CHUNK - 1) / QUERY_CHUNK) rest -= (lens[b++] + QUERY_CHUNK - 1) / QUERY_CHUNK;
             dp_prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], kstarts[b], lens[b], prefixes[b],
-                            rest * QUERY_CHUNK, t % hkv, hq, G, d, scale, kpad, &sc);
+                            rest * QUERY_CHUNK, t % hkv, hq, G, d, scale, &sc);
         }
         free(sc.q);
         free(sc.kt);
