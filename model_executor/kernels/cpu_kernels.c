@@ -333,7 +333,8 @@ static inline __attribute__((always_inline)) void attend_task(
  *     token pairs for every query head of the group. With K and V rows prefetched two blocks ahead,
  *     against the fp32 products and one block: SmolLM2's 30 layers at 161 tokens of context on
  *     Zen 4, medians of 30 alternating runs, 22.0 -> 20.4 and 21.6 -> 19.8 ms at batch 64, 13.9 ->
- *     12.3 ms at 32. */
+ *     12.3 ms at 32; whole decode steps (the kernel build switched step by step) 1-3% less: 33.46
+ *     -> 33.35 and 40.57 -> 39.91 ms at batch 32, 68.61 -> 67.84 and 65.33 -> 63.63 at 64. */
 #define FAST_MAX_GROUP 8
 #define FAST_PREFETCH 2 /* 16-token blocks of K (then V) rows prefetched ahead */
 
@@ -466,13 +467,15 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
     }
     /* A task is one request's kv heads (whole K/V rows, read front to back) or, when there are
      * too few requests to share out, one (request, kv head). A (request, kv head, slot) costs
-     * tens of ns: below ~100 us of work in all, one thread is faster. */
+     * tens of ns: below ~1024 of them one thread is faster (two threads from 1024 rather than 4096:
+     * a batch-1 SmolLM2 step at 1024 tokens of context 11.64 -> 10.71 ms, batch 2 at 300 12.51 ->
+     * 11.57; Zen 4, the kernel build switched step by step). */
     const int64_t heads_per_task = bs >= 8 ? hkv : 1, tasks = bs * (hkv / heads_per_task);
     const int64_t task_heads = heads_per_task * group; /* query heads of a task */
 #if defined(__AVX512BF16__)
     const int fast = (d == 64 || d == 128) && group <= FAST_MAX_GROUP;
 #endif
-#pragma omp parallel if (bs * hkv * max_len >= 4096)
+#pragma omp parallel if (bs * hkv * max_len >= 1024)
     {
         float *restrict scores = malloc((size_t)(task_heads * max_len) * sizeof(float));
         float *restrict qf = malloc((size_t)(task_heads * d) * sizeof(float));
