@@ -51,7 +51,7 @@ _SIGNATURES = {
     "srt_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
-                         *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their AMX-packed copies, int8 scales
+                         *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their packed copies, int8 scales
                          *[_ptr] * 7, _i64,  # positions, cos, sin, k/v cache, out_loc, req_to_token, stride
                          _ptr, _ptr, *[_i64] * 7, _f32,  # rows, seq_lens, max_len, m, 4 sizes, scale
                          *[_ptr] * 6],  # scratch, out

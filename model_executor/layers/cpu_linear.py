@@ -5,8 +5,8 @@ memory. Where the CPU has AMX or AVX-512 BF16, the weight is packed in the order
 reads it (model_executor/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): measured on
 SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them at ~2x the speed of
 oneDNN's packed GEMM and of F.linear from 1 to 32 rows and stays ahead up to a few hundred rows;
-the AVX-512 one (AMD Zen 4) takes 0.6-0.9x oneDNN's time from 1 to 256 rows. Larger prefill
-chunks use F.linear. Without either the weight is reordered for oneDNN's bf16 kernel: ATen's bf16
+the AVX-512 one (AMD Zen 4) takes 0.6-0.9x oneDNN's time from 1 to 256 rows and equals it up to
+4096. On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without either the weight is reordered for oneDNN's bf16 kernel: ATen's bf16
 GEMM at small M ran at 2-4x its time, with bit-identical results. fp32 and other devices keep
 F.linear.
 
@@ -79,7 +79,7 @@ def pack_weight(weight: torch.Tensor, quantization: str | None = None) -> Packed
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), in x's dtype, or in `out_dtype` (float32 for logits: the AMX kernel then
+    """x @ weight.T (+ bias), in x's dtype, or in `out_dtype` (float32 for logits: our kernel then
     stores the widened bf16 values itself, as .float() would, without a second pass)."""
     out = _linear(x, weight, bias, packed, out_dtype == torch.float32)
     return out if out_dtype is None else out.to(out_dtype)  # a no-op where the kernel wrote float32
