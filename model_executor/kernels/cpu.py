@@ -302,12 +302,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return out
 
 
+@functools.cache
+def prefill_kernel_available() -> bool:
+    """Whether srt_prefill_attention runs here: on AMX tiles, or else on AVX-512 BF16."""
+    lib = kernels()
+    return lib is not None and (amx_available() or bool(lib.srt_dp_prefill_attention_available()))
+
+
 def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `prefill_attention` runs here: bf16 on a CPU with AMX or AVX-512 BF16, head size 64 or 128."""
-    if not (head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q)):
-        return False
-    lib = kernels()
-    return amx_available() or (lib is not None and bool(lib.srt_dp_prefill_attention_available()))
+    return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and prefill_kernel_available()
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int], scale: float,

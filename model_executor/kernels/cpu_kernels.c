@@ -612,8 +612,7 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
 
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
- * packed weights (bf16, or int8 with scales), at most GEMV_MAX_ROWS
- * requests. In the layer's order:
+ * packed weights (bf16, or int8 with scales), at most GEMV_MAX_ROWS requests. In the layer's order:
  *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2

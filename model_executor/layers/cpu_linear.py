@@ -6,15 +6,15 @@ reads it (model_executor/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): 
 SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them at ~2x the speed of
 oneDNN's packed GEMM and of F.linear from 1 to 32 rows and stays ahead up to a few hundred rows;
 the AVX-512 one (AMD Zen 4) takes 0.6-0.9x oneDNN's time from 1 to 256 rows and equals it up to
-4096. On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without either the weight is reordered for oneDNN's bf16 kernel: ATen's bf16
-GEMM at small M ran at 2-4x its time, with bit-identical results. fp32 and other devices keep
-F.linear.
+4096. On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without either the weight is
+reordered for oneDNN's bf16 kernel: ATen's bf16 GEMM at small M ran at 2-4x its time, with
+bit-identical results. fp32 and other devices keep F.linear.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
 becomes int8 with one scale per output (cpu.int8_pack) and every linear of every size runs on
 the int8 kernel (AMX tiles, or AVX-512 VNNI), its input quantized per row: half the bytes per
-decode step, and twice the multiply rate of bf16. Not bit-identical to bf16: a separate mode, off
-by default.
+decode step, and on AMX twice the tile rate of bf16 (Zen 4's VNNI multiplies at its bf16 rate).
+Not bit-identical to bf16: a separate mode, off by default.
 """
 
 from __future__ import annotations
