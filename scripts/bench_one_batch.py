@@ -273,16 +273,23 @@ def llama_cpp_timer(llm: Any, spec: BenchSpec) -> Callable[[], Timing]:
 # ---- the machine's limit ---------------------------------------------------------------------
 
 
-def read_bandwidth(num_bytes: int = 512 * 2**20, runs: int = 5) -> float:
-    """Bytes/s that a streaming fp32 sum over `num_bytes` reaches with torch's threads (best run):
-    the rate at which a batch-1 decode step can at best read its weights."""
+PROBE_BYTES = 512 * 2**20  # more than the machine's L3
+
+
+def bandwidth_timer(num_bytes: int = PROBE_BYTES) -> Callable[[], Timing]:
+    """A streaming fp32 sum over `num_bytes`, the rate at which a batch-1 decode step can at best
+    read its weights, as a timer (its seconds twice) that `measure` runs in turn with srt's batch-1
+    runs: on a shared machine the read bandwidth moves from minute to minute, so the floor is taken
+    in the same minutes as the step it is compared with."""
     data = torch.ones(num_bytes // 4)
-    best = float("inf")
-    for _ in range(runs):
+
+    def once() -> Timing:
         start = time.perf_counter()
         data.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
+        elapsed = time.perf_counter() - start
+        return elapsed, elapsed
+
+    return once
 
 
 def matmul_flops(size: int = 2048, runs: int = 5) -> float:
@@ -319,7 +326,7 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> str:
     floor_s = weight_bytes / bandwidth
     return (f"weight-bandwidth floor (batch 1 decode): {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
-            f"({weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s measured read bandwidth); "
+            f"({weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s, the read bandwidth measured between srt's runs); "
             f"srt batch-1 decode at {floor_s / decode_step_s * 100:.0f}% of it")
 
 
@@ -386,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     hf: list[BatchResult] = []
     llama: list[BatchResult] = []
     weight_bytes = num_params = 0
+    bandwidth = 0.0  # bytes/s, measured with the batch-1 runs
     llm = None
     if args.compare_llama_cpp is not None:
         from srt.default_model import default_model_path
@@ -406,7 +414,11 @@ def main(argv: list[str] | None = None) -> None:
                 timers.append(transformers_timer(hf_model, spec, bs))
             if llm is not None and bs == 1:
                 timers.append(llama_cpp_timer(llm, spec))
+            if bs == 1:
+                timers.append(bandwidth_timer())
             results = measure(timers, spec, bs)
+            if bs == 1:
+                bandwidth = PROBE_BYTES / results.pop().prefill_s  # the best of its runs
             srt.append(results[0])
             hf += results[1:2] if hf_model is not None else []
             llama += results[-1:] if llm is not None and bs == 1 else []
@@ -429,7 +441,6 @@ def main(argv: list[str] | None = None) -> None:
                               "srt": [r.to_json() for r in srt]}
     batch_1 = next((r for r in srt if r.batch_size == 1), None)
     if weight_bytes and batch_1 is not None:
-        bandwidth = read_bandwidth()
         print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s))
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes"] = weight_bytes

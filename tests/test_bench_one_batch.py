@@ -29,7 +29,8 @@ def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[st
             assert re.search(rf"^ratio vs transformers \(batch {bs} {phase}\): \d+\.\d\dx$", out, re.MULTILINE), out
 
     floor = re.search(r"^weight-bandwidth floor \(batch 1 decode\): ([\d.]+) ms/step = \d+ steps/s \((\d+) MB of "
-                      r"weights at ([\d.]+) GB/s measured read bandwidth\); srt batch-1 decode at \d+% of it$", out,
+                      r"weights at ([\d.]+) GB/s, the read bandwidth measured between srt's runs\); srt batch-1 decode at "
+                      r"\d+% of it$", out,
                       re.MULTILINE)
     assert floor is not None, out
     assert re.search(r"^prefill compute bound: \d+ tok/s \(\d+ MFLOP/token at \d+ GFLOP/s measured bf16 matmul\); "
@@ -71,3 +72,24 @@ def test_bench_one_batch_against_llama_cpp(tiny_model_dirs: dict[str, Path], tmp
         assert re.search(rf"^ratio vs llama.cpp \(batch 1 {phase}\): \d+\.\d\dx$", proc.stdout, re.MULTILINE)
     row = json.loads((tmp_path / "out.json").read_text())["llama_cpp"][0]
     assert row["batch_size"] == 1 and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+
+
+def test_bandwidth_probe_runs_between_the_timed_runs() -> None:
+    """The floor's read-bandwidth probe is one of `measure`'s timers, so it runs in the same
+    minutes as the batch-1 step it is compared with (the best of its runs), not once at the end."""
+    import bench_one_batch as bench
+
+    calls: list[str] = []
+
+    def timer(name: str, seconds: float):
+        def once() -> tuple[float, float]:
+            calls.append(name)
+            return seconds, seconds
+        return once
+
+    probe = bench.bandwidth_timer(num_bytes=1 << 20)
+    assert all(s > 0 for s in probe())
+    spec = bench.BenchSpec((1,), 8, 4, warmup=1, runs=3, seed=0)
+    results = bench.measure([timer("srt", 0.5), timer("probe", 0.25)], spec, 1)
+    assert calls == ["srt", "probe"] + ["srt", "probe"] * 3
+    assert results[1].prefill_s == 0.25

@@ -13,8 +13,9 @@ bit-identical results. fp32 and other devices keep F.linear.
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
 becomes int8 with one scale per output (cpu.int8_pack) and every linear of every size runs on
 the int8 kernel (AMX tiles, or AVX-512 VNNI), its input quantized per row: half the bytes per
-decode step, and on AMX twice the tile rate of bf16 (Zen 4's VNNI multiplies at its bf16 rate).
-Not bit-identical to bf16: a separate mode, off by default.
+decode step, and twice bf16's multiply rate both on AMX and on Zen 4's VNNI (a 512-bit vpdpbusd
+issues as often as a vdpbf16ps and does twice the multiply-adds). Not bit-identical to bf16: a
+separate mode, off by default.
 """
 
 from __future__ import annotations
