@@ -305,10 +305,29 @@ def matmul_flops(size: int = 2048, runs: int = 5) -> float:
     return 2 * size**3 / best
 
 
-def compute_bound_line(num_params: int, flops: float, prefill_tok_s: float) -> str:
+def int8_matmul_ops(size: int = 2048, runs: int = 5) -> float | None:
+    """OP/s (a multiply-add counted as two) of torch's int8 x int8 -> int32 matmul (`torch._int_mm`,
+    oneDNN) at [size x size] @ [size x size] with torch's threads (best run): the multiply rate a
+    --quantization w8a8_int8 prefill's linears can at best reach. None where torch has none."""
+    a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    try:
+        torch._int_mm(a, b)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def compute_bound_line(num_params: int, flops: float, prefill_tok_s: float, probe: str = "bf16 matmul") -> str:
     bound = flops / (2 * num_params)
+    unit = "GOP/s" if "int8" in probe else "GFLOP/s"
     return (f"prefill compute bound: {bound:.0f} tok/s ({2 * num_params / 1e6:.0f} MFLOP/token at "
-            f"{flops / 1e9:.0f} GFLOP/s measured bf16 matmul); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
+            f"{flops / 1e9:.0f} {unit} measured {probe}); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
@@ -447,9 +466,15 @@ def main(argv: list[str] | None = None) -> None:
     if num_params:
         flops = matmul_flops()
         best_prefill = max(r.prefill_tok_s for r in srt)
-        print(compute_bound_line(num_params, flops, best_prefill))
         report["matmul_flops"] = flops
-        report["prefill_compute_bound_tok_s"] = flops / (2 * num_params)
+        int8_ops = int8_matmul_ops() if args.quantization == "w8a8_int8" else None
+        if int8_ops is not None:  # the linears multiply in int8: the bound is int8's rate
+            print(compute_bound_line(num_params, int8_ops, best_prefill, "int8 matmul"))
+            report["int8_matmul_ops"] = int8_ops
+            report["prefill_compute_bound_tok_s"] = int8_ops / (2 * num_params)
+        else:
+            print(compute_bound_line(num_params, flops, best_prefill))
+            report["prefill_compute_bound_tok_s"] = flops / (2 * num_params)
     if args.compare_transformers:
         print(format_table("transformers generate", hf, "mean"))
         report["transformers"] = [r.to_json() for r in hf]

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from model_executor.kernels import cpu
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.py"
 
 
@@ -93,3 +97,24 @@ def test_bandwidth_probe_runs_between_the_timed_runs() -> None:
     results = bench.measure([timer("srt", 0.5), timer("probe", 0.25)], spec, 1)
     assert calls == ["srt", "probe"] + ["srt", "probe"] * 3
     assert results[1].prefill_s == 0.25
+
+
+def test_int8_prefill_is_held_to_the_int8_matmul_rate(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """With --quantization w8a8_int8 the linears multiply in int8, so the compute bound the prefill is
+    held to comes from torch's int8 matmul, not the bf16 one (which int8 can exceed)."""
+    if not cpu.int8_available():
+        pytest.skip("neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused")
+    out_json = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1",
+         "--input-len", "8", "--output-len", "4", "--runs", "1", "--warmup", "1", "--quantization", "w8a8_int8",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    bound = re.search(r"^prefill compute bound: (\d+) tok/s \(\d+ MFLOP/token at (\d+) GOP/s measured int8 matmul\); "
+                      r"srt prefill at \d+% of it$", proc.stdout, re.MULTILINE)
+    assert bound is not None, proc.stdout
+    report = json.loads(out_json.read_text())
+    assert report["quantization"] == "w8a8_int8" and report["int8_matmul_ops"] > 1e9
+    assert abs(report["prefill_compute_bound_tok_s"] - int(bound.group(1))) <= 1
