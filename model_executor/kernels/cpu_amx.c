@@ -26,6 +26,7 @@ typedef uint16_t bf16;
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "prefill_tasks.h"
 #include "simd_bf16.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature */
@@ -455,11 +456,8 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
                                int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
                                const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
                                int64_t d, float scale) {
-    int64_t max_len = 0, tasks = 0;
-    for (int64_t b = 0; b < bs; b++) {
-        max_len = prefixes[b] + lens[b] > max_len ? prefixes[b] + lens[b] : max_len;
-        tasks += (lens[b] + PF_CHUNK - 1) / PF_CHUNK;
-    }
+    int64_t max_len;
+    const int64_t tasks = prefill_chunks(lens, prefixes, bs, PF_CHUNK, &max_len);
     const int64_t G = hq / hkv, kpad = (max_len + 31) / 32 * 32;
 #pragma omp parallel
     {
@@ -473,10 +471,10 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
         /* tasks: (request, query chunk, kv head), longest chunks first in each request's order */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks * hkv; t++) {
-            int64_t rest = t / hkv, b = 0;
-            while (rest >= (lens[b] + PF_CHUNK - 1) / PF_CHUNK) rest -= (lens[b++] + PF_CHUNK - 1) / PF_CHUNK;
-            prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], kstarts[b], lens[b], prefixes[b],
-                         rest * PF_CHUNK, t % hkv, hq, G, d, scale, &sc);
+            int64_t c0;
+            const int64_t b = prefill_chunk_request(lens, PF_CHUNK, t / hkv, &c0);
+            prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], kstarts[b], lens[b], prefixes[b], c0,
+                         t % hkv, hq, G, d, scale, &sc);
         }
         free(sc.kt);
         free(sc.vt);

@@ -28,6 +28,7 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
 
 #include "simd_bf16.h"
 #include "dp_bf16.h"
+#include "prefill_tasks.h"
 
 #define QUERY_CHUNK 64
 
@@ -144,11 +145,8 @@ static void dp_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k,
                                  int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
                                  const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
                                  int64_t d, float scale) {
-    int64_t max_keys = 0, tasks = 0;
-    for (int64_t b = 0; b < bs; b++) {
-        max_keys = prefixes[b] + lens[b] > max_keys ? prefixes[b] + lens[b] : max_keys;
-        tasks += (lens[b] + QUERY_CHUNK - 1) / QUERY_CHUNK;
-    }
+    int64_t max_keys;
+    const int64_t tasks = prefill_chunks(lens, prefixes, bs, QUERY_CHUNK, &max_keys);
     const int64_t G = hq / hkv, kpad = (max_keys + 15) / 16 * 16, rows = QUERY_CHUNK * G;
 #pragma omp parallel
     {
@@ -163,10 +161,10 @@ static void dp_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k,
         /* tasks: (request, query chunk, kv head) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks * hkv; t++) {
-            int64_t rest = t / hkv, b = 0;
-            while (rest >= (lens[b] + QUERY_CHUNK - 1) / QUERY_CHUNK) rest -= (lens[b++] + QUERY_CHUNK - 1) / QUERY_CHUNK;
+            int64_t c0;
+            const int64_t b = prefill_chunk_request(lens, QUERY_CHUNK, t / hkv, &c0);
             dp_prefill_task(q, q_stride, k, k_stride, v, v_stride, out, starts[b], kstarts[b], lens[b], prefixes[b],
-                            rest * QUERY_CHUNK, t % hkv, hq, G, d, scale, &sc);
+                            c0, t % hkv, hq, G, d, scale, &sc);
         }
         free(sc.q);
         free(sc.kt);
