@@ -292,42 +292,43 @@ def bandwidth_timer(num_bytes: int = PROBE_BYTES) -> Callable[[], Timing]:
     return once
 
 
+def _matmul_rate(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+                 runs: int) -> float:
+    """(Multiply-add counted as two) operations per second of `matmul(a, b)` for square a and b,
+    after one untimed call (best run)."""
+    matmul(a, b)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.shape[0] ** 3 / best
+
+
 def matmul_flops(size: int = 2048, runs: int = 5) -> float:
     """FLOP/s of one bf16 [size x size] @ [size x size] matmul with torch's threads (best run)."""
     a = torch.randn(size, size, dtype=torch.bfloat16)
     b = torch.randn(size, size, dtype=torch.bfloat16)
-    a @ b
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return _matmul_rate(torch.matmul, a, b, runs)
 
 
 def int8_matmul_ops(size: int = 2048, runs: int = 5) -> float | None:
-    """OP/s (a multiply-add counted as two) of torch's int8 x int8 -> int32 matmul (`torch._int_mm`,
-    oneDNN) at [size x size] @ [size x size] with torch's threads (best run): the multiply rate a
-    --quantization w8a8_int8 prefill's linears can at best reach. None where torch has none."""
+    """OP/s of torch's int8 x int8 -> int32 matmul (`torch._int_mm`, oneDNN) at [size x size] @
+    [size x size] with torch's threads (best run): the multiply rate a --quantization w8a8_int8
+    prefill's linears can at best reach. None where torch has none."""
     a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
     b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
     try:
-        torch._int_mm(a, b)
+        return _matmul_rate(torch._int_mm, a, b, runs)
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        torch._int_mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
-def compute_bound_line(num_params: int, flops: float, prefill_tok_s: float, probe: str = "bf16 matmul") -> str:
-    bound = flops / (2 * num_params)
-    unit = "GOP/s" if "int8" in probe else "GFLOP/s"
+def compute_bound_line(num_params: int, rate: float, prefill_tok_s: float, probe: str = "bf16 matmul",
+                       unit: str = "GFLOP/s") -> str:
+    bound = rate / (2 * num_params)
     return (f"prefill compute bound: {bound:.0f} tok/s ({2 * num_params / 1e6:.0f} MFLOP/token at "
-            f"{flops / 1e9:.0f} {unit} measured {probe}); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
+            f"{rate / 1e9:.0f} {unit} measured {probe}); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
@@ -469,12 +470,11 @@ def main(argv: list[str] | None = None) -> None:
         report["matmul_flops"] = flops
         int8_ops = int8_matmul_ops() if args.quantization == "w8a8_int8" else None
         if int8_ops is not None:  # the linears multiply in int8: the bound is int8's rate
-            print(compute_bound_line(num_params, int8_ops, best_prefill, "int8 matmul"))
             report["int8_matmul_ops"] = int8_ops
-            report["prefill_compute_bound_tok_s"] = int8_ops / (2 * num_params)
+            print(compute_bound_line(num_params, int8_ops, best_prefill, "int8 matmul", "GOP/s"))
         else:
             print(compute_bound_line(num_params, flops, best_prefill))
-            report["prefill_compute_bound_tok_s"] = flops / (2 * num_params)
+        report["prefill_compute_bound_tok_s"] = (flops if int8_ops is None else int8_ops) / (2 * num_params)
     if args.compare_transformers:
         print(format_table("transformers generate", hf, "mean"))
         report["transformers"] = [r.to_json() for r in hf]
