@@ -23,7 +23,7 @@ from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels.cpu import Int8Weight
+from model_executor.kernels.cpu import Int8Weight, Q4Weight
 from model_executor.layers.cpu_linear import check_quantization, pack_model
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
@@ -46,7 +46,7 @@ class RunnerConfig:
     context_length: int | None = None
     attention_backend: str = "auto"  # "torch_native" | "flashinfer" | "auto"
     local_world_size: int = 1  # ranks on this host: they share its free memory
-    quantization: str | None = None  # "w8a8_int8" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
+    quantization: str | None = None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -90,11 +90,19 @@ class ModelRunner:
             self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)
         load_weights(self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first)
         self.model.eval()
-        packed = pack_model(self.model, self.config.quantization)
+        float32_model = None
+        if self.config.quantization == "gguf":  # the checkpoint's exact values, to find its Q4_1 blocks in
+            with torch.device(self.device):
+                float32_model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
+            load_weights(float32_model, iter_checkpoint(self.config.model_dir))
+        packed = pack_model(self.model, self.config.quantization, float32_model)
+        del float32_model
         if packed:
-            int8 = sum(isinstance(getattr(m, "packed_weight", None), Int8Weight) for m in self.model.modules())
+            quantized = sum(isinstance(getattr(m, "packed_weight", None), (Int8Weight, Q4Weight))
+                            for m in self.model.modules())
+            kind = "Q4_1" if self.config.quantization == "gguf" else "int8"
             logger.info("packed %d weights for the CPU kernels%s", packed,
-                        f", {int8} of them int8 ({self.config.quantization})" if self.config.quantization else "")
+                        f", {quantized} of them {kind} ({self.config.quantization})" if self.config.quantization else "")
         self.weight_bytes = model_weight_bytes(self.model)
         layers = "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
         logger.info("loaded %s (%.1f MB on this rank%s, %s) in %.1f s", model_cls.__name__,

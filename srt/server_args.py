@@ -15,7 +15,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
-QUANTIZATIONS = ("w8a8_int8",)  # model_executor/layers/cpu_linear.py
+QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
 
 
 def _env_flag(name: str) -> bool:
@@ -28,7 +28,7 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    quantization: str | None = None  # QUANTIZATIONS: int8 weights (and activations) on AMX (CPU only)
+    quantization: str | None = None  # QUANTIZATIONS: int8 weights and activations, or a GGUF's Q4_1 weights (CPU only)
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
@@ -136,7 +136,8 @@ class ServerArgs:
         a("--device", default=d["device"].default, choices=DEVICES)
         a("--quantization", default=None, choices=QUANTIZATIONS,
           help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) on "
-               "AMX; CPU only, the LM head stays bf16")
+               "AMX or AVX-512 VNNI; gguf: a GGUF Q4_1 model's own 4-bit weights for decode batches of up to 8 "
+               "(a bf16 copy for more rows); CPU only, the LM head stays bf16")
         a("--host", default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1)

@@ -106,7 +106,7 @@ def test_int8_smollm2_predicts_mostly_what_bf16_predicts(smollm2_dir: Path) -> N
 def test_quantization_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="--quantization w8a8_int8 needs --device cpu and --dtype bfloat16"):
         ServerArgs(quantization="w8a8_int8", dtype="float32")
-    with pytest.raises(ValueError, match="--quantization must be one of w8a8_int8; got 'fp8'"):
+    with pytest.raises(ValueError, match="--quantization must be one of w8a8_int8, gguf; got 'fp8'"):
         ServerArgs(quantization="fp8")
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--quantization", "int4"])

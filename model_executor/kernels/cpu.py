@@ -29,7 +29,7 @@ logger = logging.getLogger("srt.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c",
-                             "cpu_prefill_attention.c"))
+                             "cpu_q4_linear.c", "cpu_prefill_attention.c"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h"))  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -49,10 +49,13 @@ _SIGNATURES = {
     "srt_bf16_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_int8_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_int8_linear_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_q4_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
+    "srt_q4_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
                          *[_ptr] * 13,  # w_qkv, b_qkv, w_o, w_gate_up, w_down, their packed copies, int8 scales
+                         _i64,  # q4: the packed copies are Q4_1 (q4_pack)
                          *[_ptr] * 7, _i64,  # positions, cos, sin, k/v cache, out_loc, req_to_token, stride
                          _ptr, _ptr, *[_i64] * 7, _f32,  # rows, seq_lens, max_len, m, 4 sizes, scale
                          *[_ptr] * 6],  # scratch, out
@@ -119,7 +122,7 @@ def kernels() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available", "srt_vnni_linear_available",
-                 "srt_dp_prefill_attention_available"):
+                 "srt_q4_linear_available", "srt_dp_prefill_attention_available"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], _i64
     return lib
 
@@ -236,6 +239,88 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
     lib.srt_int8_linear_silu(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k)
+    return out
+
+
+@functools.cache
+def q4_available() -> bool:
+    """Whether srt_q4_linear runs here (AVX-512 BF16: cpu_q4_linear.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.srt_q4_linear_available())
+
+
+Q4_BLOCK_BYTES = 320  # cpu_q4_linear.c: 16 outputs x 32 k of Q4_1 (fp16 d and m, then the nibbles)
+
+
+def q4_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q4_1 blocks behind a float32 [n, k] weight, if it is one: (q [n, k] uint8 in 0..15,
+    d [n, k/32] and m [n, k/32] fp16) with float32(d * q + m) equal to every value, as gguf-py and
+    llama.cpp dequantize; None where some 32-value run along k is not such a block (k % 32 != 0,
+    or a weight that was never Q4_1). Each block's m is its smallest value and its d (largest -
+    smallest) / 15, as llama.cpp's Q4_1 quantizer sets them; every value is checked."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32:
+        return None
+    w = weight.detach().view(n, k // 32, 32)
+    low, high = w.amin(-1), w.amax(-1)
+    m = low.half()
+    d = ((high - low) / 15).half()
+    if not (torch.isfinite(w).all() and (m.float() == low).all() and torch.isfinite(d).all()):
+        return None
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, torch.round((w - mf) / torch.where(df > 0, df, 1.0)), 0.0).clamp(0, 15)
+    if not torch.equal(df * q + mf, w):
+        return None
+    return q.to(torch.uint8).view(n, k), d, m
+
+
+def q4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (q_recover's form) -> srt_q4_linear's order, [n/16, k/32, 320] uint8: per 16
+    outputs and 32 k, 16 d and 16 m (fp16), then for each quad of k 32 bytes: byte 2j q[j][4c] |
+    q[j][4c + 2] << 4, byte 2j + 1 q[j][4c + 1] | q[j][4c + 3] << 4. n % 16 == 0."""
+    n, k = q.shape
+    blocks = k // 32
+    scales = torch.stack([d, m], dim=1).view(n // 16, 16, 2, blocks).permute(0, 3, 2, 1)  # [n/16, kb, 2, 16]
+    scales = scales.contiguous().view(torch.uint8).reshape(n // 16, blocks, 64)
+    quads = q.view(n // 16, 16, blocks, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [n/16, kb, c, j, pair, low/high]
+    nibbles = (quads[..., 0] | (quads[..., 1] << 4)).reshape(n // 16, blocks, 256)
+    return torch.cat([scales, nibbles], dim=-1).contiguous()
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A layer's GGUF Q4_1 weight for srt_q4_linear (decode steps of up to Q4_MAX_ROWS rows) and
+    its bf16 copy packed for srt_bf16_linear (more rows: a prefill, a big decode batch)."""
+
+    packed: torch.Tensor  # q4_pack's [n/16, k/32, 320]
+    bf16: torch.Tensor  # bf16_pack's
+
+
+# A linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
+# docs/performance.md), on the bf16 copy for more.
+Q4_MAX_ROWS = 8
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, for the weight `packed` holds (q4_pack)."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib.srt_q4_linear(x.data_ptr(), m, packed.data_ptr(), _p(bias), out.data_ptr(), n, k)
+    return out
+
+
+def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 and a Q4_1 gate_up weight [2d, k] (gate rows, then up rows) -> silu(gate) * up
+    [.., d] in one pass, equal to silu_mul(q4_linear(x, packed, None))."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16 and packed.shape[0] % 2 == 0
+    d, k = packed.shape[0] * 8, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_q4_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
     return out
 
 
@@ -395,8 +480,8 @@ class DecodeLayerWeights:
     w_o: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
-    packed: Sequence[torch.Tensor | Int8Weight] | None  # qkv, o, gate_up, down packed by bf16_pack or
-    # int8_pack, or None (gemv)
+    packed: Sequence[torch.Tensor | Int8Weight | Q4Weight] | None  # qkv, o, gate_up, down packed by
+    # bf16_pack, int8_pack or as Q4Weight, or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_heads: int
@@ -411,7 +496,8 @@ class DecodeLayers:
     The weights, norms and KV buffers never move, so their pointers are gathered once here: per
     step only the batch's own arguments are converted (Python glue around 30 per-layer calls cost
     ~3 ms of a 38 ms batch-32 step on SmolLM2 before). With packed weights (`packed`) any number
-    of rows, else at most GEMV_MAX_ROWS. Every tensor contiguous bf16 / int64."""
+    of rows, else at most GEMV_MAX_ROWS; Q4Weight layers on their Q4_1 weights up to Q4_MAX_ROWS
+    rows, on the bf16 copies above. Every tensor contiguous bf16 / int64."""
 
     def __init__(self, layers: Sequence[DecodeLayerWeights]) -> None:
         self.layers = list(layers)  # keeps the tensors behind the pointers alive
@@ -419,16 +505,22 @@ class DecodeLayers:
         self.packed = all(w.packed is not None for w in self.layers)
         self.hidden_size = first.w_o.shape[0]
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], first.w_down.shape[1])  # qkv, q, intermediate
-        self._args = []
-        for w in self.layers:
-            kernel_weights = w.packed if w.packed is not None else [None] * 4
-            packed = [None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
-                      for t in kernel_weights]
-            scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
-            weights = (w.ln1.data_ptr(), w.ln2.data_ptr(), w.eps, w.w_qkv.data_ptr(), _p(w.b_qkv), w.w_o.data_ptr(),
-                       w.w_gate_up.data_ptr(), w.w_down.data_ptr(), *packed, *scales)
-            dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, w.w_down.shape[1], w.scale)
-            self._args.append((weights, (w.k_cache.data_ptr(), w.v_cache.data_ptr()), dims))
+        self.q4 = self.packed and all(isinstance(t, Q4Weight) for w in self.layers for t in w.packed or ())
+        self._args = [self._layer_args(w, q4=False) for w in self.layers]
+        self._args_q4 = [self._layer_args(w, q4=True) for w in self.layers] if self.q4 else self._args
+
+    def _layer_args(self, w: DecodeLayerWeights, q4: bool) -> tuple[tuple, tuple, tuple]:
+        def pointer(t: torch.Tensor | Int8Weight | Q4Weight | None) -> int | None:
+            if isinstance(t, Q4Weight):
+                return (t.packed if q4 else t.bf16).data_ptr()
+            return None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
+
+        kernel_weights = w.packed if w.packed is not None else [None] * 4
+        scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
+        weights = (w.ln1.data_ptr(), w.ln2.data_ptr(), w.eps, w.w_qkv.data_ptr(), _p(w.b_qkv), w.w_o.data_ptr(),
+                   w.w_gate_up.data_ptr(), w.w_down.data_ptr(), *map(pointer, kernel_weights), *scales, int(q4))
+        dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, w.w_down.shape[1], w.scale)
+        return weights, (w.k_cache.data_ptr(), w.v_cache.data_ptr()), dims
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 out_loc: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -449,7 +541,7 @@ class DecodeLayers:
                  seq_lens.data_ptr(), max_len, m)
         scratch_ptrs = [t.data_ptr() for t in scratch]
         hidden_ptr, residual_ptr = hidden.data_ptr(), residual.data_ptr()
-        for i, (weights, kv, dims) in enumerate(self._args):
+        for i, (weights, kv, dims) in enumerate(self._args_q4 if m <= Q4_MAX_ROWS else self._args):
             lib.srt_decode_layer(hidden_ptr, residual_ptr, int(i == 0), *weights, *step, *kv, *batch, *dims,
                                  *scratch_ptrs)
             hidden_ptr = scratch_ptrs[-1]  # each layer's MLP output is the next layer's input

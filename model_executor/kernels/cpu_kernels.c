@@ -601,13 +601,18 @@ void srt_int8_linear_silu(const bf16 *x, int64_t m, const int8_t *packed, const 
                           int64_t d, int64_t k);
 void srt_int8_linear(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                      bf16 *out, int64_t n, int64_t k);
+void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                   int64_t k);
+void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
 
 /* x @ w.T through a packed-weight kernel where the caller packed the weight (cpu_bf16_linear.c: AMX
  * or AVX-512 BF16; cpu_int8_linear.c when it has scales, --quantization w8a8_int8: AMX or AVX-512
- * VNNI), else srt_gemv */
+ * VNNI; cpu_q4_linear.c with q4, --quantization gguf), else srt_gemv */
 static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
-                         const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
-    if (packed && scale)
+                         int64_t q4, const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
+    if (packed && q4)
+        srt_q4_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
+    else if (packed && scale)
         srt_int8_linear(x, m, (const int8_t *)packed, scale, bias, out, n, k);
     else if (packed)
         srt_bf16_linear(x, m, (const bf16 *)packed, bias, out, n, k);
@@ -617,7 +622,7 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
 
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
- * packed weights (bf16, or int8 with scales), at most GEMV_MAX_ROWS requests. In the layer's order:
+ * packed weights (bf16, int8 with scales, or Q4_1 with q4), at most GEMV_MAX_ROWS requests. In the layer's order:
  *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
@@ -628,7 +633,7 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
-                      const float *s_down, const int64_t *positions, const bf16 *cos, const bf16 *sin,
+                      const float *s_down, int64_t q4, const int64_t *positions, const bf16 *cos, const bf16 *sin,
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
@@ -640,7 +645,7 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
     } else {
         srt_rmsnorm(hidden, residual, ln1, x, residual, m, hidden_size, eps);
     }
-    layer_linear(x, m, w_qkv, p_qkv, s_qkv, b_qkv, qkv, qkv_size, hidden_size);
+    layer_linear(x, m, w_qkv, p_qkv, s_qkv, q4, b_qkv, qkv, qkv_size, hidden_size);
     /* q and k heads sit side by side at the start of each qkv row: rotate them in place */
     bf16 rotated[(hq + hkv) * d];
     for (int64_t r = 0; r < m; r++) {
@@ -649,17 +654,19 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
-    layer_linear(attn, m, w_o, p_o, s_o, NULL, out, hidden_size, hq * d);
+    layer_linear(attn, m, w_o, p_o, s_o, q4, NULL, out, hidden_size, hq * d);
     srt_rmsnorm(out, residual, ln2, x, residual, m, hidden_size, eps);
-    if (p_gate_up && s_gate_up) { /* int8, bf16: silu * up in the gate_up product's epilogue */
+    if (p_gate_up && q4) { /* Q4_1, int8, bf16: silu * up in the gate_up product's epilogue */
+        srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
+    } else if (p_gate_up && s_gate_up) {
         srt_int8_linear_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);
     } else if (p_gate_up) {
         srt_bf16_linear_silu(x, m, (const bf16 *)p_gate_up, act, inter, hidden_size);
     } else {
-        layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, NULL, gate_up, 2 * inter, hidden_size);
+        layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, q4, NULL, gate_up, 2 * inter, hidden_size);
         srt_silu_mul(gate_up, act, m, inter);
     }
-    layer_linear(act, m, w_down, p_down, s_down, NULL, out, hidden_size, inter);
+    layer_linear(act, m, w_down, p_down, s_down, q4, NULL, out, hidden_size, inter);
 }
 
 /* k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i] for n tokens of `width` values each (kv heads x

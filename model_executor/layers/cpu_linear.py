@@ -16,6 +16,12 @@ the int8 kernel (AMX tiles, or AVX-512 VNNI), its input quantized per row: half 
 decode step, and twice bf16's multiply rate both on AMX and on Zen 4's VNNI (a 512-bit vpdpbusd
 issues as often as a vdpbf16ps and does twice the multiply-adds). Not bit-identical to bf16: a
 separate mode, off by default.
+
+With --quantization gguf (vLLM's name for running a GGUF file's own quantized weights) every such
+layer of a checkpoint converted from a GGUF Q4_1 file keeps the file's 4-bit blocks (recovered
+exactly from the dequantized values, cpu.q4_recover) for decode steps of up to cpu.Q4_MAX_ROWS
+rows, where a step streams every weight once: 0.625 bytes a weight against bf16's 2, every weight
+exact (bf16 rounds them to 8 bits). Larger batches and prefills run on a bf16 copy, as without it.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from torch import nn
 from model_executor.kernels import cpu as cpu_kernels
 
 AMX_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast as the AMX kernel or faster
-QUANTIZATIONS = ("w8a8_int8",)
-PackedWeight = torch.Tensor | cpu_kernels.Int8Weight  # a layer's `packed_weight` when not None
+QUANTIZATIONS = ("w8a8_int8", "gguf")
+PackedWeight = torch.Tensor | cpu_kernels.Int8Weight | cpu_kernels.Q4Weight  # a layer's `packed_weight`
 
 
 def onednn_bf16_available() -> bool:
@@ -47,7 +53,7 @@ def packed_max_rows() -> int:
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
     # cpu_kernels.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
-    return isinstance(packed, cpu_kernels.Int8Weight) or packed.dim() == 5
+    return isinstance(packed, (cpu_kernels.Int8Weight, cpu_kernels.Q4Weight)) or packed.dim() == 5
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
@@ -59,16 +65,25 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
     if device != "cpu" or dtype != torch.bfloat16:
         raise ValueError(f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
                          f"got {device} with {dtype}")
+    if quantization == "gguf":
+        if not (cpu_kernels.q4_available() and cpu_kernels.bf16_linear_available()):
+            raise ValueError("--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
+                             "Lake or later) and the CPU kernels built; this process has neither")
+        return
     if not cpu_kernels.int8_available():
         raise ValueError(f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
                          "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
                          "and the CPU kernels built; this process has neither")
 
 
-def pack_weight(weight: torch.Tensor, quantization: str | None = None) -> PackedWeight | None:
-    """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path."""
+def pack_weight(weight: torch.Tensor, quantization: str | None = None,
+                q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PackedWeight | None:
+    """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
+    (the weight's Q4_1 blocks, cpu.q4_recover) a Q4Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
+    if q4 is not None and weight.shape[0] % 32 == 0 and cpu_kernels.bf16_packable(weight):
+        return cpu_kernels.Q4Weight(cpu_kernels.q4_pack(*q4), cpu_kernels.bf16_pack(weight))
     if quantization == "w8a8_int8" and cpu_kernels.int8_packable(weight):
         return cpu_kernels.int8_pack(weight)
     if cpu_kernels.bf16_packable(weight) and cpu_kernels.bf16_linear_available():
@@ -93,6 +108,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if isinstance(packed, cpu_kernels.Int8Weight):
         return cpu_kernels.int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
+    if isinstance(packed, cpu_kernels.Q4Weight):
+        if rows <= cpu_kernels.Q4_MAX_ROWS:
+            return cpu_kernels.q4_linear(x.contiguous(), packed.packed, bias)
+        packed = packed.bf16
     if is_kernel_packed(packed):
         if rows <= packed_max_rows():
             return cpu_kernels.bf16_linear(x.contiguous(), packed, bias,
@@ -118,20 +137,36 @@ def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Te
         return None
     if isinstance(packed, cpu_kernels.Int8Weight):
         return cpu_kernels.int8_linear_silu(x.contiguous(), packed)
+    if isinstance(packed, cpu_kernels.Q4Weight):
+        if x.numel() // x.shape[-1] <= cpu_kernels.Q4_MAX_ROWS:
+            return cpu_kernels.q4_linear_silu(x.contiguous(), packed.packed)
+        packed = packed.bf16
     if x.numel() // x.shape[-1] > packed_max_rows():
         return None
     return cpu_kernels.bf16_linear_silu(x.contiguous(), packed)
 
 
-def pack_model(model: nn.Module, quantization: str | None = None) -> int:
+def pack_model(model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None) -> int:
     """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
-    `quantization` unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM).
-    Returns how many were packed. Call once, after the weights are loaded."""
+    w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
+    with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
+    checkpoint loaded in float32: its exact dequantized values). Returns how many were packed. Call
+    once, after the weights are loaded. Raises ValueError where a gguf layer is not Q4_1."""
     count = 0
-    for module in model.modules():
+    float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "packed_weight") and isinstance(weight, torch.Tensor):
-            packed = pack_weight(weight, quantization if getattr(module, "quantizable", True) else None)
+            quantizable = getattr(module, "quantizable", True)
+            q4 = None
+            if quantization == "gguf" and quantizable:
+                source = float32_modules[name].weight if name in float32_modules else None
+                q4 = cpu_kernels.q4_recover(source) if source is not None else None
+                if q4 is None:
+                    raise ValueError(f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
+                                     f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
+                                     "input is d * q + m with q in 0..15 and fp16 d and m)")
+            packed = pack_weight(weight, quantization if quantizable and quantization != "gguf" else None, q4)
             setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
             count += packed is not None
     return count
