@@ -154,6 +154,18 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
 
 
 @needs_q4
+def test_q4_model_runs_larger_batches_on_the_bf16_copy(q4_llama: Path) -> None:
+    """Past Q4_MAX_ROWS rows (and in every prefill) the same bf16 weights as without --quantization
+    run: the same logits, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in range(3, 5 + cpu.Q4_MAX_ROWS)]
+    forced = [torch.randint(3, 320, (3,), generator=g).tolist() for _ in prompts]
+    logits = [decode_logits(ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization=q)),
+                            prompts, forced) for q in ("gguf", None)]
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_q4
 def test_gguf_refuses_weights_that_are_not_q4_1(tiny_model_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match=r"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; "
                                          r"model.layers.0.self_attn.qkv_proj.weight \(128, 64\) is not Q4_1"):
@@ -191,13 +203,14 @@ def test_gguf_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @needs_q4
-def test_server_serves_the_bundled_gguf_on_its_q4_1_weights() -> None:
-    with Server("--quantization", "gguf", "--max-total-tokens", "2048") as server:
-        response = server.generate({"text": "The capital of France is",
-                                    "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+def test_server_serves_on_q4_1_weights(q4_llama: Path, smollm2_dir: Path) -> None:
+    with Server("--model-path", str(q4_llama), "--tokenizer-path", str(smollm2_dir), "--quantization", "gguf",
+                "--max-total-tokens", "2048") as server:
+        response = server.generate({"input_ids": [5, 17, 42, 7],
+                                    "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
-        assert "packed 121 weights for the CPU kernels, 120 of them Q4_1 (gguf)" in server.output()
+        assert "packed 9 weights for the CPU kernels, 8 of them Q4_1 (gguf)" in server.output()
 
 
 def test_tiny_q4_copy_is_on_the_grid(q4_llama: Path) -> None:
