@@ -64,7 +64,9 @@ def test_series_move_after_requests(server: Server) -> None:
     stop_at = outs[0]["output_ids"][2]
     outs.append(generate(server, PROMPT, stop_token_ids=[stop_at]))
     assert outs[-1]["meta_info"]["finish_reason"]["type"] == "stop"
-    after = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0 and value(s, "srt:num_queue_reqs") == 0)
+    # rank 1 publishes its last step's count a moment after rank 0 may report the queue empty
+    after = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0 and value(s, "srt:num_queue_reqs") == 0
+                     and value(s, "srt:forward_steps_total", rank="0") == value(s, "srt:forward_steps_total", rank="1"))
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
