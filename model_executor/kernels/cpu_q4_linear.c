@@ -52,12 +52,9 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < blocks; kb++) {
-        /* one row: the two lines of a chunk go to separate sums, or each block's 16 dot products
-         * would wait on each other (four chains of vdpbf16ps latency per k block) */
-        const int split = R == 1;
-        __m512 blk[ROWS][GROUP], blk2[ROWS][GROUP];
+        __m512 blk[ROWS][GROUP];
         for (int r = 0; r < R; r++)
-            for (int b = 0; b < NB; b++) blk[r][b] = blk2[r][b] = _mm512_setzero_ps();
+            for (int b = 0; b < NB; b++) blk[r][b] = _mm512_setzero_ps();
         for (int b = 0; b < NB; b++) /* past a block's end: the next block's start, or nothing we need */
             for (int l = 0; l < BLOCK_BYTES; l += 64)
                 _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * BLOCK_BYTES + l), _MM_HINT_T1);
@@ -75,10 +72,7 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
                     (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, magic, 0xEA);
                 for (int r = 0; r < R; r++) {
                     blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wa, xa[r]);
-                    if (split)
-                        blk2[r][b] = _mm512_dpbf16_ps(blk2[r][b], wbh, xb[r]);
-                    else
-                        blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wbh, xb[r]);
+                    blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wbh, xb[r]);
                 }
             }
         }
@@ -88,7 +82,7 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
             const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m); /* m - 128 d */
             for (int r = 0; r < R; r++) {
-                acc[r][b] = _mm512_fmadd_ps(split ? _mm512_add_ps(blk[r][b], blk2[r][b]) : blk[r][b], d, acc[r][b]);
+                acc[r][b] = _mm512_fmadd_ps(blk[r][b], d, acc[r][b]);
                 acc[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * blocks + kb]), m128, acc[r][b]);
             }
         }
