@@ -82,7 +82,7 @@ def pack_weight(weight: torch.Tensor, quantization: str | None = None,
     (the weight's Q4_1 blocks, cpu.q4_recover) a Q4Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    if q4 is not None and weight.shape[0] % 32 == 0 and cpu_kernels.bf16_packable(weight):
+    if q4 is not None and cpu_kernels.bf16_packable(weight):
         return cpu_kernels.Q4Weight(cpu_kernels.q4_pack(*q4), cpu_kernels.bf16_pack(weight))
     if quantization == "w8a8_int8" and cpu_kernels.int8_packable(weight):
         return cpu_kernels.int8_pack(weight)
@@ -152,6 +152,7 @@ def pack_model(model: nn.Module, quantization: str | None = None, float32_model:
     with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
     checkpoint loaded in float32: its exact dequantized values). Returns how many were packed. Call
     once, after the weights are loaded. Raises ValueError where a gguf layer is not Q4_1."""
+    assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
     count = 0
     float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
     for name, module in model.named_modules():
@@ -160,13 +161,12 @@ def pack_model(model: nn.Module, quantization: str | None = None, float32_model:
             quantizable = getattr(module, "quantizable", True)
             q4 = None
             if quantization == "gguf" and quantizable:
-                source = float32_modules[name].weight if name in float32_modules else None
-                q4 = cpu_kernels.q4_recover(source) if source is not None else None
+                q4 = cpu_kernels.q4_recover(float32_modules[name].weight)
                 if q4 is None:
                     raise ValueError(f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
                                      f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
                                      "input is d * q + m with q in 0..15 and fp16 d and m)")
-            packed = pack_weight(weight, quantization if quantizable and quantization != "gguf" else None, q4)
+            packed = pack_weight(weight, quantization if quantizable else None, q4)
             setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
             count += packed is not None
     return count
