@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
-from tiny_models import make_tiny_model
+from tiny_models import hf_float32, make_tiny_model
 
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.forward_batch import ForwardMode, make_forward_batch
@@ -177,7 +176,7 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path:
     model_dir = make_tiny_model("llama_d64", tmp_path / "llama_d64")
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 140, 17)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_float32(model_dir)
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
 
@@ -242,7 +241,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in lens]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_float32(model_dir)
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import hf_greedy
+from tiny_models import hf_float32, hf_greedy
 
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.model_runner import ModelRunner
@@ -34,7 +34,7 @@ def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.T
 
 
 def check_model(model_dir: Path, prompts: list[list[int]], *, atol: float) -> None:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_float32(model_dir)
     engine = Engine(str(model_dir), dtype="float32", max_total_tokens=4096)
     assert engine.runner is not None
     ours = our_prefill_logits(engine.runner, prompts)

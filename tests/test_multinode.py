@@ -23,10 +23,8 @@ from typing import Any
 import psutil
 import pytest
 import requests
-import torch
-import transformers
 from server_fixture import Server, kill_all
-from tiny_models import hf_greedy
+from tiny_models import hf_float32, hf_greedy
 
 from launcher.fingerprint import fingerprint_diff, launch_fingerprint
 from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
@@ -451,7 +449,7 @@ def test_two_nodes_serve_what_one_node_serves_and_go_down_with_node_1(
 def test_killing_node_0_makes_node_1_exit(nodes: list[Node], tmp_path: Path, long_context_llama: Path,
                                           smollm2_dir: Path) -> None:
     """Two pipeline stages, one per node, meeting through the environment's rendezvous."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(long_context_llama, dtype=torch.float32).eval()
+    hf = hf_float32(long_context_llama)
     expected = [hf_greedy(hf, ids, 16) for ids in greedy_prompts()]
     server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, env_rendezvous=True,
                                     layout=("--pp", "2"))

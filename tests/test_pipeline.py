@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from server_fixture import Server
-from tiny_models import hf_greedy
+from tiny_models import hf_float32, hf_greedy
 
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import (
@@ -73,7 +72,7 @@ def test_each_stage_loads_exactly_its_tensors(arch: str, tiny_model_dirs: dict[s
     first, last = stages
     assert first.lm_head is None and first.model.norm is None and len(first.model.local_layers) == 1
     assert last.model.embed_tokens is None and len(last.model.local_layers) == 1
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = hf_float32(model_dir)
     torch.testing.assert_close(last.lm_head.weight, hf.lm_head.weight, rtol=0, atol=0)
     torch.testing.assert_close(first.model.embed_tokens.weight, hf.model.embed_tokens.weight, rtol=0, atol=0)
     torch.testing.assert_close(last.model.local_layers[0].mlp.down_proj.weight, hf.model.layers[1].mlp.down_proj.weight,
@@ -94,7 +93,7 @@ def generate_all(server: Server, prompts: list[list[int]], max_new_tokens: int) 
 
 def test_pp2_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 2287, 3314, 30, 1], [42] * 12, [2, 1050, 17, 8, 9] * 3]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf = hf_float32(smollm2_dir)
     expected = [hf_greedy(hf, p, 16) for p in prompts]
     with Server("--model-path", str(smollm2_dir), "--dtype", "float32", "--pp-size", "2",
                 "--max-total-tokens", "4096", "--enable-rank-consensus-checker") as server:
@@ -109,7 +108,7 @@ def test_tp2_pp2_tiny_matches_transformers(tiny_model_dirs: dict[str, Path], smo
     model_dir = tiny_model_dirs["llama_mqa"]
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 3, 25, 14, 6, 31)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_float32(model_dir)
     expected = [hf_greedy(hf, p, 20) for p in prompts]
     with Server("--model-path", str(model_dir), "--tokenizer-path", str(smollm2_dir), "--dtype", "float32",
                 "--tp-size", "2", "--pp-size", "2", "--max-total-tokens", "2048", "--chunked-prefill-size", "16",

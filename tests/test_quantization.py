@@ -10,6 +10,7 @@ import torch
 import transformers
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
+from tiny_models import hf_float32
 
 from model_executor.kernels import cpu
 from model_executor.layers.cpu_linear import check_quantization
@@ -61,7 +62,7 @@ def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = hf_float32(model_dir)
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
 

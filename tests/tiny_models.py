@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -52,3 +53,13 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int
             out.append(token)
             result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True)
     return out
+
+
+def hf_float32(model_dir: Path) -> Any:
+    """transformers' model in float32, as a reference, with its weights copied into process memory:
+    from_pretrained leaves float32 weights mapped from the safetensors file, and this VM's DAMON
+    pages out file pages that sit idle for a minute, so a reference's forward could wait on disk."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
+    return model
