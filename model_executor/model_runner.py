@@ -23,7 +23,7 @@ from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels.cpu import Int8Weight, Q4Weight
+from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight
 from model_executor.layers.cpu_linear import check_quantization, pack_model
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
@@ -101,6 +101,8 @@ class ModelRunner:
             quantized = sum(isinstance(getattr(m, "packed_weight", None), (Int8Weight, Q4Weight))
                             for m in self.model.modules())
             kind = "Q4_1" if self.config.quantization == "gguf" else "int8"
+            if any(isinstance(getattr(m, "packed_weight", None), Q8Weight) for m in self.model.modules()):
+                kind += ", the LM head Q8_0"
             logger.info("packed %d weights for the CPU kernels%s", packed,
                         f", {quantized} of them {kind} ({self.config.quantization})" if self.config.quantization else "")
         self.weight_bytes = model_weight_bytes(self.model)

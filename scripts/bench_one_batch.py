@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
-from model_executor.kernels.cpu import Int8Weight, Q4Weight  # noqa: E402
+from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight  # noqa: E402
 from model_executor.layers.cpu_linear import QUANTIZATIONS  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
@@ -334,14 +334,15 @@ def compute_bound_line(num_params: int, rate: float, prefill_tok_s: float, probe
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights a batch-1 decode step reads: the parameters, with each int8-packed weight
     (--quantization w8a8_int8) counted at its int8 size and scales instead of its bf16 size, and each
-    Q4_1 one (--quantization gguf) at its 4-bit blocks' (0.625 bytes a weight)."""
+    Q4_1 one (--quantization gguf) at its 4-bit blocks' (0.625 bytes a weight), a Q8_0 LM head at
+    its 1.0625 bytes a weight."""
     total = model_weight_bytes(model)
     for module in model.modules():
         packed = getattr(module, "packed_weight", None)
         weight_bytes = module.weight.numel() * module.weight.element_size() if packed is not None else 0
         if isinstance(packed, Int8Weight):
             total += packed.packed.numel() + packed.scale.numel() * 4 - weight_bytes
-        elif isinstance(packed, Q4Weight):
+        elif isinstance(packed, (Q4Weight, Q8Weight)):
             total += packed.packed.numel() - weight_bytes
     return total
 

@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
+from tiny_models import hf_float32
 
 from model_executor.kernels import cpu
 from model_executor.layers.cpu_linear import check_quantization
@@ -50,11 +51,31 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return (d * q + m).view(n, k)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0 (quantize_row_q8_0_ref) of a float weight, dequantized again."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // 32, 32)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(w * torch.where(d > 0, 1 / d, 0.0))
+    return (d.half().float() * q).view(n, k)
+
+
+def q8_0_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 blocks as llama.cpp's quantizer makes them: each run of 32 holds a +-127."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, 7::32] = 127
+    q[::2, 7::32] = -127
+    return q, (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half()
+
+
 def q4_1_copy(model_dir: Path, target: Path) -> Path:
-    """The tiny model with every projection weight on its Q4_1 grid, as a GGUF Q4_1 file converts."""
+    """The tiny model with every projection weight on its Q4_1 grid and the LM head on its Q8_0 grid,
+    as a GGUF Q4_1 file converts (llama.cpp keeps the output weight at 8 bits)."""
     shutil.copytree(model_dir, target)
     tensors = load_file(target / "model.safetensors")
-    tensors = {name: quantize_q4_1(t) if name.endswith("proj.weight") else t for name, t in tensors.items()}
+    tensors = {name: quantize_q4_1(t) if name.endswith("proj.weight") else
+               quantize_q8_0(t) if name == "lm_head.weight" else t for name, t in tensors.items()}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
 
@@ -117,13 +138,63 @@ def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int,
         assert ((act - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all(), (act - ref).abs().max()
 
 
+def test_q8_recover_finds_the_blocks_and_nothing_else() -> None:
+    q, d = q8_0_blocks(48, 96, seed=1)
+    weight = d.float().repeat_interleave(32, 1) * q.float()
+    found = cpu.q8_recover(weight)
+    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], d)
+    assert torch.equal(cpu.q8_recover(quantize_q8_0(torch.randn(16, 64)))[0].abs().amax(-1),  # type: ignore[index]
+                       torch.full((16,), 127, dtype=torch.int8))
+    zeros = torch.zeros(16, 32)
+    assert torch.equal(cpu.q8_recover(zeros)[0], zeros.to(torch.int8))  # type: ignore[index]
+    nudged = weight.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))
+    assert cpu.q8_recover(nudged) is None
+    assert cpu.q8_recover(torch.randn(32, 64)) is None
+    assert cpu.q8_recover(weight[:, :48]) is None  # k % 32 != 0
+
+
+def test_q8_pack_lays_out_scales_then_biased_quads() -> None:
+    q, d = q8_0_blocks(32, 64, seed=3)
+    packed = cpu.q8_pack(q, d)
+    assert packed.shape == (2, 2, cpu.Q8_BLOCK_BYTES) and packed.dtype == torch.uint8
+    block = packed[1, 1]  # outputs 16..31, k 32..63
+    assert torch.equal(block[:32].view(torch.float16), d[16:32, 1])
+    chunk = block[32 + 64 * 3: 32 + 64 * 4]  # k 32 + 12 .. 32 + 15
+    j = 5
+    assert chunk[4 * j: 4 * j + 4].tolist() == [int(v) + 128 for v in q[16 + j, 44:48]]
+
+
+needs_q8 = pytest.mark.skipif(cpu._compiler() is None or not cpu.q8_available(),
+                              reason="no AVX-512 BF16 and VNNI here: the LM head stays bf16")
+
+
+@needs_q8
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (2, 64, 128), (3, 576, 1536), (5, 48, 96)])
+def test_q8_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int) -> None:
+    q, d = q8_0_blocks(n, k, seed=m)
+    weight = d.double().repeat_interleave(32, 1) * q.double()
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    x[0, :32] *= 1e-3  # a block of small values: each has its own scale
+    want = x.double() @ weight.T
+    out = cpu.q8_linear(x, cpu.q8_pack(q, d))
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    # each x is off by at most its block's largest |x| / 65278, and the sums are fp32
+    bound = (x.double().abs().view(m, k // 32, 32).amax(-1).repeat_interleave(32, 1) / 65278) @ weight.abs().T
+    assert ((out.double() - want).abs() <= bound + want.abs() * 1e-6 + 1e-6).all()
+    # far closer than the same product with the weights rounded to bf16, as the bf16 copy holds them
+    rounded = x.double() @ weight.bfloat16().double().T
+    assert (out.double() - want).norm() * 10 < (rounded - want).norm()
+
+
 @needs_q4
 def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(q4_llama, dtype=torch.float32).eval()
+    hf = hf_float32(q4_llama)
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
 
@@ -131,7 +202,7 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
     layer = runner.model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear.packed_weight, cpu.Q4Weight)
-    assert not isinstance(runner.model.lm_head.packed_weight, cpu.Q4Weight)  # the LM head stays bf16
+    assert isinstance(runner.model.lm_head.packed_weight, cpu.Q8Weight if cpu.q8_available() else torch.Tensor)
     calls: list[int] = []
     real_layer = cpu.DecodeLayers.forward
     monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1])
@@ -151,6 +222,24 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
     assert err_fused < 0.03 and err_plain < 0.03, (err_fused, err_plain, err_bf16)
     assert (fused - plain).abs().max().item() / scale < 0.02
     assert not torch.equal(fused, bf16)  # the 4-bit weights ran, not the bf16 copy
+
+
+@needs_q8
+def test_q8_lm_head_runs_up_to_q8_max_rows_then_the_bf16_copy(q4_llama: Path) -> None:
+    runner = ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf"))
+    head = runner.model.lm_head
+    packed = head.packed_weight
+    assert isinstance(packed, cpu.Q8Weight)
+    exact = load_file(q4_llama / "model.safetensors")["lm_head.weight"].double()
+    g = torch.Generator().manual_seed(8)
+    for rows in (1, cpu.Q8_MAX_ROWS, cpu.Q8_MAX_ROWS + 1):
+        hidden = torch.randn(rows, 64, generator=g).bfloat16()
+        logits = head(hidden, out_dtype=torch.float32)
+        on_q8 = rows <= cpu.Q8_MAX_ROWS
+        assert torch.equal(logits, cpu.q8_linear(hidden, packed.packed) if on_q8 else
+                           cpu.bf16_linear(hidden, packed.bf16, None, torch.float32))
+        err = (logits.double() - hidden.double() @ exact.T).abs().max().item()
+        assert err < 1e-4 if on_q8 else err > 1e-4, (rows, err)  # exact weights, or the bf16 copy's
 
 
 @needs_q4
@@ -174,18 +263,21 @@ def test_gguf_refuses_weights_that_are_not_q4_1(tiny_model_dirs: dict[str, Path]
 
 @needs_q4
 def test_gguf_smollm2_decodes_as_close_to_fp32_as_bf16_does(smollm2_dir: Path) -> None:
-    """Teacher-forced decode of the bundled GGUF at batch 1 (the fused Q4_1 layers) against transformers
-    in fp32 on the same dequantized weights; bf16 activations and the bf16 prefill's KV dominate the
-    error in both modes (measured: max 4.2% vs 4.6% of the largest logit, top-1 94% vs 91%)."""
+    """Teacher-forced decode of the bundled GGUF at batch 1 (the fused Q4_1 layers, the Q8_0 LM head)
+    against transformers in fp32 on the same dequantized weights; bf16 activations and the bf16
+    prefill's KV dominate the error in both modes (measured: max 3.9% vs 4.6% of the largest logit,
+    top-1 100% vs 91%)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tokenizer.encode((Path(__file__).resolve().parent.parent / "README.md").read_text()[:3000])[:65]
     prompt, forced = [ids[:33]], [ids[33:]]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf = hf_float32(smollm2_dir)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, 33:, None]
     errors, agreement = {}, {}
     for quantization in (None, "gguf"):
         runner = ModelRunner(RunnerConfig(model_dir=smollm2_dir, max_total_tokens=256, quantization=quantization))
+        if quantization == "gguf" and cpu.q8_available():  # the file's token embedding is Q8_0
+            assert isinstance(runner.model.lm_head.packed_weight, cpu.Q8Weight)
         logits = decode_logits(runner, prompt, forced)
         errors[quantization] = (logits - ref).abs().max().item() / ref.abs().max().item()
         agreement[quantization] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
@@ -210,7 +302,8 @@ def test_server_serves_on_q4_1_weights(q4_llama: Path, smollm2_dir: Path) -> Non
                                     "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
-        assert "packed 9 weights for the CPU kernels, 8 of them Q4_1 (gguf)" in server.output()
+        head = ", the LM head Q8_0" if cpu.q8_available() else ""
+        assert f"packed 9 weights for the CPU kernels, 8 of them Q4_1{head} (gguf)" in server.output()
 
 
 def test_tiny_q4_copy_is_on_the_grid(q4_llama: Path) -> None:

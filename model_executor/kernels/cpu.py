@@ -29,7 +29,7 @@ logger = logging.getLogger("srt.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c",
-                             "cpu_q4_linear.c", "cpu_prefill_attention.c"))
+                             "cpu_q4_linear.c", "cpu_q8_linear.c", "cpu_prefill_attention.c"))
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h"))  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -51,6 +51,7 @@ _SIGNATURES = {
     "srt_int8_linear_silu": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_q4_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     "srt_q4_linear_silu": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
+    "srt_q8_linear": [_ptr, _i64, _ptr, _ptr, _i64, _i64],
     "srt_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                                   _i64, _i64, _f32],
     "srt_decode_layer": [_ptr, _ptr, _i64, _ptr, _ptr, _f32,  # hidden, residual, first, ln1, ln2, eps
@@ -122,7 +123,7 @@ def kernels() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     for name in ("srt_amx_init", "srt_amx_has_int8", "srt_dp_linear_available", "srt_vnni_linear_available",
-                 "srt_q4_linear_available", "srt_dp_prefill_attention_available"):
+                 "srt_q4_linear_available", "srt_q8_linear_available", "srt_dp_prefill_attention_available"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], _i64
     return lib
 
@@ -321,6 +322,69 @@ def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
     lib.srt_q4_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
+    return out
+
+
+def q8_available() -> bool:
+    """Whether srt_q8_linear runs here (AVX-512 BF16 and VNNI: cpu_q8_linear.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.srt_q8_linear_available())
+
+
+Q8_BLOCK_BYTES = 544  # cpu_q8_linear.c: 16 outputs x 32 k of Q8_0 (fp16 d, then q + 128)
+
+
+def q8_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q8_0 blocks behind a float32 [n, k] weight, if it is one: (q [n, k] int8 in -127..127,
+    d [n, k/32] fp16) with float32(d * q) equal to every value; None where some run of 32 along k
+    is not such a block. d is the block's largest magnitude / 127, as llama.cpp's Q8_0 quantizer
+    sets it (that value's q is +-127); every value is checked."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32:
+        return None
+    w = weight.detach().view(n, k // 32, 32)
+    d = (w.abs().amax(-1) / 127).half()
+    if not (torch.isfinite(w).all() and torch.isfinite(d).all()):
+        return None
+    df = d.float()[..., None]
+    q = torch.where(df > 0, torch.round(w / torch.where(df > 0, df, 1.0)), 0.0)
+    if (q.abs() > 127).any() or not torch.equal(df * q, w):
+        return None
+    return q.to(torch.int8).view(n, k), d
+
+
+def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (q8_recover's form) -> srt_q8_linear's order, [n/16, k/32, 544] uint8: per 16
+    outputs and 32 k, the 16 d (fp16), then for each quad c of k 64 bytes, byte 4j + i being
+    q[j][4c + i] + 128. n % 16 == 0."""
+    n, k = q.shape
+    blocks = k // 32
+    scales = d.view(n // 16, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, blocks, 32)
+    biased = (q.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, blocks, 8, 4)
+    return torch.cat([scales, biased.permute(0, 2, 3, 1, 4).reshape(n // 16, blocks, 512)], dim=-1).contiguous()
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """The tied LM head's GGUF Q8_0 weight for srt_q8_linear (up to Q8_MAX_ROWS rows) and its bf16
+    copy packed for srt_bf16_linear (more rows)."""
+
+    packed: torch.Tensor  # q8_pack's [n/16, k/32, 544]
+    bf16: torch.Tensor  # bf16_pack's
+
+
+# The LM head runs on its Q8_0 weight for at most this many rows (measured on SmolLM2, see
+# docs/performance.md), on the bf16 copy for more.
+Q8_MAX_ROWS = 8
+
+
+def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (d q).T in float32, for the weight `packed` holds (q8_pack)."""
+    lib = kernels()
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.srt_q8_linear(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
     return out
 
 

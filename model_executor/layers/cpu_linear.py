@@ -53,7 +53,8 @@ def packed_max_rows() -> int:
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
     # cpu_kernels.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
-    return isinstance(packed, (cpu_kernels.Int8Weight, cpu_kernels.Q4Weight)) or packed.dim() == 5
+    return isinstance(packed, (cpu_kernels.Int8Weight, cpu_kernels.Q4Weight, cpu_kernels.Q8Weight)) \
+        or packed.dim() == 5
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
@@ -77,13 +78,16 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
 
 
 def pack_weight(weight: torch.Tensor, quantization: str | None = None,
-                q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PackedWeight | None:
+                q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                q8: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
-    (the weight's Q4_1 blocks, cpu.q4_recover) a Q4Weight."""
+    (the weight's Q4_1 blocks, cpu.q4_recover) a Q4Weight, with `q8` (Q8_0, cpu.q8_recover) a Q8Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     if q4 is not None and cpu_kernels.bf16_packable(weight):
         return cpu_kernels.Q4Weight(cpu_kernels.q4_pack(*q4), cpu_kernels.bf16_pack(weight))
+    if q8 is not None and cpu_kernels.bf16_packable(weight):
+        return cpu_kernels.Q8Weight(cpu_kernels.q8_pack(*q8), cpu_kernels.bf16_pack(weight))
     if quantization == "w8a8_int8" and cpu_kernels.int8_packable(weight):
         return cpu_kernels.int8_pack(weight)
     if cpu_kernels.bf16_packable(weight) and cpu_kernels.bf16_linear_available():
@@ -112,6 +116,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if rows <= cpu_kernels.Q4_MAX_ROWS:
             return cpu_kernels.q4_linear(x.contiguous(), packed.packed, bias)
         packed = packed.bf16
+    if isinstance(packed, cpu_kernels.Q8Weight):
+        if rows <= cpu_kernels.Q8_MAX_ROWS and bias is None:
+            out = cpu_kernels.q8_linear(x.contiguous(), packed.packed)
+            return out if float32_out else out.to(x.dtype)
+        packed = packed.bf16
     if is_kernel_packed(packed):
         if rows <= packed_max_rows():
             return cpu_kernels.bf16_linear(x.contiguous(), packed, bias,
@@ -133,7 +142,7 @@ def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Te
     """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
     for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most packed_max_rows()),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
-    if packed is None or bias is not None or not is_kernel_packed(packed):
+    if packed is None or bias is not None or not is_kernel_packed(packed) or isinstance(packed, cpu_kernels.Q8Weight):
         return None
     if isinstance(packed, cpu_kernels.Int8Weight):
         return cpu_kernels.int8_linear_silu(x.contiguous(), packed)
@@ -150,8 +159,10 @@ def pack_model(model: nn.Module, quantization: str | None = None, float32_model:
     """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
     w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
     with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
-    checkpoint loaded in float32: its exact dequantized values). Returns how many were packed. Call
-    once, after the weights are loaded. Raises ValueError where a gguf layer is not Q4_1."""
+    checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
+    where the file holds it so (a tied head: the token embedding; else it stays bf16). Returns how
+    many were packed. Call once, after the weights are loaded. Raises ValueError where a gguf layer
+    is not Q4_1."""
     assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
     count = 0
     float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
@@ -159,14 +170,16 @@ def pack_model(model: nn.Module, quantization: str | None = None, float32_model:
         weight = getattr(module, "weight", None)
         if hasattr(module, "packed_weight") and isinstance(weight, torch.Tensor):
             quantizable = getattr(module, "quantizable", True)
-            q4 = None
+            q4 = q8 = None
             if quantization == "gguf" and quantizable:
                 q4 = cpu_kernels.q4_recover(float32_modules[name].weight)
                 if q4 is None:
                     raise ValueError(f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
                                      f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
                                      "input is d * q + m with q in 0..15 and fp16 d and m)")
-            packed = pack_weight(weight, quantization if quantizable else None, q4)
+            elif quantization == "gguf" and cpu_kernels.q8_available():  # the LM head: the file's Q8_0 if it is
+                q8 = cpu_kernels.q8_recover(float32_modules[name].weight)
+            packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
             setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
             count += packed is not None
     return count

@@ -1,0 +1,157 @@
+/* The LM head on a GGUF file's Q8_0 token embedding (--quantization gguf; SmolLM2 ties the two):
+ * each run of 32 weights along k is an int8 q in -127..127 with an fp16 scale d, w = d q. A decode
+ * step at batch 1 streams the whole head once: 1.0625 bytes a weight against bf16's 2 (SmolLM2:
+ * 30 MB for 57).
+ *
+ * Dot products with AVX-512 VNNI (vpdpbusd: four u8 x s8 products into each int32 lane). The weights
+ * go in as q + 128 (u8). Each 32-value block of a row of x becomes 16-bit integers,
+ * x16 = round(x * X16_MAX / amax) with scale dx = amax / X16_MAX, split in two int8 halves,
+ * x16 = 256 hi + lo (hi = (x16 + 128) >> 8, lo in -128..127), so that
+ *   sum_k q x16 = 256 sum (q + 128) hi + sum (q + 128) lo - 128 sum x16
+ * exactly in int32, and the block adds d dx times that. The weights are exact; each x is off by at
+ * most amax / 65278, against the 2^-9 of its own value that rounding a weight to bf16 costs.
+ *
+ * Packed by cpu.q8_pack as [n/16][k/32][544 bytes]: per 16 outputs and 32 k, the 16 d (fp16), then
+ * 8 chunks of 64 bytes, chunk c byte 4j + i = q[j][4c + i] + 128: lane j of a vpdpbusd operand.
+ * Rows go in tiles of two against four 16-output blocks, as in cpu_q4_linear.c.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uint16_t bf16;
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#include <omp.h>
+
+#include "simd_bf16.h"
+
+#define ROWS 2
+#define GROUP 4
+#define BLOCK_BYTES 544 /* 16 outputs x 32 k: 32 bytes of d, 512 of q + 128 */
+#define PARALLEL_MIN 65536
+#define PREFETCH_BLOCKS 40 /* ~20 KB ahead into L2, as cpu_q4_linear.c */
+#define X16_MAX 32639.0f   /* (X16_MAX + 128) >> 8 = 127: hi stays an int8 */
+
+int64_t srt_q8_linear_available(void) { return 1; }
+
+/* Row r's block kb of x (k values a row) -> hi and lo (int8, k a row), dx and the int sum of x16 */
+static void x16_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *lo, float *dx, int32_t *sum16) {
+    const int64_t blocks = k / 32;
+    const __m512i c128 = _mm512_set1_epi32(128);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            const int64_t at = r * k + kb * 32;
+            const __m512 a = load16(x + at), b = load16(x + at + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            const __m512 scale = _mm512_set1_ps(amax > 0 ? X16_MAX / amax : 0.0f);
+            dx[r * blocks + kb] = amax / X16_MAX;
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)); /* nearest even */
+            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
+            sum16[r * blocks + kb] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, c128), 8);
+            const __m512i hb = _mm512_srai_epi32(_mm512_add_epi32(qb, c128), 8);
+            _mm_storeu_si128((__m128i *)(hi + at), _mm512_cvtepi32_epi8(ha));
+            _mm_storeu_si128((__m128i *)(hi + at + 16), _mm512_cvtepi32_epi8(hb));
+            _mm_storeu_si128((__m128i *)(lo + at), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 8))));
+            _mm_storeu_si128((__m128i *)(lo + at + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 8))));
+        }
+}
+
+/* acc[r][b] = row r (rows k apart) times block stream wb[b] */
+static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, const int8_t *lo, int64_t k,
+                                                          const float *dx, const int32_t *sum16,
+                                                          const uint8_t *const *wb, const int R, const int NB,
+                                                          __m512 acc[ROWS][GROUP]) {
+    const int64_t blocks = k / 32;
+    const int32_t *hp = (const int32_t *)hi, *lp = (const int32_t *)lo; /* four int8 x as one lane */
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        __m512i sh[ROWS][GROUP], sl[ROWS][GROUP];
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < NB; b++) sh[r][b] = sl[r][b] = _mm512_setzero_si512();
+        for (int b = 0; b < NB; b++)
+            for (int l = 0; l < BLOCK_BYTES; l += 64)
+                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * BLOCK_BYTES + l), _MM_HINT_T1);
+        for (int c = 0; c < 8; c++) {
+            __m512i xh[ROWS], xl[ROWS];
+            for (int r = 0; r < R; r++) {
+                xh[r] = _mm512_set1_epi32(hp[r * (k / 4) + kb * 8 + c]);
+                xl[r] = _mm512_set1_epi32(lp[r * (k / 4) + kb * 8 + c]);
+            }
+            for (int b = 0; b < NB; b++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(wb[b] + kb * BLOCK_BYTES + 32 + 64 * c));
+                for (int r = 0; r < R; r++) {
+                    sh[r][b] = _mm512_dpbusd_epi32(sh[r][b], w, xh[r]);
+                    sl[r][b] = _mm512_dpbusd_epi32(sl[r][b], w, xl[r]);
+                }
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb[b] + kb * BLOCK_BYTES)));
+            for (int r = 0; r < R; r++) {
+                const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[r][b], 8), sl[r][b]),
+                                                   _mm512_set1_epi32(128 * sum16[r * blocks + kb]));
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + kb])),
+                                            acc[r][b]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_group(const int8_t *hi, const int8_t *lo, int64_t m, int64_t k,
+                                                           const float *dx, const int32_t *sum16,
+                                                           const uint8_t *const *wb, const int NB, float *out,
+                                                           int64_t n) {
+    __m512 acc[ROWS][GROUP];
+    const int64_t blocks = k / 32;
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int R = m - r0 >= 2 ? 2 : 1;
+        if (R == 2)
+            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + r0 * blocks, wb, 2, NB, acc);
+        else
+            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + r0 * blocks, wb, 1, NB, acc);
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + (r0 + r) * n + 16 * b, acc[r][b]);
+    }
+}
+
+static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
+    const int64_t stride = (k / 32) * BLOCK_BYTES, units = n / 16, blocks = k / 32;
+    int8_t *hi = malloc((size_t)(2 * m * k)), *lo = hi + m * k;
+    float *dx = malloc((size_t)(m * blocks) * sizeof(float));
+    int32_t *sum16 = malloc((size_t)(m * blocks) * sizeof(int32_t));
+    x16_split(x, m, k, hi, lo, dx, sum16);
+#pragma omp parallel if (units * k * (m + 8) >= PARALLEL_MIN)
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t u1 = units * (t + 1) / threads;
+        for (int64_t u = units * t / threads; u < u1; u += GROUP) {
+            const int64_t left = u1 - u < GROUP ? u1 - u : GROUP;
+            const uint8_t *wb[GROUP];
+            for (int64_t i = 0; i < left; i++) wb[i] = packed + (u + i) * stride;
+            switch (left) { /* a constant block count for each instance */
+            case 4: q8_group(hi, lo, m, k, dx, sum16, wb, 4, out + 16 * u, n); break;
+            case 3: q8_group(hi, lo, m, k, dx, sum16, wb, 3, out + 16 * u, n); break;
+            case 2: q8_group(hi, lo, m, k, dx, sum16, wb, 2, out + 16 * u, n); break;
+            default: q8_group(hi, lo, m, k, dx, sum16, wb, 1, out + 16 * u, n); break;
+            }
+        }
+    }
+    free(hi);
+    free(dx);
+    free(sum16);
+}
+
+#define Q8(...) q8_linear(__VA_ARGS__)
+#else
+int64_t srt_q8_linear_available(void) { return 0; }
+#define Q8(...) abort() /* never called: srt_q8_linear_available() answered 0 */
+#endif
+
+/* out[m][n] (float32) = x[m][k] @ w.T for the Q8_0 weight packed by cpu.q8_pack; x rows contiguous;
+ * n % 16 == 0 and k % 32 == 0 (the caller checks) */
+void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
+    Q8(x, m, packed, out, n, k);
+}
