@@ -99,11 +99,13 @@ def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, tor
 
 # Head sizes 64 and 128 with groups up to 8 take the AVX-512 BF16 path (vdpbf16ps scores, 16 tokens
 # reduced together), others the generic one; 8 or more requests make a task of all of a request's
-# kv heads, fewer a task per (request, kv head).
+# kv heads, fewer a task per (request, kv head); on the fast path a request past 512 tokens is split
+# into 512-token tasks whose partial sums are combined.
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
     ([40], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([5, 6], 4, 4, 64), ([9, 3], 8, 1, 64),
     ([33, 1, 16, 17, 2, 90, 5, 31, 64], 9, 3, 64), ([20, 47, 3, 8, 1, 15, 16, 32, 9], 8, 2, 128),
-    ([7, 19], 16, 1, 64), ([12, 5], 4, 2, 32)])
+    ([7, 19], 16, 1, 64), ([12, 5], 4, 2, 32), ([1500], 9, 3, 64), ([513, 40, 1030], 8, 2, 128),
+    ([600, 3, 512, 1, 70, 1025, 9, 33, 5], 9, 3, 64), ([700, 20], 4, 2, 32)])
 def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq: int, hkv: int, d: int) -> None:
     c = paged_case(lens, hq, hkv, d)
     scale = d ** -0.5
@@ -118,6 +120,20 @@ def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq
         q = c["q"][b].float().view(hq, 1, d)
         want = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv).reshape(-1)
         assert_bf16_close(out[b], want)
+
+
+def test_decode_attention_gives_a_request_the_same_bits_alone_and_in_a_batch() -> None:
+    """Splits follow each request's own length (the fast path's 512-token tasks), never the batch."""
+    lens, hq, hkv, d = [1100, 20, 700, 513, 5, 64, 2048, 9, 300], 9, 3, 64
+    c = paged_case(lens, hq, hkv, d)
+    args = (c["k_cache"], c["v_cache"])
+    together = cpu.decode_attention(c["q"], c["k"], c["v"], *args, c["out_loc"], c["req_to_token"], c["rows"],
+                                    c["seq_lens"], max(lens), hq, hkv, d, d ** -0.5)
+    for b, n in enumerate(lens):
+        one = slice(b, b + 1)
+        alone = cpu.decode_attention(c["q"][one], c["k"][one], c["v"][one], *args, c["out_loc"][one],
+                                     c["req_to_token"], c["rows"][one], c["seq_lens"][one], n, hq, hkv, d, d ** -0.5)
+        assert torch.equal(alone[0], together[b]), n
 
 
 needs_prefill_kernel = pytest.mark.skipif(

@@ -6,6 +6,7 @@
  * OpenMP here is the libgomp that torch already loaded, so kernels share torch's threads.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -202,6 +203,8 @@ void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t hea
 #define MAX_GROUP_SIMD 16
 #define K_PREFETCH 8 /* K rows prefetched this many tokens ahead */
 #define V_BLOCK 16   /* tokens whose V rows are used for every head before the next block */
+#define SPLIT_TOKENS 512 /* srt_decode_attention: at most this many of a request's tokens per task (fast path) */
+#define SPLIT_MIN 512     /* and requests of at most this many tokens in one (shorter ones split gained nothing) */
 
 /* Prefetches rows [t0, t1) of the slots into L2: `elems` bf16 values from `offset` in each (a
  * task's heads). Into L2 rather than L1: a block's ~100 line prefetches into L1 held the core's
@@ -363,10 +366,10 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
 static inline __attribute__((always_inline)) void attend_task_fast(
     const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache, const int64_t *req_to_token,
     int64_t rtt_stride, const int64_t *rows, bf16 *out, int64_t b, int64_t kv0, int64_t heads_per_task, int64_t hq,
-    int64_t hkv, const int64_t D, float scale, int64_t max_len, int64_t len, const int64_t G,
-    float *restrict scores, float *restrict acc, bf16 *restrict probs) {
+    int64_t hkv, const int64_t D, float scale, int64_t max_len, int64_t t_start, int64_t len, const int64_t G,
+    float *restrict scores, float *restrict acc, bf16 *restrict probs, float *restrict partial) {
     const int64_t row_elems = hkv * D, chunks = D / 32;
-    const int64_t *slots = req_to_token + rows[b] * rtt_stride;
+    const int64_t *slots = req_to_token + rows[b] * rtt_stride + t_start; /* tokens t_start .. t_start + len */
     const bf16 *qb = q + b * q_stride + kv0 * G * D;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
@@ -400,14 +403,16 @@ static inline __attribute__((always_inline)) void attend_task_fast(
         }
     }
     const int64_t task_heads = heads_per_task * G;
-    float inv_sum[task_heads]; /* softmax's division, applied to the output rows at the end */
+    float exp_sum[task_heads]; /* sums of exp: softmax's division, applied to the output rows at the end */
     /* P in bf16 (flash attention's rounding), a zero past the last token: pairs of tokens for
      * vdpbf16ps against V rows interleaved by token pairs */
     const int64_t pstride = (max_len + 2) & ~(int64_t)1;
+    float top[task_heads];
     for (int64_t g = 0; g < task_heads; g++) {
         float *sg = scores + g * max_len;
         bf16 *pg = probs + g * pstride;
-        inv_sum[g] = 1.0f / exp_shifted16(sg, len);
+        top[g] = max16(sg, len);
+        exp_sum[g] = exp_shifted16(sg, len);
         for (int64_t t = 0; t < len; t += 16) {
             const __mmask16 m = lanes16(len - t);
             store16_tail(pg + t, _mm512_maskz_loadu_ps(m, sg + t), m);
@@ -447,9 +452,18 @@ static inline __attribute__((always_inline)) void attend_task_fast(
                 }
             }
     }
+    if (partial) { /* one split of the tokens: per query head its max score, sum of exp and sum of P V */
+        for (int64_t g = 0; g < task_heads; g++) {
+            float *pp = partial + g * (D + 2);
+            pp[0] = top[g];
+            pp[1] = exp_sum[g];
+            for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(pp + 2 + i, _mm512_loadu_ps(acc + g * D + i));
+        }
+        return;
+    }
     bf16 *o = out + (b * hq + kv0 * G) * D;
     for (int64_t i = 0; i < task_heads * D; i += 16)
-        store16(o + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), _mm512_set1_ps(inv_sum[i / D])));
+        store16(o + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), _mm512_set1_ps(1.0f / exp_sum[i / D])));
 }
 #endif
 
@@ -475,11 +489,29 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
      * tens of ns: below ~1024 of them one thread is faster (two threads from 1024 rather than 4096:
      * a batch-1 SmolLM2 step at 1024 tokens of context 11.64 -> 10.71 ms, batch 2 at 300 12.51 ->
      * 11.57; Zen 4, the kernel build switched step by step). */
-    const int64_t heads_per_task = bs >= 8 ? hkv : 1, tasks = bs * (hkv / heads_per_task);
+    const int64_t heads_per_task = bs >= 8 ? hkv : 1, groups = hkv / heads_per_task;
     const int64_t task_heads = heads_per_task * group; /* query heads of a task */
 #if defined(__AVX512BF16__)
     const int fast = (d == 64 || d == 128) && group <= FAST_MAX_GROUP;
+#else
+    const int fast = 0;
 #endif
+    /* On the fast path a request of more than SPLIT_MIN tokens goes in splits of about equal size
+     * and at most SPLIT_TOKENS, their count a multiple of the threads, each split its own task, the
+     * partial sums combined at the end (flash decoding): at batch 1 there would be only the kv heads
+     * to share out (SmolLM2: 3 for 2 threads). The splits follow from each request's own length,
+     * never from the batch, so a request's output has the same bits in any batch. split_at[b]:
+     * request b's first split among all; partial: (D + 2) floats per query head of a split (max
+     * score, sum of exp, sum of P V). */
+    int64_t *split_at = malloc((size_t)(bs + 1) * sizeof(int64_t));
+    split_at[0] = 0;
+    const int64_t threads = omp_get_max_threads();
+    for (int64_t b = 0; b < bs; b++) {
+        const int64_t n = (seq_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
+        split_at[b + 1] = split_at[b] + (fast && seq_lens[b] > SPLIT_MIN ? (n + threads - 1) / threads * threads : 1);
+    }
+    const int64_t splits = split_at[bs], tasks = splits * groups;
+    float *partial = splits > bs ? malloc((size_t)(splits * hq * (d + 2)) * sizeof(float)) : NULL;
 #pragma omp parallel if (bs * hkv * max_len >= 1024)
     {
         float *restrict scores = malloc((size_t)(task_heads * max_len) * sizeof(float));
@@ -488,11 +520,18 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
         bf16 *restrict probs = malloc((size_t)(task_heads * (max_len + 2)) * sizeof(bf16));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t b = task / (hkv / heads_per_task), kv0 = (task % (hkv / heads_per_task)) * heads_per_task;
+            const int64_t split = task / groups, kv0 = (task % groups) * heads_per_task;
+            int64_t b = 0;
+            while (split_at[b + 1] <= split) b++;
+            /* split i of n: tokens [i len / n, (i + 1) len / n), the bounds rounded down to 16 */
+            const int64_t nsplit = split_at[b + 1] - split_at[b], i = split - split_at[b];
+            const int64_t s0 = (i * seq_lens[b] / nsplit) & ~(int64_t)15;
+            const int64_t len = (i + 1 == nsplit ? seq_lens[b] : ((i + 1) * seq_lens[b] / nsplit) & ~(int64_t)15) - s0;
             /* A constant group size lets the compiler keep the per-head sums in registers. */
 #if defined(__AVX512BF16__)
+            float *part = nsplit == 1 ? NULL : partial + (split * hq + kv0 * group) * (d + 2);
 #define FAST(G, D) attend_task_fast(q, q_stride, k_cache, v_cache, req_to_token, rtt_stride, rows, out, b, kv0, \
-                                 heads_per_task, hq, hkv, D, scale, max_len, seq_lens[b], G, scores, acc, probs)
+                                 heads_per_task, hq, hkv, D, scale, max_len, s0, len, G, scores, acc, probs, part)
 #define FAST_GROUPS(D)                                                                                      \
     switch (group) {                                                                                        \
     case 1: FAST(1, D); break;                                                                              \
@@ -516,7 +555,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
 #endif
             switch (group) {
 #define ATTEND(G) attend_task(q, q_stride, k_cache, v_cache, req_to_token, rtt_stride, rows, out, b, kv0, heads_per_task, \
-                              hq, hkv, d, scale, max_len, seq_lens[b], G, scores, qf, acc)
+                              hq, hkv, d, scale, max_len, len, G, scores, qf, acc)
             case 1: ATTEND(1); break;
             case 2: ATTEND(2); break;
             case 3: ATTEND(3); break;
@@ -529,11 +568,32 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
 #undef ATTEND
             }
         }
+        if (partial) { /* each query head of a split request: its splits' sums rescaled to one max */
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < bs * hq; bh++) {
+                const int64_t b = bh / hq, h = bh % hq, n = split_at[b + 1] - split_at[b];
+                if (n == 1)
+                    continue;
+                const float *pp = partial + (split_at[b] * hq + h) * (d + 2);
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t i = 0; i < n; i++) top = pp[i * hq * (d + 2)] > top ? pp[i * hq * (d + 2)] : top;
+                for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+                for (int64_t i = 0; i < n; i++) {
+                    const float *pi = pp + i * hq * (d + 2), w = exp_f32(pi[0] - top);
+                    total += w * pi[1];
+                    for (int64_t j = 0; j < d; j++) acc[j] += w * pi[2 + j];
+                }
+                bf16 *o = out + (b * hq + h) * d;
+                for (int64_t j = 0; j < d; j++) o[j] = f32_to_bf16(acc[j] / total);
+            }
+        }
         free(scores);
         free(qf);
         free(acc);
         free(probs);
     }
+    free(partial);
+    free(split_at);
 }
 
 /* out[r][i] = sum_j x[r][j] * w[i][j] (+ bias[i]) for a few rows of x (m <= GEMV_MAX_ROWS): the
