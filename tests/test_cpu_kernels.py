@@ -136,6 +136,25 @@ def test_decode_attention_gives_a_request_the_same_bits_alone_and_in_a_batch() -
         assert torch.equal(alone[0], together[b]), n
 
 
+def test_decode_attention_splits_right_with_more_threads_than_512_token_parts() -> None:
+    """16 threads: a multiple of 16 splits, capped at one per 64 tokens (600 tokens: 9; 1300: 16)."""
+    lens, hq, hkv, d = [600, 1300], 9, 3, 64
+    c = paged_case(lens, hq, hkv, d)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(16)
+    try:
+        out = cpu.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"],
+                                   c["req_to_token"], c["rows"], c["seq_lens"], max(lens), hq, hkv, d, d ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    for b, n in enumerate(lens):
+        slots = c["req_to_token"][c["rows"][b], :n]
+        k, v = (c[name][slots].float().transpose(0, 1) for name in ("k_cache", "v_cache"))
+        want = F.scaled_dot_product_attention(c["q"][b].float().view(hq, 1, d), k, v, scale=d ** -0.5,
+                                              enable_gqa=True).reshape(-1)
+        assert_bf16_close(out[b], want)
+
+
 needs_prefill_kernel = pytest.mark.skipif(
     cpu._compiler() is None or not cpu.prefill_attention_applies(torch.zeros(1, 1, 64, dtype=BF16), 1, 1, 64),
     reason="neither AMX nor AVX-512 BF16 here")

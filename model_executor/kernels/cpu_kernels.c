@@ -497,18 +497,19 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
     const int fast = 0;
 #endif
     /* On the fast path a request of more than SPLIT_MIN tokens goes in splits of about equal size
-     * and at most SPLIT_TOKENS, their count a multiple of the threads, each split its own task, the
-     * partial sums combined at the end (flash decoding): at batch 1 there would be only the kv heads
-     * to share out (SmolLM2: 3 for 2 threads). The splits follow from each request's own length,
-     * never from the batch, so a request's output has the same bits in any batch. split_at[b]:
-     * request b's first split among all; partial: (D + 2) floats per query head of a split (max
-     * score, sum of exp, sum of P V). */
+     * and at most SPLIT_TOKENS, their count a multiple of the threads (but no split under 64
+     * tokens), each split its own task, the partial sums combined at the end (flash decoding): at
+     * batch 1 there would be only the kv heads to share out (SmolLM2: 3 for 2 threads). The splits
+     * follow from each request's own length, never from the batch, so a request's output has the
+     * same bits in any batch. split_at[b]: request b's first split among all; partial: (D + 2)
+     * floats per query head of a split (max score, sum of exp, sum of P V). */
     int64_t *split_at = malloc((size_t)(bs + 1) * sizeof(int64_t));
     split_at[0] = 0;
     const int64_t threads = omp_get_max_threads();
     for (int64_t b = 0; b < bs; b++) {
-        const int64_t n = (seq_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
-        split_at[b + 1] = split_at[b] + (fast && seq_lens[b] > SPLIT_MIN ? (n + threads - 1) / threads * threads : 1);
+        const int64_t n = (seq_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS, most = seq_lens[b] / 64;
+        const int64_t rounded = (n + threads - 1) / threads * threads; /* many threads: splits of >= 64 */
+        split_at[b + 1] = split_at[b] + (fast && seq_lens[b] > SPLIT_MIN ? (rounded < most ? rounded : most) : 1);
     }
     const int64_t splits = split_at[bs], tasks = splits * groups;
     float *partial = splits > bs ? malloc((size_t)(splits * hq * (d + 2)) * sizeof(float)) : NULL;
