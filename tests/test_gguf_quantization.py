@@ -116,7 +116,8 @@ def test_q4_pack_lays_out_scales_then_nibble_pairs() -> None:
 
 @needs_q4
 @pytest.mark.parametrize(("m", "n", "k", "with_bias"), [(1, 960, 576, False), (2, 64, 128, True),
-                                                        (3, 576, 1536, False), (8, 48, 96, True)])
+                                                        (3, 576, 1536, False), (8, 48, 96, True),
+                                                        (5, 96, 64, True), (12, 64, 128, False)])
 def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int, with_bias: bool) -> None:
     q, d, mins = q4_1_blocks(n, k, seed=m)
     weight = dequantize(q, d, mins)

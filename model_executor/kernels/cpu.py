@@ -299,7 +299,7 @@ class Q4Weight:
 
 # A linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
 # docs/performance.md), on the bf16 copy for more.
-Q4_MAX_ROWS = 8
+Q4_MAX_ROWS = 12
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
