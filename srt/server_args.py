@@ -136,8 +136,9 @@ class ServerArgs:
         a("--device", default=d["device"].default, choices=DEVICES)
         a("--quantization", default=None, choices=QUANTIZATIONS,
           help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) on "
-               "AMX or AVX-512 VNNI; gguf: a GGUF Q4_1 model's own 4-bit weights for decode batches of up to 8 "
-               "(a bf16 copy for more rows); CPU only, the LM head stays bf16")
+               "AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for decode "
+               "batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy for more "
+               "rows); CPU only")
         a("--host", default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1)

@@ -100,7 +100,7 @@ def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, tor
 # Head sizes 64 and 128 with groups up to 8 take the AVX-512 BF16 path (vdpbf16ps scores, 16 tokens
 # reduced together), others the generic one; 8 or more requests make a task of all of a request's
 # kv heads, fewer a task per (request, kv head); on the fast path a request past 512 tokens is split
-# into 512-token tasks whose partial sums are combined.
+# into about equal tasks (at most 512 tokens, a multiple of the threads) whose partial sums are combined.
 @pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
     ([40], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([5, 6], 4, 4, 64), ([9, 3], 8, 1, 64),
     ([33, 1, 16, 17, 2, 90, 5, 31, 64], 9, 3, 64), ([20, 47, 3, 8, 1, 15, 16, 32, 9], 8, 2, 128),
@@ -123,7 +123,7 @@ def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq
 
 
 def test_decode_attention_gives_a_request_the_same_bits_alone_and_in_a_batch() -> None:
-    """Splits follow each request's own length (the fast path's 512-token tasks), never the batch."""
+    """The fast path's splits follow each request's own length, never the batch."""
     lens, hq, hkv, d = [1100, 20, 700, 513, 5, 64, 2048, 9, 300], 9, 3, 64
     c = paged_case(lens, hq, hkv, d)
     args = (c["k_cache"], c["v_cache"])
