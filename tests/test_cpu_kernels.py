@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import hf_float32, make_tiny_model
+from tiny_models import hf_float32, hf_forced_logits, make_tiny_model
 
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.forward_batch import ForwardMode, make_forward_batch
@@ -277,8 +277,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in lens]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
     hf = hf_float32(model_dir)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
+    ref = hf_forced_logits(hf, prompts, forced)
 
     config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=512)
     fused = ModelRunner(config)

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
-from tiny_models import hf_float32
+from tiny_models import hf_float32, hf_forced_logits
 
 from model_executor.kernels import cpu
 from model_executor.layers.cpu_linear import check_quantization
@@ -195,9 +195,7 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    hf = hf_float32(q4_llama)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
+    ref = hf_forced_logits(hf_float32(q4_llama), prompts, forced)
 
     runner = ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf"))
     layer = runner.model.model.layers[0]

@@ -10,7 +10,7 @@ import torch
 import transformers
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
-from tiny_models import hf_float32
+from tiny_models import hf_float32, hf_forced_logits
 
 from model_executor.kernels import cpu
 from model_executor.layers.cpu_linear import check_quantization
@@ -62,9 +62,7 @@ def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    hf = hf_float32(model_dir)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
+    ref = hf_forced_logits(hf_float32(model_dir), prompts, forced)
 
     bf16 = decode_logits(ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512)), prompts, forced)
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="w8a8_int8"))

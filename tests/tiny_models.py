@@ -63,3 +63,10 @@ def hf_float32(model_dir: Path) -> Any:
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
     return model
+
+
+def hf_forced_logits(model: Any, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    """transformers' logits at each position of the `forced` tokens after each prompt (teacher
+    forcing), [steps, bs, vocab]: the reference for test_cpu_kernels.decode_logits."""
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
