@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -187,14 +189,33 @@ class Engine:
                                                         child_conn if rank == 0 else None), daemon=True)
             proc.start()
             self._procs.append(proc)
-        if not self._conn.poll(start_timeout_s):
-            self.shutdown()
-            raise RuntimeError(f"tensor-parallel ranks did not start within {start_timeout_s} s")
-        status = self._conn.recv()
+        child_conn.close()  # rank 0 holds the other end: its exit ends the pipe
+        status = self._reply("during start-up", start_timeout_s)
         if status[0] != "ready":
             self.shutdown()
             raise RuntimeError(f"rank start-up failed: {status[1]}")
         self.runner_info: dict[str, Any] = status[1]
+
+    def _reply(self, during: str, timeout_s: float | None = None) -> Any:
+        """Rank 0's next message, watching every rank meanwhile: a rank that exits first (or no
+        message within `timeout_s`) shuts the others down and raises, naming it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                if self._conn.poll(POLL_S):
+                    return self._conn.recv()
+            except (EOFError, OSError):
+                pass  # rank 0 is gone: its exit code below
+            dead = self._dead_ranks()
+            if dead:
+                self.shutdown()
+                why = f"tensor-parallel {_describe(dead)} {during}"
+                if any(code > 0 for _, code in dead):
+                    why += f" (its traceback is in the log above{SPAWN_HINT if during == 'during start-up' else ''})"
+                raise RuntimeError(why)
+            if deadline is not None and time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"tensor-parallel ranks did not start within {timeout_s} s")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[GenerateOutput]:
@@ -206,11 +227,25 @@ class Engine:
         self._requests_seen += len(prompts)
         if self.runner is not None:
             return run_generation(self.runner, prompts, plist, seeds, self.max_prefill_tokens)
-        self._conn.send(("generate", (prompts, plist, seeds, self.max_prefill_tokens)))
-        kind, payload = self._conn.recv()
+        if not self._procs:
+            raise RuntimeError("the engine is shut down")
+        try:
+            self._conn.send(("generate", (prompts, plist, seeds, self.max_prefill_tokens)))
+        except OSError:  # rank 0 is gone (BrokenPipeError): _reply names it
+            pass
+        kind, payload = self._reply("during generation")
         if kind != "ok":
-            raise RuntimeError(f"generation failed on a rank: {payload}")
+            dead = self._dead_ranks()
+            if dead:  # a lost rank breaks the group: the engine cannot go on
+                self.shutdown()
+            raise RuntimeError(f"generation failed on a rank{' (' + _describe(dead) + ')' if dead else ''}: {payload}")
         return payload
+
+    def _dead_ranks(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the ranks that have exited, those a signal ended first (the rank
+        lost first, the others fail after it)."""
+        dead = [(rank, proc.exitcode) for rank, proc in enumerate(self._procs) if proc.exitcode is not None]
+        return sorted(dead, key=lambda d: (d[1] >= 0, d[0]))
 
     def shutdown(self) -> None:
         if self._procs:
@@ -229,6 +264,24 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+POLL_S = 0.2  # how often a waiting Engine checks that its ranks are alive
+SPAWN_HINT = ("; if it says that a new process started before the current one finished bootstrapping: ranks "
+              "start by multiprocessing's spawn, which imports the main module again, so a script must create an "
+              "Engine with tp_size > 1 under `if __name__ == \"__main__\":`")
+
+
+def _describe(dead: list[tuple[int, int]]) -> str:
+    """'rank 1 exited by signal SIGKILL, rank 0 exited with code 1'"""
+    def reason(code: int) -> str:
+        if code >= 0:
+            return f"with code {code}"
+        try:
+            return f"by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"by signal {-code}"
+    return ", ".join(f"rank {rank} exited {reason(code)}" for rank, code in dead)
 
 
 def _rank_main(rank: int, tp_size: int, init_method: str, config: RunnerConfig, conn: Connection | None) -> None:
