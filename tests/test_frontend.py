@@ -356,7 +356,7 @@ def test_info_control_and_health_routes(server: Server) -> None:
     assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
     assert requests.get(server.url + "/model_info", timeout=10).json() == {
         "model_path": "/models/fake", "tokenizer_path": server.tm.tokenizer_path, "is_generation": True,
-        "served_model_name": "/models/fake"}
+        "served_model_name": "SmolLM2-135M-Instruct"}  # ServerArgs without --model-path: the bundled model
     info = requests.get(server.url + "/server_info", timeout=10).json()
     assert info["tp_size"] == 1 and info["internal_states"] == [{"fake_state": 1}]
     assert server.post("/flush_cache", {}).json() == {"success": True}

@@ -44,7 +44,11 @@ def generate_text(server: Server, **prompt: Any) -> dict[str, Any]:
 
 def test_models_list_names_the_served_model(server: Server, client: openai.OpenAI) -> None:
     info = requests.get(server.url + "/model_info", timeout=10).json()
-    assert [m.id for m in client.models.list()] == [info["served_model_name"]]
+    # no --model-path: the bundled model's name, not the cache folder its GGUF was converted into
+    assert info["served_model_name"] == "SmolLM2-135M-Instruct"
+    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+    reply = client.completions.create(model="anything", prompt=PROMPT, max_tokens=1)
+    assert reply.model == "SmolLM2-135M-Instruct"
 
 
 def test_chat_completion_matches_generate_on_the_templated_prompt(server: Server, client: openai.OpenAI,
@@ -139,6 +143,10 @@ def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: op
         assert isinstance(info.value.body, dict) and info.value.body.get("param") == param, kwargs
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=[])
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.content is required for a user message"):
+        client.chat.completions.create(model="m", messages=[MESSAGES[0], {"role": "user"}])  # type: ignore[list-item]
+    assert client.chat.completions.create(  # an assistant turn without content (it had only tool calls) is fine
+        model="m", max_tokens=2, messages=[*MESSAGES, {"role": "assistant"}, MESSAGES[1]]).choices[0].message.content
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
 
 

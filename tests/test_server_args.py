@@ -42,3 +42,9 @@ def dataclass_error() -> type[Exception]:
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+def test_the_api_names_the_model_as_given() -> None:
+    assert ServerArgs().model_name == "SmolLM2-135M-Instruct"  # the bundled model, not its cache folder
+    assert ServerArgs(model_path="/models/x.gguf").model_name == "/models/x.gguf"  # SGLang's default
+    assert ServerArgs(model_path="/models/x", served_model_name="x-chat").model_name == "x-chat"
