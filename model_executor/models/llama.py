@@ -146,11 +146,13 @@ class LlamaModel(nn.Module):
         return hidden
 
     @staticmethod
-    def _kernel_weights(layer: Any) -> list[PackedWeight] | None:
-        """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16 or int8), or None."""
+    def _kernel_weights(layer: Any) -> list[torch.Tensor | cpu_kernels.Int8Weight | cpu_kernels.Q4Weight] | None:
+        """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
+        or None (a Q8_0 weight is only ever the LM head's)."""
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        packed = [m.packed_weight for m in linears]
-        return packed if all(p is not None and is_kernel_packed(p) for p in packed) else None
+        packed: list[PackedWeight | None] = [m.packed_weight for m in linears]
+        kernel = [p for p in packed if p is not None and is_kernel_packed(p) and not isinstance(p, cpu_kernels.Q8Weight)]
+        return kernel if len(kernel) == len(linears) else None
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
