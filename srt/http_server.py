@@ -96,11 +96,13 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         yield
         await tm.close()
 
-    from srt.openai_api import router as openai_router  # here: openai_api imports this module's helpers
+    from srt.openai_api import router as openai_router  # here: these import this module's helpers
+    from srt.tokenize_api import router as tokenize_router
 
     app = FastAPI(title="srt", lifespan=lifespan)
     app.state.tokenizer_manager = tm  # for run_http_server's drain and the OpenAI routes
     app.include_router(openai_router)
+    app.include_router(tokenize_router)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -140,12 +142,14 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         return JSONResponse({})
 
     @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's older names, still in its docs
     async def model_info() -> Response:
         model_path = tm.model_info["model_path"]
         return JSONResponse({"model_path": model_path, "tokenizer_path": tm.tokenizer_path, "is_generation": True,
                              "served_model_name": tm.server_args.model_name})
 
     @app.get("/server_info")
+    @app.get("/get_server_info")
     async def server_info_route() -> Response:
         try:
             state = await tm.get_internal_state()

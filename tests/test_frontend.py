@@ -359,6 +359,9 @@ def test_info_control_and_health_routes(server: Server) -> None:
         "served_model_name": "SmolLM2-135M-Instruct"}  # ServerArgs without --model-path: the bundled model
     info = requests.get(server.url + "/server_info", timeout=10).json()
     assert info["tp_size"] == 1 and info["internal_states"] == [{"fake_state": 1}]
+    # SGLang's older route names answer the same
+    assert requests.get(server.url + "/get_model_info", timeout=10).json()["served_model_name"] == "SmolLM2-135M-Instruct"
+    assert requests.get(server.url + "/get_server_info", timeout=10).json()["internal_states"] == [{"fake_state": 1}]
     assert server.post("/flush_cache", {}).json() == {"success": True}
 
 
@@ -423,3 +426,32 @@ def test_seeds_are_request_given_or_derived_deterministically(tmp_path: Path, sm
     call = tm.parse_generate({"text": "hi there", "sampling_params": {"seed": 123}, "stream": True})
     assert call.reqs[0].seed == 123 and call.stream and not call.is_batch
     assert call.reqs[0].input_ids == tm.tokenizer("hi there")["input_ids"]
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer(server: Server, tokenizer: Any) -> None:
+    """SGLang's /tokenize and /detokenize (also under /v1): single and batched, special tokens on or
+    off; nothing reaches the backend."""
+    ids = tokenizer("Hello big world")["input_ids"]
+    plain = tokenizer("Hello big world", add_special_tokens=False)["input_ids"]
+    backend_saw = len(server.backend.received)
+    for prefix in ("", "/v1"):
+        assert server.post(prefix + "/tokenize", {"prompt": "Hello big world"}).json() == {
+            "tokens": ids, "count": len(ids), "max_model_len": CONTEXT_LENGTH}
+        batch = server.post(prefix + "/tokenize", {"prompt": ["Hello big world", "hi"], "add_special_tokens": False})
+        assert batch.json()["tokens"] == [plain, tokenizer("hi", add_special_tokens=False)["input_ids"]]
+        assert batch.json()["count"] == [len(plain), len(tokenizer("hi", add_special_tokens=False)["input_ids"])]
+        assert server.post(prefix + "/detokenize", {"tokens": plain}).json() == {"text": tokenizer.decode(plain)}
+        both = server.post(prefix + "/detokenize", {"tokens": [plain, [1, *plain]], "skip_special_tokens": False})
+        assert both.json() == {"text": [tokenizer.decode(plain), tokenizer.decode([1, *plain])]}
+    for path, body, param in [("/tokenize", {"prompt": ""}, None), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": []}, "prompt"), ("/tokenize", {"text": "x"}, "text"),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+                              ("/detokenize", {"tokens": [VOCAB_SIZE]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/detokenize", {"tokens": [[1], ["a"]]}, "tokens")]:
+        r = server.post(path, body)
+        if param is None:  # an empty prompt is fine: no tokens (but the special ones)
+            assert r.status_code == 200 and r.json()["count"] == len(tokenizer("")["input_ids"])
+            continue
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert len(server.backend.received) == backend_saw

@@ -1,0 +1,88 @@
+"""POST /tokenize and /detokenize (also under /v1), SGLang's (and vLLM's) shapes:
+
+    /tokenize    {"prompt": str | [str, ...], "add_special_tokens": true}
+                 -> {"tokens": [ids] | [[ids], ...], "count": n | [n, ...], "max_model_len": context length}
+    /detokenize  {"tokens": [ids] | [[ids], ...], "skip_special_tokens": true}
+                 -> {"text": str | [str, ...]}
+
+The front end's own tokenizer answers; nothing reaches the ranks. Bad input is a 400 naming the
+parameter, in /generate's error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from srt.generate_parse import RequestError
+from srt.http_server import bad_request, read_json_object
+from srt.tokenizer_manager import TokenizerManager
+
+router = APIRouter()
+
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens"}
+DETOKENIZE_FIELDS = {"model", "tokens", "skip_special_tokens"}
+
+
+def _check_fields(body: dict[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"unknown parameter(s): {', '.join(unknown)}", unknown[0])
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, True)
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def tokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
+    _check_fields(body, TOKENIZE_FIELDS)
+    prompt, special = body.get("prompt"), _flag(body, "add_special_tokens")
+    if isinstance(prompt, str):
+        ids = list(tm.tokenizer.encode(prompt, add_special_tokens=special))
+        return {"tokens": ids, "count": len(ids), "max_model_len": tm.context_length}
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        lists = [list(tm.tokenizer.encode(p, add_special_tokens=special)) for p in prompt]
+        return {"tokens": lists, "count": [len(ids) for ids in lists], "max_model_len": tm.context_length}
+    raise RequestError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}"[:200], "prompt")
+
+
+def detokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
+    _check_fields(body, DETOKENIZE_FIELDS)
+    tokens, skip = body.get("tokens"), _flag(body, "skip_special_tokens")
+
+    def ids_ok(ids: Any) -> bool:
+        return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tm.vocab_size
+                                             for t in ids)
+
+    if ids_ok(tokens):
+        return {"text": tm.tokenizer.decode(tokens, skip_special_tokens=skip)}
+    if isinstance(tokens, list) and tokens and all(ids_ok(ids) for ids in tokens):
+        return {"text": [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in tokens]}
+    raise RequestError(f"tokens must be a list of token ids in [0, {tm.vocab_size}) or a list of such lists", "tokens")
+
+
+def _manager(request: Request) -> TokenizerManager:
+    return request.app.state.tokenizer_manager
+
+
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize_route(request: Request) -> Response:
+    try:
+        return JSONResponse(tokenize(_manager(request), await read_json_object(request)))
+    except ValueError as error:
+        return bad_request(error)
+
+
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize_route(request: Request) -> Response:
+    try:
+        return JSONResponse(detokenize(_manager(request), await read_json_object(request)))
+    except ValueError as error:
+        return bad_request(error)
