@@ -18,7 +18,7 @@ from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
-from model_executor.sampler import SamplingBatchInfo
+from model_executor.sampler import SamplingBatchInfo, apply_penalties
 from scheduler.admission import BatchSelection
 from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
@@ -205,7 +205,9 @@ class Scheduler(BatchSelection):
             min_ps=[r.sampling_params.min_p for r in batch.reqs],
             seeds=[r.seed for r in batch.reqs],
             output_positions=[len(r.output_ids) for r in batch.reqs], device=self.runner.device)
-        next_ids = self.runner.sample(logits, info)
+        penalized = apply_penalties(logits, [r.sampling_params.penalties for r in batch.reqs],
+                                    [r.output_ids for r in batch.reqs], [r.origin_input_ids for r in batch.reqs])
+        next_ids = self.runner.sample(penalized, info)
         self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
         if self.sync_token_ids:
             # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.

@@ -24,7 +24,7 @@ from model_executor.distributed.parallel_state import destroy_distributed, init_
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
-from model_executor.sampler import SamplingBatchInfo
+from model_executor.sampler import SamplingBatchInfo, apply_penalties
 from srt.sampling_params import SamplingParams
 
 logger = logging.getLogger("srt.engine")
@@ -119,7 +119,9 @@ def _step(runner: ModelRunner, reqs: list[_Running], mode: ForwardMode, eos: set
         temperatures=[r.params.temperature for r in reqs], top_ps=[r.params.top_p for r in reqs],
         top_ks=[r.params.top_k for r in reqs], min_ps=[r.params.min_p for r in reqs],
         seeds=[r.seed for r in reqs], output_positions=[len(r.output_ids) for r in reqs], device=runner.device)
-    next_ids = runner.sample(logits, info).tolist()
+    penalized = apply_penalties(logits, [r.params.penalties for r in reqs], [r.output_ids for r in reqs],
+                                [r.input_ids for r in reqs])
+    next_ids = runner.sample(penalized, info).tolist()
     for r, token in zip(reqs, next_ids):
         r.output_ids.append(int(token))
         if (token in eos and not r.params.ignore_eos) or token in r.params.stop_token_ids:

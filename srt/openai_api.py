@@ -5,9 +5,10 @@ Each request becomes a /generate body and runs through the same TokenizerManager
 prompt, n (1..128: n requests with seeds derived from `seed`, run as one /generate batch),
 max_tokens (chat: or max_completion_tokens), temperature, top_p, stop, seed, stream with
 stream_options.include_usage, logprobs (completions: an int in 0..20; chat: logprobs=true with
-top_logprobs in 0..20; see openai_logprobs.py), and SGLang's extras top_k, min_p, ignore_eos,
-stop_token_ids. Options that would change the output but are not implemented (echo, suffix,
-best_of, penalties, tools, a non-text response_format) get a 400 rather than being ignored. Any
+top_logprobs in 0..20; see openai_logprobs.py), frequency_penalty and presence_penalty, and SGLang's
+extras top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids. Options that would change the
+output but are not implemented (echo, suffix, best_of, tools, a non-text response_format) get a 400
+rather than being ignored. Any
 `model` name is accepted (as in SGLang); responses name the served model. finish_reason is "stop",
 "length", or "abort" for a request ended by /abort_request.
 

@@ -15,11 +15,13 @@ if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
-           "logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p", "ignore_eos", "stop_token_ids"}
+           "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "ignore_eos",
+           "stop_token_ids"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                          "tool_choice", "parallel_tool_calls"}
-_PASSED_THROUGH = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids")
+_PASSED_THROUGH = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -45,7 +47,7 @@ class OpenAICall:
 # Parameters accepted only with a value meaning "off" (or null): the feature itself is not implemented.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "tools": ([],), "tool_choice": ("none",),
+    "tools": ([],), "tool_choice": ("none",),
     "response_format": ({"type": "text"},)}
 
 

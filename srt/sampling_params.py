@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-           "ignore_eos", "seed")
+_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+           "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
 
 
 def _is_int(value: Any) -> bool:
@@ -26,6 +26,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    frequency_penalty: float = 0.0  # minus this x how often a token was generated (OpenAI's, -2..2)
+    presence_penalty: float = 0.0  # minus this once a token was generated (OpenAI's, -2..2)
+    repetition_penalty: float = 1.0  # a token of the prompt or output: logit / p if > 0, else x p (> 0, <= 2)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -59,6 +62,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
         if any(s == "" for s in self.stop):
@@ -71,6 +80,13 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def penalties(self) -> tuple[float, float, float] | None:
+        """(frequency, presence, repetition) where any is on, else None."""
+        if self.frequency_penalty == 0 and self.presence_penalty == 0 and self.repetition_penalty == 1:
+            return None
+        return float(self.frequency_penalty), float(self.presence_penalty), float(self.repetition_penalty)
 
     @property
     def is_greedy(self) -> bool:

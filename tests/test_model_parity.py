@@ -71,3 +71,35 @@ def test_fresh_prompts_of_one_length_match_transformers(arch: str, tiny_model_di
     g = torch.Generator().manual_seed(2)
     check_model(tiny_model_dirs[arch], [torch.randint(3, 320, (12,), generator=g).tolist() for _ in range(3)],
                 atol=LOGIT_ATOL)
+
+
+def hf_penalized_greedy(model: torch.nn.Module, prompt: list[int], steps: int, frequency: float, presence: float,
+                        repetition: float) -> list[int]:
+    """Greedy with transformers' RepetitionPenaltyLogitsProcessor on prompt + output, then OpenAI's
+    frequency and presence penalties on the output (vLLM's order), full forwards each step."""
+    repeat = transformers.RepetitionPenaltyLogitsProcessor(repetition)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.tensor([prompt + out])
+            scores = repeat(ids, model(ids).logits[:, -1].clone())[0]
+            for token in set(out):
+                scores[token] -= frequency * out.count(token) + presence
+            out.append(int(scores.argmax()))
+    return out
+
+
+@pytest.mark.parametrize(("frequency", "presence", "repetition"), [(0.0, 0.0, 1.5), (0.8, 0.4, 1.0), (0.5, -0.3, 1.2)])
+def test_penalized_greedy_matches_transformers(frequency: float, presence: float, repetition: float,
+                                               tiny_model_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_model_dirs["llama"]
+    hf = hf_float32(model_dir)
+    prompts = prompts_for(320)[:3]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=frequency,
+                            presence_penalty=presence, repetition_penalty=repetition)
+    with Engine(str(model_dir), dtype="float32", max_total_tokens=4096) as engine:
+        outputs = engine.generate(prompts, params)
+        plain = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs):
+        assert out.output_ids == hf_penalized_greedy(hf, prompt, 16, frequency, presence, repetition)
+    assert [o.output_ids for o in outputs] != [o.output_ids[:16] for o in plain]  # the penalties did bite

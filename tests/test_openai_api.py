@@ -121,7 +121,9 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 0}, "n"),
     ({"n": 2.5}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
 ])
 def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any],
                                                    param: str) -> None:
@@ -148,6 +150,17 @@ def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: op
     assert client.chat.completions.create(  # an assistant turn without content (it had only tool calls) is fine
         model="m", max_tokens=2, messages=[*MESSAGES, {"role": "assistant"}, MESSAGES[1]]).choices[0].message.content
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+def test_penalties_pass_through_to_generate(server: Server, client: openai.OpenAI) -> None:
+    penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5}
+    reply = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"repetition_penalty": 1.2}, **penalties)  # type: ignore[arg-type]
+    direct = server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                  "repetition_penalty": 1.2, **penalties}})
+    assert reply.choices[0].text == direct.json()["text"]
+    plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert plain.choices[0].text != reply.choices[0].text
 
 
 def generate_logprobs(server: Server, top: int, **prompt: Any) -> dict[str, Any]:

@@ -252,3 +252,23 @@ def test_from_lists_flags_and_seed_wrapping() -> None:
     assert info.seeds.tolist() == [5, -1]
     with pytest.raises(ValueError, match="top_ps"):
         SamplingBatchInfo.from_lists([1.0], [1.0, 1.0], [-1], [0.0], [0], [0])
+
+
+def test_penalties_follow_the_openai_and_transformers_formulas() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from model_executor.sampler import apply_penalties
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, generator=g) * 3
+    prompts, outputs = [[1, 2, 3], [4, 4], [7]], [[5, 5, 5, 9, 2], [], [8, 8]]
+    out = apply_penalties(logits, [(0.5, 0.25, 1.3), None, (0.0, -1.0, 1.0)], outputs, prompts)
+    want = logits.clone()
+    seen = torch.tensor([prompts[0] + outputs[0]])
+    want[0] = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits[:1].clone())[0]
+    for token, count in ((5, 3), (9, 1), (2, 1)):
+        want[0, token] -= 0.5 * count + 0.25
+    want[2, 8] += 1.0  # a negative presence penalty favours what was said
+    torch.testing.assert_close(out, want)
+    assert torch.equal(out[1], logits[1])  # no penalty: untouched
+    assert apply_penalties(logits, [None] * 3, outputs, prompts) is logits

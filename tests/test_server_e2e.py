@@ -83,6 +83,28 @@ def test_tp2_server_matches_offline_engine(tp2_server: Server, engine_reference:
     assert concurrent_outputs(tp2_server, mixed_prompts(32)) == engine_reference
 
 
+def test_penalties_on_the_scheduler_path_match_the_offline_engine(tp2_server: Server,
+                                                                  tiny_model_dirs: dict[str, Path]) -> None:
+    """frequency / presence / repetition penalties, concurrent requests batched by the scheduler
+    on two TP ranks: the offline engine's tokens (tests/test_model_parity.py holds that engine to
+    transformers)."""
+    prompts = mixed_prompts(8, seed=9)
+    sampling = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "frequency_penalty": 0.6,
+                "presence_penalty": 0.2, "repetition_penalty": 1.3}
+
+    def one(ids: list[int]) -> list[int]:
+        r = tp2_server.generate({"input_ids": ids, "sampling_params": sampling})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]  # type: ignore[no-any-return]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        served = list(pool.map(one, prompts))
+    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", max_total_tokens=4096) as engine:
+        assert served == [o.output_ids for o in engine.generate(prompts, SamplingParams(**sampling))]
+    bad = tp2_server.generate({"input_ids": prompts[0], "sampling_params": {"repetition_penalty": 0}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_penalty"
+
+
 def test_tp2_process_tree_titles(tp2_server: Server) -> None:
     names = sorted(" ".join(p.cmdline()).strip() for p in tp2_server.children() if "srt::" in " ".join(p.cmdline()))
     assert names == ["srt::detokenizer", "srt::scheduler_TP0", "srt::scheduler_TP1"]
