@@ -59,7 +59,7 @@ def detokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
         return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tm.vocab_size
                                              for t in ids)
 
-    if ids_ok(tokens):
+    if isinstance(tokens, list) and ids_ok(tokens):
         return {"text": tm.tokenizer.decode(tokens, skip_special_tokens=skip)}
     if isinstance(tokens, list) and tokens and all(ids_ok(ids) for ids in tokens):
         return {"text": [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in tokens]}
