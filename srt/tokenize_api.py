@@ -11,6 +11,7 @@ parameter, in /generate's error body.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -66,23 +67,20 @@ def detokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
     raise RequestError(f"tokens must be a list of token ids in [0, {tm.vocab_size}) or a list of such lists", "tokens")
 
 
-def _manager(request: Request) -> TokenizerManager:
-    return request.app.state.tokenizer_manager
+async def _answer(request: Request, handler: Callable[[TokenizerManager, dict[str, Any]], dict[str, Any]]) -> Response:
+    try:
+        return JSONResponse(handler(request.app.state.tokenizer_manager, await read_json_object(request)))
+    except ValueError as error:
+        return bad_request(error)
 
 
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize_route(request: Request) -> Response:
-    try:
-        return JSONResponse(tokenize(_manager(request), await read_json_object(request)))
-    except ValueError as error:
-        return bad_request(error)
+    return await _answer(request, tokenize)
 
 
 @router.post("/detokenize")
 @router.post("/v1/detokenize")
 async def detokenize_route(request: Request) -> Response:
-    try:
-        return JSONResponse(detokenize(_manager(request), await read_json_object(request)))
-    except ValueError as error:
-        return bad_request(error)
+    return await _answer(request, detokenize)
