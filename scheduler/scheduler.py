@@ -18,7 +18,7 @@ from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
-from model_executor.sampler import SamplingBatchInfo, apply_penalties
+from model_executor.sampler import SamplingBatchInfo, apply_penalties, ban_tokens
 from scheduler.admission import BatchSelection
 from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
@@ -207,6 +207,8 @@ class Scheduler(BatchSelection):
             output_positions=[len(r.output_ids) for r in batch.reqs], device=self.runner.device)
         penalized = apply_penalties(logits, [r.sampling_params.penalties for r in batch.reqs],
                                     [r.output_ids for r in batch.reqs], [r.origin_input_ids for r in batch.reqs])
+        eos = self.stop_checker.eos_token_ids
+        penalized = ban_tokens(penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs])
         next_ids = self.runner.sample(penalized, info)
         self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
         if self.sync_token_ids:

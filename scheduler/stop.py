@@ -22,6 +22,8 @@ class StopChecker:
 
     def check(self, req: Req) -> FinishReason | None:
         params = req.sampling_params
+        if len(req.output_ids) < params.min_new_tokens:
+            return None  # no stop before min_new_tokens (as SGLang); its EOS and stop ids were masked
         token = req.output_ids[-1]
         if token in params.stop_token_ids:
             return FinishReason("stop", matched=token)

@@ -24,7 +24,7 @@ from model_executor.distributed.parallel_state import destroy_distributed, init_
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
-from model_executor.sampler import SamplingBatchInfo, apply_penalties
+from model_executor.sampler import SamplingBatchInfo, apply_penalties, ban_tokens
 from srt.sampling_params import SamplingParams
 
 logger = logging.getLogger("srt.engine")
@@ -121,9 +121,12 @@ def _step(runner: ModelRunner, reqs: list[_Running], mode: ForwardMode, eos: set
         seeds=[r.seed for r in reqs], output_positions=[len(r.output_ids) for r in reqs], device=runner.device)
     penalized = apply_penalties(logits, [r.params.penalties for r in reqs], [r.output_ids for r in reqs],
                                 [r.input_ids for r in reqs])
+    penalized = ban_tokens(penalized, [r.params.banned_ids(len(r.output_ids), eos) for r in reqs])
     next_ids = runner.sample(penalized, info).tolist()
     for r, token in zip(reqs, next_ids):
         r.output_ids.append(int(token))
+        if len(r.output_ids) < r.params.min_new_tokens:
+            continue  # max_new_tokens >= min_new_tokens: nothing ends it yet
         if (token in eos and not r.params.ignore_eos) or token in r.params.stop_token_ids:
             r.finish_reason = "stop"
         elif len(r.output_ids) >= r.params.max_new_tokens:

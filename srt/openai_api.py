@@ -6,7 +6,7 @@ prompt, n (1..128: n requests with seeds derived from `seed`, run as one /genera
 max_tokens (chat: or max_completion_tokens), temperature, top_p, stop, seed, stream with
 stream_options.include_usage, logprobs (completions: an int in 0..20; chat: logprobs=true with
 top_logprobs in 0..20; see openai_logprobs.py), frequency_penalty and presence_penalty, and SGLang's
-extras top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids. Options that would change the
+extras top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. Options that would change the
 output but are not implemented (echo, suffix, best_of, tools, a non-text response_format) get a 400
 rather than being ignored. Any
 `model` name is accepted (as in SGLang); responses name the served model. finish_reason is "stop",

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
            "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "ignore_eos",
-           "stop_token_ids"}
+           "stop_token_ids", "min_tokens"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                          "tool_choice", "parallel_tool_calls"}
@@ -72,6 +72,8 @@ def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | Non
     params = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
     max_tokens = body.get(max_tokens_name)
     params["max_new_tokens"] = default_max if max_tokens is None else max_tokens
+    if body.get("min_tokens") is not None:  # vLLM's and SGLang's name for min_new_tokens
+        params["min_new_tokens"] = body["min_tokens"]
     return params
 
 
@@ -151,7 +153,7 @@ def parse_completion(body: dict[str, Any]) -> OpenAICall:
     generate_body = {key: prompt, "stream": stream, **logprobs,
                      "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)}
     return OpenAICall(False, _fan_out(generate_body, key, n), stream, include_usage,
-                      {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens",
+                      {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                        "return_logprob": "logprobs", "top_logprobs_num": "logprobs"}, n, bool(logprobs))
 
 
@@ -194,5 +196,5 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     generate_body = {"input_ids": input_ids, "stream": stream, **logprobs,
                      "sampling_params": _sampling(body, max_name, capacity - len(input_ids))}
     return OpenAICall(True, _fan_out(generate_body, "input_ids", n), stream, include_usage,
-                      {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
+                      {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name, "min_new_tokens": "min_tokens",
                        "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"}, n, bool(logprobs))

@@ -4,10 +4,11 @@ names the parameter; the HTTP layer turns it into a 400)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
            "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
 
 
@@ -22,6 +23,7 @@ def _is_number(value: Any) -> bool:
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # no stop (EOS, stop ids or strings) before this many tokens; EOS and stop ids masked
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -54,6 +56,9 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens ({self.max_new_tokens})], "
+                             f"got {self.min_new_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -80,6 +85,13 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def banned_ids(self, generated: int, eos_token_ids: Collection[int]) -> list[int]:
+        """The ids the next token may not be, `generated` tokens in: before min_new_tokens, the
+        ones that would stop the request (EOS unless ignored, stop_token_ids); else none."""
+        if generated >= self.min_new_tokens:
+            return []
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids)))
 
     @property
     def penalties(self) -> tuple[float, float, float] | None:

@@ -103,3 +103,29 @@ def test_penalized_greedy_matches_transformers(frequency: float, presence: float
     for prompt, out in zip(prompts, outputs):
         assert out.output_ids == hf_penalized_greedy(hf, prompt, 16, frequency, presence, repetition)
     assert [o.output_ids for o in outputs] != [o.output_ids[:16] for o in plain]  # the penalties did bite
+
+
+def test_min_new_tokens_holds_back_stops_as_a_masked_transformers_loop(tiny_model_dirs: dict[str, Path]) -> None:
+    """A stop id the plain greedy run reaches at its third token: with min_new_tokens 8 it is masked
+    for the first 8 tokens (the greedy choice among the rest, as transformers with that logit at
+    -inf), and the request runs on until it is sampled after them or max_new_tokens."""
+    model_dir = tiny_model_dirs["llama"]
+    hf = hf_float32(model_dir)
+    prompt = prompts_for(320)[1]
+    with Engine(str(model_dir), dtype="float32", max_total_tokens=4096) as engine:
+        stop = engine.generate([prompt], GREEDY)[0].output_ids[2]
+        early = engine.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop]))[0]
+        held = engine.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop],
+                                                        min_new_tokens=8))[0]
+    assert early.finish_reason == "stop" and len(early.output_ids) <= 3
+    want: list[int] = []
+    with torch.no_grad():
+        while len(want) < 20:
+            scores = hf(torch.tensor([prompt + want])).logits[0, -1].clone()
+            if len(want) < 8:
+                scores[stop] = float("-inf")
+            want.append(int(scores.argmax()))
+            if len(want) >= 8 and want[-1] == stop:
+                break
+    assert held.output_ids == want and len(held.output_ids) >= 8
+    assert stop not in held.output_ids[:8]

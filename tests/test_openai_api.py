@@ -124,6 +124,7 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
 ])
 def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any],
                                                    param: str) -> None:
@@ -152,6 +153,11 @@ def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: op
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
 
 
+def direct_ids(server: Server) -> list[int]:
+    r = server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    return r.json()["output_ids"]  # type: ignore[no-any-return]
+
+
 def test_penalties_pass_through_to_generate(server: Server, client: openai.OpenAI) -> None:
     penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5}
     reply = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
@@ -161,6 +167,13 @@ def test_penalties_pass_through_to_generate(server: Server, client: openai.OpenA
     assert reply.choices[0].text == direct.json()["text"]
     plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
     assert plain.choices[0].text != reply.choices[0].text
+    first = direct_ids(server)[0]  # the plain greedy run's first token, as a stop id: min_tokens holds it back
+    early = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [first]})
+    held = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [first], "min_tokens": 5})
+    assert early.usage is not None and early.usage.completion_tokens == 1
+    assert held.usage is not None and held.usage.completion_tokens >= 5
 
 
 def generate_logprobs(server: Server, top: int, **prompt: Any) -> dict[str, Any]:

@@ -272,3 +272,13 @@ def test_penalties_follow_the_openai_and_transformers_formulas() -> None:
     torch.testing.assert_close(out, want)
     assert torch.equal(out[1], logits[1])  # no penalty: untouched
     assert apply_penalties(logits, [None] * 3, outputs, prompts) is logits
+
+
+def test_ban_tokens_masks_only_the_banned_ids_of_their_row() -> None:
+    from model_executor.sampler import ban_tokens
+
+    logits = torch.randn(3, 10)
+    out = ban_tokens(logits, [[2, 7], [], [0]])
+    assert torch.isneginf(out[0, [2, 7]]).all() and torch.isneginf(out[2, 0])
+    assert torch.isfinite(out).sum() == 30 - 3 and torch.equal(out[1], logits[1])
+    assert ban_tokens(logits, [[], [], []]) is logits

@@ -105,6 +105,19 @@ def test_penalties_on_the_scheduler_path_match_the_offline_engine(tp2_server: Se
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_penalty"
 
 
+def test_min_new_tokens_on_the_scheduler_path_matches_the_offline_engine(
+        tp2_server: Server, tiny_model_dirs: dict[str, Path], engine_reference: list[list[int]]) -> None:
+    prompt = mixed_prompts(32)[3]
+    stop = engine_reference[3][1]  # the plain greedy run's second token: it would stop at once
+    sampling = {"max_new_tokens": 16, "min_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop]}
+    served = tp2_server.generate({"input_ids": prompt, "sampling_params": sampling}).json()
+    with Engine(str(tiny_model_dirs["llama"]), dtype="float32", max_total_tokens=4096) as engine:
+        assert served["output_ids"] == engine.generate([prompt], SamplingParams(**sampling))[0].output_ids
+    assert len(served["output_ids"]) >= 6 and stop not in served["output_ids"][:6]
+    bad = tp2_server.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_new_tokens"
+
+
 def test_tp2_process_tree_titles(tp2_server: Server) -> None:
     names = sorted(" ".join(p.cmdline()).strip() for p in tp2_server.children() if "srt::" in " ".join(p.cmdline()))
     assert names == ["srt::detokenizer", "srt::scheduler_TP0", "srt::scheduler_TP1"]
