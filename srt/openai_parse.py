@@ -153,8 +153,8 @@ def parse_completion(body: dict[str, Any]) -> OpenAICall:
     generate_body = {key: prompt, "stream": stream, **logprobs,
                      "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)}
     return OpenAICall(False, _fan_out(generate_body, key, n), stream, include_usage,
-                      {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-                       "return_logprob": "logprobs", "top_logprobs_num": "logprobs"}, n, bool(logprobs))
+                      {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens",
+                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "logprobs"}, n, bool(logprobs))
 
 
 def _message_text(message: Any, i: int) -> dict[str, str]:
@@ -196,5 +196,5 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     generate_body = {"input_ids": input_ids, "stream": stream, **logprobs,
                      "sampling_params": _sampling(body, max_name, capacity - len(input_ids))}
     return OpenAICall(True, _fan_out(generate_body, "input_ids", n), stream, include_usage,
-                      {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name, "min_new_tokens": "min_tokens",
-                       "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"}, n, bool(logprobs))
+                      {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
+                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"}, n, bool(logprobs))

@@ -8,8 +8,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-           "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
+_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+           "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
 
 
 def _is_int(value: Any) -> bool:

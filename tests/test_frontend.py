@@ -360,7 +360,8 @@ def test_info_control_and_health_routes(server: Server) -> None:
     info = requests.get(server.url + "/server_info", timeout=10).json()
     assert info["tp_size"] == 1 and info["internal_states"] == [{"fake_state": 1}]
     # SGLang's older route names answer the same
-    assert requests.get(server.url + "/get_model_info", timeout=10).json()["served_model_name"] == "SmolLM2-135M-Instruct"
+    old_names = requests.get(server.url + "/get_model_info", timeout=10).json()
+    assert old_names["served_model_name"] == "SmolLM2-135M-Instruct"
     assert requests.get(server.url + "/get_server_info", timeout=10).json()["internal_states"] == [{"fake_state": 1}]
     assert server.post("/flush_cache", {}).json() == {"success": True}
 

@@ -36,7 +36,8 @@ from model_executor.kernels import cpu as cpu_kernels
 
 AMX_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast as the AMX kernel or faster
 QUANTIZATIONS = ("w8a8_int8", "gguf")
-PackedWeight = torch.Tensor | cpu_kernels.Int8Weight | cpu_kernels.Q4Weight | cpu_kernels.Q8Weight  # a layer's `packed_weight`
+# a layer's `packed_weight`
+PackedWeight = torch.Tensor | cpu_kernels.Int8Weight | cpu_kernels.Q4Weight | cpu_kernels.Q8Weight
 
 
 def onednn_bf16_available() -> bool:

@@ -151,7 +151,8 @@ class LlamaModel(nn.Module):
         or None (a Q8_0 weight is only ever the LM head's)."""
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         packed: list[PackedWeight | None] = [m.packed_weight for m in linears]
-        kernel = [p for p in packed if p is not None and is_kernel_packed(p) and not isinstance(p, cpu_kernels.Q8Weight)]
+        kernel = [p for p in packed
+                  if p is not None and is_kernel_packed(p) and not isinstance(p, cpu_kernels.Q8Weight)]
         return kernel if len(kernel) == len(linears) else None
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
