@@ -412,7 +412,7 @@ static inline __attribute__((always_inline)) void attend_task_fast(
         float *sg = scores + g * max_len;
         bf16 *pg = probs + g * pstride;
         top[g] = max16(sg, len);
-        exp_sum[g] = exp_shifted16(sg, len);
+        exp_sum[g] = exp_shifted16(sg, len, top[g]);
         for (int64_t t = 0; t < len; t += 16) {
             const __mmask16 m = lanes16(len - t);
             store16_tail(pg + t, _mm512_maskz_loadu_ps(m, sg + t), m);

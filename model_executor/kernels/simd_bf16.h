@@ -67,11 +67,12 @@ static inline float max16(const float *s, int64_t len) {
     }
     return _mm512_reduce_max_ps(vmax);
 }
-/* s[0 .. len) -> exp(s - max(s)), in place (len >= 1); returns their sum: a softmax with the
- * division left to the caller (decode attention divides its output instead of the scores) */
-static inline float exp_shifted16(float *s, int64_t len) {
+/* s[0 .. len) -> exp(s - top), in place (len >= 1; top: max16(s, len)); returns their sum: a
+ * softmax with the division left to the caller (decode attention divides its output instead of
+ * the scores, and a split of its tokens keeps top to combine with the other splits) */
+static inline float exp_shifted16(float *s, int64_t len, float top) {
     __m512 vsum = _mm512_setzero_ps();
-    const __m512 mx = _mm512_set1_ps(max16(s, len));
+    const __m512 mx = _mm512_set1_ps(top);
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = lanes16(len - t);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx));
@@ -82,7 +83,7 @@ static inline float exp_shifted16(float *s, int64_t len) {
 }
 /* s[0 .. len) -> softmax(s), in place (len >= 1) */
 static inline void softmax16(float *s, int64_t len) {
-    const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted16(s, len));
+    const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted16(s, len, max16(s, len)));
     for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = lanes16(len - t);
         _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
