@@ -55,10 +55,15 @@ def _same(value: Any, off: Any) -> bool:
     return type(value) is type(off) and value == off  # so that True is not taken for 1
 
 
-def _reject_unsupported(body: dict[str, Any], known: set[str]) -> None:
+def reject_unknown(body: dict[str, Any], known: set[str]) -> None:
+    """RequestError naming the first of body's fields that is not in `known`."""
     unknown = sorted(set(body) - known)
     if unknown:
         raise RequestError(f"unknown parameter(s): {', '.join(unknown)}", unknown[0])
+
+
+def _reject_unsupported(body: dict[str, Any], known: set[str]) -> None:
+    reject_unknown(body, known)
     for name, value in body.items():
         if value is not None and name in _OFF_VALUES and not any(_same(value, off) for off in _OFF_VALUES[name]):
             off_values = " or ".join(repr(off) for off in _OFF_VALUES[name])

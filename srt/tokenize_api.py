@@ -19,18 +19,13 @@ from fastapi.responses import JSONResponse, Response
 
 from srt.generate_parse import RequestError
 from srt.http_server import bad_request, read_json_object
+from srt.openai_parse import reject_unknown
 from srt.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
 
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens"}
 DETOKENIZE_FIELDS = {"model", "tokens", "skip_special_tokens"}
-
-
-def _check_fields(body: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise RequestError(f"unknown parameter(s): {', '.join(unknown)}", unknown[0])
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -41,7 +36,7 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 
 def tokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
-    _check_fields(body, TOKENIZE_FIELDS)
+    reject_unknown(body, TOKENIZE_FIELDS)
     prompt, special = body.get("prompt"), _flag(body, "add_special_tokens")
     if isinstance(prompt, str):
         ids = list(tm.tokenizer.encode(prompt, add_special_tokens=special))
@@ -53,7 +48,7 @@ def tokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def detokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
-    _check_fields(body, DETOKENIZE_FIELDS)
+    reject_unknown(body, DETOKENIZE_FIELDS)
     tokens, skip = body.get("tokens"), _flag(body, "skip_special_tokens")
 
     def ids_ok(ids: Any) -> bool:
