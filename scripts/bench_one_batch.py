@@ -24,7 +24,7 @@ batch 1: the prompt evaluated in one call, then `output_len` greedy single-token
 weights are 4-bit there, so its decode reads a third of srt's bf16 bytes.
 
 At tp 1 the script also prints the prefill compute bound: the machine's bf16 matmul rate (a
-2048-cube matmul with torch's threads, best of 5) over 2 x (parameters outside the embedding and
+square matmul with torch's threads, best of 5, 2048 wide unless that would take long) over 2 x (parameters outside the embedding and
 LM head) FLOPs per prompt token, and the share of it srt's best prefill reaches.
 """
 
@@ -305,21 +305,37 @@ def _matmul_rate(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a
     return 2 * a.shape[0] ** 3 / best
 
 
-def matmul_flops(size: int = 2048, runs: int = 5) -> float:
-    """FLOP/s of one bf16 [size x size] @ [size x size] matmul with torch's threads (best run)."""
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
-    return _matmul_rate(torch.matmul, a, b, runs)
+PROBE_SIZES = (256, 512, 1024, 2048)
+PROBE_RUN_S = 0.25  # a probe grows to the largest size whose one call stays under this
 
 
-def int8_matmul_ops(size: int = 2048, runs: int = 5) -> float | None:
-    """OP/s of torch's int8 x int8 -> int32 matmul (`torch._int_mm`, oneDNN) at [size x size] @
-    [size x size] with torch's threads (best run): the multiply rate a --quantization w8a8_int8
-    prefill's linears can at best reach. None where torch has none."""
-    a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-    b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+def _probe_rate(make: Callable[[int], torch.Tensor], matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                runs: int) -> float:
+    """The rate at the largest of PROBE_SIZES (up to 2048) whose call took under PROBE_RUN_S at the
+    size before: a CPU where torch has no fast kernel for the dtype (bf16 without AVX-512 BF16 or
+    AMX runs at ~1 GFLOP/s) is measured in seconds instead of minutes."""
+    rate = 0.0
+    for size in PROBE_SIZES:
+        a, b = make(size), make(size)
+        start = time.perf_counter()
+        matmul(a, b)
+        if time.perf_counter() - start > PROBE_RUN_S and rate:
+            break
+        rate = _matmul_rate(matmul, a, b, runs)
+    return rate
+
+
+def matmul_flops(runs: int = 5) -> float:
+    """FLOP/s of a bf16 square matmul (up to 2048) with torch's threads (best run)."""
+    return _probe_rate(lambda n: torch.randn(n, n, dtype=torch.bfloat16), torch.matmul, runs)
+
+
+def int8_matmul_ops(runs: int = 5) -> float | None:
+    """OP/s of torch's int8 x int8 -> int32 matmul (`torch._int_mm`, oneDNN), square up to 2048,
+    with torch's threads (best run): the multiply rate a --quantization w8a8_int8 prefill's linears
+    can at best reach. None where torch has none."""
     try:
-        return _matmul_rate(torch._int_mm, a, b, runs)
+        return _probe_rate(lambda n: torch.randint(-127, 128, (n, n), dtype=torch.int8), torch._int_mm, runs)
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
 
