@@ -8,7 +8,7 @@ without a broadcast and a replayed request draws the same tokens in any batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,19 @@ def apply_penalties(logits: torch.Tensor, penalties: Sequence[tuple[float, float
         if (frequency or presence) and output_ids[i]:
             counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64), minlength=vocab).to(out.dtype)
             out[i] -= frequency * counts + presence * (counts > 0).to(out.dtype)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Mapping[int, float]]) -> torch.Tensor:
+    """`logits` with each row's logit_bias added (OpenAI's: token id -> bias, after the penalties,
+    before temperature and the filters); `logits` itself where no row has one."""
+    rows = [i for i, bias in enumerate(biases) if bias]
+    if not rows:
+        return logits
+    out = logits.float().clone()
+    for i in rows:
+        ids = torch.tensor(list(biases[i]), dtype=torch.int64)
+        out[i, ids] += torch.tensor(list(biases[i].values()), dtype=out.dtype)
     return out
 
 

@@ -84,7 +84,9 @@ class BatchSelection:
             reqs.append(req)
             lens.append(n)
             used += n
-        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len)
+        priority_first = (-1 if self.args.schedule_low_priority_values_first else 1) \
+            if self.args.enable_priority_scheduling else 0
+        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len, priority_first)
         for req in ordered:
             if len(self.running) + len(reqs) >= self.runner.max_running_requests or not self.kv.free_rows():
                 break

@@ -20,13 +20,21 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 RESERVE_CAP_PER_REQ = 4096
 
 
-def order_waiting(waiting: list[Req], policy: str, prefix_len_of: Callable[[Req], int]) -> list[Req]:
-    """fcfs: arrival order. lpm: longest cached prefix first (stable, so ties keep arrival order)."""
-    if policy == "fcfs" or len(waiting) <= 1:
-        return list(waiting)
-    if policy == "lpm":
-        return sorted(waiting, key=lambda r: -prefix_len_of(r))
-    raise ValueError(f"unknown --schedule-policy {policy!r}")
+def order_waiting(waiting: list[Req], policy: str, prefix_len_of: Callable[[Req], int],
+                  priority_first: int = 0) -> list[Req]:
+    """fcfs: arrival order. lpm: longest cached prefix first (stable, so ties keep arrival order).
+    priority_first (--enable-priority-scheduling): 1 puts larger `priority` values first, -1
+    smaller ones (--schedule-low-priority-values-first), requests without one last; the policy
+    orders requests of equal priority. Every input is the same on every rank (the priority came
+    with the broadcast request), so every rank orders alike."""
+    if policy not in ("fcfs", "lpm"):
+        raise ValueError(f"unknown --schedule-policy {policy!r}")
+    ordered = list(waiting)
+    if policy == "lpm" and len(ordered) > 1:
+        ordered.sort(key=lambda r: -prefix_len_of(r))
+    if priority_first and len(ordered) > 1:
+        ordered.sort(key=lambda r: (r.priority is None, -priority_first * (r.priority or 0)))
+    return ordered
 
 
 @dataclass

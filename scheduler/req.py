@@ -38,11 +38,13 @@ class Req:
     # their logprobs are with the front end (output_logprobs covers output_ids[resumed_len:]).
     resumed_len: int = 0
     resume: ResumeState | None = None  # sent with the replay's first output (the detokenizer's seed)
+    decode_spec_sent: bool = False  # the detokenizer has this request's DecodeSpec (sent with its first output)
     retractions: int = 0
     awaiting_token: bool = False  # launched in a batch whose sampled token is not appended yet
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens k.. as well
+    priority: int | None = None  # with --enable-priority-scheduling (scheduler/policy.py order_waiting)
     # Logprobs, filled on the output rank only (no rank decides anything from them).
     output_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
     input_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))

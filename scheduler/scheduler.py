@@ -18,7 +18,7 @@ from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
-from model_executor.sampler import SamplingBatchInfo, apply_penalties, ban_tokens
+from model_executor.sampler import SamplingBatchInfo, apply_logit_bias, apply_penalties, ban_tokens
 from scheduler.admission import BatchSelection
 from scheduler.fault_injection import FaultInjector
 from scheduler.kv_manager import KVManager
@@ -35,9 +35,11 @@ from srt.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     ControlReply,
+    DecodeSpec,
     FinishReason,
     FlushCacheReq,
     GetInternalStateReq,
+    GetLoadReq,
     TokenizedGenerateReq,
 )
 from srt.metrics import RankMetrics
@@ -120,6 +122,8 @@ class Scheduler(BatchSelection):
                 self._reply(ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"}))
             elif isinstance(msg, GetInternalStateReq):
                 self._reply(ControlReply(msg.request_id, True, self.internal_state()))
+            elif isinstance(msg, GetLoadReq):
+                self._reply(ControlReply(msg.request_id, True, self.load_report()))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
@@ -128,7 +132,7 @@ class Scheduler(BatchSelection):
         req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream, output_ids=resumed,
                   sent_len=len(resumed), resumed_len=len(resumed), resume=msg.resume,
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                  logprob_start_len=msg.logprob_start_len)
+                  logprob_start_len=msg.logprob_start_len, priority=msg.priority)
         if req.remaining_new_tokens == 0 and not req.prompt_logprob_positions:
             self._finish(req, FinishReason("length"))
         elif req.seq_len + 1 > self.kv.max_total_tokens:
@@ -207,6 +211,7 @@ class Scheduler(BatchSelection):
             output_positions=[len(r.output_ids) for r in batch.reqs], device=self.runner.device)
         penalized = apply_penalties(logits, [r.sampling_params.penalties for r in batch.reqs],
                                     [r.output_ids for r in batch.reqs], [r.origin_input_ids for r in batch.reqs])
+        penalized = apply_logit_bias(penalized, [r.sampling_params.logit_bias for r in batch.reqs])
         eos = self.stop_checker.eos_token_ids
         penalized = ban_tokens(penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs])
         next_ids = self.runner.sample(penalized, info)
@@ -256,10 +261,12 @@ class Scheduler(BatchSelection):
             for req in reqs:
                 req.sent_len = len(req.output_ids)
                 req.resume = None
+                req.decode_spec_sent = True
             return
         out = BatchTokenIDOut([], [], [], [], [], [], [])
         with_logprobs = any(req.return_logprob for req in reqs)
         with_resumes = any(req.resume is not None for req in reqs)
+        with_specs = not all(req.decode_spec_sent for req in reqs)
         for req in reqs:
             if with_logprobs:
                 attach_logprobs(out, req)
@@ -272,7 +279,9 @@ class Scheduler(BatchSelection):
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
             out.cached_tokens.append(req.cached_tokens)
-            out.stop_strings.append(list(req.sampling_params.stop))
+            if with_specs:
+                out.decode_specs.append(None if req.decode_spec_sent else DecodeSpec.of(req.sampling_params))
+            req.decode_spec_sent = True
             req.sent_len = len(req.output_ids)
         self.send_output(out)
 
@@ -281,6 +290,13 @@ class Scheduler(BatchSelection):
         available = self.kv.available_tokens()
         return LoadSnapshot(running=len(self.running) + (self.chunked_req is not None), waiting=len(self.waiting),
                             used_tokens=self.kv.max_total_tokens - available, max_total_tokens=self.kv.max_total_tokens)
+
+    def load_report(self) -> dict[str, int]:
+        """SGLang's load fields: requests running and waiting, and the KV tokens they hold or will
+        need first (held by running requests, plus the prompts waiting)."""
+        load = self._load()
+        return {"num_reqs": load.running + load.waiting, "num_waiting_reqs": load.waiting,
+                "num_tokens": load.used_tokens + sum(r.seq_len for r in self.waiting)}
 
     def internal_state(self) -> dict[str, Any]:
         return {

@@ -3,6 +3,7 @@ ids, so every rank finishes a request at the same step."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from scheduler.req import Req
@@ -37,6 +38,14 @@ class StopChecker:
             for stop in params.stop:
                 if stop in tail:
                     return FinishReason("stop", matched=stop)
+        if params.stop_regex:
+            # The window holds any match that ends at this token (all of the output when a pattern's
+            # matches have no bounded length).
+            regex_window = params.stop_regex_window
+            tail = self._decode(req.output_ids if regex_window is None else req.output_ids[-regex_window:])
+            for pattern in params.stop_regex:
+                if re.search(pattern, tail):
+                    return FinishReason("stop", matched=pattern, regex=True)
         if len(req.output_ids) >= params.max_new_tokens:
             return FinishReason("length")
         return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -27,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from srt.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason, ResumeState
+from srt.io_struct import BatchStrOut, BatchTokenIDOut, DecodeSpec, FinishReason, ResumeState
 from srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger("srt.detokenizer")
@@ -43,6 +44,7 @@ class DecodeState:
     read_offset: int = 0
     text: str = ""  # decoded text confirmed so far (complete characters only until finished)
     sent_len: int = 0  # characters of `text` already emitted
+    spec: DecodeSpec = field(default_factory=DecodeSpec)
 
 
 def stop_holdback_start(text: str, start: int, stop_strings: list[str]) -> int:
@@ -68,20 +70,38 @@ class DetokenizerManager:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def _decode(self, ids_batch: list[list[int]]) -> list[str]:
-        return [str(t) for t in self.tokenizer.batch_decode(ids_batch, skip_special_tokens=True)]
+    def _decode(self, ids_batch: list[list[int]], specs: list[DecodeSpec]) -> list[str]:
+        """One batch_decode per distinct set of the requests' text options."""
+        texts = [""] * len(ids_batch)
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault((spec.skip_special_tokens, spec.spaces_between_special_tokens), []).append(i)
+        for (skip, spaces), rows in groups.items():
+            decoded = self.tokenizer.batch_decode([ids_batch[i] for i in rows], skip_special_tokens=skip,
+                                                  spaces_between_special_tokens=spaces)
+            for i, text in zip(rows, decoded):
+                texts[i] = str(text)
+        return texts
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
         states = []
         for i, (rid, new_ids) in enumerate(zip(out.rids, out.new_token_ids)):
+            spec = out.decode_specs[i] if i < len(out.decode_specs) else None
             state = self.states.get(rid)
             if state is None:
                 resume = out.resumes[i] if i < len(out.resumes) else None
-                state = self.states[rid] = self._resumed(resume) if resume is not None else DecodeState()
+                spec = spec or DecodeSpec()
+                state = self.states[rid] = self._resumed(resume, spec) if resume is not None else DecodeState(spec=spec)
+            elif spec is not None:
+                state.spec = spec
+            finished = out.finished_reasons[i]
+            if _trims_stop_token(finished, state.spec, new_ids):
+                new_ids = new_ids[:-1]  # as SGLang: the stop token's text is not part of the output
             state.output_ids.extend(new_ids)
             states.append(state)
-        surrounding = self._decode([s.output_ids[s.prefix_offset:s.read_offset] for s in states])
-        window = self._decode([s.output_ids[s.prefix_offset:] for s in states])
+        specs = [s.spec for s in states]
+        surrounding = self._decode([s.output_ids[s.prefix_offset:s.read_offset] for s in states], specs)
+        window = self._decode([s.output_ids[s.prefix_offset:] for s in states], specs)
 
         texts = []
         for i, state in enumerate(states):
@@ -91,8 +111,7 @@ class DetokenizerManager:
                 state.text += piece
                 state.prefix_offset = state.read_offset
                 state.read_offset = len(state.output_ids)
-            stop_strings = out.stop_strings[i] if i < len(out.stop_strings) else []
-            texts.append(self._emit(state, finished, stop_strings))
+            texts.append(self._emit(state, finished))
             if finished is not None:
                 del self.states[out.rids[i]]
         return BatchStrOut(rids=list(out.rids), texts=texts, new_token_ids=[list(ids) for ids in out.new_token_ids],
@@ -100,32 +119,44 @@ class DetokenizerManager:
                            completion_tokens=list(out.completion_tokens), cached_tokens=list(out.cached_tokens),
                            output_logprobs=out.output_logprobs, input_logprobs=out.input_logprobs)
 
-    def _resumed(self, resume: ResumeState) -> DecodeState:
+    def _resumed(self, resume: ResumeState, spec: DecodeSpec) -> DecodeState:
         """The state a request would have after its delivered ids: their text (without an
         incomplete character at the end, which stays in the window), of which text_len
         characters were sent."""
         ids = list(resume.output_ids)
         read_offset = len(ids)
-        text = self._decode([ids])[0]
+        text = self._decode([ids], [spec])[0]
         while read_offset > 0 and text.endswith(REPLACEMENT_CHAR) and len(ids) - read_offset < 4:
             read_offset -= 1  # a UTF-8 character spans at most 4 byte tokens
-            text = self._decode([ids[:read_offset]])[0]
+            text = self._decode([ids[:read_offset]], [spec])[0]
         return DecodeState(output_ids=ids, prefix_offset=max(read_offset - RESUME_SURROUNDING, 0),
-                           read_offset=read_offset, text=text, sent_len=min(resume.text_len, len(text)))
+                           read_offset=read_offset, text=text, sent_len=min(resume.text_len, len(text)), spec=spec)
 
     @staticmethod
-    def _emit(state: DecodeState, finished: FinishReason | None, stop_strings: list[str]) -> str:
+    def _emit(state: DecodeState, finished: FinishReason | None) -> str:
+        spec = state.spec
+        end = len(state.text)
         if finished is None:
-            end = stop_holdback_start(state.text, state.sent_len, stop_strings)
+            end = stop_holdback_start(state.text, state.sent_len, list(spec.stop_strings))
         elif finished.type == "stop" and isinstance(finished.matched, str):
-            found = state.text.find(finished.matched, state.sent_len)
-            end = found if found != -1 else len(state.text)
-        else:
-            end = len(state.text)
+            # the text ends before the stop string (or regex match), or, with no_stop_trim, after it
+            if finished.regex:
+                match = re.search(finished.matched, state.text)
+                span = match.span() if match else None
+            else:
+                found = state.text.find(finished.matched, state.sent_len)
+                span = (found, found + len(finished.matched)) if found != -1 else None
+            if span is not None:
+                end = span[1] if spec.no_stop_trim else span[0]
         end = max(end, state.sent_len)
         piece = state.text[state.sent_len:end]
         state.sent_len = end
         return piece
+
+
+def _trims_stop_token(finished: FinishReason | None, spec: DecodeSpec, new_ids: list[int]) -> bool:
+    return (finished is not None and finished.type == "stop" and isinstance(finished.matched, int)
+            and not spec.no_stop_trim and bool(new_ids) and new_ids[-1] == finished.matched)
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str,

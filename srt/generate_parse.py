@@ -1,14 +1,17 @@
 """Validation and tokenization of a /generate body into the requests sent to rank 0.
 
 Bad input raises RequestError (an HTTP 400) naming the parameter, before anything reaches a rank.
-Fields: text or input_ids (one prompt or a batch), sampling_params (one object, or one per batch
-item), stream, rid, and SGLang's logprob options return_logprob, top_logprobs_num and
-logprob_start_len (a value, or one per batch item) with return_text_in_logprobs.
+Fields: SGLang's GenerateReqInput (srt/vocabulary.py says which are implemented, which are
+accepted only at their defaults, which carry no meaning here): text or input_ids (one prompt or
+a batch), sampling_params (one object, or one per batch item; `n` > 1 fans each prompt out into n
+requests with seeds derived from the request's, results ordered prompt by prompt), stream, rid,
+the logprob options return_logprob, top_logprobs_num and logprob_start_len (a value, or one per
+batch item) with return_text_in_logprobs, return_prompt_token_ids, priority (with
+--enable-priority-scheduling) and log_metrics.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Callable, Container
 from dataclasses import dataclass
@@ -16,10 +19,9 @@ from typing import Any
 
 from srt.io_struct import TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
+from srt.vocabulary import GENERATE, SAMPLING, VocabularyError, check_fields
 
-GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num",
-                   "logprob_start_len", "return_text_in_logprobs")
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+MAX_N = 128  # copies of one prompt (`n`)
 
 
 class RequestError(ValueError):
@@ -33,9 +35,16 @@ class RequestError(ValueError):
 @dataclass
 class GenerateCall:
     reqs: list[TokenizedGenerateReq]
-    is_batch: bool
+    is_batch: bool  # the reply is a list (a batch of prompts, or n > 1)
     stream: bool
     return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    log_metrics: bool = True
+
+
+def derived_seed(seed: int, i: int) -> int:
+    """The seed of copy i of a request fanned out by `n` (copy 0 keeps the request's own)."""
+    return seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63
 
 
 def _is_int(value: Any) -> bool:
@@ -55,20 +64,21 @@ def _bool(obj: dict[str, Any], name: str) -> bool:
 
 class GenerateParser:
     def __init__(self, tokenizer: Any, vocab_size: int, context_length: int, max_total_tokens: int | None,
-                 resolve_seed: Callable[[SamplingParams], int]) -> None:
+                 resolve_seed: Callable[[SamplingParams], int], priority_scheduling: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.max_total_tokens = max_total_tokens
         self.resolve_seed = resolve_seed
+        self.priority_scheduling = priority_scheduling
 
     def parse(self, obj: Any, busy_rids: Container[str]) -> GenerateCall:
         if not isinstance(obj, dict):
             raise RequestError("the request must be a JSON object")
-        unknown = sorted(set(obj) - set(GENERATE_FIELDS))
-        if unknown:
-            raise RequestError(f"unknown parameter(s): {', '.join(unknown)} (allowed: {', '.join(GENERATE_FIELDS)})",
-                               unknown[0])
+        try:
+            check_fields(obj, GENERATE, per_item=True)
+        except VocabularyError as error:
+            raise RequestError(str(error), error.param) from None
         if (obj.get("text") is None) == (obj.get("input_ids") is None):
             both = obj.get("text") is not None
             raise RequestError("give either text or input_ids, not both" if both else
@@ -76,16 +86,39 @@ class GenerateParser:
         stream = _bool(obj, "stream")
         prompt_key = "text" if obj.get("text") is not None else "input_ids"
         prompts, is_batch = self._tokenize(obj["text"]) if prompt_key == "text" else self._check_ids(obj["input_ids"])
-        params = self._sampling_params(obj.get("sampling_params"), len(prompts), is_batch)
-        rids = self._rids(obj.get("rid"), len(prompts), is_batch, busy_rids)
+        params, n = self._sampling_params(obj.get("sampling_params"), len(prompts), is_batch)
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             self._check_length(ids, sp, f"{prompt_key}[{i}]: " if is_batch else "", prompt_key)
         logprobs = self._logprob_options(obj, prompts, is_batch)
-        reqs = [TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=sp, seed=self.resolve_seed(sp),
-                                     stream=stream, return_logprob=want, top_logprobs_num=top, logprob_start_len=start)
-                for rid, ids, sp, (want, top, start) in zip(rids, prompts, params, logprobs)]
-        return GenerateCall(reqs=reqs, is_batch=is_batch, stream=stream,
-                            return_text_in_logprobs=_bool(obj, "return_text_in_logprobs"))
+        priorities = self._priorities(obj, len(prompts), is_batch)
+        seeds = [self.resolve_seed(sp) for sp in params]
+        # n > 1: copy j of prompt i is request i * n + j, seeded from the prompt's seed
+        expand = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        rids = self._rids(obj.get("rid"), len(prompts), is_batch, busy_rids, n)
+        reqs = [TokenizedGenerateReq(rid=rid, input_ids=prompts[i], sampling_params=params[i],
+                                     seed=derived_seed(seeds[i], j), stream=stream, return_logprob=logprobs[i][0],
+                                     top_logprobs_num=logprobs[i][1], logprob_start_len=logprobs[i][2],
+                                     priority=priorities[i])
+                for rid, (i, j) in zip(rids, expand)]
+        log_metrics = obj.get("log_metrics")
+        if log_metrics is not None and not isinstance(log_metrics, bool):
+            raise RequestError(f"log_metrics must be a boolean, got {log_metrics!r}", "log_metrics")
+        return GenerateCall(reqs=reqs, is_batch=is_batch or n > 1, stream=stream,
+                            return_text_in_logprobs=_bool(obj, "return_text_in_logprobs"),
+                            return_prompt_token_ids=_bool(obj, "return_prompt_token_ids"),
+                            log_metrics=log_metrics is not False)
+
+    def _priorities(self, obj: dict[str, Any], n: int, is_batch: bool) -> list[int | None]:
+        values = self._per_item(obj, "priority", None, n, is_batch)
+        for value in values:
+            if value is None:
+                continue
+            if not _is_int(value) or abs(value) >= 2**63:
+                raise RequestError(f"priority must be an integer, got {value!r}", "priority")
+            if not self.priority_scheduling:
+                raise RequestError("priority needs a server started with --enable-priority-scheduling "
+                                   "(SGLang's flag)", "priority")
+        return values
 
     def _check_length(self, ids: list[int], sp: SamplingParams, where: str, prompt_key: str) -> None:
         total = len(ids) + sp.max_new_tokens
@@ -112,9 +145,13 @@ class GenerateParser:
                 raise RequestError(f"{where} contains an unpaired surrogate (not valid Unicode)", "text") from None
         prompts = [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
         for i, ids in enumerate(prompts):
+            where = f"text[{i}]" if is_batch else "text"
             if not ids:
-                raise RequestError(f"text[{i}] tokenizes to no tokens" if is_batch else "text tokenizes to no tokens",
-                                   "text")
+                raise RequestError(f"{where} tokenizes to no tokens", "text")
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:  # a rank would index past its embedding and crash
+                raise RequestError(f"{where} tokenizes to id {outside[0]}, outside the model's vocabulary of "
+                                   f"{self.vocab_size}: the tokenizer does not match the model", "text")
         return prompts, is_batch
 
     def _check_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
@@ -135,36 +172,51 @@ class GenerateParser:
                                        "input_ids")
         return [list(row) for row in rows], is_batch
 
-    def _sampling_params(self, raw: Any, n: int, is_batch: bool) -> list[SamplingParams]:
+    def _sampling_params(self, raw: Any, n: int, is_batch: bool) -> tuple[list[SamplingParams], int]:
+        """One SamplingParams per prompt, and `n` (copies per prompt: the same in every entry, as SGLang)."""
         if is_batch and isinstance(raw, list):
             if len(raw) != n:
                 raise RequestError(f"sampling_params has {len(raw)} entries for a batch of {n}", "sampling_params")
             raws = raw
         else:
             raws = [raw] * n
-        out = []
+        out, copies = [], set()
         for one in raws:
             for key, value in (one.items() if isinstance(one, dict) else ()):
                 if isinstance(value, int) and abs(value) >= 2**63:  # JSON ints are unbounded; floats are not
                     raise RequestError(f"{key} is out of range: {value!r:.30}",
-                                       key if key in _SAMPLING_FIELDS else "sampling_params")
+                                       key if key in SAMPLING else "sampling_params")
             try:
                 params = SamplingParams.from_dict(one)
                 params.validate(self.vocab_size)
+            except VocabularyError as error:
+                raise RequestError(str(error), error.param) from None
             except (ValueError, TypeError) as error:
                 name = str(error).split(" ", 1)[0]
-                raise RequestError(str(error), name if name in _SAMPLING_FIELDS else "sampling_params") from None
+                raise RequestError(str(error), name if name in SAMPLING else "sampling_params") from None
             out.append(params)
-        return out
+            copies.add(one.get("n") if isinstance(one, dict) else None)
+        if len(copies) > 1:
+            raise RequestError("n must be the same in every sampling_params entry of a batch", "n")
+        count = copies.pop()
+        if count is None:
+            return out, 1
+        if not _is_int(count) or not 1 <= count <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {count!r}", "n")
+        return out, int(count)
 
-    def _rids(self, raw: Any, n: int, is_batch: bool, busy_rids: Container[str]) -> list[str]:
+    def _rids(self, raw: Any, prompts: int, is_batch: bool, busy_rids: Container[str], n: int) -> list[str]:
+        """A request id per request: generated, or the client's (one per prompt; with n > 1 the
+        copies of a prompt get its rid with -0, -1, ... appended)."""
         if raw is None:
-            return [uuid.uuid4().hex for _ in range(n)]
+            return [uuid.uuid4().hex for _ in range(prompts * n)]
         rids = raw if is_batch else [raw]
-        if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) and r for r in rids):
-            shape = f"a list of {n} non-empty strings" if is_batch else "a non-empty string"
+        if not isinstance(rids, list) or len(rids) != prompts or not all(isinstance(r, str) and r for r in rids):
+            shape = f"a list of {prompts} non-empty strings" if is_batch else "a non-empty string"
             raise RequestError(f"rid must be {shape}, got {raw!r}", "rid")
-        if len(set(rids)) != n:
+        if n > 1:
+            rids = [f"{rid}-{j}" for rid in rids for j in range(n)]
+        if len(set(rids)) != len(rids):
             raise RequestError("rid holds duplicates", "rid")
         busy = [r for r in rids if r in busy_rids]
         if busy:

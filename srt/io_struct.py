@@ -34,6 +34,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0  # alternatives per position (with return_logprob)
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens from position k too
     resume: ResumeState | None = None  # set on a replay after a restart
+    priority: int | None = None  # the waiting queue's order with --enable-priority-scheduling
 
 
 @dataclass
@@ -49,6 +50,13 @@ class FlushCacheReq:
 
 @dataclass
 class GetInternalStateReq:
+    request_id: str  # echoed in ControlReply
+
+
+@dataclass
+class GetLoadReq:
+    """The load a router balances on (GET /get_load, SGLang's shape)."""
+
     request_id: str  # echoed in ControlReply
 
 
@@ -73,8 +81,9 @@ class TokenLogprobs:
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
-    matched: int | str | None = None  # the stop token id or stop string that ended the request
+    matched: int | str | None = None  # the stop token id, stop string or stop regex that ended the request
     message: str | None = None  # why an abort happened
+    regex: bool = False  # `matched` is a stop_regex pattern (its match is found again in the text)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
@@ -83,6 +92,22 @@ class FinishReason:
         if self.message is not None:
             out["message"] = self.message
         return out
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """A request's text options, for the detokenizer. Stop strings are matched by the scheduler;
+    the detokenizer holds back what could become one and cuts the text there."""
+
+    stop_strings: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the stop string / stop token / stop regex match in the text
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> DecodeSpec:
+        return cls(tuple(params.stop), params.skip_special_tokens, params.spaces_between_special_tokens,
+                   params.no_stop_trim)
 
 
 @dataclass
@@ -95,8 +120,9 @@ class BatchTokenIDOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
-    # Stop strings are matched by the scheduler; the detokenizer cuts the text there.
-    stop_strings: list[list[str]] = field(default_factory=list)
+    # Per request (empty when no request of the message is new to the detokenizer): how to turn its
+    # ids into text, sent with the request's first output only.
+    decode_specs: list[DecodeSpec | None] = field(default_factory=list)
     # Per request (empty when no request of the message asked for logprobs): the logprobs of
     # new_token_ids, and of the prompt tokens (sent once, with the first output).
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

@@ -1,16 +1,15 @@
 """OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions.
 
 Each request becomes a /generate body and runs through the same TokenizerManager
-(parse_generate, then generate); the cumulative streamed text becomes OpenAI deltas. Supported: one
-prompt, n (1..128: n requests with seeds derived from `seed`, run as one /generate batch),
-max_tokens (chat: or max_completion_tokens), temperature, top_p, stop, seed, stream with
-stream_options.include_usage, logprobs (completions: an int in 0..20; chat: logprobs=true with
-top_logprobs in 0..20; see openai_logprobs.py), frequency_penalty and presence_penalty, and SGLang's
-extras top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids. Options that would change the
-output but are not implemented (echo, suffix, best_of, tools, a non-text response_format) get a 400
-rather than being ignored. Any
-`model` name is accepted (as in SGLang); responses name the served model. finish_reason is "stop",
-"length", or "abort" for a request ended by /abort_request.
+(parse_generate, then generate); the cumulative streamed text becomes OpenAI deltas. The fields
+are OpenAI's and SGLang's extensions (srt/vocabulary.py: which are implemented; an option that
+would change the output but is not implemented, such as tools or a non-text response_format, is a
+400 rather than ignored). Completions take a batch of prompts (choice i * n + j is copy j of
+prompt i), `echo` (with `logprobs`, the prompt's tokens are scored too, the first one null, as
+lm-eval-harness's loglikelihood requests need) and `best_of` equal to `n`. n (1..128) runs n
+requests with seeds derived from `seed`, as one /generate batch. Any `model` name is accepted (as
+in SGLang); responses name the served model. finish_reason is "stop", "length", or "abort" for a
+request ended by /abort_request.
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code": null}}`: 400 for bad
 input, 503 when the server cannot serve; a stream that fails midway sends the error as an event,
@@ -53,12 +52,13 @@ def _model_name(tm: TokenizerManager) -> str:
     return tm.server_args.model_name
 
 
-def _usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
-    """Usage of the n choices of one prompt: the prompt counts once."""
-    prompt = metas[0]["prompt_tokens"]
+def _usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Usage of the choices (n per prompt, in order): each prompt counts once."""
+    firsts = metas[::n]
+    prompt = sum(meta["prompt_tokens"] for meta in firsts)
     completion = sum(meta["completion_tokens"] for meta in metas)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": metas[0]["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": sum(meta["cached_tokens"] for meta in firsts)}}
 
 
 def _finish_reason(meta: dict[str, Any]) -> str | None:
@@ -82,7 +82,8 @@ class ChoiceProgress:
 
 
 def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) -> dict[str, Any] | None:
-    """The logprobs object of the choice's tokens not sent yet (None when not asked for)."""
+    """The logprobs object of the choice's tokens not sent yet (None when not asked for); with echo
+    the first one starts with the prompt's."""
     if not call.logprobs:
         return None
     start = progress.tokens
@@ -90,6 +91,10 @@ def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) 
     tops = meta.get("output_top_logprobs")
     tops = tops[start:] if tops is not None else None
     progress.tokens += len(tokens)
+    if call.echo is not None and progress.first:
+        tokens = meta.get("input_token_logprobs", []) + tokens
+        if tops is not None:
+            tops = meta.get("input_top_logprobs", []) + tops
     if call.chat:
         return chat_logprobs(tokens, tops)
     obj, progress.text_offset = completion_logprobs(tokens, tops, progress.text_offset)
@@ -102,6 +107,8 @@ def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chu
                               "finish_reason": _finish_reason(meta)}
     delta = out["text"][len(progress.text):]  # the text is cumulative; send what is new
     progress.text = out["text"]
+    if call.echo is not None and progress.first:
+        delta = call.echo[choice["index"] // call.n] + delta
     if not call.chat:
         choice["text"] = delta
     elif not chunk:
@@ -117,7 +124,7 @@ def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> d
     choices = [_choice(call, out, ChoiceProgress(), chunk=False) for out in outs]
     metas = [out["meta_info"] for out in outs]
     return {**_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False), "choices": choices,
-            "usage": _usage(metas)}
+            "usage": _usage(metas, call.n)}
 
 
 async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None],
@@ -143,7 +150,7 @@ async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any]
         else:
             if call.include_usage and chunk_id is not None:
                 yield sse({**_envelope(call, chunk_id, created, model, chunk=True), "choices": [],
-                           "usage": _usage([last_metas[i] for i in sorted(last_metas)])})
+                           "usage": _usage([last_metas[i] for i in sorted(last_metas)], call.n)})
     yield b"data: [DONE]\n\n"
 
 
@@ -152,7 +159,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     renamed: dict[str, str] = {}
     try:
         body = await read_json_object(request)
-        call = parse_chat(tm, body) if chat else parse_completion(body)
+        call = parse_chat(tm, body) if chat else parse_completion(tm, body)
         renamed = call.renamed
         generate_call = tm.parse_generate(call.generate_body)
     except ValueError as error:
@@ -170,7 +177,7 @@ async def _serve(request: Request, chat: bool) -> Response:
         return error_response(400, str(error), getattr(error, "param", None))
     except ServiceUnavailableError as error:
         return error_response(503, str(error))
-    if len(results) < call.n:  # the client went away; nobody reads this
+    if len(results) < call.choices:  # the client went away; nobody reads this
         return error_response(400, "the client disconnected")
     return JSONResponse(full_response(call, results, model))
 

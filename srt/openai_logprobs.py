@@ -28,8 +28,11 @@ def completion_logprobs(tokens: list[Entry], tops: list[list[Entry] | None] | No
     for text in texts:
         offsets.append(text_offset)
         text_offset += len(text)
-    top_logprobs = []
+    top_logprobs: list[dict[str, Any] | None] = []
     for i, entry in enumerate(tokens):
+        if entry[0] is None:  # an echoed prompt's first token: nothing precedes it (OpenAI's null)
+            top_logprobs.append(None)
+            continue
         ranked = {str(alt[2]): alt[0] for alt in (tops[i] or [])} if tops is not None else {}
         ranked.setdefault(str(entry[2]), entry[0])
         top_logprobs.append(ranked)

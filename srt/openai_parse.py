@@ -1,6 +1,6 @@
 """OpenAI request bodies -> /generate bodies (OpenAICall), validated: bad or unsupported
-parameters raise RequestError naming the OpenAI parameter (see openai_api.py for what is
-supported)."""
+parameters raise RequestError naming the OpenAI parameter. srt/vocabulary.py lists the fields
+(OpenAI's, and SGLang's extensions) and which are implemented."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from srt.generate_parse import RequestError
+from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
-           "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "ignore_eos",
-           "stop_token_ids", "min_tokens"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                         "tool_choice", "parallel_tool_calls"}
+# OpenAI and SGLang names that /generate's sampling_params know by the same name
 _PASSED_THROUGH = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty")
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "stop_regex",
+                   "no_stop_trim", "skip_special_tokens")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# apply_chat_template arguments srt sets itself: chat_template_kwargs may not override them
+_TEMPLATE_ARGS = {"conversation", "add_generation_prompt", "continue_final_message", "tokenize", "tools",
+                  "documents", "return_dict", "return_assistant_tokens_mask"}
 
 
 @dataclass
@@ -36,23 +36,18 @@ class OpenAICall:
     stream: bool
     include_usage: bool
     renamed: dict[str, str]  # /generate parameter -> the OpenAI name the client used
-    n: int = 1
+    n: int = 1  # choices per prompt
     logprobs: bool = False
+    prompts: int = 1  # completions may send a batch of prompts: choice i * n + j is copy j of prompt i
+    echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices start with
 
     @property
     def object_name(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-
-# Parameters accepted only with a value meaning "off" (or null): the feature itself is not implemented.
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",),
-    "response_format": ({"type": "text"},)}
-
-
-def _same(value: Any, off: Any) -> bool:
-    return type(value) is type(off) and value == off  # so that True is not taken for 1
+    @property
+    def choices(self) -> int:
+        return self.prompts * self.n
 
 
 def reject_unknown(body: dict[str, Any], known: set[str]) -> None:
@@ -62,24 +57,35 @@ def reject_unknown(body: dict[str, Any], known: set[str]) -> None:
         raise RequestError(f"unknown parameter(s): {', '.join(unknown)}", unknown[0])
 
 
-def _reject_unsupported(body: dict[str, Any], known: set[str]) -> None:
-    reject_unknown(body, known)
-    for name, value in body.items():
-        if value is not None and name in _OFF_VALUES and not any(_same(value, off) for off in _OFF_VALUES[name]):
-            off_values = " or ".join(repr(off) for off in _OFF_VALUES[name])
-            raise RequestError(f"{name}={value!r} is not supported yet (allowed: {off_values})", name)
+def _check_vocabulary(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
+    try:
+        check_fields(body, vocabulary)
+    except VocabularyError as error:
+        raise RequestError(str(error), error.param) from None
     stream_options = body.get("stream_options")
-    if stream_options is not None and (not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}):
-        raise RequestError("stream_options must be an object with only include_usage", "stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage", "continuous_usage_stats"}:
+            raise RequestError("stream_options must be an object with include_usage (and continuous_usage_stats)",
+                               "stream_options")
+        if stream_options.get("continuous_usage_stats"):
+            raise RequestError("stream_options.continuous_usage_stats=true is not supported by srt",
+                               "stream_options")
 
 
-def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None, n: int) -> dict[str, Any]:
     params = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
     max_tokens = body.get(max_tokens_name)
     params["max_new_tokens"] = default_max if max_tokens is None else max_tokens
     if body.get("min_tokens") is not None:  # vLLM's and SGLang's name for min_new_tokens
         params["min_new_tokens"] = body["min_tokens"]
+    if n > 1:
+        params["n"] = n
     return params
+
+
+def _request_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The /generate fields the OpenAI routes take by the same name (SGLang's extensions)."""
+    return {name: body[name] for name in ("rid", "priority") if body.get(name) is not None}
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -99,9 +105,13 @@ def _is_int(value: Any) -> bool:
 def _n(body: dict[str, Any]) -> int:
     n = body.get("n")
     if n is None:
-        return 1
-    if not _is_int(n) or not 1 <= n <= MAX_N:
+        n = 1
+    elif not _is_int(n) or not 1 <= n <= MAX_N:
         raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != n):
+        raise RequestError(f"best_of must equal n ({n}): srt returns every completion it generates, "
+                           f"got {best_of!r}", "best_of")
     return int(n)
 
 
@@ -127,39 +137,41 @@ def _logprob_fields(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     return {"return_logprob": True, "top_logprobs_num": top, "return_text_in_logprobs": True} if want else {}
 
 
-def _derived_seed(seed: int, i: int) -> int:
-    return seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63
-
-
-def _fan_out(generate_body: dict[str, Any], prompt_key: str, n: int) -> dict[str, Any]:
-    """n > 1: a /generate batch of n copies of the prompt; a given seed yields n derived seeds."""
-    if n == 1:
-        return generate_body
-    params = generate_body["sampling_params"]
-    seed = params.get("seed")
-    return {**generate_body, prompt_key: [generate_body[prompt_key]] * n,
-            "sampling_params": [{**params, "seed": _derived_seed(seed, i)} if _is_int(seed) else params
-                                for i in range(n)]}
-
-
-def parse_completion(body: dict[str, Any]) -> OpenAICall:
-    _reject_unsupported(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _completion_prompts(prompt: Any) -> tuple[str, Any, int]:
+    """(the /generate key, its value, the number of prompts): one string or list of token ids, or
+    a batch of either."""
     if isinstance(prompt, str):
-        key = "text"
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        key = "input_ids"
-    else:
-        raise RequestError("prompt must be a string or a list of token ids (one prompt only)", "prompt")
+        return "text", prompt, 1
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return "input_ids", prompt, 1
+        if all(isinstance(p, str) for p in prompt):
+            return "text", prompt, len(prompt)
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return "input_ids", prompt, len(prompt)
+    raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+
+
+def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
+    _check_vocabulary(body, COMPLETION)
+    key, prompt, prompts = _completion_prompts(body.get("prompt"))
+    batch = isinstance(prompt, list) and (key == "text" or isinstance(prompt[0], list))
     stream, include_usage = _stream_flags(body)
     n, logprobs = _n(body), _logprob_fields(body, chat=False)
-    generate_body = {key: prompt, "stream": stream, **logprobs,
-                     "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)}
-    return OpenAICall(False, _fan_out(generate_body, key, n), stream, include_usage,
-                      {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens",
-                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "logprobs"}, n, bool(logprobs))
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be a boolean, got {echo!r}", "echo")
+    echo_texts: list[str] | None = None
+    if echo:
+        items = prompt if batch else [prompt]
+        echo_texts = [p if isinstance(p, str) else str(tm.tokenizer.decode(p)) for p in items]
+        if logprobs:
+            logprobs["logprob_start_len"] = 0  # the prompt's tokens are scored too
+    generate_body = {key: prompt, "stream": stream, **logprobs, **_request_fields(body),
+                     "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, n)}
+    renamed = {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+               "return_logprob": "logprobs", "top_logprobs_num": "logprobs", "logprob_start_len": "echo"}
+    return OpenAICall(False, generate_body, stream, include_usage, renamed, n, bool(logprobs), prompts, echo_texts)
 
 
 def _message_text(message: Any, i: int) -> dict[str, str]:
@@ -179,14 +191,34 @@ def _message_text(message: Any, i: int) -> dict[str, str]:
     return {"role": message["role"], "content": content}
 
 
+def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) -> dict[str, Any]:
+    """apply_chat_template's arguments for continue_final_message and chat_template_kwargs."""
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = sorted(set(extra) & _TEMPLATE_ARGS)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    continue_final = body.get("continue_final_message") or False
+    if not isinstance(continue_final, bool):
+        raise RequestError(f"continue_final_message must be a boolean, got {continue_final!r}",
+                           "continue_final_message")
+    if continue_final and conversation[-1]["role"] != "assistant":
+        raise RequestError("continue_final_message needs the last message to be the assistant's",
+                           "continue_final_message")
+    # continuing the final message: no generation prompt after it (as SGLang and transformers)
+    return {**extra, "add_generation_prompt": not continue_final, "continue_final_message": continue_final}
+
+
 def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
-    _reject_unsupported(body, CHAT_FIELDS)
+    _check_vocabulary(body, CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     conversation = [_message_text(m, i) for i, m in enumerate(messages)]
+    options = _template_options(body, conversation)
     try:
-        text = tm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tm.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
     except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
         raise RequestError(f"cannot apply the chat template: {error}", "messages") from None
     # The template already wrote the special tokens (BOS included), so do not add them again.
@@ -198,8 +230,9 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stream, include_usage = _stream_flags(body)
     n, logprobs = _n(body), _logprob_fields(body, chat=True)
-    generate_body = {"input_ids": input_ids, "stream": stream, **logprobs,
-                     "sampling_params": _sampling(body, max_name, capacity - len(input_ids))}
-    return OpenAICall(True, _fan_out(generate_body, "input_ids", n), stream, include_usage,
+    generate_body = {"input_ids": input_ids, "stream": stream, **logprobs, **_request_fields(body),
+                     "sampling_params": _sampling(body, max_name, capacity - len(input_ids), n)}
+    return OpenAICall(True, generate_body, stream, include_usage,
                       {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
-                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"}, n, bool(logprobs))
+                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"},
+                      n, bool(logprobs))

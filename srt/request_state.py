@@ -44,6 +44,8 @@ class ReqState:
     streamed_text: int = 0
     sent: TokenizedGenerateReq | None = None  # what went to rank 0 (replayed after a restart)
     replays: int = 0
+    prompt_token_ids: list[int] | None = None  # returned with the output (return_prompt_token_ids)
+    log_metrics: bool = True  # SGLang's log_metrics: false leaves the request out of /metrics
 
     def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
         """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
@@ -55,7 +57,7 @@ class ReqState:
         self.finish_reason = out.finished_reasons[i]
         if self.logprobs is not None and out.output_logprobs:
             self.logprobs.add(out.output_logprobs[i], out.input_logprobs[i])
-        if metrics is not None:
+        if metrics is not None and self.log_metrics:
             self._record_metrics(metrics)
         self.updated = True
         self.wake.set()
@@ -90,6 +92,8 @@ class ReqState:
             self.streamed_ids, self.streamed_text = len(self.output_ids), len(self.text)
         if self.index is not None:
             out["index"] = self.index
+        if self.prompt_token_ids is not None:
+            out["prompt_token_ids"] = self.prompt_token_ids
         return out
 
 

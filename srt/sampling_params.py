@@ -4,12 +4,14 @@ names the parameter; the HTTP layer turns it into a 400)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-_FIELDS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-           "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed")
+from srt.vocabulary import SAMPLING, check_fields
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
 def _is_int(value: Any) -> bool:
@@ -33,25 +35,36 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a token of the prompt or output: logit / p if > 0, else x p (> 0, <= 2)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)  # a match in the output text ends the request
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # SGLang's sampling_seed
+    skip_special_tokens: bool = True  # the text leaves special tokens out
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # the text keeps the stop string or stop token that ended the request
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _token_keys(self.logit_bias)
         self.validate()
 
     @classmethod
     def from_dict(cls, raw: Any) -> SamplingParams:
+        """From SGLang's sampling_params object (`n` is the caller's: it fans a request out)."""
         if raw is None:
             return cls()
         if not isinstance(raw, dict):
             raise ValueError("sampling_params must be a JSON object")
-        unknown = sorted(set(raw) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"sampling_params: unknown parameter(s) {', '.join(unknown)}")
-        values = {k: v for k, v in raw.items() if v is not None}
-        return cls(**values)
+        check_fields(raw, SAMPLING)
+        values = {k: v for k, v in raw.items() if v is not None and k != "n" and SAMPLING[k].kind == "implemented"}
+        seed, sampling_seed = values.pop("seed", None), values.pop("sampling_seed", None)
+        if seed is not None and sampling_seed is not None and seed != sampling_seed:
+            raise ValueError(f"sampling_seed ({sampling_seed!r}) and seed ({seed!r}) differ: give one")
+        return cls(**values, seed=sampling_seed if sampling_seed is not None else seed)
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -81,10 +94,27 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise ValueError("stop_regex must be a non-empty string or a list of them")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except (re.error, RecursionError) as error:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {error}") from None
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"logit_bias keys must be token ids in {bound}, got {token!r}")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias!r} for token {token}")
 
     def banned_ids(self, generated: int, eos_token_ids: Collection[int]) -> list[int]:
         """The ids the next token may not be, `generated` tokens in: before min_new_tokens, the
@@ -92,6 +122,18 @@ class SamplingParams:
         if generated >= self.min_new_tokens:
             return []
         return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids)))
+
+    @property
+    def stop_regex_window(self) -> int | None:
+        """Output tokens whose text holds any match of the stop regexes that ends at the last token
+        (as stop strings: a token is at least one character); None when a pattern is unbounded."""
+        widest = 0
+        for pattern in self.stop_regex:
+            width = _max_width(pattern)
+            if width is None:
+                return None
+            widest = max(widest, width)
+        return widest + 2
 
     @property
     def penalties(self) -> tuple[float, float, float] | None:
@@ -103,3 +145,23 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _token_keys(bias: dict[Any, Any]) -> dict[Any, Any]:
+    """JSON object keys are strings: OpenAI's and SGLang's logit_bias keys are token ids as strings."""
+    out: dict[Any, Any] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        out[key] = value
+    return out
+
+
+def _max_width(pattern: str) -> int | None:
+    """The most characters a match of `pattern` can span; None when unbounded."""
+    try:
+        import re._parser as sre_parse
+    except ImportError:  # Python 3.10
+        import sre_parse
+    width = sre_parse.parse(pattern).getwidth()[1]
+    return None if width >= sre_parse.MAXREPEAT else int(width)

@@ -17,6 +17,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
 
 
@@ -35,6 +36,8 @@ class ServerArgs:
     port: int = 30000
     tp_size: int = 1
     pp_size: int = 1
+    dp_size: int = 1  # replicas of the TP x PP group on this node, behind SGLang's router (launcher/data_parallel.py)
+    router_policy: str = "cache_aware"  # with --dp-size > 1
     pp_micro_batches: int | None = None  # batches in flight with --pp-size > 1 (None: pp_size)
     nnodes: int = 1
     node_rank: int = 0
@@ -47,6 +50,8 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     page_size: int = 1
     schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False  # requests' `priority` orders the waiting queue
+    schedule_low_priority_values_first: bool = False  # with it, smaller priority values go first
     disable_radix_cache: bool = False
     random_seed: int = 0
     context_length: int | None = None
@@ -76,7 +81,7 @@ class ServerArgs:
             if value is None or value <= 0:
                 raise ValueError(f"--{flag} must be positive, got {value}")
 
-        for flag in ("tp_size", "pp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
+        for flag in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
         for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches"):
@@ -97,6 +102,9 @@ class ServerArgs:
         if (self.tp_size * self.pp_size) % self.nnodes != 0:
             raise ValueError(f"--tp-size x --pp-size ({self.tp_size} x {self.pp_size}) is not divisible by "
                              f"--nnodes {self.nnodes}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("--dp-size runs its replicas on this node; across machines start launch_server on each "
+                             "host and sglang-router with --worker-urls (README, Data parallelism)")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
         if not 0 < self.port < 65536:
@@ -104,7 +112,8 @@ class ServerArgs:
         for flag, value, allowed in (("dtype", self.dtype, DTYPES), ("device", self.device, DEVICES),
                                      ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
                                      ("log-level", self.log_level, LOG_LEVELS),
-                                     ("attention-backend", self.attention_backend, ATTENTION_BACKENDS)):
+                                     ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+                                     ("router-policy", self.router_policy, ROUTER_POLICIES)):
             if value not in allowed:
                 raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
         if self.quantization is not None:
@@ -132,6 +141,25 @@ class ServerArgs:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_cli(self, **overrides: Any) -> list[str]:
+        """The flags that give this configuration (with `overrides`) to another launch_server:
+        every field that differs from its default."""
+        values = {**self.to_dict(), **overrides}
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = values[f.name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if value == default or value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                if not value:
+                    raise ValueError(f"{flag} cannot be turned off on the command line")
+                argv.append(flag)
+            else:
+                argv += [flag, str(value)]
+        return argv
+
     # ---- CLI ----
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +179,11 @@ class ServerArgs:
         a("--port", type=int, default=d["port"].default)
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
         a("--pp-size", "--pp", dest="pp_size", type=int, default=1)
+        a("--dp-size", "--dp", dest="dp_size", type=int, default=1,
+          help="independent replicas of the TP x PP group on this node, the cores divided between them, behind "
+               "SGLang's router on --port (needs the router extra: pip install -e '.[router]')")
+        a("--router-policy", default=d["router_policy"].default, choices=ROUTER_POLICIES,
+          help="sglang-router's policy with --dp-size > 1")
         a("--pp-micro-batches", type=int, default=None,
           help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)")
         a("--nnodes", type=int, default=1)
@@ -164,6 +197,11 @@ class ServerArgs:
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
         a("--page-size", type=int, default=d["page_size"].default)
         a("--schedule-policy", default=d["schedule_policy"].default, choices=SCHEDULE_POLICIES)
+        a("--enable-priority-scheduling", action="store_true",
+          help="order the waiting queue by each request's `priority` (larger first; requests without one last), "
+               "then by --schedule-policy; without it a request that sets priority gets a 400")
+        a("--schedule-low-priority-values-first", action="store_true",
+          help="with --enable-priority-scheduling: smaller priority values go first")
         a("--disable-radix-cache", action="store_true")
         a("--random-seed", type=int, default=d["random_seed"].default)
         a("--context-length", type=int, default=None)

@@ -31,7 +31,7 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from srt.generate_parse import GenerateCall, GenerateParser, RequestError
-from srt.io_struct import AbortReq, BatchStrOut, ControlReply, FlushCacheReq, GetInternalStateReq
+from srt.io_struct import AbortReq, BatchStrOut, ControlReply, FlushCacheReq, GetInternalStateReq, GetLoadReq
 from srt.logprob_meta import LogprobMeta
 from srt.metrics import FrontendMetrics, metrics_dir
 from srt.recovery import FrontendRecovery
@@ -59,7 +59,7 @@ class TokenizerManager(FrontendRecovery):
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
         self.parser = GenerateParser(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens,
-                                     self._seed)
+                                     self._seed, server_args.enable_priority_scheduling)
         self.metrics = FrontendMetrics(metrics_dir(port_args)) if server_args.enable_metrics else None
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
@@ -198,7 +198,9 @@ class TokenizerManager(FrontendRecovery):
         decode = self.decode_tokens if call.return_text_in_logprobs else None
         states = [ReqState(req.rid, len(req.input_ids), wake, i if call.is_batch else None,
                            LogprobMeta(req.top_logprobs_num, req.logprob_start_len, decode)
-                           if req.return_logprob else None)
+                           if req.return_logprob else None,
+                           prompt_token_ids=list(req.input_ids) if call.return_prompt_token_ids else None,
+                           log_metrics=call.log_metrics)
                   for i, req in enumerate(call.reqs)]
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
@@ -265,6 +267,9 @@ class TokenizerManager(FrontendRecovery):
 
     async def get_internal_state(self, timeout: float = 10.0) -> dict[str, Any]:
         return (await self._control(GetInternalStateReq, timeout)).payload
+
+    async def get_load(self, timeout: float = 10.0) -> dict[str, Any]:
+        return (await self._control(GetLoadReq, timeout)).payload
 
     async def _control(self, make: Callable[[str], Any], timeout: float) -> ControlReply:
         if self.unhealthy is not None:

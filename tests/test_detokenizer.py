@@ -11,7 +11,7 @@ import zmq
 from transformers import AutoTokenizer
 
 from srt.detokenizer import DetokenizerManager, run_detokenizer_process, stop_holdback_start
-from srt.io_struct import BatchStrOut, BatchTokenIDOut, ControlReply, FinishReason, ResumeState
+from srt.io_struct import BatchStrOut, BatchTokenIDOut, ControlReply, DecodeSpec, FinishReason, ResumeState
 from srt.server_args import PortArgs, ServerArgs
 
 MULTIBYTE = "Hello 😀👍🏽 世界，你好！ naïve café — ∑ 🇫🇷 done."
@@ -25,7 +25,8 @@ def tokenizer(smollm2_dir: Path) -> object:
 def step(rid: str, ids: list[int], finished: FinishReason | None = None,
          stop: list[str] | None = None, done: int = 0) -> BatchTokenIDOut:
     return BatchTokenIDOut(rids=[rid], new_token_ids=[ids], finished_reasons=[finished], prompt_tokens=[5],
-                           completion_tokens=[done + len(ids)], cached_tokens=[0], stop_strings=[stop or []])
+                           completion_tokens=[done + len(ids)], cached_tokens=[0],
+                           decode_specs=[DecodeSpec(tuple(stop or ()))])
 
 
 def stream(manager: DetokenizerManager, rid: str, ids: list[int], chunk: int = 1,

@@ -32,6 +32,7 @@ from srt.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     ControlReply,
+    DecodeSpec,
     FinishReason,
     FlushCacheReq,
     GetInternalStateReq,
@@ -88,7 +89,7 @@ class FakeBackend(threading.Thread):
     def send_tokens(self, push: zmq.Socket, req: TokenizedGenerateReq, ids: list[int],
                     finished: FinishReason | None, done: int) -> None:
         out = BatchTokenIDOut([req.rid], [ids], [finished], [len(req.input_ids)], [done], [0],
-                              [req.sampling_params.stop])
+                              [DecodeSpec.of(req.sampling_params)])
         push.send_pyobj(self.detokenizer.handle_batch_token_id_out(out))
 
     def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
@@ -209,9 +210,19 @@ BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
     ("null stop_token_id", {"text": "hi", "sampling_params": {"stop_token_ids": [None]}}, "stop_token_ids", "None"),
     ("stop_token_id over vocab", {"text": "hi", "sampling_params": {"stop_token_ids": [VOCAB_SIZE]}},
      "stop_token_ids", str(VOCAB_SIZE)),
-    ("unknown sampling param", {"text": "hi", "sampling_params": {"temprature": 1}}, "sampling_params",
-     "temprature"),
-    ("unknown field", {"text": "hi", "return_hidden_states": True}, "return_hidden_states", "return_hidden_states"),
+    ("unknown sampling param", {"text": "hi", "sampling_params": {"temprature": 1}}, "temprature", "unknown"),
+    ("unknown field", {"text": "hi", "return_hiden_states": False}, "return_hiden_states", "unknown"),
+    ("unsupported field", {"text": "hi", "return_hidden_states": True}, "return_hidden_states", "not supported"),
+    ("unsupported sampling param", {"text": "hi", "sampling_params": {"json_schema": "{}"}}, "json_schema",
+     "not supported"),
+    ("bad stop_regex", {"text": "hi", "sampling_params": {"stop_regex": "a("}}, "stop_regex", "regular expression"),
+    ("logit_bias key", {"text": "hi", "sampling_params": {"logit_bias": {"x": 1}}}, "logit_bias", "token ids"),
+    ("logit_bias value", {"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias", "101"),
+    ("n zero", {"text": "hi", "sampling_params": {"n": 0}}, "n", "[1, 128]"),
+    ("n differs in batch", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "n", "same"),
+    ("seeds differ", {"text": "hi", "sampling_params": {"seed": 1, "sampling_seed": 2}}, "sampling_seed", "differ"),
+    ("priority without the flag", {"text": "hi", "priority": 3}, "priority", "--enable-priority-scheduling"),
+    ("log_metrics not bool", {"text": "hi", "log_metrics": 1}, "log_metrics", "boolean"),
     ("stream not bool", {"text": "hi", "stream": "yes"}, "stream", "stream"),
     ("rid not string", {"text": "hi", "rid": 5}, "rid", "rid"),
     ("batch rid count", {"text": ["a", "b"], "rid": ["x"]}, "rid", "rid"),

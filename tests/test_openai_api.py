@@ -125,6 +125,11 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),  # the last message is the user's
+    ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs"),
 ])
 def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any],
                                                    param: str) -> None:
@@ -139,7 +144,8 @@ def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: op
     cases: list[tuple[dict[str, Any], str]] = [
         ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
         ({"prompt": PROMPT, "logprobs": -1}, "logprobs"), ({"prompt": PROMPT, "n": 500}, "n"),
-        ({"prompt": PROMPT, "echo": True}, "echo"), ({"prompt": PROMPT, "extra_body": {"bogus": 1}}, "bogus")]
+        ({"prompt": PROMPT, "suffix": "and"}, "suffix"), ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+        ({"prompt": PROMPT, "extra_body": {"bogus": 1}}, "bogus")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="m", max_tokens=2, **kwargs)

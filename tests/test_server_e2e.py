@@ -237,3 +237,12 @@ def test_smollm2_server_matches_offline_engine(smollm2_dir: Path) -> None:
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert stopped["text"] == full[:full.index(stop)]
     assert not psutil.pid_exists(server.proc.pid) or psutil.Process(server.proc.pid).status() == "zombie"
+
+
+def test_a_text_the_model_cannot_embed_is_a_400(tp2_server: Server) -> None:
+    """The tiny model's 320-token vocabulary is smaller than its tokenizer's: ids past it would
+    crash a rank's embedding, so the front end refuses them and the server keeps serving."""
+    r = tp2_server.generate({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+    assert "vocabulary" in r.json()["error"]["message"]
+    assert tp2_server.generate(greedy_payload([5, 6, 7])).status_code == 200
