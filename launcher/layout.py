@@ -13,9 +13,12 @@ device count.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from launcher.net import free_port
 
 INPUT_WORLD_RANK = 0  # owns the front end's ZMQ socket and broadcasts what it receives
 
@@ -71,7 +74,9 @@ class RankInfo:
 
     @property
     def suffix(self) -> str:
-        return f"PP{self.pp_rank}_TP{self.tp_rank}" if self.pp_size > 1 else f"TP{self.tp_rank}"
+        ranks = f"PP{self.pp_rank}_TP{self.tp_rank}" if self.pp_size > 1 else f"TP{self.tp_rank}"
+        replica = dp_rank_label()
+        return f"{replica}_{ranks}" if replica else ranks
 
     @property
     def title(self) -> str:
@@ -82,6 +87,15 @@ class RankInfo:
     def name(self) -> str:
         """How log and error messages name this rank."""
         return f"scheduler {self.suffix.replace('_', ' ')}"
+
+
+DP_RANK_ENV = "SRT_DP_RANK"  # set by --dp-size's controller in each replica's environment (launcher/data_parallel.py)
+
+
+def dp_rank_label() -> str:
+    """"DP1" in replica 1 of a --dp-size server (its process titles and log labels say so), else ""."""
+    rank = os.environ.get(DP_RANK_ENV, "")
+    return f"DP{rank}" if rank.isdigit() else ""
 
 
 def node_of_world_rank(world_rank: int, world_size: int, nnodes: int) -> int:
@@ -116,8 +130,6 @@ def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1) -> str:
     if dist_init_addr is None or dist_init_addr == "":
         if nnodes > 1:
             raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
-        from srt.engine import free_port  # lazy: srt.engine imports torch
-
         return f"tcp://127.0.0.1:{free_port()}"
     if dist_init_addr == "env://" or dist_init_addr.startswith("tcp://"):
         return dist_init_addr

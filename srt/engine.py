@@ -11,7 +11,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -20,11 +19,12 @@ from typing import Any
 
 import torch
 
+from launcher.net import free_port  # noqa: F401  (re-exported: scripts and tests take it from here)
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
-from model_executor.sampler import SamplingBatchInfo, apply_penalties, ban_tokens
+from model_executor.sampler import SamplingBatchInfo, apply_logit_bias, apply_penalties, ban_tokens
 from srt.sampling_params import SamplingParams
 
 logger = logging.getLogger("srt.engine")
@@ -121,6 +121,7 @@ def _step(runner: ModelRunner, reqs: list[_Running], mode: ForwardMode, eos: set
         seeds=[r.seed for r in reqs], output_positions=[len(r.output_ids) for r in reqs], device=runner.device)
     penalized = apply_penalties(logits, [r.params.penalties for r in reqs], [r.output_ids for r in reqs],
                                 [r.input_ids for r in reqs])
+    penalized = apply_logit_bias(penalized, [r.params.logit_bias for r in reqs])
     penalized = ban_tokens(penalized, [r.params.banned_ids(len(r.output_ids), eos) for r in reqs])
     next_ids = runner.sample(penalized, info).tolist()
     for r, token in zip(reqs, next_ids):
@@ -135,12 +136,6 @@ def _step(runner: ModelRunner, reqs: list[_Running], mode: ForwardMode, eos: set
             # The last sampled token never entered the pool: free exactly the tokens written.
             runner.allocator.free_slots(req_table[r.row, : r.seq_len - 1])
             runner.req_to_token_pool.free(r.row)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def usable_cpus() -> int:

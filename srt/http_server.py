@@ -15,12 +15,14 @@ finish, for up to --shutdown-timeout seconds; the rest are then failed with a 50
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -35,6 +37,14 @@ logger = logging.getLogger("srt.http_server")
 
 DRAIN_POLL_S = 0.05
 CLOSE_GRACE_S = 5  # after the drain: the longest uvicorn waits for the last responses to be written
+
+
+@functools.cache
+def _model_config(model_dir: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return {}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -145,8 +155,12 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     @app.get("/get_model_info")  # SGLang's older names, still in its docs
     async def model_info() -> Response:
         model_path = tm.model_info["model_path"]
+        config = _model_config(model_path)
         return JSONResponse({"model_path": model_path, "tokenizer_path": tm.tokenizer_path, "is_generation": True,
-                             "served_model_name": tm.server_args.model_name})
+                             "served_model_name": tm.server_args.model_name, "preferred_sampling_params": None,
+                             "weight_version": "default", "has_image_understanding": False,
+                             "has_audio_understanding": False, "model_type": config.get("model_type"),
+                             "architectures": config.get("architectures")})
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -156,6 +170,16 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         except ServiceUnavailableError as error:
             return error_response(503, str(error))
         return JSONResponse({**server_info, "internal_states": [state]})
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """What SGLang's router polls for its load-aware policies: one entry per data-parallel rank
+        (an srt server is one)."""
+        try:
+            load = await tm.get_load()
+        except ServiceUnavailableError as error:
+            return error_response(503, str(error))
+        return JSONResponse([{"dp_rank": 0, **load}])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

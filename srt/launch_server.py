@@ -7,6 +7,9 @@ just supervises them. Before any child starts, every node meets the others at th
 death, or another node going down, takes the node down (launcher.supervisor, launcher.peers);
 with --restart-on-failure a child's death restarts the engine instead (srt/recovery.py).
 
+With --dp-size N > 1 this process is the controller of N such servers (replicas) behind SGLang's
+router instead (launcher/data_parallel.py).
+
 Exit codes: 0 after SIGTERM/SIGINT, 1 when start-up fails or a child dies, 2 for bad arguments.
 A signal while serving starts a graceful shutdown (http_server.DrainingServer): new requests get
 503, the ones in flight finish within --shutdown-timeout or are failed with a 503, and the exit
@@ -31,11 +34,12 @@ from types import FrameType
 from typing import Any
 
 from launcher.child import ChildSpec
-from launcher.fingerprint import launch_fingerprint
+from launcher.fingerprint import code_version, launch_fingerprint
 from launcher.layout import (
     RankInfo,
     RendezvousAddress,
     check_device_count,
+    dp_rank_label,
     local_ranks,
     node_of_world_rank,
     output_world_rank,
@@ -43,6 +47,7 @@ from launcher.layout import (
     resolve_init_method,
 )
 from launcher.log import configure_logging
+from launcher.net import check_port_free
 from launcher.peers import PeerWatch
 from launcher.process import ChildProcess, LaunchError, spawn_child, stop_children, wait_ready
 from launcher.rendezvous import USE_AGENT_STORE, Rendezvous
@@ -79,18 +84,6 @@ class LaunchPlan:
         return Path(self.port_args.tokenizer_ipc.removeprefix("ipc://")).parent
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Bind as uvicorn will (SO_REUSEADDR), so a busy port fails before any model loads."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e} "
-                             f"(is another server running?)") from None
-
-
 def plan_launch(server_args: ServerArgs) -> LaunchPlan:
     """Raises ValueError (naming the flag) for anything the user must fix."""
     if server_args.node_rank == 0:
@@ -122,7 +115,9 @@ def child_specs(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
                        args=(args, plan.port_args, plan.model_dir, rank), log_level=args.log_level)
              for rank in plan.ranks]
     if args.node_rank == 0:
-        specs.append(ChildSpec(name="detokenizer", title="srt::detokenizer", target=detokenizer_target,
+        replica = dp_rank_label()
+        specs.append(ChildSpec(name="detokenizer", title="srt::detokenizer" + (f"_{replica}" if replica else ""),
+                               target=detokenizer_target,
                                args=(args, plan.port_args, plan.tokenizer_path), log_level=args.log_level))
     return specs
 
@@ -280,7 +275,7 @@ def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend) -> i
     args = plan.server_args
     frontend.tm = TokenizerManager(args, plan.port_args, plan.tokenizer_path, model_info)
     server_info = {**args.to_dict(), **model_info, "model_dir": plan.model_dir,
-                   "tokenizer_path": plan.tokenizer_path}
+                   "tokenizer_path": plan.tokenizer_path, "version": code_version()}
     app = create_app(frontend.tm, server_info)
     logger.info("serving on http://%s:%d", args.host, args.port)
     run_http_server(app, args.host, args.port, args.log_level)
@@ -290,11 +285,19 @@ def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend) -> i
 def main(argv: list[str] | None = None) -> int:
     try:
         server_args = ServerArgs.from_cli(argv)
-        configure_logging(server_args.log_level, "main")
-        plan = plan_launch(server_args)
+        replica = dp_rank_label()
+        configure_logging(server_args.log_level, f"main_{replica}" if replica else "main")
+        if server_args.dp_size > 1:
+            from launcher.data_parallel import check_data_parallel, run_data_parallel
+
+            check_data_parallel(server_args)
+        else:
+            plan = plan_launch(server_args)
     except ValueError as e:
         print(f"launch_server: error: {e}", file=sys.stderr)
         return 2
+    if server_args.dp_size > 1:
+        return run_data_parallel(server_args)
     return run(plan)
 
 
