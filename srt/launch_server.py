@@ -47,12 +47,14 @@ from launcher.layout import (
     resolve_init_method,
 )
 from launcher.log import configure_logging
+from launcher.metrics_relay import MetricsRelay, RemoteMetrics
 from launcher.net import check_port_free
 from launcher.peers import PeerWatch
 from launcher.process import ChildProcess, LaunchError, spawn_child, stop_children, wait_ready
 from launcher.rendezvous import USE_AGENT_STORE, Rendezvous
 from launcher.supervisor import Supervisor
 from launcher.teardown import become_subreaper, kill_process_tree
+from srt.metrics import metrics_dir, render_rank_metrics
 from srt.recovery import EngineRestarter
 from srt.server_args import PortArgs, ServerArgs
 
@@ -244,8 +246,12 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
                                 restart=restarter.restart if args.restart_on_failure else None)
         supervisor.start()
         if args.node_rank > 0:
+            if args.enable_metrics:  # node 0's /metrics shows this node's ranks too
+                MetricsRelay(plan.rendezvous, args.node_rank,
+                             lambda: render_rank_metrics(metrics_dir(plan.port_args))).start()
             threading.Event().wait()  # until a signal, or the Supervisor ends the process
-        return serve(plan, merge_model_info(plan, infos), frontend)
+        remote = RemoteMetrics(plan.rendezvous, args.nnodes) if args.enable_metrics and args.nnodes > 1 else None
+        return serve(plan, merge_model_info(plan, infos), frontend, remote)
     except LaunchError as e:
         logger.error("launch failed: %s", e)
         farewell = f"node {args.node_rank} failed to start: {e}"
@@ -268,12 +274,15 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
 
 
-def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend) -> int:
+def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend,
+          remote_metrics: RemoteMetrics | None = None) -> int:
     from srt.http_server import create_app, run_http_server
     from srt.tokenizer_manager import TokenizerManager
 
     args = plan.server_args
     frontend.tm = TokenizerManager(args, plan.port_args, plan.tokenizer_path, model_info)
+    if remote_metrics is not None and frontend.tm.metrics is not None:
+        frontend.tm.metrics.nodes.remote = remote_metrics.texts
     server_info = {**args.to_dict(), **model_info, "model_dir": plan.model_dir,
                    "tokenizer_path": plan.tokenizer_path, "version": code_version()}
     app = create_app(frontend.tm, server_info)

@@ -20,15 +20,25 @@ Two sources, one page:
   by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens served from the prefix cache /
   prompt tokens, since start), `srt:gen_throughput` (tokens/s, at the last decode stats log).
 
-Only the ranks of node 0 write where node 0's /metrics reads.
+Each node's ranks write under that node's ipc directory; the other nodes' launchers publish
+theirs in the rendezvous store (launcher/metrics_relay.py) and node 0's /metrics merges them in,
+so it shows every rank of a multi-node server.
+
+SGLang's names too: the series a router, autoscaler or dashboard made for SGLang reads
+(`sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`, `sglang:num_used_tokens`,
+`sglang:cache_hit_rate`, `sglang:gen_throughput`, `sglang:num_requests_total`, the token counters and
+the three latency histograms, plus `sglang:max_total_num_tokens`) are the srt: series above under
+SGLang's name with SGLang's `model_name` label, copied when /metrics is scraped (SGLANG_MIRRORED).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from srt.server_args import PortArgs
 
@@ -37,6 +47,10 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2
 RECOVERY_BUCKETS = (1, 2, 4, 6, 8, 10, 15, 20, 30, 45, 60, 90, 120, 300)
 E2E_BUCKETS = (0.05, 0.1, 0.2, 0.4, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120, 300, 600)
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # /health_generate's probes are not user traffic
+# srt: series that also appear under SGLang's name (sglang:<name>, with a model_name label)
+SGLANG_MIRRORED = ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage", "cache_hit_rate",
+                   "gen_throughput", "num_requests", "prompt_tokens", "generation_tokens", "cached_tokens",
+                   "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
 
 
 def metrics_dir(port_args: PortArgs) -> Path:
@@ -103,16 +117,79 @@ class RequestTiming:
     completion_tokens: int = 0
 
 
-class FrontendMetrics:
-    """The front end's series, and the rendering of /metrics (its own + the ranks' files)."""
+class SGLangNames:
+    """A collector that yields the SGLANG_MIRRORED families of `source` as sglang:<name>, each
+    sample labelled model_name (SGLang's label), and sglang:max_total_num_tokens."""
+
+    def __init__(self, source: Any, model_name: str, max_total_tokens: int | None) -> None:
+        self.source = source
+        self.model_name = model_name
+        self.max_total_tokens = max_total_tokens
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily, Metric
+
+        wanted = {f"srt:{name}" for name in SGLANG_MIRRORED}
+        for family in self.source.collect():
+            if family.name not in wanted:
+                continue
+            copy = Metric("sglang:" + family.name.removeprefix("srt:"), family.documentation, family.type)
+            for sample in family.samples:
+                copy.add_sample("sglang:" + sample.name.removeprefix("srt:"),
+                                {**sample.labels, "model_name": self.model_name}, sample.value, sample.timestamp)
+            yield copy
+        if self.max_total_tokens is not None:
+            capacity = GaugeMetricFamily("sglang:max_total_num_tokens", "KV cache capacity in tokens",
+                                         labels=["model_name"])
+            capacity.add_metric([self.model_name], self.max_total_tokens)
+            yield capacity
+
+
+def render_rank_metrics(rank_metrics_dir: Path) -> bytes:
+    """This node's ranks' series as Prometheus text (what a node > 0 relays to node 0)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(rank_metrics_dir))
+    return generate_latest(registry)
+
+
+class NodesCollector:
+    """This node's ranks' series (their metric files) merged, family by family, with the texts
+    the other nodes relayed (`remote`, set on node 0 of a multi-node server)."""
 
     def __init__(self, rank_metrics_dir: Path) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        self.dir = rank_metrics_dir
+        self.remote: Callable[[], list[str]] | None = None
+
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.multiprocess import MultiProcessCollector
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {family.name: family for family in MultiProcessCollector(None, path=str(self.dir)).collect()}
+        for text in self.remote() if self.remote is not None else []:
+            for family in text_string_to_metric_families(text):
+                mine = families.setdefault(family.name, family)
+                if mine is not family:
+                    mine.samples.extend(family.samples)
+        yield from families.values()
+
+
+class FrontendMetrics:
+    """The front end's series, and the rendering of /metrics (its own + the ranks' files + both
+    under SGLang's names)."""
+
+    def __init__(self, rank_metrics_dir: Path, model_name: str = "default",
+                 max_total_tokens: int | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
+        self.sglang_registry = CollectorRegistry()
+        self.sglang_registry.register(SGLangNames(self.registry, model_name, max_total_tokens))
         rank_metrics_dir.mkdir(parents=True, exist_ok=True)
-        MultiProcessCollector(self.registry, path=str(rank_metrics_dir))
+        self.nodes = NodesCollector(rank_metrics_dir)  # its `remote` is set on node 0 of several nodes
+        self.registry.register(self.nodes)
         r = self.registry
         self.requests = Counter("srt:num_requests", "Finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("srt:prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -163,4 +240,4 @@ class FrontendMetrics:
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry) + generate_latest(self.sglang_registry), CONTENT_TYPE_LATEST

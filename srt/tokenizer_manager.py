@@ -60,7 +60,8 @@ class TokenizerManager(FrontendRecovery):
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
         self.parser = GenerateParser(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens,
                                      self._seed, server_args.enable_priority_scheduling)
-        self.metrics = FrontendMetrics(metrics_dir(port_args)) if server_args.enable_metrics else None
+        self.metrics = FrontendMetrics(metrics_dir(port_args), server_args.model_name, self.max_total_tokens) \
+            if server_args.enable_metrics else None
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
         self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on

@@ -18,6 +18,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import Server
 
+from srt.metrics import SGLANG_MIRRORED
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 PROMPT = [(11 * i + 5) % 300 + 10 for i in range(24)]
 
@@ -105,6 +107,23 @@ def test_gauges_follow_a_running_request(server: Server) -> None:
     after = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0)
     assert value(after, "srt:num_requests_total", finish_reason="abort") == \
         value(before, "srt:num_requests_total", finish_reason="abort") + 1
+
+
+def test_the_series_under_sglangs_names(server: Server, long_context_llama: Path) -> None:
+    """What a router, autoscaler or dashboard built for SGLang reads: the same values under
+    sglang:<name>, labelled with the model's name as SGLang labels them."""
+    generate(server, PROMPT)
+    samples = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0)
+    model = str(long_context_llama)  # --model-path as given names the model (no --served-model-name)
+    mirrored = [(name, labels) for name, labels in samples if name.startswith("srt:")
+                and name.removeprefix("srt:").removesuffix("_total").removesuffix("_count").removesuffix("_sum")
+                .removesuffix("_bucket").removesuffix("_created") in SGLANG_MIRRORED]
+    assert len({name for name, _ in mirrored}) >= 20
+    for name, labels in mirrored:
+        twin = value(samples, "sglang:" + name.removeprefix("srt:"), **dict(labels), model_name=model)
+        assert twin == samples[(name, labels)], name
+    assert value(samples, "sglang:num_requests_total", finish_reason="length", model_name=model) > 0
+    assert value(samples, "sglang:max_total_num_tokens", model_name=model) == 4096
 
 
 LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (main|scheduler_TP\d+|detokenizer)\] [A-Z]+ ")

@@ -464,3 +464,27 @@ def test_killing_node_0_makes_node_1_exit(nodes: list[Node], tmp_path: Path, lon
         assert time.monotonic() - start < 20
         assert "node 0 is gone (its rendezvous at MASTER_ADDR:MASTER_PORT 127.0.0.1:" in node1.output()
         assert_gone(node1_tree)
+
+
+@pytest.mark.timeout(300)
+def test_node_0_metrics_show_the_ranks_of_every_node(nodes: list[Node], tmp_path: Path, long_context_llama: Path,
+                                                     smollm2_dir: Path) -> None:
+    """TP=2 over two nodes with --enable-metrics: rank 1 runs on node 1, and node 0's /metrics
+    has its series (relayed through the rendezvous store), stepping with rank 0's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, _ = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir,
+                                layout=("--tp", "2", "--enable-metrics"))
+    with server:
+        assert greedy_outputs(server)
+
+        def steps() -> dict[str, float]:
+            text = requests.get(server.url + "/metrics", timeout=10).text
+            return {s.labels["rank"]: s.value for f in text_string_to_metric_families(text)
+                    for s in f.samples if s.name == "srt:forward_steps_total"}
+
+        deadline = time.monotonic() + 20
+        while (found := steps()).get("1", 0) != found.get("0", -1) or not found.get("0"):
+            assert time.monotonic() < deadline, found  # the relay publishes every second
+            time.sleep(0.3)
+        assert set(found) == {"0", "1"} and found["0"] > 0
