@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,14 +15,10 @@ from pathlib import Path
 import psutil
 from bench_clients import HTTP_ERRORS, http_call
 
+from launcher.net import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SHOWN_LOG_CHARS = 3000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SrtServer:
