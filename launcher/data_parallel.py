@@ -45,12 +45,19 @@ from launcher.teardown import become_subreaper, kill_process_tree, set_parent_de
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
+SECRET_ENV = {"api_key": "SRT_API_KEY", "admin_api_key": "SRT_ADMIN_API_KEY"}  # as srt.server_args reads them
+
 logger = logging.getLogger("srt.data_parallel")
 
 REPLICA_RESTARTS = 3
 REPLICA_RESTART_WINDOW_S = 300.0
 POLL_S = 0.5
 ROUTER_HEALTH_INTERVAL_S = 2  # how soon the router takes a dead replica out of rotation
+# A dying replica answers 503 at once, and cache_aware keeps choosing it for the same prefix: the router's
+# retries (five within a second by default) would all land there before the health check catches up.
+# Two failures open the replica's circuit so the retries go to the others; it is tried again after a while.
+ROUTER_CIRCUIT_FAILURES = 2
+ROUTER_CIRCUIT_RETRY_S = 10
 ROUTER_EXTRA = 'pip install -e ".[router]"'  # or: pip install sglang-router==0.3.2
 
 
@@ -82,6 +89,7 @@ class Replica:
     cpus: list[int]
     argv: list[str]
     proc: subprocess.Popen[bytes] | None = None
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)  # API keys, through the environment
     restarts: list[float] = field(default_factory=list)  # monotonic times of the restarts so far
     down: bool = False  # out of restarts: left down
 
@@ -100,7 +108,7 @@ class Replica:
             set_parent_death_signal(signal.SIGKILL)  # the controller gone: the replica goes too
             os.sched_setaffinity(0, cpus)
 
-        env = {**os.environ, DP_RANK_ENV: str(self.rank)}
+        env = {**os.environ, **self.secrets, DP_RANK_ENV: str(self.rank)}
         self.proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", *self.argv], env=env,
                                      preexec_fn=in_child)
 
@@ -121,7 +129,8 @@ class DataParallelController:
             # the host's memory is shared too: each replica sizes its KV cache from its share
             argv = args.to_cli(dp_size=1, host="127.0.0.1", port=port,
                                mem_fraction_static=args.mem_fraction_static / args.dp_size)
-            self.replicas.append(Replica(rank, port, cpus, argv))
+            secrets = {env: getattr(args, name) for name, env in SECRET_ENV.items() if getattr(args, name)}
+            self.replicas.append(Replica(rank, port, cpus, argv, secrets=secrets))
         self.router: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
 
@@ -157,8 +166,12 @@ class DataParallelController:
                 "--worker-urls", *(r.url for r in self.replicas), "--policy", args.router_policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S), "--health-failure-threshold", "1",
+                "--cb-failure-threshold", str(ROUTER_CIRCUIT_FAILURES),
+                "--cb-timeout-duration-secs", str(ROUTER_CIRCUIT_RETRY_S),
                 "--shutdown-grace-period-secs", str(int(args.shutdown_timeout) + 1),
                 "--log-level", "debug" if args.log_level == "debug" else "warn"]
+        if args.api_key:  # clients give the router the key, and the router gives it to the replicas
+            argv += ["--api-key", args.api_key]
         self.router = subprocess.Popen(argv, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
         deadline = time.monotonic() + 60
         while True:

@@ -135,6 +135,11 @@ class Scheduler(BatchSelection):
                   logprob_start_len=msg.logprob_start_len, priority=msg.priority)
         if req.remaining_new_tokens == 0 and not req.prompt_logprob_positions:
             self._finish(req, FinishReason("length"))
+        elif self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
+            # the waiting queue is the same on every rank, so every rank refuses the same request
+            self._finish(req, FinishReason("abort", status_code=503, message=(
+                f"{len(self.waiting)} requests are waiting already (--max-queued-requests "
+                f"{self.args.max_queued_requests}); retry later")))
         elif req.seq_len + 1 > self.kv.max_total_tokens:
             self._finish(req, FinishReason("abort", message=(
                 f"prompt of {req.seq_len} tokens cannot fit in the KV cache "

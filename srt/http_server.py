@@ -20,7 +20,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from types import FrameType
@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from srt.guard import BodyTooLarge, RequestGuard, too_large_body
 from srt.tokenizer_manager import SHUTTING_DOWN, RequestError, ServiceUnavailableError, TokenizerManager
 
 logger = logging.getLogger("srt.http_server")
@@ -58,6 +59,44 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells the client to wait
+
+
+def queue_refusal(out: dict[str, Any]) -> str | None:
+    """The message of an output the scheduler refused because its waiting queue was full."""
+    finish = out["meta_info"]["finish_reason"]
+    if finish is not None and finish.get("type") == "abort" and finish.get("status_code") == 503:
+        return str(finish.get("message", "the server is busy"))
+    return None
+
+
+def busy_response(message: str, body: Callable[[int, str], dict[str, Any]] = error_body) -> JSONResponse:
+    return JSONResponse(body(503, message), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def peek_refusal(outputs: AsyncGenerator[dict[str, Any], None]
+                       ) -> tuple[AsyncGenerator[dict[str, Any], None], str | None]:
+    """For a stream under --max-queued-requests: wait for its first output, so that a request the
+    queue refused gets a real 503 instead of a 200 stream with an error event. Returns the outputs
+    again (the first one included) and the refusal, if any."""
+    try:
+        first = await outputs.__anext__()
+    except StopAsyncIteration:
+        first = None
+    refusal = queue_refusal(first) if first is not None else None
+    if refusal is not None:
+        await outputs.aclose()  # aborts what else the call sent (other choices)
+
+    async def again() -> AsyncGenerator[dict[str, Any], None]:
+        async with aclosing(outputs):
+            if first is not None:
+                yield first
+            async for out in outputs:
+                yield out
+
+    return again(), refusal
 
 
 def bad_request(error: ValueError) -> JSONResponse:
@@ -111,6 +150,14 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
 
     app = FastAPI(title="srt", lifespan=lifespan)
     app.state.tokenizer_manager = tm  # for run_http_server's drain and the OpenAI routes
+    args = tm.server_args
+    app.add_middleware(RequestGuard, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                       max_body_bytes=args.max_request_bytes)
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, error: BodyTooLarge) -> Response:
+        return JSONResponse(too_large_body(error.cap), status_code=413)
+
     app.include_router(openai_router)
     app.include_router(tokenize_router)
 
@@ -124,6 +171,10 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
             return error_response(503, str(error))
         outputs = tm.generate(call, request, incremental=tm.server_args.incremental_streaming_output)
         if call.stream:
+            if tm.server_args.max_queued_requests is not None and not call.is_batch:
+                outputs, refusal = await peek_refusal(outputs)
+                if refusal is not None:
+                    return busy_response(refusal)
             return StreamingResponse(sse_stream(outputs), media_type="text/event-stream")
         try:
             results = [out async for out in outputs]
@@ -133,6 +184,9 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
             return error_response(503, str(error))
         if len(results) < len(call.reqs):  # the client went away; nobody reads this
             return error_response(400, "the client disconnected")
+        refusal = queue_refusal(results[0]) if not call.is_batch else None
+        if refusal is not None:  # a batch's refused items keep their abort finish reasons instead
+            return busy_response(refusal)
         if not call.is_batch:
             return JSONResponse(results[0])
         return JSONResponse(sorted(results, key=lambda out: out["index"]))

@@ -84,6 +84,7 @@ class FinishReason:
     matched: int | str | None = None  # the stop token id, stop string or stop regex that ended the request
     message: str | None = None  # why an abort happened
     regex: bool = False  # `matched` is a stop_regex pattern (its match is found again in the text)
+    status_code: int | None = None  # an abort the client should see as this HTTP status (503: queue full)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
@@ -91,6 +92,8 @@ class FinishReason:
             out["matched"] = self.matched
         if self.message is not None:
             out["message"] = self.message
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
         return out
 
 

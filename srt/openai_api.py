@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.http_server import read_json_object, sse
+from srt.http_server import busy_response, peek_refusal, queue_refusal, read_json_object, sse
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
 from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
@@ -170,6 +170,10 @@ async def _serve(request: Request, chat: bool) -> Response:
     outputs = tm.generate(generate_call, request)
     model = _model_name(tm)
     if call.stream:
+        if tm.server_args.max_queued_requests is not None:
+            outputs, refusal = await peek_refusal(outputs)
+            if refusal is not None:
+                return busy_response(refusal, error_body)
         return StreamingResponse(stream_chunks(call, outputs, model), media_type="text/event-stream")
     try:
         results = [out async for out in outputs]
@@ -179,6 +183,9 @@ async def _serve(request: Request, chat: bool) -> Response:
         return error_response(503, str(error))
     if len(results) < call.choices:  # the client went away; nobody reads this
         return error_response(400, "the client disconnected")
+    refusals = [r for r in map(queue_refusal, results) if r is not None]
+    if refusals:  # one response for all the choices: none can be given
+        return busy_response(refusals[0], error_body)
     return JSONResponse(full_response(call, results, model))
 
 

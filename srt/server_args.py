@@ -21,6 +21,9 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sg
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
 
 
+SECRET_ENV = {"api_key": "SRT_API_KEY", "admin_api_key": "SRT_ADMIN_API_KEY"}  # field -> environment variable
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -70,6 +73,13 @@ class ServerArgs:
     decode_log_interval: int = 40
     restart_on_failure: int = 0  # engine restarts allowed within restart_window (srt/recovery.py)
     restart_window: float = 300.0
+    # Secrets (srt/guard.py): never in to_dict (/server_info) nor to_cli; a --dp-size replica gets
+    # them through its environment (SECRET_ENV), not its command line, which `ps` shows.
+    api_key: str | None = field(default_factory=lambda: os.environ.get("SRT_API_KEY") or None, repr=False)
+    admin_api_key: str | None = field(default_factory=lambda: os.environ.get("SRT_ADMIN_API_KEY") or None,
+                                      repr=False)
+    max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503 (SGLang's flag)
+    max_request_bytes: int = 64 * 2**20  # a larger request body is a 413
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,7 +94,8 @@ class ServerArgs:
         for flag in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches"):
+        for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches",
+                     "max_queued_requests", "max_request_bytes"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
@@ -139,14 +150,21 @@ class ServerArgs:
         return self.served_model_name or self.model_path or DEFAULT_MODEL_NAME
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, the secrets masked (this is what /server_info shows)."""
+        values = dataclasses.asdict(self)
+        for name in SECRET_ENV:
+            if values[name] is not None:
+                values[name] = "<set>"
+        return values
 
     def to_cli(self, **overrides: Any) -> list[str]:
         """The flags that give this configuration (with `overrides`) to another launch_server:
         every field that differs from its default."""
-        values = {**self.to_dict(), **overrides}
+        values = {**dataclasses.asdict(self), **overrides}
         argv: list[str] = []
         for f in dataclasses.fields(self):
+            if f.name in SECRET_ENV:
+                continue
             value = values[f.name]
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if value == default or value is None:
@@ -225,6 +243,14 @@ class ServerArgs:
                "up to this many times within --restart-window (0: the server goes down)")
         a("--restart-window", type=float, default=d["restart_window"].default,
           help="seconds over which --restart-on-failure counts restarts")
+        a("--api-key", default=None,
+          help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' (or SRT_API_KEY)")
+        a("--admin-api-key", default=None,
+          help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)")
+        a("--max-queued-requests", type=int, default=None,
+          help="a request that finds this many waiting gets 503 with Retry-After at once")
+        a("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
+          help="a request body over this many bytes gets 413")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:

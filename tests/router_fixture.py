@@ -18,16 +18,18 @@ from srt.engine import free_port
 
 
 class Router:
-    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", startup_timeout: float = 90.0) -> None:
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", startup_timeout: float = 90.0,
+                 api_key: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"sglang-router-{self.port}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
              "--prometheus-port", str(free_port()), "--health-check-interval-secs", "1",
-             "--health-failure-threshold", "1", "--log-level", "warn"],
+             "--health-failure-threshold", "1", "--log-level", "warn", *(["--api-key", api_key] if api_key else [])],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
@@ -41,7 +43,7 @@ class Router:
 
     def healthy_workers(self) -> list[str]:
         try:
-            workers = requests.get(self.url + "/workers", timeout=5).json()["workers"]
+            workers = requests.get(self.url + "/workers", headers=self.headers, timeout=5).json()["workers"]
         except (requests.RequestException, ValueError, KeyError):
             return []
         return sorted(w["url"] for w in workers if w.get("is_healthy"))

@@ -33,6 +33,7 @@ pytest.importorskip("sglang_router", reason="the test extra installs sglang-rout
 
 LONG_TEXT = " ".join(f"Paragraph {i} of the shared context talks about topic {i * 7 % 13}." for i in range(40))
 MESSAGES = [{"role": "user", "content": "Say something about the weather."}]
+DP_KEY = "sk-dp-test-5555"
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +211,16 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
     log = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"srt-dp-{port}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--dp-size", "2", "--port", str(port),
-                                 *replica_args(model_dir, smollm2_dir)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                 "--api-key", DP_KEY, *replica_args(model_dir, smollm2_dir)], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    auth = {"Authorization": f"Bearer {DP_KEY}"}
     try:
         deadline = time.monotonic() + 240
         while True:
             assert proc.poll() is None, log.read_text()[-3000:]
             try:
-                if requests.get(url + "/readiness", timeout=2).ok and len(
-                        [w for w in requests.get(url + "/workers", timeout=5).json()["workers"] if w["is_healthy"]]) == 2:
+                workers = requests.get(url + "/workers", headers=auth, timeout=5).json()["workers"]
+                if requests.get(url + "/readiness", timeout=2).ok and len([w for w in workers if w["is_healthy"]]) == 2:
                     break
             except (requests.RequestException, ValueError):
                 pass
@@ -228,11 +231,15 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
                 "sglang::router"} <= set(mine), mine
         body = {"text": "The weather today is", "sampling_params": greedy()}
         expected = requests.post(replicas[0].url + "/generate", json=body, timeout=60).json()["output_ids"]
-        assert requests.post(url + "/generate", json=body, timeout=60).json()["output_ids"] == expected
+        assert requests.post(url + "/generate", json=body, timeout=60).status_code == 401  # the key reached the router
+        assert requests.post(url + "/generate", json=body, headers=auth, timeout=60).json()["output_ids"] == expected
+        replica_cmds = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()
+                        if "srt.launch_server" in " ".join(c.cmdline())]
+        assert len(replica_cmds) == 2 and not any(DP_KEY in c for c in replica_cmds)  # the key goes by environment
         # a lost replica is named and started again; the other serves meanwhile
         os.kill(mine["srt::scheduler_DP1_TP0"], signal.SIGKILL)
         for _ in range(4):
-            assert requests.post(url + "/generate", json=body, timeout=60).status_code == 200
+            assert requests.post(url + "/generate", json=body, headers=auth, timeout=60).status_code == 200
         deadline = time.monotonic() + 180
         while "replica DP1" not in log.read_text() or "starting it again" not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()[-3000:]
