@@ -365,9 +365,12 @@ def test_client_disconnect_aborts(server: Server) -> None:
 def test_info_control_and_health_routes(server: Server) -> None:
     assert requests.get(server.url + "/health", timeout=10).json() == {}
     assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
-    assert requests.get(server.url + "/model_info", timeout=10).json() == {
+    model_info = requests.get(server.url + "/model_info", timeout=10).json()
+    assert {k: model_info[k] for k in ("model_path", "tokenizer_path", "is_generation", "served_model_name")} == {
         "model_path": "/models/fake", "tokenizer_path": server.tm.tokenizer_path, "is_generation": True,
         "served_model_name": "SmolLM2-135M-Instruct"}  # ServerArgs without --model-path: the bundled model
+    # SGLang's router and clients read these too (its GetModelInfo shape)
+    assert {"model_type", "architectures", "weight_version", "preferred_sampling_params"} <= model_info.keys()
     info = requests.get(server.url + "/server_info", timeout=10).json()
     assert info["tp_size"] == 1 and info["internal_states"] == [{"fake_state": 1}]
     # SGLang's older route names answer the same
