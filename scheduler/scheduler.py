@@ -114,7 +114,7 @@ class Scheduler(BatchSelection):
             if isinstance(msg, TokenizedGenerateReq):
                 self._add_request(msg)
             elif isinstance(msg, AbortReq):
-                self._abort(msg.rid, msg.reason)
+                self._abort(msg.rid, msg.reason, msg.status_code)
             elif isinstance(msg, FlushCacheReq):
                 ok = not self.has_work()
                 if ok:
@@ -148,16 +148,18 @@ class Scheduler(BatchSelection):
             self.waiting.append(req)
 
     @rank_consensus(args=("rid",))
-    def _abort(self, rid: str, reason: str) -> None:
+    def _abort(self, rid: str, reason: str, status_code: int | None = None) -> None:
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    self._finish(req, FinishReason("abort", message=reason))
+                    logger.info("aborted %s: %s", rid, reason)
+                    self._finish(req, FinishReason("abort", status_code=status_code, message=reason))
                     return
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
-            self._finish(req, FinishReason("abort", message=reason))
+            logger.info("aborted %s: %s", rid, reason)
+            self._finish(req, FinishReason("abort", status_code=status_code, message=reason))
 
     def _reply(self, reply: ControlReply) -> None:
         if self.send_output is not None:
@@ -250,8 +252,9 @@ class Scheduler(BatchSelection):
                 self._finish(req, reason)
             elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
                 self.outbox.append(req)
-            elif req.sent_len == 0 and (req.stream or self.args.enable_metrics):
-                self.outbox.append(req)  # the first token at once (metrics: the front end times it)
+            elif req.sent_len == 0 and (req.stream or self.args.enable_metrics or self.args.req_waiting_timeout
+                                        or self.args.req_running_timeout):
+                self.outbox.append(req)  # the first token at once (metrics and deadlines: the front end times it)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from srt.guard import BodyTooLarge, RequestGuard, too_large_body
+from srt.server_args import ServerArgs
 from srt.tokenizer_manager import SHUTTING_DOWN, RequestError, ServiceUnavailableError, TokenizerManager
 
 logger = logging.getLogger("srt.http_server")
@@ -65,11 +66,17 @@ RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells the client to wai
 
 
 def queue_refusal(out: dict[str, Any]) -> str | None:
-    """The message of an output the scheduler refused because its waiting queue was full."""
+    """The message of an output refused with 503: the waiting queue was full, or a deadline passed."""
     finish = out["meta_info"]["finish_reason"]
     if finish is not None and finish.get("type") == "abort" and finish.get("status_code") == 503:
         return str(finish.get("message", "the server is busy"))
     return None
+
+
+def refusals_possible(args: ServerArgs) -> bool:
+    """Whether a request may be refused before its first token (a full queue, a waiting deadline): a
+    stream then waits for its first output before answering, so a refusal is a 503, not an event."""
+    return args.max_queued_requests is not None or args.req_waiting_timeout is not None
 
 
 def busy_response(message: str, body: Callable[[int, str], dict[str, Any]] = error_body) -> JSONResponse:
@@ -171,7 +178,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
             return error_response(503, str(error))
         outputs = tm.generate(call, request, incremental=tm.server_args.incremental_streaming_output)
         if call.stream:
-            if tm.server_args.max_queued_requests is not None and not call.is_batch:
+            if refusals_possible(tm.server_args) and not call.is_batch:
                 outputs, refusal = await peek_refusal(outputs)
                 if refusal is not None:
                     return busy_response(refusal)

@@ -41,6 +41,7 @@ class TokenizedGenerateReq:
 class AbortReq:
     rid: str
     reason: str = "aborted by the client"
+    status_code: int | None = None  # the HTTP status the client sees (503: a deadline passed)
 
 
 @dataclass

@@ -27,7 +27,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.http_server import busy_response, peek_refusal, queue_refusal, read_json_object, sse
+from srt.http_server import (
+    busy_response,
+    peek_refusal,
+    queue_refusal,
+    read_json_object,
+    refusals_possible,
+    sse,
+)
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
 from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
@@ -170,7 +177,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     outputs = tm.generate(generate_call, request)
     model = _model_name(tm)
     if call.stream:
-        if tm.server_args.max_queued_requests is not None:
+        if refusals_possible(tm.server_args):
             outputs, refusal = await peek_refusal(outputs)
             if refusal is not None:
                 return busy_response(refusal, error_body)

@@ -46,11 +46,15 @@ class ReqState:
     replays: int = 0
     prompt_token_ids: list[int] | None = None  # returned with the output (return_prompt_token_ids)
     log_metrics: bool = True  # SGLang's log_metrics: false leaves the request out of /metrics
+    first_output_at: float | None = None  # perf_counter time of the first output token (deadlines)
+    deadline_abort_sent: bool = False
 
     def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
         """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
         self.text += out.texts[i]
         self.output_ids.extend(out.new_token_ids[i])
+        if self.first_output_at is None and out.new_token_ids[i]:
+            self.first_output_at = time.perf_counter()
         self.completion_tokens = out.completion_tokens[i]
         if not self.replays:  # a replay's prefix hits are not the client's
             self.cached_tokens = out.cached_tokens[i]

@@ -28,6 +28,12 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _env_timeout(name: str) -> float | None:
+    """SGLang's request timeouts are environment variables (seconds; -1, its default, is off)."""
+    value = float(os.environ.get(name) or -1)
+    return value if value > 0 else None
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
@@ -80,6 +86,9 @@ class ServerArgs:
                                       repr=False)
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503 (SGLang's flag)
     max_request_bytes: int = 64 * 2**20  # a larger request body is a 413
+    # Deadlines, decided by the front end alone and sent to every rank as aborts (tokenizer_manager)
+    req_waiting_timeout: float | None = field(default_factory=lambda: _env_timeout("SGLANG_REQ_WAITING_TIMEOUT"))
+    req_running_timeout: float | None = field(default_factory=lambda: _env_timeout("SGLANG_REQ_RUNNING_TIMEOUT"))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,7 +104,7 @@ class ServerArgs:
                      "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
         for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches",
-                     "max_queued_requests", "max_request_bytes"):
+                     "max_queued_requests", "max_request_bytes", "req_waiting_timeout", "req_running_timeout"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
@@ -251,6 +260,12 @@ class ServerArgs:
           help="a request that finds this many waiting gets 503 with Retry-After at once")
         a("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
           help="a request body over this many bytes gets 413")
+        a("--req-waiting-timeout", type=float, default=None,
+          help="a request without its first token after this many seconds is aborted with 503 "
+               "(default: SGLang's SGLANG_REQ_WAITING_TIMEOUT, else off)")
+        a("--req-running-timeout", type=float, default=None,
+          help="a request still generating this many seconds after its first token is aborted with 503 "
+               "(default: SGLang's SGLANG_REQ_RUNNING_TIMEOUT, else off)")
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:

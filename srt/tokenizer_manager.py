@@ -224,6 +224,7 @@ class TokenizerManager(FrontendRecovery):
                     if await request.is_disconnected():
                         logger.info("client disconnected; aborting %s", [s.rid for s in pending])
                         return
+                self._send_deadline_aborts(pending)
                 for state in list(pending):
                     if not state.updated:
                         continue
@@ -238,6 +239,29 @@ class TokenizerManager(FrontendRecovery):
                     self._send_nowait(AbortReq(state.rid, "the client disconnected"))
                 if self.rid_to_state.get(state.rid) is state:
                     del self.rid_to_state[state.rid]
+
+    def _send_deadline_aborts(self, pending: list[ReqState]) -> None:
+        """SGLang's waiting and running timeouts, decided here alone: a rank timing requests out on
+        its own clock would abort a different set than the others and the collectives would part.
+        The abort goes through rank 0's broadcast like a client's, so every rank drops the request
+        in the same step. Checked every DISCONNECT_CHECK_S at most."""
+        waiting, running = self.server_args.req_waiting_timeout, self.server_args.req_running_timeout
+        if waiting is None and running is None:
+            return
+        now = time.perf_counter()
+        for state in pending:
+            if state.deadline_abort_sent or state.finish_reason is not None:
+                continue
+            if state.first_output_at is None:
+                late = waiting is not None and now - state.timing.created > waiting
+                reason = "Request waiting timeout reached."
+            else:
+                late = running is not None and now - state.first_output_at > running
+                reason = "Request running timeout reached."
+            if late:
+                state.deadline_abort_sent = True
+                logger.info("%s: %s", state.rid, reason)
+                self._send_nowait(AbortReq(state.rid, reason, status_code=503))
 
     async def abort_request(self, rid: str, reason: str = "aborted by /abort_request") -> bool:
         """Ask every rank to abort `rid`; returns whether it was in flight here."""

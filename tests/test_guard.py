@@ -2,12 +2,15 @@
 --api-key / --admin-api-key on every route but the probes (401 without or with a wrong key, 200 with
 the right one; the official openai client; the key never in the log or /server_info; through
 sglang-router, which takes the key from clients and gives it to the workers), --max-request-bytes
-(413), and --max-queued-requests (a burst gets some 503 with Retry-After at once, the rest
-complete with the outputs they would have had, at TP=2 with the KV cache intact)."""
+(413), --max-queued-requests (a burst gets some 503 with Retry-After at once, the rest
+complete with the outputs they would have had, at TP=2 with the KV cache intact), and request
+deadlines (aborted by the front end on every rank at once)."""
 
 from __future__ import annotations
 
 import http.client
+import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,3 +157,35 @@ def test_a_burst_past_max_queued_requests(tiny_model_dirs: dict[str, Path], smol
         assert state["kv_integrity_error"] is None and not state["running"] and not state["waiting"]
         assert "divergence" not in server.output()
         assert [server.generate(greedy(ids)).json()["output_ids"] for ids in prompts[:4]] == expected
+
+
+def test_deadlines_abort_on_every_rank(long_context_llama: Path, smollm2_dir: Path) -> None:
+    """SGLang's waiting and running timeouts, decided by the front end and broadcast as aborts: at
+    TP=2 with the consensus checker, a request still generating past --req-running-timeout and one
+    still waiting past --req-waiting-timeout both end with 503 and SGLang's messages, both ranks
+    abort them, and the server goes on with its KV cache intact."""
+    def body(ids: list[int], tokens: int, stream: bool = False) -> dict[str, Any]:
+        return {"input_ids": ids, "stream": stream,
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+
+    with Server("--model-path", str(long_context_llama), "--tokenizer-path", str(smollm2_dir), "--tp", "2",
+                "--dtype", "float32", "--max-total-tokens", "16384", "--max-running-requests", "1",
+                "--req-waiting-timeout", "1", "--req-running-timeout", "2",
+                "--enable-rank-consensus-checker") as server:
+        expected = server.generate(body(PROMPT, 8)).json()["output_ids"]
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(server.generate, {**body(PROMPT, 8000), "rid": "long-one"})
+            time.sleep(0.3)  # queued behind it: --max-running-requests 1
+            queued = pool.submit(server.generate, {**body(PROMPT[:6], 8), "rid": "queued-one"})
+            running, waiting = long.result(timeout=60), queued.result(timeout=60)
+        assert running.status_code == 503 and running.json()["error"]["message"] == "Request running timeout reached."
+        assert waiting.status_code == 503 and waiting.json()["error"]["message"] == "Request waiting timeout reached."
+        out = server.output()
+        for rank in ("scheduler_TP0", "scheduler_TP1"):
+            for rid, reason in (("long-one", "running"), ("queued-one", "waiting")):
+                assert re.search(rf"{rank}\] INFO srt.scheduler: aborted {rid}: Request {reason} timeout", out), (
+                    rank, rid, out[-3000:])
+        state = server.internal_state()
+        assert state["kv_integrity_error"] is None and not state["running"] and not state["waiting"]
+        assert "divergence" not in server.output()
+        assert server.generate(body(PROMPT, 8)).json()["output_ids"] == expected  # it serves on

@@ -48,3 +48,14 @@ def test_the_api_names_the_model_as_given() -> None:
     assert ServerArgs().model_name == "SmolLM2-135M-Instruct"  # the bundled model, not its cache folder
     assert ServerArgs(model_path="/models/x.gguf").model_name == "/models/x.gguf"  # SGLang's default
     assert ServerArgs(model_path="/models/x", served_model_name="x-chat").model_name == "x-chat"
+
+
+def test_request_deadlines_from_sglang_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ServerArgs.from_cli([]).req_waiting_timeout is None  # off by default, as SGLang's -1
+    monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "30")
+    monkeypatch.setenv("SGLANG_REQ_RUNNING_TIMEOUT", "-1")
+    args = ServerArgs.from_cli([])
+    assert args.req_waiting_timeout == 30.0 and args.req_running_timeout is None
+    assert ServerArgs.from_cli(["--req-running-timeout", "5"]).req_running_timeout == 5.0
+    with pytest.raises(ValueError, match="--req-waiting-timeout"):
+        ServerArgs.from_cli(["--req-waiting-timeout", "0"])
