@@ -45,8 +45,6 @@ from launcher.teardown import become_subreaper, kill_process_tree, set_parent_de
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
-SECRET_ENV = {"api_key": "SRT_API_KEY", "admin_api_key": "SRT_ADMIN_API_KEY"}  # as srt.server_args reads them
-
 logger = logging.getLogger("srt.data_parallel")
 
 REPLICA_RESTARTS = 3
@@ -129,8 +127,7 @@ class DataParallelController:
             # the host's memory is shared too: each replica sizes its KV cache from its share
             argv = args.to_cli(dp_size=1, host="127.0.0.1", port=port,
                                mem_fraction_static=args.mem_fraction_static / args.dp_size)
-            secrets = {env: getattr(args, name) for name, env in SECRET_ENV.items() if getattr(args, name)}
-            self.replicas.append(Replica(rank, port, cpus, argv, secrets=secrets))
+            self.replicas.append(Replica(rank, port, cpus, argv, secrets=args.secret_env()))
         self.router: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
 

@@ -67,6 +67,9 @@ class Scheduler(BatchSelection):
         self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
         self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
         self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
+        # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
+        self.first_token_at_once = bool(server_args.enable_metrics or server_args.req_waiting_timeout
+                                        or server_args.req_running_timeout)
 
     def _init_cache(self) -> None:
         page_size = self.runner.config.page_size
@@ -149,17 +152,17 @@ class Scheduler(BatchSelection):
 
     @rank_consensus(args=("rid",))
     def _abort(self, rid: str, reason: str, status_code: int | None = None) -> None:
-        for queue in (self.waiting, self.running):
-            for req in queue:
-                if req.rid == rid:
-                    queue.remove(req)
-                    logger.info("aborted %s: %s", rid, reason)
-                    self._finish(req, FinishReason("abort", status_code=status_code, message=reason))
-                    return
-        if self.chunked_req is not None and self.chunked_req.rid == rid:
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        elif (req := next((r for r in self.running if r.rid == rid), None)) is not None:
+            self.running.remove(req)
+        elif self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
-            logger.info("aborted %s: %s", rid, reason)
-            self._finish(req, FinishReason("abort", status_code=status_code, message=reason))
+        else:
+            return
+        logger.info("aborted %s: %s", rid, reason)
+        self._finish(req, FinishReason("abort", status_code=status_code, message=reason))
 
     def _reply(self, reply: ControlReply) -> None:
         if self.send_output is not None:
@@ -252,9 +255,8 @@ class Scheduler(BatchSelection):
                 self._finish(req, reason)
             elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
                 self.outbox.append(req)
-            elif req.sent_len == 0 and (req.stream or self.args.enable_metrics or self.args.req_waiting_timeout
-                                        or self.args.req_running_timeout):
-                self.outbox.append(req)  # the first token at once (metrics and deadlines: the front end times it)
+            elif req.sent_len == 0 and (req.stream or self.first_token_at_once):
+                self.outbox.append(req)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason

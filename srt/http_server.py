@@ -62,7 +62,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-RETRY_AFTER_S = 1  # what a 503 for a full waiting queue tells the client to wait
+RETRY_AFTER_S = 1  # what a 503 for a full waiting queue or a passed deadline tells the client to wait
 
 
 def queue_refusal(out: dict[str, Any]) -> str | None:
@@ -85,8 +85,8 @@ def busy_response(message: str, body: Callable[[int, str], dict[str, Any]] = err
 
 async def peek_refusal(outputs: AsyncGenerator[dict[str, Any], None]
                        ) -> tuple[AsyncGenerator[dict[str, Any], None], str | None]:
-    """For a stream under --max-queued-requests: wait for its first output, so that a request the
-    queue refused gets a real 503 instead of a 200 stream with an error event. Returns the outputs
+    """For a stream that may be refused (refusals_possible): wait for its first output, so that a
+    refused request gets a real 503 instead of a 200 stream with an error event. Returns the outputs
     again (the first one included) and the refusal, if any."""
     try:
         first = await outputs.__anext__()

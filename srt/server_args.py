@@ -81,8 +81,8 @@ class ServerArgs:
     restart_window: float = 300.0
     # Secrets (srt/guard.py): never in to_dict (/server_info) nor to_cli; a --dp-size replica gets
     # them through its environment (SECRET_ENV), not its command line, which `ps` shows.
-    api_key: str | None = field(default_factory=lambda: os.environ.get("SRT_API_KEY") or None, repr=False)
-    admin_api_key: str | None = field(default_factory=lambda: os.environ.get("SRT_ADMIN_API_KEY") or None,
+    api_key: str | None = field(default_factory=lambda: os.environ.get(SECRET_ENV["api_key"]) or None, repr=False)
+    admin_api_key: str | None = field(default_factory=lambda: os.environ.get(SECRET_ENV["admin_api_key"]) or None,
                                       repr=False)
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503 (SGLang's flag)
     max_request_bytes: int = 64 * 2**20  # a larger request body is a 413
@@ -165,6 +165,10 @@ class ServerArgs:
             if values[name] is not None:
                 values[name] = "<set>"
         return values
+
+    def secret_env(self) -> dict[str, str]:
+        """The environment that gives the set secrets to another launch_server (to_cli leaves them out)."""
+        return {env: getattr(self, name) for name, env in SECRET_ENV.items() if getattr(self, name)}
 
     def to_cli(self, **overrides: Any) -> list[str]:
         """The flags that give this configuration (with `overrides`) to another launch_server:
