@@ -11,6 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from consensus import rank_consensus
+from scheduler.grammar import rebuild_matcher
 from scheduler.policy import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
@@ -138,6 +139,7 @@ class BatchSelection:
     def _retract(self, req: Req) -> None:
         self.kv.release(req, insert=True)
         req.retractions += 1
+        rebuild_matcher(req)  # from the delivered tokens, as a replay would
         self.waiting.insert(0, req)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))

@@ -10,6 +10,7 @@ boolean test per step) unless the variable is set.
     stall          its forward sleeps forever
     diverge_token  from STEP on, its sampled id of the first request is replaced by a larger id
     diverge_batch  from STEP on, it admits one request fewer than the other ranks would
+    diverge_grammar at STEP, its matcher of each constrained request does not accept the new token
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from srt.recovery import ENGINE_START_ENV
 logger = logging.getLogger("srt.fault")
 
 ENV_VAR = "SRT_TEST_FAULT"
-KINDS = ("crash", "raise", "stall", "diverge_token", "diverge_batch")
+KINDS = ("crash", "raise", "stall", "diverge_token", "diverge_batch", "diverge_grammar")
 CRASH_EXIT_CODE = 13
 
 
@@ -96,3 +97,6 @@ class FaultInjector:
 
     def drop_one_admission(self, step: int) -> bool:
         return self.active and self._due("diverge_batch", step, from_step=True)
+
+    def skip_grammar_accept(self, step: int, req: object) -> bool:
+        return self.active and getattr(req, "grammar", None) is not None and self._due("diverge_grammar", step)

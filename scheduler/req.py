@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from model_executor.constrained import Matcher
 from srt.io_struct import FinishReason, ResumeState, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class Req:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens k.. as well
     priority: int | None = None  # with --enable-priority-scheduling (scheduler/policy.py order_waiting)
+    grammar: Matcher | None = None  # a constrained request's matcher (scheduler/grammar.py), on every rank
     # Logprobs, filled on the output rank only (no rank decides anything from them).
     output_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
     input_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))

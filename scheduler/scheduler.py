@@ -16,11 +16,19 @@ import torch.distributed
 import consensus
 from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
+from model_executor.constrained import LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
-from model_executor.sampler import SamplingBatchInfo, apply_logit_bias, apply_penalties, ban_tokens
+from model_executor.sampler import (
+    SamplingBatchInfo,
+    apply_logit_bias,
+    apply_penalties,
+    apply_token_bitmask,
+    ban_tokens,
+)
 from scheduler.admission import BatchSelection
 from scheduler.fault_injection import FaultInjector
+from scheduler.grammar import advance, attach_matcher, constrained_rows, fill_bitmask
 from scheduler.kv_manager import KVManager
 from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
 from scheduler.policy import (
@@ -67,6 +75,9 @@ class Scheduler(BatchSelection):
         self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
         self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
         self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
+        self.grammars = LazyGrammarBackend(server_args.grammar_backend, tokenizer_loader, runner.vocab_size,
+                                           eos_token_ids)
+        self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(server_args.enable_metrics or server_args.req_waiting_timeout
                                         or server_args.req_running_timeout)
@@ -136,7 +147,10 @@ class Scheduler(BatchSelection):
                   sent_len=len(resumed), resumed_len=len(resumed), resume=msg.resume,
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len, priority=msg.priority)
-        if req.remaining_new_tokens == 0 and not req.prompt_logprob_positions:
+        refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
+        if refused is not None:
+            self._finish(req, refused)
+        elif req.remaining_new_tokens == 0 and not req.prompt_logprob_positions:
             self._finish(req, FinishReason("length"))
         elif self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
             # the waiting queue is the same on every rank, so every rank refuses the same request
@@ -224,17 +238,32 @@ class Scheduler(BatchSelection):
         penalized = apply_logit_bias(penalized, [r.sampling_params.logit_bias for r in batch.reqs])
         eos = self.stop_checker.eos_token_ids
         penalized = ban_tokens(penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs])
+        rows = constrained_rows(batch.reqs)
+        if rows:
+            penalized = apply_token_bitmask(penalized, fill_bitmask(batch.reqs, rows, self.runner.vocab_size), rows)
         next_ids = self.runner.sample(penalized, info)
         self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
-        if self.sync_token_ids:
+        if self.sync_token_ids or self._grammar_sync(bool(rows)):
             # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.
+            # With a grammar in the batch always (SGLang's rule): each rank's matcher follows its ids.
             self.parallel.tp.all_reduce(next_ids, op=torch.distributed.ReduceOp.MIN)
+            self.stats.on_token_sync()
         if self.runner.stage_link is not None:
             self.runner.stage_link.send_ids(next_ids)  # every earlier stage needs them
         ids: list[int] = next_ids.tolist()
         if plan is not None and self.send_output is not None:
             record_logprobs(batch, plan, logits, token_logits, ids)
         return ids
+
+    def _grammar_sync(self, constrained: bool) -> bool:
+        """Whether this step's ids are MIN-reduced for its grammars (decided from the batch, the
+        same on every rank); the output rank logs each change."""
+        on = constrained and self.parallel.tp_size > 1
+        if on != self.grammar_sync_on and not self.sync_token_ids and self.send_output is not None:
+            logger.info("token-id sync across TP %s", "on: the batch holds a constrained request" if on else
+                        "off: no constrained request in the batch")
+        self.grammar_sync_on = on
+        return on
 
     def complete(self, launched: Launched, next_ids: list[int]) -> None:
         """Appends a launched batch's sampled tokens, checks stops, finishes requests."""
@@ -249,7 +278,8 @@ class Scheduler(BatchSelection):
                 self._finish(req, FinishReason("length"))
                 continue
             req.output_ids.append(int(next_ids[i]))
-            reason = self.stop_checker.check(req)
+            reason = advance(req, int(next_ids[i]), skip=self.faults.skip_grammar_accept(self.forward_steps, req))
+            reason = reason or self.stop_checker.check(req)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)

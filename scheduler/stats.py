@@ -152,6 +152,10 @@ class SchedulerStats:
             self.metrics.step()
         self.generated_since_log += sampled
 
+    def on_token_sync(self) -> None:
+        if self.metrics is not None:
+            self.metrics.token_sync_steps.inc()
+
     def on_idle(self) -> None:
         """No batch ran: throughput is measured from the next busy step, not across the idle time."""
         if self.log_enabled:

@@ -222,6 +222,9 @@ class Engine:
         if params is None:
             params = SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        constrained = next((p.grammar.kind for p in plist if p.grammar is not None), None)
+        if constrained is not None:
+            raise ValueError(f"{constrained}: the offline Engine does not constrain outputs; serve the model")
         seeds = [p.seed if p.seed is not None else self.random_seed * 1_000_003 + self._requests_seen + i
                  for i, p in enumerate(plist)]
         self._requests_seen += len(prompts)

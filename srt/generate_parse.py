@@ -17,6 +17,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
+from model_executor.constrained import GrammarError, LazyGrammarBackend
 from srt.io_struct import TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
 from srt.vocabulary import GENERATE, SAMPLING, VocabularyError, check_fields
@@ -64,13 +65,15 @@ def _bool(obj: dict[str, Any], name: str) -> bool:
 
 class GenerateParser:
     def __init__(self, tokenizer: Any, vocab_size: int, context_length: int, max_total_tokens: int | None,
-                 resolve_seed: Callable[[SamplingParams], int], priority_scheduling: bool = False) -> None:
+                 resolve_seed: Callable[[SamplingParams], int], priority_scheduling: bool = False,
+                 grammars: LazyGrammarBackend | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.max_total_tokens = max_total_tokens
         self.resolve_seed = resolve_seed
         self.priority_scheduling = priority_scheduling
+        self.grammars = grammars  # None: grammars are refused (no backend)
 
     def parse(self, obj: Any, busy_rids: Container[str]) -> GenerateCall:
         if not isinstance(obj, dict):
@@ -194,6 +197,7 @@ class GenerateParser:
             except (ValueError, TypeError) as error:
                 name = str(error).split(" ", 1)[0]
                 raise RequestError(str(error), name if name in SAMPLING else "sampling_params") from None
+            self._check_grammar(params)
             out.append(params)
             copies.add(one.get("n") if isinstance(one, dict) else None)
         if len(copies) > 1:
@@ -204,6 +208,19 @@ class GenerateParser:
         if not _is_int(count) or not 1 <= count <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {count!r}", "n")
         return out, int(count)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """A grammar is compiled here first, so one that does not compile is a 400 and never
+        reaches a rank (where each rank compiles it again, from the compiler's cache)."""
+        spec = params.grammar
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise RequestError(f"{spec.kind} needs a grammar backend (--grammar-backend)", spec.kind)
+        try:
+            self.grammars.compile(spec)
+        except GrammarError as error:
+            raise RequestError(str(error), error.param) from None
 
     def _rids(self, raw: Any, prompts: int, is_batch: bool, busy_rids: Container[str], n: int) -> list[str]:
         """A request id per request: generated, or the client's (one per prompt; with n > 1 the

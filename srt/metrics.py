@@ -15,7 +15,9 @@ Two sources, one page:
   `srt:last_forward_step_timestamp_seconds{rank}` (unix time; what a hang alert watches);
   `srt:step_broadcast_seconds_total{rank}`, `srt:step_schedule_seconds_total{rank}`,
   `srt:step_forward_seconds_total{rank}` (where busy steps spend their time: receive + broadcast,
-  scheduling, forward + sample; scheduler/stats.py StepTimer). The output rank:
+  scheduling, forward + sample; scheduler/stats.py StepTimer); `srt:token_sync_steps_total{rank}`
+  (steps whose sampled ids were MIN-all-reduced over TP: with --sync-token-ids-across-tp, or a
+  grammar in the batch). The output rank:
   `srt:num_running_reqs`, `srt:num_queue_reqs`, `srt:num_used_tokens`, `srt:token_usage` (KV held
   by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens served from the prefix cache /
   prompt tokens, since start), `srt:gen_throughput` (tokens/s, at the last decode stats log).
@@ -83,6 +85,9 @@ class RankMetrics:
                  "forward": "the forward pass and sampling"}
         self.step_seconds = {part: Counter(f"srt:step_{part}_seconds", f"Seconds of this rank's busy steps in {doc}",
                                            ["rank"]).labels(str(rank)) for part, doc in parts.items()}
+        self.token_sync_steps = Counter("srt:token_sync_steps", "Steps whose sampled ids were MIN-all-reduced over "
+                                        "TP (--sync-token-ids-across-tp, or a constrained request in the batch)",
+                                        ["rank"]).labels(str(rank))
         self.is_output_rank = is_output_rank
         if not is_output_rank:
             return

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jinja2
+import orjson
 
 from srt.generate_parse import RequestError
 from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
@@ -80,7 +81,50 @@ def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | Non
         params["min_new_tokens"] = body["min_tokens"]
     if n > 1:
         params["n"] = n
+    params.update(_response_format(body))
     return params
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any]:
+    """The /generate grammar for response_format (as SGLang: json_object is any JSON object,
+    json_schema its schema, structural_tag the whole object), and SGLang's own json_schema /
+    regex / ebnf fields. `strict` is honoured either way: srt always constrains."""
+    params = {name: body[name] for name in ("json_schema", "regex", "ebnf") if body.get(name) is not None}
+    fmt = body.get("response_format")
+    if fmt is None:
+        return params
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise RequestError("response_format must be an object with a type", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return params
+    if params:
+        raise RequestError(f"response_format and {next(iter(params))} are both set: give one", "response_format")
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError("response_format.json_schema must be an object with name and schema", "response_format")
+        schema = spec.get("schema", spec.get("schema_"))
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema is required (a JSON schema object)",
+                               "response_format")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise RequestError(f"response_format.json_schema.strict must be a boolean, got {spec['strict']!r}",
+                               "response_format")
+        return {"json_schema": orjson.dumps(schema).decode()}
+    if kind == "structural_tag":
+        return {"structural_tag": orjson.dumps(fmt).decode()}
+    raise RequestError(f"response_format.type must be text, json_object, json_schema or structural_tag, "
+                       f"got {kind!r}", "response_format")
+
+
+def _grammar_names(body: dict[str, Any]) -> dict[str, str]:
+    """/generate's grammar parameters -> the OpenAI name the client used (for a 400's param)."""
+    if body.get("response_format") is None:
+        return {}
+    return {"json_schema": "response_format", "structural_tag": "response_format"}
 
 
 def _request_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +214,8 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     generate_body = {key: prompt, "stream": stream, **logprobs, **_request_fields(body),
                      "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, n)}
     renamed = {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-               "return_logprob": "logprobs", "top_logprobs_num": "logprobs", "logprob_start_len": "echo"}
+               "return_logprob": "logprobs", "top_logprobs_num": "logprobs", "logprob_start_len": "echo",
+               **_grammar_names(body)}
     return OpenAICall(False, generate_body, stream, include_usage, renamed, n, bool(logprobs), prompts, echo_texts)
 
 
@@ -234,5 +279,6 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
                      "sampling_params": _sampling(body, max_name, capacity - len(input_ids), n)}
     return OpenAICall(True, generate_body, stream, include_usage,
                       {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
-                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs"},
+                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs",
+                       **_grammar_names(body)},
                       n, bool(logprobs))

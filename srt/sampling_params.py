@@ -9,6 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from model_executor.constrained.base import GRAMMAR_KINDS, GrammarSpec
 from srt.vocabulary import SAMPLING, check_fields
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -42,8 +43,16 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # the text keeps the stop string or stop token that ended the request
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # constrained decoding (at most one; SGLang's names): the output follows this grammar
+    json_schema: str | None = None  # a JSON schema, serialized
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None  # xgrammar's structural tag, serialized
 
     def __post_init__(self) -> None:
+        for kind in GRAMMAR_KINDS:  # as SGLang: an empty grammar is no grammar
+            if getattr(self, kind) == "":
+                setattr(self, kind, None)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop_regex, str):
@@ -104,6 +113,14 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}"
+                                 + (" (serialize the schema: json.dumps)" if kind != "regex" else ""))
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} and {given[0]} are both set: give at most one of "
+                             f"{', '.join(GRAMMAR_KINDS)}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.logit_bias, dict):
@@ -122,6 +139,15 @@ class SamplingParams:
         if generated >= self.min_new_tokens:
             return []
         return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids)))
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must follow, if any."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return GrammarSpec(kind, source)
+        return None
 
     @property
     def stop_regex_window(self) -> int | None:

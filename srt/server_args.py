@@ -17,6 +17,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_executor/constrained)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
 
@@ -69,6 +70,7 @@ class ServerArgs:
     stream_interval: int = 1
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative output
     attention_backend: str = "auto"
+    grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
     watchdog_timeout: float = 300.0
     soft_watchdog_timeout: float | None = None
     sync_token_ids_across_tp: bool = field(default_factory=lambda: _env_flag("SYNC_TOKEN_IDS_ACROSS_TP"))
@@ -133,6 +135,7 @@ class ServerArgs:
                                      ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
                                      ("log-level", self.log_level, LOG_LEVELS),
                                      ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+                                     ("grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS),
                                      ("router-policy", self.router_policy, ROUTER_POLICIES)):
             if value not in allowed:
                 raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
@@ -243,6 +246,8 @@ class ServerArgs:
           help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
                "since the previous chunk (default: everything so far)")
         a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
+        a("--grammar-backend", default=d["grammar_backend"].default, choices=GRAMMAR_BACKENDS,
+          help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)")
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default)
         a("--soft-watchdog-timeout", type=float, default=None)
         a("--sync-token-ids-across-tp", action="store_true", default=None)

@@ -97,8 +97,8 @@ SAMPLING: dict[str, Field] = {
     "repetition_penalty": impl(1.0), "ignore_eos": impl(False), "skip_special_tokens": impl(True),
     "spaces_between_special_tokens": impl(True), "no_stop_trim": impl(False), "logit_bias": impl(),
     "sampling_seed": impl(), "seed": impl(), "n": impl(1),
-    "stream_interval": NONE, "beam_width": off(None, 1), "json_schema": NONE, "regex": NONE, "ebnf": NONE,
-    "structural_tag": NONE, "custom_params": NONE, "watermark": NONE,
+    "json_schema": impl(), "regex": impl(), "ebnf": impl(), "structural_tag": impl(),
+    "stream_interval": NONE, "beam_width": off(None, 1), "custom_params": NONE, "watermark": NONE,
 }
 
 # ---- /v1/completions: CompletionRequest, and the official client's params ----
@@ -112,7 +112,7 @@ _OPENAI_COMMON: dict[str, Field] = {
     "priority": impl(),
     "model": advisory("default"),  # any name is served (as in SGLang); replies name the served model
     "user": advisory(), "custom_labels": advisory(),
-    "response_format": off(None, {"type": "text"}), "json_schema": NONE, "regex": NONE, "ebnf": NONE,
+    "response_format": impl(), "json_schema": impl(), "regex": impl(), "ebnf": impl(),
     "return_hidden_states": off(False), "return_routed_experts": off(False), "routed_experts_start_len": off(0),
     "return_cached_tokens_details": off(False), "return_spec_tokens_details": off(False),
     "return_token_ids": off(False), "lora_path": NONE, "session_id": NONE, "session_params": NONE,

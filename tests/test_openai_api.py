@@ -125,7 +125,8 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),  # the last message is the user's
