@@ -16,7 +16,8 @@ from typing import Any
 # ServerArgs fields that change what a rank computes or which collectives it issues.
 SHARED_FIELDS = ("tp_size", "pp_size", "pp_micro_batches", "nnodes", "dtype", "device", "quantization", "page_size",
                  "context_length", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "schedule_policy",
-                 "disable_radix_cache", "random_seed", "attention_backend", "grammar_backend", "sync_token_ids_across_tp",
+                 "disable_radix_cache", "random_seed", "attention_backend", "grammar_backend", "constrained_json_disable_any_whitespace",
+                 "constrained_json_max_whitespace_cnt", "sync_token_ids_across_tp",
                  "enable_rank_consensus_checker")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHOWN_ONLY = "model_path"  # where this node found the model: shown in a message, never compared

@@ -16,7 +16,7 @@ import torch.distributed
 import consensus
 from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
-from model_executor.constrained import LazyGrammarBackend
+from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
 from model_executor.sampler import (
@@ -76,7 +76,7 @@ class Scheduler(BatchSelection):
         self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
         self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
         self.grammars = LazyGrammarBackend(server_args.grammar_backend, tokenizer_loader, runner.vocab_size,
-                                           eos_token_ids)
+                                           eos_token_ids, JsonOptions.of(server_args))
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(server_args.enable_metrics or server_args.req_waiting_timeout

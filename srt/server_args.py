@@ -71,6 +71,8 @@ class ServerArgs:
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative output
     attention_backend: str = "auto"
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
+    constrained_json_disable_any_whitespace: bool = False  # JSON outputs compact (SGLang's flag)
+    constrained_json_max_whitespace_cnt: int | None = None  # at most this many whitespace chars in a row
     watchdog_timeout: float = 300.0
     soft_watchdog_timeout: float | None = None
     sync_token_ids_across_tp: bool = field(default_factory=lambda: _env_flag("SYNC_TOKEN_IDS_ACROSS_TP"))
@@ -106,7 +108,7 @@ class ServerArgs:
                      "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
         for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches",
-                     "max_queued_requests", "max_request_bytes", "req_waiting_timeout", "req_running_timeout"):
+                     "max_queued_requests", "max_request_bytes", "constrained_json_max_whitespace_cnt", "req_waiting_timeout", "req_running_timeout"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
@@ -248,6 +250,10 @@ class ServerArgs:
         a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
         a("--grammar-backend", default=d["grammar_backend"].default, choices=GRAMMAR_BACKENDS,
           help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)")
+        a("--constrained-json-disable-any-whitespace", action="store_true",
+          help="JSON-constrained outputs take the compact form (no whitespace between tokens)")
+        a("--constrained-json-max-whitespace-cnt", type=int, default=None,
+          help="at most this many consecutive whitespace characters in JSON-constrained outputs")
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default)
         a("--soft-watchdog-timeout", type=float, default=None)
         a("--sync-token-ids-across-tp", action="store_true", default=None)

@@ -30,7 +30,7 @@ import zmq.asyncio
 from fastapi import Request
 from transformers import AutoTokenizer
 
-from model_executor.constrained import LazyGrammarBackend
+from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from srt.generate_parse import GenerateCall, GenerateParser, RequestError
 from srt.io_struct import AbortReq, BatchStrOut, ControlReply, FlushCacheReq, GetInternalStateReq, GetLoadReq
 from srt.logprob_meta import LogprobMeta
@@ -60,7 +60,7 @@ class TokenizerManager(FrontendRecovery):
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
         grammars = LazyGrammarBackend(server_args.grammar_backend, lambda: self.tokenizer, self.vocab_size,
-                                      model_info.get("eos_token_ids") or ())
+                                      model_info.get("eos_token_ids") or (), JsonOptions.of(server_args))
         self.parser = GenerateParser(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens,
                                      self._seed, server_args.enable_priority_scheduling, grammars)
         self.metrics = FrontendMetrics(metrics_dir(port_args), server_args.model_name, self.max_total_tokens) \

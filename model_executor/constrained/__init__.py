@@ -10,22 +10,24 @@ from model_executor.constrained.base import (
     GrammarBackend,
     GrammarError,
     GrammarSpec,
+    JsonOptions,
     Matcher,
     bitmask_words,
 )
 
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's --grammar-backend names srt has
 
-__all__ = ["GRAMMAR_BACKENDS", "GRAMMAR_KINDS", "GrammarBackend", "GrammarError", "GrammarSpec", "Matcher",
+__all__ = ["GRAMMAR_BACKENDS", "GRAMMAR_KINDS", "GrammarBackend", "GrammarError", "GrammarSpec", "JsonOptions", "Matcher",
            "LazyGrammarBackend", "bitmask_words", "create_backend"]
 
 
-def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> GrammarBackend:
+def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                   json_options: JsonOptions | None = None) -> GrammarBackend:
     """The backend called `name` for this tokenizer; ValueError for "none" or an unknown name."""
     if name == "xgrammar":
         from model_executor.constrained.xgrammar_backend import XGrammarBackend
 
-        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, json_options or JsonOptions())
     raise ValueError(f"no grammar backend {name!r} (choose one of {', '.join(GRAMMAR_BACKENDS[:-1])})")
 
 
@@ -35,11 +37,12 @@ class LazyGrammarBackend:
     front end and every rank build it from the same tokenizer, so they agree on what compiles."""
 
     def __init__(self, name: str, tokenizer_loader: Callable[[], Any], vocab_size: int,
-                 stop_token_ids: Collection[int]) -> None:
+                 stop_token_ids: Collection[int], json_options: JsonOptions | None = None) -> None:
         self.name = name
         self._tokenizer_loader = tokenizer_loader
         self._vocab_size = vocab_size
         self._stop_token_ids = tuple(sorted(stop_token_ids))
+        self._json_options = json_options or JsonOptions()
         self._backend: GrammarBackend | None = None
         self._failure: str | None = None
 
@@ -51,7 +54,7 @@ class LazyGrammarBackend:
         if self._backend is None and self._failure is None:
             try:
                 self._backend = create_backend(self.name, self._tokenizer_loader(), self._vocab_size,
-                                               self._stop_token_ids)
+                                               self._stop_token_ids, self._json_options)
             except Exception as error:  # noqa: BLE001 - the reason goes into every such request's 400
                 self._failure = f"{type(error).__name__}: {error}"
         if self._backend is None:

@@ -36,6 +36,19 @@ class GrammarSpec:
         assert self.kind in GRAMMAR_KINDS, self.kind
 
 
+@dataclass(frozen=True)
+class JsonOptions:
+    """How JSON-schema grammars treat whitespace (SGLang's --constrained-json-* flags)."""
+
+    any_whitespace: bool = True  # False: the compact form only
+    max_whitespace_cnt: int | None = None  # consecutive whitespace characters allowed; None: unbounded
+
+    @classmethod
+    def of(cls, server_args: Any) -> JsonOptions:
+        return cls(not server_args.constrained_json_disable_any_whitespace,
+                   server_args.constrained_json_max_whitespace_cnt)
+
+
 class Matcher(ABC):
     """One request's position in its grammar. Mutated only by `accept` and `rebuild`."""
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from model_executor.constrained.base import GrammarBackend, GrammarError, GrammarSpec, Matcher
+from model_executor.constrained.base import GrammarBackend, GrammarError, GrammarSpec, JsonOptions, Matcher
 
 _WHAT = {"json_schema": "a valid JSON schema", "regex": "a valid regular expression",
          "ebnf": "a valid EBNF grammar", "structural_tag": "a valid structural tag"}
@@ -50,9 +50,11 @@ class XGrammarMatcher(Matcher):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 json_options: JsonOptions) -> None:
         import xgrammar
 
+        self._json = json_options
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
@@ -63,7 +65,8 @@ class XGrammarBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 json.loads(spec.source)  # xgrammar's own message for bad JSON is a C++ check
-                return self._compiler.compile_json_schema(spec.source)
+                return self._compiler.compile_json_schema(spec.source, any_whitespace=self._json.any_whitespace,
+                                                          max_whitespace_cnt=self._json.max_whitespace_cnt)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
             if spec.kind == "ebnf":
