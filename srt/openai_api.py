@@ -112,6 +112,8 @@ def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chu
     meta = out["meta_info"]
     choice: dict[str, Any] = {"index": out.get("index", 0), "logprobs": _logprobs(call, meta, progress),
                               "finish_reason": _finish_reason(meta)}
+    if call.tools is not None:
+        return _tool_choice_part(call, out, progress, chunk, choice)
     delta = out["text"][len(progress.text):]  # the text is cumulative; send what is new
     progress.text = out["text"]
     if call.echo is not None and progress.first:
@@ -122,6 +124,33 @@ def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chu
         choice["message"] = {"role": "assistant", "content": delta}
     else:
         choice["delta"] = {"role": "assistant", "content": delta} if progress.first else {"content": delta}
+    progress.first = False
+    return choice
+
+
+def _tool_choice_part(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool,
+                      choice: dict[str, Any]) -> dict[str, Any]:
+    """A chat choice whose output may hold tool calls: content streams only up to where a call
+    could begin; the calls are parsed from the finished text (finish_reason tool_calls)."""
+    assert call.tools is not None
+    text, finished = out["text"], choice["finish_reason"] is not None
+    message: dict[str, Any] = {"role": "assistant"} if progress.first or not chunk else {}
+    if not finished:
+        safe = text[:call.tools.stream_safe_prefix(text)]
+        message["content"] = safe[len(progress.text):] if len(safe) > len(progress.text) else ""
+        progress.text = max(safe, progress.text, key=len)
+    else:
+        content, calls = call.tools.parse(text)
+        rest = content or ""
+        message["content"] = (rest[len(progress.text):] if rest.startswith(progress.text) else "") if chunk else content
+        if calls:
+            message["tool_calls"] = [c.to_json(i) for i, c in enumerate(calls)]
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+        if chunk and not message["content"] and calls:
+            message["content"] = None
+        progress.text = text
+    choice["delta" if chunk else "message"] = message
     progress.first = False
     return choice
 

@@ -11,6 +11,7 @@ import jinja2
 import orjson
 
 from srt.generate_parse import RequestError
+from srt.tool_calls import ToolPlan, plan_tools
 from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class OpenAICall:
     logprobs: bool = False
     prompts: int = 1  # completions may send a batch of prompts: choice i * n + j is copy j of prompt i
     echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices start with
+    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
 
     @property
     def object_name(self) -> str:
@@ -219,7 +221,7 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     return OpenAICall(False, generate_body, stream, include_usage, renamed, n, bool(logprobs), prompts, echo_texts)
 
 
-def _message_text(message: Any, i: int) -> dict[str, str]:
+def _message_text(message: Any, i: int) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
     content = message.get("content")
@@ -233,7 +235,28 @@ def _message_text(message: Any, i: int) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": message["role"], "content": content}
+    out: dict[str, Any] = {"role": message["role"], "content": content}
+    for key in ("name", "tool_call_id"):  # a tool's result names its call
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                  for c in calls):
+            raise RequestError(f"messages[{i}].tool_calls must be a list of function calls", "messages")
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get(
+            "arguments"))}} for c in calls]
+    return out
+
+
+def _json_or_text(arguments: Any) -> Any:
+    """Chat templates render a call's arguments as an object (OpenAI sends them serialized)."""
+    if isinstance(arguments, str):
+        try:
+            return orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return arguments
 
 
 def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) -> dict[str, Any]:
@@ -262,6 +285,9 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         raise RequestError("messages must be a non-empty list", "messages")
     conversation = [_message_text(m, i) for i, m in enumerate(messages)]
     options = _template_options(body, conversation)
+    tools = plan_tools(body, tm.server_args.tool_call_parser)
+    if tools is not None:
+        options["tools"] = tools.tools
     try:
         text = tm.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
     except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
@@ -275,10 +301,18 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stream, include_usage = _stream_flags(body)
     n, logprobs = _n(body), _logprob_fields(body, chat=True)
+    sampling = _sampling(body, max_name, capacity - len(input_ids), n)
+    schema = tools.json_schema() if tools is not None else None
+    if schema is not None:
+        if any(kind in sampling for kind in ("json_schema", "regex", "ebnf", "structural_tag")):
+            raise RequestError("tool_choice required or a named function constrains the output already: "
+                               "drop response_format", "tool_choice")
+        sampling["json_schema"] = schema
     generate_body = {"input_ids": input_ids, "stream": stream, **logprobs, **_request_fields(body),
-                     "sampling_params": _sampling(body, max_name, capacity - len(input_ids), n)}
+                     "sampling_params": sampling}
+    renamed_grammar = {"json_schema": "tools"} if schema is not None else _grammar_names(body)
     return OpenAICall(True, generate_body, stream, include_usage,
                       {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
                        "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs",
-                       **_grammar_names(body)},
-                      n, bool(logprobs))
+                       **renamed_grammar},
+                      n, bool(logprobs), tools=tools if tools is not None and tools.parses else None)

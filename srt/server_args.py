@@ -18,6 +18,7 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_executor/constrained)
+TOOL_CALL_PARSERS = ("qwen25", "llama3")  # SGLang's names srt has (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
 
@@ -71,6 +72,7 @@ class ServerArgs:
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative output
     attention_backend: str = "auto"
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
+    tool_call_parser: str | None = None  # "qwen25" | "llama3": tool_choice auto parses the model's calls
     constrained_json_disable_any_whitespace: bool = False  # JSON outputs compact (SGLang's flag)
     constrained_json_max_whitespace_cnt: int | None = None  # at most this many whitespace chars in a row
     watchdog_timeout: float = 300.0
@@ -141,6 +143,9 @@ class ServerArgs:
                                      ("router-policy", self.router_policy, ROUTER_POLICIES)):
             if value not in allowed:
                 raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                             f"got {self.tool_call_parser!r}")
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
                 raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
@@ -250,6 +255,8 @@ class ServerArgs:
         a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
         a("--grammar-backend", default=d["grammar_backend"].default, choices=GRAMMAR_BACKENDS,
           help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)")
+        a("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+          help="the model's tool-call format, parsed into tool_calls for tool_choice auto")
         a("--constrained-json-disable-any-whitespace", action="store_true",
           help="JSON-constrained outputs take the compact form (no whitespace between tokens)")
         a("--constrained-json-max-whitespace-cnt", type=int, default=None,

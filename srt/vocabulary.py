@@ -135,7 +135,7 @@ CHAT: dict[str, Field] = {
     # SGLang separates reasoning only with --reasoning-parser; srt has none, so there is nothing to split
     "separate_reasoning": advisory(True), "stream_reasoning": advisory(True),
     "metadata": advisory(), "prompt_cache_key": advisory(), "safety_identifier": advisory(),
-    "tools": off(None, []), "tool_choice": off("auto", "none"), "parallel_tool_calls": off(True, False),
+    "tools": impl(), "tool_choice": impl("auto"), "parallel_tool_calls": impl(True),
     "return_prompt_token_ids": off(False), "return_meta_info": off(False),
     "return_input_ids_in_sglext": off(False), "return_output_ids_in_sglext": off(False),
     "return_sampling_mask": off(False), "sampling_logprobs_mode": NONE,

@@ -27,6 +27,9 @@ ARCHS = {
     # SmolLM2's vocabulary and a long context: any text its tokenizer makes, chat templates included
     "llama_smollm2_vocab": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                             {"vocab_size": 49152, "max_position_embeddings": 8192}),
+    # Qwen-shaped (qkv biases) with SmolLM2's vocabulary: tool calls through a Qwen chat template
+    "qwen2_smollm2_vocab": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+                            {"vocab_size": 49152, "max_position_embeddings": 4096}),
 }
 
 

@@ -1,0 +1,215 @@
+"""Tool calls on /v1/chat/completions: `tools` and `tool_choice` validated, the grammar that makes
+`required` and a named function always parse, and the model's text parsed back into `tool_calls`.
+
+As SGLang: the tools are rendered by the model's own chat template; `tool_choice` "required" or a
+named function constrains the output to a JSON array of {"name", "parameters"} objects (SGLang's
+`get_json_schema_constraint`), parsed as such; "auto" parses the model's own format with the
+`--tool-call-parser` named (SGLang's names): `qwen25` (`<tool_call>{...}</tool_call>` blocks, Qwen
+2.5 and 3) or `llama3` (`<|python_tag|>` and/or JSON objects with "name" and "parameters",
+separated by ";"). "none" renders the tools but parses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from srt.generate_parse import RequestError
+from srt.server_args import TOOL_CALL_PARSERS
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, serialized
+
+    def to_json(self, index: int) -> dict[str, Any]:
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "index": index, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request does with its tools."""
+
+    tools: list[dict[str, Any]]  # the request's, as the chat template gets them
+    choice: str  # "none" | "auto" | "required" | "function"
+    function: str | None = None  # the named function (choice "function")
+    parallel: bool = True
+    parser: str | None = None  # --tool-call-parser, for "auto"
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in ("required", "function")
+
+    @property
+    def parses(self) -> bool:
+        return self.constrained or (self.choice == "auto" and self.parser is not None)
+
+    def json_schema(self) -> str | None:
+        """The grammar for required / a named function: a JSON array of calls (at most one without
+        parallel_tool_calls)."""
+        if not self.constrained:
+            return None
+        items = [_call_schema(t) for t in self.tools if self.choice == "required" or
+                 t["function"]["name"] == self.function]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return json.dumps(schema)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output; the text as content when it holds no call."""
+        if self.constrained:
+            return _parse_array(text)
+        if self.parser == "qwen25":
+            return _parse_qwen25(text)
+        if self.parser == "llama3":
+            return _parse_llama3(text)
+        return text, []
+
+    def stream_safe_prefix(self, text: str) -> int:
+        """How much of a partial output may stream as content: all of it until a call could have
+        begun (the constrained array is never content)."""
+        if self.constrained:
+            return 0
+        if not self.parses:
+            return len(text)
+        starts = ["<tool_call>"] if self.parser == "qwen25" else ["<|python_tag|>", "{"]
+        cut = len(text)
+        for start in starts:
+            at = text.find(start)
+            if at >= 0:
+                cut = min(cut, at)
+            for k in range(len(start) - 1, 0, -1):  # a partial marker at the end stays back
+                if text.endswith(start[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        if self.parser == "llama3" and text[:cut].strip() == "" and cut < len(text):
+            return 0
+        return cut
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    return {"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                             "parameters": function.get("parameters") or {"type": "object"}},
+            "required": ["name", "parameters"], "additionalProperties": False}
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _parse_array(text: str) -> tuple[str | None, list[ToolCall]]:
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return text, []  # cut short by max_tokens
+    if not isinstance(calls, list):
+        return text, []
+    return None, [ToolCall(c["name"], _arguments(c.get("parameters", c.get("arguments", {}))))
+                  for c in calls if isinstance(c, dict) and isinstance(c.get("name"), str)]
+
+
+_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _one_call(raw: str) -> ToolCall | None:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return ToolCall(obj["name"], _arguments(obj.get("arguments", obj.get("parameters", {}))))
+
+
+def _parse_qwen25(text: str) -> tuple[str | None, list[ToolCall]]:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = [c for c in (_one_call(m.group(1)) for m in _QWEN_CALL.finditer(text, start)) if c is not None]
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
+    body = text.replace("<|python_tag|>", "")
+    start = body.find("{")
+    if start < 0:
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, at = [], start
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            break
+        call = _one_call(json.dumps(obj))
+        if call is None:
+            break
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\n;":
+            at += 1
+    if not calls:
+        return text, []
+    content = body[:start].strip()
+    return content or None, calls
+
+
+def plan_tools(body: dict[str, Any], parser: str | None) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools); RequestError naming tools / tool_choice /
+    parallel_tool_calls when they are malformed."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of function tools", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise RequestError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise RequestError("tools holds two functions of the same name", "tools")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
+    function = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        named = choice.get("function") if choice.get("type") == "function" else None
+        function = named.get("name") if isinstance(named, dict) else None
+        if not isinstance(function, str):
+            raise RequestError("tool_choice must be none, auto, required or "
+                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if function not in names:
+            raise RequestError(f"tool_choice names {function!r}, which is not in tools", "tool_choice")
+        choice = "function"
+    elif choice not in ("none", "auto", "required"):
+        raise RequestError(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+                           "tool_choice")
+    if choice == "auto" and parser is None:
+        raise RequestError("tool_choice auto needs a server started with --tool-call-parser "
+                           f"({' or '.join(TOOL_CALL_PARSERS)}); use required or a named function", "tool_choice")
+    return ToolPlan(tools, choice, function, parallel is not False, parser, names)
