@@ -145,20 +145,19 @@ def ban_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.T
     return out
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """`logits` with -inf wherever a grammar forbids the token: bitmask [len(rows), ceil(vocab / 32)]
-    int32, bit i of word w allowing token 32 w + i of logits row rows[j]. Plain tensor ops, so
-    every rank (CPU or CUDA) masks the same entries; `logits` itself when no row is constrained."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Sets logits[r, t] to -inf, in place, for each r in `rows` whose bitmask row forbids token t:
+    bitmask [bs, ceil(vocab / 32)] int32, bit i of word w allowing token 32 w + i. Plain tensor
+    ops, so every rank (CPU or CUDA) masks the same entries; a grammar backend may bring a kernel
+    that does the same (GrammarBackend.apply_bitmask_inplace)."""
     if not rows:
-        return logits
+        return
     vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts.to(logits.device)) & 1).bool()
-    allowed = allowed.reshape(len(rows), -1)[:, :vocab]
-    out = logits.clone()
     index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
-    return out
+    words = bitmask.to(logits.device)[index]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    logits[index] = torch.where(allowed, logits[index], float("-inf"))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

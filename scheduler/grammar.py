@@ -49,12 +49,13 @@ def constrained_rows(reqs: Sequence[Req]) -> list[int]:
 
 
 def fill_bitmask(reqs: Sequence[Req], rows: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """[len(rows), ceil(vocab / 32)] int32: the tokens each constrained row may take next."""
-    bitmask = torch.full((len(rows), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    for j, i in enumerate(rows):
+    """[len(reqs), ceil(vocab / 32)] int32: the tokens each of `rows` may take next (the other
+    rows allow everything)."""
+    bitmask = torch.full((len(reqs), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    for i in rows:
         grammar = reqs[i].grammar
         assert grammar is not None
-        grammar.fill_bitmask(bitmask, j)
+        grammar.fill_bitmask(bitmask, i)
     return bitmask
 
 

@@ -23,7 +23,6 @@ from model_executor.sampler import (
     SamplingBatchInfo,
     apply_logit_bias,
     apply_penalties,
-    apply_token_bitmask,
     ban_tokens,
 )
 from scheduler.admission import BatchSelection
@@ -240,7 +239,8 @@ class Scheduler(BatchSelection):
         penalized = ban_tokens(penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs])
         rows = constrained_rows(batch.reqs)
         if rows:
-            penalized = apply_token_bitmask(penalized, fill_bitmask(batch.reqs, rows, self.runner.vocab_size), rows)
+            penalized = self.grammars.mask_logits(penalized, fill_bitmask(batch.reqs, rows, self.runner.vocab_size),
+                                                  rows)
         next_ids = self.runner.sample(penalized, info)
         self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
         if self.sync_token_ids or self._grammar_sync(bool(rows)):

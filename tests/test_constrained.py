@@ -151,13 +151,24 @@ def test_bad_response_formats_are_400s_and_the_server_keeps_serving(server: Serv
 
 def test_bitmask_masks_exactly_the_forbidden_tokens() -> None:
     logits = torch.randn(3, 70)
-    bitmask = torch.zeros(1, 3, dtype=torch.int32)
-    bitmask[0, 0] = 1 << 5
-    bitmask[0, 2] = (1 << 3) | -(2**31)  # token 67, and bit 31 (token 95) past the vocabulary
-    out = apply_token_bitmask(logits, bitmask, [1])
+    bitmask = torch.full((3, 3), -1, dtype=torch.int32)
+    bitmask[1] = torch.tensor([1 << 5, 0, (1 << 3) | -(2**31)])  # tokens 5 and 67; bit 31 (95) is past the vocabulary
+    bitmask[2] = 0  # forbids everything, but row 2 is not constrained
+    out = logits.clone()
+    apply_token_bitmask(out, bitmask, [1])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 67]
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
-    assert apply_token_bitmask(logits, bitmask[:0], []) is logits
+
+
+def test_the_backends_kernel_masks_as_the_sampler_does(grammars: LazyGrammarBackend) -> None:
+    backend = grammars.get("regex")
+    logits = torch.randn(5, 49152)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 1536), dtype=torch.int32)
+    reference, kernel = logits.clone(), logits.clone()
+    apply_token_bitmask(reference, bitmask, [0, 3, 4])
+    backend.apply_bitmask_inplace(kernel, bitmask, [0, 3, 4])
+    assert torch.equal(torch.isinf(reference), torch.isinf(kernel)) and torch.equal(reference, kernel)
+    assert torch.equal(kernel[1], logits[1])
 
 
 @pytest.fixture(scope="module")

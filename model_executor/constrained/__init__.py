@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import torch
+
 from model_executor.constrained.base import (
     GRAMMAR_KINDS,
     GrammarBackend,
@@ -67,3 +69,11 @@ class LazyGrammarBackend:
 
     def new_matcher(self, spec: GrammarSpec, tokens: Sequence[int] = ()) -> Matcher:
         return self.get(spec.kind).new_matcher(spec, tokens)
+
+    def mask_logits(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """A copy of `logits` with what the rows' grammars forbid at -inf (the raw logits stay for
+        logprobs). Only after a matcher was built, so the backend exists."""
+        assert self._backend is not None, "no matcher was built"
+        out = logits.float().clone()
+        self._backend.apply_bitmask_inplace(out, bitmask, rows)
+        return out

@@ -95,6 +95,13 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> Matcher:
         """A fresh matcher at the grammar's start."""
 
+    def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """-inf in logits[r] wherever bitmask[r] forbids a token, for r in rows (the sampler's
+        reference implementation unless the backend has a kernel that gives the same)."""
+        from model_executor.sampler import apply_token_bitmask
+
+        apply_token_bitmask(logits, bitmask, rows)
+
     def new_matcher(self, spec: GrammarSpec, tokens: Sequence[int] = ()) -> Matcher:
         matcher = self.matcher(self.compile(spec))
         if tokens:

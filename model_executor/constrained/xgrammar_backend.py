@@ -80,6 +80,13 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: Any) -> Matcher:
         return XGrammarMatcher(compiled)
 
+    def apply_bitmask_inplace(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        if logits.dtype != torch.float32 or not logits.is_contiguous():
+            return super().apply_bitmask_inplace(logits, bitmask, rows)
+        # its CPU / CUDA kernel: the same -inf entries as the sampler's tensor ops, several times faster
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1],
+                                              indices=list(rows))
+
 
 def _clean(detail: str) -> str:
     """xgrammar's messages start with '[hh:mm:ss] /project/cpp/file.cc:123: '; keep what follows."""
