@@ -123,3 +123,27 @@ def test_a_matcher_that_falls_behind_is_caught_and_named(model: Path, smollm2_di
         for rank in ("scheduler_TP0", "scheduler_TP1"):
             assert any("divergence" in line and rank in line for line in out.splitlines()), out[-4000:]
         assert re.search(r">> #\d+ grammar \(", out), out[-4000:]  # the first diverging event: a matcher's state
+
+
+def test_constrained_streams_survive_a_restart_with_their_matchers_rebuilt(model: Path, smollm2_dir: Path) -> None:
+    """--restart-on-failure: TP1 is SIGKILLed mid-stream; each replay rebuilds its matcher from the
+    tokens its client has, and every stream ends with its fault-free tokens, inside the grammar."""
+    from test_restart import streams_through_a_kill
+
+    grammars = [{"ebnf": 'root ::= ("ab" | "cd" | " ")+'},
+                {"json_schema": json.dumps({"type": "object", "properties": {"s": {"type": "string", "minLength": 999}},
+                                            "required": ["s"]})}]
+    bodies = [{"text": f"go {i}", "sampling_params": {"max_new_tokens": 96, "min_new_tokens": 96, "temperature": 0,
+                                                      **g}} for i, g in enumerate(grammars)]
+    with Server(*args(model, smollm2_dir, 2, "--restart-on-failure", "1")) as server:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            expected = [r.json() for r in pool.map(lambda b: server.generate(b, timeout=300), bodies)]
+        assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
+        results = streams_through_a_kill(server, bodies, "srt::scheduler_TP1")
+        out = server.output()
+        assert "restarting the engine" in out and "replayed 2 request(s)" in out, out[-3000:]
+        for (ids, text, _, meta), want in zip(results, expected):
+            assert ids == want["output_ids"] and text == want["text"], out[-3000:]
+            assert meta["finish_reason"]["type"] == "length" and len(ids) == 96
+        assert re.fullmatch(r"(ab|cd| )+", results[0][1]), results[0][1]
+        assert results[1][1].startswith('{"s":"')
