@@ -144,7 +144,7 @@ def _tool_choice_part(call: OpenAICall, out: dict[str, Any], progress: ChoicePro
         rest = content or ""
         message["content"] = (rest[len(progress.text):] if rest.startswith(progress.text) else "") if chunk else content
         if calls:
-            message["tool_calls"] = [c.to_json(i) for i, c in enumerate(calls)]
+            message["tool_calls"] = [c.to_json(i if chunk else None) for i, c in enumerate(calls)]
             if choice["finish_reason"] == "stop":
                 choice["finish_reason"] = "tool_calls"
         if chunk and not message["content"] and calls:

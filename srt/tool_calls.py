@@ -26,9 +26,11 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, serialized
 
-    def to_json(self, index: int) -> dict[str, Any]:
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "index": index, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+    def to_json(self, index: int | None = None) -> dict[str, Any]:
+        """OpenAI's tool call object; a stream's deltas also carry the call's index."""
+        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
 
 
 @dataclass
