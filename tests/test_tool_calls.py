@@ -169,3 +169,33 @@ def test_tool_plans_are_validated() -> None:
     with pytest.raises(RequestError) as info:
         plan_tools({"tools": TOOLS + TOOLS[:1]}, "qwen25")
     assert info.value.param == "tools"
+
+
+def test_auto_streams_content_until_a_call_begins_then_the_calls() -> None:
+    import asyncio
+
+    from srt.openai_api import stream_chunks
+    from srt.openai_parse import OpenAICall
+
+    plan = plan_tools({"tools": TOOLS}, "qwen25")
+    call = OpenAICall(True, {}, True, False, {}, tools=plan)
+    text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>'
+    cuts = [5, 14, 16, 40, len(text)]
+
+    async def outputs() -> Any:
+        for i, cut in enumerate(cuts):
+            finish = {"type": "stop", "matched": 2} if i == len(cuts) - 1 else None
+            yield {"text": text[:cut], "meta_info": {"id": "x", "finish_reason": finish}}
+
+    async def collect() -> list[dict[str, Any]]:
+        return [json.loads(c[6:]) for c in [chunk async for chunk in stream_chunks(call, outputs(), "m")]
+                if c.startswith(b"data: {")]
+
+    chunks = asyncio.run(collect())
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas).rstrip() == "Let me check."  # the space went out before the call
+    assert all("tool_calls" not in d for d in deltas[:-1])
+    (tool_call,) = deltas[-1]["tool_calls"]
+    assert tool_call["index"] == 0 and tool_call["function"]["name"] == "get_weather"
+    assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo", "days": 1}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
