@@ -56,8 +56,9 @@ class XGrammarBackend(GrammarBackend):
 
         self._json = json_options
         self._xgr = xgrammar
+        # the model's EOS ids end a grammar; without any, xgrammar takes the tokenizer's
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids))
+                                                       stop_token_ids=sorted(stop_token_ids) or None)
         # one thread: the ranks' torch threads already own the cores
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
 
