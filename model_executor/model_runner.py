@@ -24,7 +24,7 @@ from model_executor.distributed.parallel_state import ParallelState, get_paralle
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight
-from model_executor.layers.cpu_linear import check_quantization, pack_model
+from model_executor.layers.cpu_linear import check_quantization, pack_model, set_one_arithmetic
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
 from model_executor.models.base import CausalLM
@@ -47,6 +47,7 @@ class RunnerConfig:
     attention_backend: str = "auto"  # "torch_native" | "flashinfer" | "auto"
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
+    deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -95,6 +96,7 @@ class ModelRunner:
             with torch.device(self.device):
                 float32_model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
             load_weights(float32_model, iter_checkpoint(self.config.model_dir))
+        set_one_arithmetic(self.config.deterministic)
         packed = pack_model(self.model, self.config.quantization, float32_model)
         del float32_model
         if packed:
@@ -140,7 +142,14 @@ class ModelRunner:
             name = "torch_native"
         self.attn_backend: AttentionBackend
         if name == "torch_native":
-            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token)
+            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token,
+                                                       self.config.deterministic)
+            if self.config.deterministic:
+                native: TorchNativeAttnBackend = self.attn_backend
+                logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
+                            "or decode, in any batch" if native.decode_rows_extend else
+                            "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
+                            f"(this rank runs {self.config.dtype} on {self.device.type})")
         elif name == "flashinfer":
             from model_executor.attention.flashinfer_backend import FlashInferAttnBackend
 

@@ -78,6 +78,9 @@ class ServerArgs:
     enable_metrics: bool = False
     decode_log_interval: int = 40
     restart_on_failure: int = 0  # engine restarts allowed within restart_window (srt/recovery.py)
+    # One arithmetic for prefill and decode, whatever the batch (model_executor/attention/torch_native.py);
+    # on by itself with --restart-on-failure, whose replays rely on it (`deterministic`)
+    enable_deterministic_inference: bool = False
     restart_window: float = 300.0
     # Secrets (srt/guard.py): never in to_dict (/server_info) nor to_cli; a --dp-size replica gets
     # them through its environment (SECRET_ENV), not its command line, which `ps` shows.
@@ -113,6 +116,9 @@ class ServerArgs:
             raise ValueError(f"--restart-on-failure must be >= 0, got {self.restart_on_failure}")
         if self.restart_on_failure and self.nnodes > 1:
             raise ValueError("--restart-on-failure needs --nnodes 1 (a restart across nodes is not built)")
+        if self.enable_deterministic_inference and self.quantization == "gguf":
+            raise ValueError("--enable-deterministic-inference cannot hold with --quantization gguf: its decode "
+                             "steps of up to 12 rows run on the file's 4-bit blocks, prefills on a bf16 copy")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if not 0 < self.mem_fraction_static < 1:
@@ -151,6 +157,12 @@ class ServerArgs:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether the ranks run one arithmetic for prefill and decode: asked for, or needed by
+        --restart-on-failure's replays (which re-prefill tokens first decoded); never with gguf."""
+        return self.enable_deterministic_inference or (self.restart_on_failure > 0 and self.quantization != "gguf")
 
     @property
     def model_name(self) -> str:
@@ -254,6 +266,9 @@ class ServerArgs:
         a("--restart-on-failure", type=int, default=d["restart_on_failure"].default,
           help="when a rank or the detokenizer dies, restart the engine and replay the requests in flight, "
                "up to this many times within --restart-window (0: the server goes down)")
+        a("--enable-deterministic-inference", action="store_true",
+          help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: prefill "
+               "runs each token with decode's arithmetic (on by itself with --restart-on-failure)")
         a("--restart-window", type=float, default=d["restart_window"].default,
           help="seconds over which --restart-on-failure counts restarts")
         a("--api-key", default=None,
