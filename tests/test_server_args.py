@@ -29,6 +29,15 @@ def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
         ServerArgs.from_cli(argv)
 
 
+def test_deterministic_inference_is_asked_for_or_needed_by_restarts() -> None:
+    assert not ServerArgs.from_cli([]).deterministic
+    assert ServerArgs.from_cli(["--enable-deterministic-inference"]).deterministic
+    assert ServerArgs.from_cli(["--restart-on-failure", "2"]).deterministic  # its replays re-prefill decoded tokens
+    assert not ServerArgs.from_cli(["--restart-on-failure", "2", "--quantization", "gguf"]).deterministic
+    with pytest.raises(ValueError, match="--enable-deterministic-inference cannot hold with --quantization gguf"):
+        ServerArgs.from_cli(["--enable-deterministic-inference", "--quantization", "gguf"])
+
+
 def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNC_TOKEN_IDS_ACROSS_TP", "1")
     monkeypatch.setenv("SRT_ENABLE_RANK_CONSENSUS_CHECKER", "true")
