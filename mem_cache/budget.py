@@ -76,7 +76,7 @@ class KVBudget:
 
     def describe(self) -> str:
         ranks = f" per rank, {self.local_world_size} ranks on this host" if self.local_world_size > 1 else ""
-        return (f"KV cache budget: {self.num_bytes / GIB:.2f} GiB = {self.num_tokens} tokens{ranks} "
+        return (f"KV cache budget: {self.num_bytes / GIB:.3g} GiB = {self.num_tokens} tokens{ranks} "
                 f"({self.num_pages} pages of {self.page_size}, {self.bytes_per_token} B per token); "
                 f"bound by {self.bound}; change it with {self.flag}")
 

@@ -361,7 +361,7 @@ def test_cpu_budget_is_the_smaller_of_the_space_and_what_running_requests_can_ho
     assert default.num_tokens == 4 * GIB // 23040 == 186413  # not 0.8 of the host (about 660k tokens)
     assert default.flag == "--cpu-kvcache-space" and "4 GiB (the default)" in default.bound
     line = default.describe()
-    assert line.startswith("KV cache budget: 4.00 GiB = 186413 tokens") and "change it with --cpu-kvcache-space" in line
+    assert line.startswith("KV cache budget: 4 GiB = 186413 tokens") and "change it with --cpu-kvcache-space" in line
     small = kv_budget(**host, cpu_kvcache_space=0.25)
     assert small.num_tokens == GIB // 4 // 23040 and "--cpu-kvcache-space 0.25 GiB" in small.bound
     few = kv_budget(**{**host, "max_running_requests": 4, "context_length": 2048})
