@@ -151,7 +151,7 @@ class Scheduler(BatchSelection):
         elif req.seq_len + 1 > self.kv.max_total_tokens:
             self._finish(req, FinishReason("abort", message=(
                 f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
-                f"({self.kv.max_total_tokens} tokens); raise --max-total-tokens or --mem-fraction-static")))
+                f"({self.kv.max_total_tokens} tokens); raise {self.runner.kv_budget.flag}")))
         else:
             self.waiting.append(req)
 
