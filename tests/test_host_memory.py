@@ -103,6 +103,7 @@ def test_rss_stays_within_the_budget_and_outputs_are_unchanged(server: Server, w
     after = rank_rss(server)
     for name, rss in after.items():
         grown = rss - baseline[name]
+        print(f"{name}: baseline {baseline[name] / MB:.0f} MB, after the traffic +{grown / MB:.0f} MB")
         assert grown <= BUDGET_BYTES_PER_RANK + MARGIN, (
             f"{name} grew {grown / MB:.0f} MB over {sum(map(len, traffic))} distinct tokens; budget "
             f"{BUDGET_BYTES_PER_RANK / MB:.0f} MB + margin {MARGIN / MB:.0f} MB")
