@@ -98,6 +98,7 @@ class ModelRunner:
                 float32_model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
             load_weights(float32_model, iter_checkpoint(self.config.model_dir))
         set_one_arithmetic(self.config.deterministic)
+        self.parallel.tp.fixed_order_sum = self.config.deterministic
         packed = pack_model(self.model, self.config.quantization, float32_model)
         del float32_model
         if packed:
