@@ -124,9 +124,7 @@ class DataParallelController:
         self.replicas = []
         for rank, cpus in enumerate(groups):
             port = free_port()
-            # the host's memory is shared too: each replica sizes its KV cache from its share
-            argv = args.to_cli(dp_size=1, host="127.0.0.1", port=port,
-                               mem_fraction_static=args.mem_fraction_static / args.dp_size)
+            argv = args.to_cli(dp_size=1, host="127.0.0.1", port=port, **args.replica_memory_share(args.dp_size))
             self.replicas.append(Replica(rank, port, cpus, argv, secrets=args.secret_env()))
         self.router: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()

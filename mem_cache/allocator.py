@@ -1,9 +1,11 @@
 """Page allocator: which KV pages are free, and which slots a batch's new tokens get.
 
-Pages are handed out from the front of a sorted free list. Freed pages wait in a release list
-and are merged back (and the whole list re-sorted) only when the sorted list runs short, so a
-free costs no sort. The order depends only on the sequence of calls, so every rank that makes
-the same calls gets the same pages.
+The free pages are a stack: a page freed last (a finished request's, or one the prefix cache
+evicted) is handed out first. The pages in use then stay among the few recently touched ones, so
+on CPU the resident memory follows the working set instead of sweeping the whole pool before any
+page is reused (a fresh pool hands out 0, 1, 2, ...). Pages that stayed at the bottom of the
+stack are the ones to give back to the OS (`PagedKVPool.release_pages`). The order depends only
+on the sequence of calls, so every rank that makes the same calls gets the same pages.
 """
 
 from __future__ import annotations
@@ -34,15 +36,15 @@ class PageAllocator:
 
     def reset(self) -> None:
         """Mark every page free. Mutates all bookkeeping."""
-        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64, device=self.device)
-        self._released_pages: list[torch.Tensor] = []
-        self._num_released = 0
+        # _stack[:_top] are the free pages, the top (next out) last; fresh: N-1, ..., 1, 0
+        self._stack = torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64, device=self.device)
+        self._top = self.num_pages
         self._page_is_free = torch.ones(self.num_pages, dtype=torch.bool, device=self.device)
         self._num_used_pages = 0
 
     @property
     def num_free_pages(self) -> int:
-        return int(self._free_pages.numel()) + self._num_released
+        return self._top
 
     @property
     def num_free_tokens(self) -> int:
@@ -59,23 +61,21 @@ class PageAllocator:
         """
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        if n > self.num_free_pages:
+        if n > self._top:
             return None
-        if n > self._free_pages.numel():
-            self._merge_released()
-        pages = self._free_pages[:n]
-        self._free_pages = self._free_pages[n:]
+        pages = self._stack[self._top - n:self._top].flip(0)  # a copy: in the order they were freed
+        self._top -= n
         self._page_is_free[pages] = False
         self._num_used_pages += n
         return pages
 
-    def _merge_released(self) -> None:
-        self._free_pages = torch.sort(torch.cat([self._free_pages, *self._released_pages])).values
-        self._released_pages = []
-        self._num_released = 0
+    def free_page_ids(self) -> torch.Tensor:
+        """The free pages (a copy), the longest-free first. Mutates nothing."""
+        return self._stack[:self._top].clone()
 
     def free_pages(self, pages: torch.Tensor) -> None:
-        """Return `pages` (integer page ids) to the allocator. Mutates the free list.
+        """Return `pages` (integer page ids) to the top of the free stack: allocating as many
+        again gives them back in the same order. Mutates the free list.
 
         Raises ValueError, freeing nothing, if a page is out of range, repeated, or already free.
         """
@@ -92,10 +92,11 @@ class PageAllocator:
         already_free = pages[self._page_is_free[pages]]
         if already_free.numel() > 0:
             raise ValueError(f"pages {already_free.tolist()[:16]} are already free (double free)")
+        n = int(pages.numel())
         self._page_is_free[pages] = True
-        self._released_pages.append(pages.clone())
-        self._num_released += int(pages.numel())
-        self._num_used_pages -= int(pages.numel())
+        self._stack[self._top:self._top + n] = pages.flip(0)
+        self._top += n
+        self._num_used_pages -= n
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """Free the distinct pages that `slots` fall in (`slot // page_size`).
@@ -239,16 +240,11 @@ class PageAllocator:
 
         Mutates nothing. Raises KVIntegrityError naming every problem found and the counts.
         """
-        free = torch.cat([self._free_pages, *self._released_pages])
+        free = self._stack[:self._top]
         num_free, num_used = int(free.numel()), self._num_used_pages
         problems = []
         if num_free + num_used != self.num_pages:
             problems.append(f"free {num_free} + used {num_used} != total {self.num_pages}")
-        num_in_release_list = sum(int(pages.numel()) for pages in self._released_pages)
-        if num_in_release_list != self._num_released:
-            problems.append(
-                f"release count {self._num_released} != {num_in_release_list} pages in the release list"
-            )
         num_distinct = int(torch.unique(free).numel())
         if num_distinct != num_free:
             problems.append(f"free list holds {num_free - num_distinct} duplicate page(s)")

@@ -7,9 +7,26 @@ pool only stores tensors and knows nothing about requests.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import mmap
 from abc import ABC, abstractmethod
 
 import torch
+
+_MADV_DONTNEED = 4  # Linux
+
+
+@functools.cache
+def _madvise() -> object | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
 
 # Float8 tensors are stored as uint8 and viewed back on read: index_put/index_copy for float8 is
 # not implemented on every backend, while a byte copy always is.
@@ -127,3 +144,33 @@ class PagedKVPool(KVPool):
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def release_pages(self, pages: torch.Tensor) -> int:
+        """Give the host memory under free `pages` back to the OS: madvise(MADV_DONTNEED) on the
+        whole OS pages inside each run of consecutive KV pages, in every layer's K and V. Returns
+        the bytes released (0 off CPU or without madvise).
+
+        Mutates those slots' contents (they read as zeros afterwards, and are resident again once
+        written): pass only pages no request or cache entry holds. Changes no bookkeeping, so a
+        call can never change what a rank schedules.
+        """
+        madvise = _madvise()
+        if self.device.type != "cpu" or madvise is None or pages.numel() == 0:
+            return 0
+        ids = torch.sort(pages.reshape(-1).to(torch.int64)).values
+        breaks = torch.nonzero(ids[1:] - ids[:-1] != 1).reshape(-1) + 1
+        starts = torch.cat([ids[:1], ids[breaks]]).tolist()
+        ends = (torch.cat([ids[breaks - 1], ids[-1:]]) + 1).tolist()
+        slot_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        run_bytes = self.page_size * slot_bytes
+        os_page = mmap.PAGESIZE
+        runs = [(a * run_bytes, b * run_bytes) for a, b in zip(starts, ends) if (b - a) * run_bytes >= 2 * os_page]
+        released = 0
+        for buffer in (*self.k_buffer, *self.v_buffer):
+            base = buffer.data_ptr()
+            for lo, hi in runs:
+                first = -(-(base + lo) // os_page) * os_page
+                last = (base + hi) // os_page * os_page
+                if last > first and madvise(first, last - first, _MADV_DONTNEED) == 0:  # type: ignore[operator]
+                    released += last - first
+        return released

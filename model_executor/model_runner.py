@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mem_cache.allocator import PageAllocator
-from mem_cache.budget import kv_bytes_per_token, profile_num_pages
+from mem_cache.budget import KVBudget, kv_budget, kv_bytes_per_token
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
@@ -24,7 +24,7 @@ from model_executor.distributed.parallel_state import ParallelState, get_paralle
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
 from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight
-from model_executor.layers.cpu_linear import check_quantization, pack_model
+from model_executor.layers.cpu_linear import check_quantization, pack_model, set_one_arithmetic
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
 from model_executor.models.base import CausalLM
@@ -40,13 +40,15 @@ class RunnerConfig:
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
     page_size: int = 1
-    mem_fraction_static: float = 0.8
+    mem_fraction_static: float | None = None  # None: not given (mem_cache/budget.py has the rule)
     max_total_tokens: int | None = None
+    cpu_kvcache_space: float | None = None  # GiB for every rank of the host together; None: the default
     max_running_requests: int = 256
     context_length: int | None = None
     attention_backend: str = "auto"  # "torch_native" | "flashinfer" | "auto"
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
+    deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -95,6 +97,8 @@ class ModelRunner:
             with torch.device(self.device):
                 float32_model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
             load_weights(float32_model, iter_checkpoint(self.config.model_dir))
+        set_one_arithmetic(self.config.deterministic)
+        self.parallel.tp.fixed_order_sum = self.config.deterministic
         packed = pack_model(self.model, self.config.quantization, float32_model)
         del float32_model
         if packed:
@@ -118,12 +122,14 @@ class ModelRunner:
         num_layers, kv_heads, head_dim = self.model.kv_cache_layout()
         per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.config.dtype)
         page_size = self.config.page_size
-        # A request needs at most context_length tokens of KV; below one request's worth nothing can run.
-        self.num_pages = profile_num_pages(
-            device=self.device, mem_fraction_static=self.config.mem_fraction_static, bytes_per_token=per_token,
-            page_size=page_size, local_world_size=self.config.local_world_size,
-            max_total_tokens=self.config.max_total_tokens, cpu_group=self.parallel.world.cpu_group,
-        )
+        config = self.config
+        self.kv_budget: KVBudget = kv_budget(
+            device=self.device, bytes_per_token=per_token, page_size=page_size,
+            local_world_size=config.local_world_size, mem_fraction_static=config.mem_fraction_static,
+            max_total_tokens=config.max_total_tokens, cpu_kvcache_space=config.cpu_kvcache_space,
+            max_running_requests=config.max_running_requests, context_length=self.context_length,
+            cpu_group=self.parallel.world.cpu_group)
+        self.num_pages = self.kv_budget.num_pages
         self.max_total_tokens = self.num_pages * page_size
         self.max_running_requests = self.config.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + page_size,
@@ -131,8 +137,8 @@ class ModelRunner:
         self.kv_pool = PagedKVPool(self.num_pages, page_size, num_layers, kv_heads, head_dim,
                                    self.config.dtype, self.device)
         self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
-        logger.info("KV cache: %d tokens (%d pages of %d), %.1f MB; %d request slots", self.max_total_tokens,
-                    self.num_pages, page_size, self.max_total_tokens * per_token / 2**20, self.max_running_requests)
+        if self.parallel.world.is_first:
+            logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
     def _init_attention_backend(self) -> None:
         name = self.config.attention_backend
@@ -140,7 +146,14 @@ class ModelRunner:
             name = "torch_native"
         self.attn_backend: AttentionBackend
         if name == "torch_native":
-            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token)
+            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token,
+                                                       self.config.deterministic)
+            if self.config.deterministic:
+                native: TorchNativeAttnBackend = self.attn_backend
+                logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
+                            "or decode, in any batch" if native.decode_rows_extend else
+                            "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
+                            f"(this rank runs {self.config.dtype} on {self.device.type})")
         elif name == "flashinfer":
             from model_executor.attention.flashinfer_backend import FlashInferAttnBackend
 
@@ -195,5 +208,6 @@ class ModelRunner:
 
     def info(self) -> dict[str, Any]:
         return {"max_total_tokens": self.max_total_tokens, "num_pages": self.num_pages,
+                "kv_budget": self.kv_budget.describe(),
                 "page_size": self.config.page_size, "context_length": self.context_length,
                 "weight_bytes": self.weight_bytes, "vocab_size": self.vocab_size}

@@ -31,9 +31,11 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
     return RunnerConfig(
         model_dir=model_dir, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
         page_size=args.page_size, mem_fraction_static=args.mem_fraction_static,
-        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens, cpu_kvcache_space=args.cpu_kvcache_space,
+        max_running_requests=args.max_running_requests,
         context_length=args.context_length, attention_backend=args.attention_backend,
-        local_world_size=args.ranks_per_node, quantization=args.quantization)
+        local_world_size=args.ranks_per_node, quantization=args.quantization,
+        deterministic=args.deterministic)
 
 
 def start_watchdogs(args: ServerArgs, scheduler: Scheduler, name: str) -> list[Watchdog]:

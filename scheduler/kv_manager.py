@@ -7,6 +7,8 @@ Ownership: a request owns req_to_token[row, cached_len:kv_len]; the prefix cache
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
@@ -16,12 +18,15 @@ from mem_cache.radix_cache import BasePrefixCache, MatchResult
 from model_executor.model_runner import ModelRunner
 from scheduler.req import Req
 
+logger = logging.getLogger("srt.scheduler")
+
 
 class KVManager:
     def __init__(self, runner: ModelRunner, tree_cache: BasePrefixCache) -> None:
         self.req_to_token_pool = runner.req_to_token_pool
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.allocator = runner.allocator
+        self.kv_pool = runner.kv_pool
         self.tree_cache = tree_cache
         self.page_size = runner.config.page_size
         self.max_total_tokens = runner.max_total_tokens
@@ -119,9 +124,30 @@ class KVManager:
         req.req_pool_idx, req.last_node = None, None
         req.kv_len = req.cached_len = 0
 
+    @rank_consensus(args=("evict",), result=True, name="release_memory")
+    def release_memory(self, *, evict: bool) -> int:
+        """Gives the free pages' host memory back to the OS, after evicting every unlocked cache
+        entry when `evict`; returns the bytes released. Called on every rank in the same iteration
+        (a broadcast message asks), though only the eviction changes what a rank schedules."""
+        start = time.perf_counter()
+        evicted = self._evict(self.tree_cache.evictable_size()) if evict else 0
+        released = self.kv_pool.release_pages(self.allocator.free_page_ids())
+        logger.info("KV memory released to the OS: %.1f MB in %.1f ms (%d cached tokens evicted, %d pages free)",
+                    released / 2**20, (time.perf_counter() - start) * 1e3, evicted, self.allocator.num_free_pages)
+        return evicted
+
+    def page_counts(self) -> dict[str, int]:
+        """KV pages free, allocated, and held by the prefix cache (some of those also by running
+        requests; the other allocated pages belong to running requests alone)."""
+        return {"free_pages": self.allocator.num_free_pages, "used_pages": self.allocator.num_used_pages,
+                "cached_pages": self.tree_cache.total_size() // self.page_size}
+
     def stats(self, live: list[Req]) -> dict[str, Any]:
         return {
             "max_total_tokens": self.max_total_tokens,
+            "page_size": self.page_size,
+            "num_pages": self.allocator.num_pages,
+            **self.page_counts(),
             "free_tokens": self.allocator.num_free_tokens,
             "cached_tokens": self.tree_cache.total_size(),
             "evictable_tokens": self.tree_cache.evictable_size(),

@@ -93,8 +93,10 @@ def attach_logprobs(out: BatchTokenIDOut, req: Req) -> None:
         out.output_logprobs.append(None)
         out.input_logprobs.append(None)
         return
-    lp, start = req.output_logprobs, req.sent_len - req.resumed_len  # a replay's first ones are sent already
-    out.output_logprobs.append(TokenLogprobs(lp.values[start:], lp.token_ids[start:], lp.top[start:]))
+    # Those of the tokens this message sends: a replay's first ones were sent already, and a pipeline
+    # stage records a token's logprob at launch, before the token itself is appended.
+    lp, start, end = req.output_logprobs, req.sent_len - req.resumed_len, len(req.output_ids) - req.resumed_len
+    out.output_logprobs.append(TokenLogprobs(lp.values[start:end], lp.token_ids[start:end], lp.top[start:end]))
     out.input_logprobs.append(_prompt_logprobs(req) if req.logprob_start_len >= 0 and req.sent_len == 0 else None)
 
 

@@ -47,6 +47,7 @@ from srt.io_struct import (
     FlushCacheReq,
     GetInternalStateReq,
     GetLoadReq,
+    ReleaseMemoryReq,
     TokenizedGenerateReq,
 )
 from srt.metrics import RankMetrics
@@ -132,7 +133,11 @@ class Scheduler(BatchSelection):
                 ok = not self.has_work()
                 if ok:
                     self.tree_cache.reset()
+                    self.kv.release_memory(evict=False)  # every page is free now
                 self._reply(ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"}))
+            elif isinstance(msg, ReleaseMemoryReq):
+                logger.warning("releasing KV memory: %s", msg.reason)
+                self.kv.release_memory(evict=True)
             elif isinstance(msg, GetInternalStateReq):
                 self._reply(ControlReply(msg.request_id, True, self.internal_state()))
             elif isinstance(msg, GetLoadReq):
@@ -159,7 +164,7 @@ class Scheduler(BatchSelection):
         elif req.seq_len + 1 > self.kv.max_total_tokens:
             self._finish(req, FinishReason("abort", message=(
                 f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
-                f"({self.kv.max_total_tokens} tokens); raise --max-total-tokens or --mem-fraction-static")))
+                f"({self.kv.max_total_tokens} tokens); raise {self.runner.kv_budget.flag}")))
         else:
             self.waiting.append(req)
 
@@ -329,7 +334,8 @@ class Scheduler(BatchSelection):
     def _load(self) -> LoadSnapshot:
         available = self.kv.available_tokens()
         return LoadSnapshot(running=len(self.running) + (self.chunked_req is not None), waiting=len(self.waiting),
-                            used_tokens=self.kv.max_total_tokens - available, max_total_tokens=self.kv.max_total_tokens)
+                            used_tokens=self.kv.max_total_tokens - available, max_total_tokens=self.kv.max_total_tokens,
+                            **self.kv.page_counts())
 
     def load_report(self) -> dict[str, int]:
         """SGLang's load fields: requests running and waiting, and the KV tokens they hold or will

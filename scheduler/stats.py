@@ -32,6 +32,9 @@ class LoadSnapshot:
     waiting: int
     used_tokens: int  # KV held by requests (neither free nor evictable cache)
     max_total_tokens: int
+    free_pages: int = 0  # KV pages: free, held by the prefix cache, allocated (cached or requests')
+    cached_pages: int = 0
+    used_pages: int = 0
 
     @property
     def token_usage(self) -> float:
@@ -167,4 +170,6 @@ class SchedulerStats:
             return
         load = self.load()
         self.metrics.set(num_running_reqs=load.running, num_queue_reqs=load.waiting, num_used_tokens=load.used_tokens,
-                         token_usage=load.token_usage, cache_hit_rate=self.cache_hit_rate)
+                         token_usage=load.token_usage, cache_hit_rate=self.cache_hit_rate,
+                         kv_free_pages=load.free_pages, kv_cached_pages=load.cached_pages,
+                         kv_used_pages=load.used_pages)

@@ -2,7 +2,7 @@
 
     python scripts/bench_one_batch.py --batch-size 1 32 --input-len 128 --output-len 32 \\
         [--tp-size N] [--model-path P] [--dtype D] [--quantization w8a8_int8] [--compare-transformers]
-        [--compare-llama-cpp [GGUF]]
+        [--compare-llama-cpp [GGUF]] [--compare-deterministic]
         [--warmup N] [--runs N] [--json PATH]
 
 For each batch size: seeded random prompts of `input_len` tokens, one extend step for the whole
@@ -23,6 +23,10 @@ CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_
 batch 1: the prompt evaluated in one call, then `output_len` greedy single-token steps. Its
 weights are 4-bit there, so its decode reads a third of srt's bf16 bytes.
 
+--compare-deterministic (tp 1) times a second runner with --enable-deterministic-inference (every
+prompt token on the decode attention kernel, no fused decode layers) on the same prompts, its runs
+alternating with the default's, and prints the ratios.
+
 At tp 1 the script also prints the prefill compute bound: the machine's bf16 matmul rate (a
 square matmul with torch's threads, best of 5, 2048 wide unless that would take long) over 2 x (parameters outside the embedding and
 LM head) FLOPs per prompt token, and the share of it srt's best prefill reaches.
@@ -40,7 +44,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -54,7 +58,7 @@ import torch  # noqa: E402
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
 from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight  # noqa: E402
-from model_executor.layers.cpu_linear import QUANTIZATIONS  # noqa: E402
+from model_executor.layers.cpu_linear import QUANTIZATIONS, set_one_arithmetic  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
 from model_executor.sampler import SamplingBatchInfo  # noqa: E402
@@ -145,6 +149,15 @@ def srt_timer(runner: ModelRunner, spec: BenchSpec, bs: int) -> Callable[[], Tim
     def once() -> Timing:
         prefill_s, step_s = run_batch(runner, prompts, spec.output_len)
         return prefill_s, statistics.median(step_s)
+
+    return once
+
+
+def switched(timer: Callable[[], Timing], one_arithmetic: bool) -> Callable[[], Timing]:
+    """`timer` with the process's linear-layer choice for its runner (two runners share a process)."""
+    def once() -> Timing:
+        set_one_arithmetic(one_arithmetic)
+        return timer()
 
     return once
 
@@ -402,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare-transformers", action="store_true")
     parser.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
                         help="also time llama.cpp at batch 1 (default GGUF: the bundled SmolLM2)")
+    parser.add_argument("--compare-deterministic", action="store_true",
+                        help="also time --enable-deterministic-inference, alternating with the default (tp 1)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "tp_size", "runs"):
@@ -409,6 +424,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.batch_size) < 1:
         parser.error(f"--batch-size values must be >= 1, got {args.batch_size}")
+    if args.compare_deterministic and args.tp_size != 1:
+        parser.error("--compare-deterministic runs at --tp-size 1")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
@@ -432,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                           local_world_size=args.tp_size, quantization=args.quantization)
     hf: list[BatchResult] = []
     llama: list[BatchResult] = []
+    det: list[BatchResult] = []
     weight_bytes = num_params = 0
     bandwidth = 0.0  # bytes/s, measured with the batch-1 runs
     llm = None
@@ -447,9 +465,12 @@ def main(argv: list[str] | None = None) -> None:
         num_params = sum(p.numel() for name, p in runner.model.named_parameters()
                          if "embed_tokens" not in name and "lm_head" not in name)
         hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
+        det_runner = ModelRunner(replace(config, deterministic=True)) if args.compare_deterministic else None
         srt = []
         for bs in spec.batch_sizes:
-            timers = [srt_timer(runner, spec, bs)]
+            timers = [switched(srt_timer(runner, spec, bs), False)]
+            if det_runner is not None:
+                timers.append(switched(srt_timer(det_runner, spec, bs), True))
             if hf_model is not None:
                 timers.append(transformers_timer(hf_model, spec, bs))
             if llm is not None and bs == 1:
@@ -459,8 +480,9 @@ def main(argv: list[str] | None = None) -> None:
             results = measure(timers, spec, bs)
             if bs == 1:
                 bandwidth = PROBE_BYTES / results.pop().prefill_s  # the best of its runs
-            srt.append(results[0])
-            hf += results[1:2] if hf_model is not None else []
+            srt.append(results.pop(0))
+            det += [results.pop(0)] if det_runner is not None else []
+            hf += results[:1] if hf_model is not None else []
             llama += results[-1:] if llm is not None and bs == 1 else []
     else:
         srt = bench_srt_tp(config, spec, args.tp_size)
@@ -495,6 +517,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(compute_bound_line(num_params, flops, best_prefill))
         report["prefill_compute_bound_tok_s"] = (flops if int8_ops is None else int8_ops) / (2 * num_params)
+    if det:
+        print(format_table("srt --enable-deterministic-inference", det, "median"))
+        report["deterministic"] = [r.to_json() for r in det]
+        report["ratios_deterministic"] = ratios(det, srt)
+        for ratio in report["ratios_deterministic"]:
+            print(f"deterministic / default (batch {ratio['batch_size']}): prefill {ratio['prefill']:.2f}x, "
+                  f"decode {ratio['decode']:.2f}x")
     if args.compare_transformers:
         print(format_table("transformers generate", hf, "mean"))
         report["transformers"] = [r.to_json() for r in hf]

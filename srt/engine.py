@@ -163,7 +163,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, *, tp_size: int = 1, dtype: str = "auto",
                  device: str = "cpu", page_size: int = 1, max_total_tokens: int | None = None,
-                 mem_fraction_static: float = 0.8, max_running_requests: int = 256, random_seed: int = 0,
+                 mem_fraction_static: float | None = None, max_running_requests: int = 256, random_seed: int = 0,
                  max_prefill_tokens: int = 4096, context_length: int | None = None,
                  start_timeout_s: float = 300.0, quantization: str | None = None) -> None:
         self.model_dir = resolve_model_path(model_path)

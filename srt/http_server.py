@@ -230,7 +230,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
             state = await tm.get_internal_state()
         except ServiceUnavailableError as error:
             return error_response(503, str(error))
-        return JSONResponse({**server_info, "internal_states": [state]})
+        return JSONResponse({**server_info, "internal_states": [state], "memory": tm.memory_report()})
 
     @app.get("/get_load")
     async def get_load() -> Response:

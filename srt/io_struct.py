@@ -50,6 +50,15 @@ class FlushCacheReq:
 
 
 @dataclass
+class ReleaseMemoryReq:
+    """The host is short of memory (the front end's reading: srt/memory_watch.py). Every rank, in
+    the same iteration, evicts its unlocked prefix cache and gives the free KV pages' memory back
+    to the OS. No reply."""
+
+    reason: str
+
+
+@dataclass
 class GetInternalStateReq:
     request_id: str  # echoed in ControlReply
 

@@ -251,7 +251,7 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
                              lambda: render_rank_metrics(metrics_dir(plan.port_args))).start()
             threading.Event().wait()  # until a signal, or the Supervisor ends the process
         remote = RemoteMetrics(plan.rendezvous, args.nnodes) if args.enable_metrics and args.nnodes > 1 else None
-        return serve(plan, merge_model_info(plan, infos), frontend, remote)
+        return serve(plan, merge_model_info(plan, infos), frontend, remote, children)
     except LaunchError as e:
         logger.error("launch failed: %s", e)
         farewell = f"node {args.node_rank} failed to start: {e}"
@@ -275,12 +275,14 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
 
 
 def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend,
-          remote_metrics: RemoteMetrics | None = None) -> int:
+          remote_metrics: RemoteMetrics | None = None, children: list[ChildProcess] | None = None) -> int:
     from srt.http_server import create_app, run_http_server
     from srt.tokenizer_manager import TokenizerManager
 
     args = plan.server_args
     frontend.tm = TokenizerManager(args, plan.port_args, plan.tokenizer_path, model_info)
+    kids = children if children is not None else []  # an engine restart replaces its items in place
+    frontend.tm.processes = lambda: [("main", os.getpid())] + [(child.name, child.pid) for child in kids]
     if remote_metrics is not None and frontend.tm.metrics is not None:
         frontend.tm.metrics.nodes.remote = remote_metrics.texts
     server_info = {**args.to_dict(), **model_info, "model_dir": plan.model_dir,

@@ -20,7 +20,10 @@ Two sources, one page:
   grammar in the batch). The output rank:
   `srt:num_running_reqs`, `srt:num_queue_reqs`, `srt:num_used_tokens`, `srt:token_usage` (KV held
   by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens served from the prefix cache /
-  prompt tokens, since start), `srt:gen_throughput` (tokens/s, at the last decode stats log).
+  prompt tokens, since start), `srt:gen_throughput` (tokens/s, at the last decode stats log),
+  `srt:kv_free_pages`, `srt:kv_cached_pages`, `srt:kv_used_pages`.
+- The front end also reads, when scraped, `srt:process_resident_memory_bytes{process}` of every
+  process of node 0 and `srt:host_available_memory_bytes` (srt/memory_watch.py).
 
 Each node's ranks write under that node's ipc directory; the other nodes' launchers publish
 theirs in the rendezvous store (launcher/metrics_relay.py) and node 0's /metrics merges them in,
@@ -95,7 +98,9 @@ class RankMetrics:
                   "num_used_tokens": "KV cache tokens held by requests",
                   "token_usage": "Fraction of the KV cache held by requests",
                   "cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens, since start",
-                  "gen_throughput": "Generated tokens per second, at the last decode stats log"}
+                  "gen_throughput": "Generated tokens per second, at the last decode stats log",
+                  "kv_free_pages": "KV pages free", "kv_cached_pages": "KV pages held by the prefix cache",
+                  "kv_used_pages": "KV pages allocated (prefix cache and running requests)"}
         self.gauges = {name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent") for name, doc in gauges.items()}
 
     def step(self) -> None:

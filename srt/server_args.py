@@ -23,11 +23,20 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sg
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
 
 
+DEFAULT_MEM_FRACTION_STATIC = 0.8
+DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
+
 SECRET_ENV = {"api_key": "SRT_API_KEY", "admin_api_key": "SRT_ADMIN_API_KEY"}  # field -> environment variable
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_gib(name: str) -> float | None:
+    """vLLM's VLLM_CPU_KVCACHE_SPACE: GiB; unset or 0 means its default."""
+    value = float(os.environ.get(name) or 0)
+    return value if value > 0 else None
 
 
 def _env_timeout(name: str) -> float | None:
@@ -54,8 +63,11 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 300.0
-    mem_fraction_static: float = 0.8
+    mem_fraction_static: float | None = None  # None: 0.8 on CUDA; on CPU the KV space applies (mem_cache/budget.py)
     max_total_tokens: int | None = None
+    # GiB of KV for this server's ranks on the host together (vLLM's CPU knob); None: 4, or as below
+    cpu_kvcache_space: float | None = field(default_factory=lambda: _env_gib("VLLM_CPU_KVCACHE_SPACE"))
+    min_available_memory: float = 1.0  # GiB of host RAM available below which the front end sheds load; 0: off
     max_running_requests: int = 128
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int = 2048
@@ -84,6 +96,9 @@ class ServerArgs:
     enable_metrics: bool = False
     decode_log_interval: int = 40
     restart_on_failure: int = 0  # engine restarts allowed within restart_window (srt/recovery.py)
+    # One arithmetic for prefill and decode, whatever the batch (model_executor/attention/torch_native.py);
+    # on by itself with --restart-on-failure, whose replays rely on it (`deterministic`)
+    enable_deterministic_inference: bool = False
     restart_window: float = 300.0
     # Secrets (srt/guard.py): never in to_dict (/server_info) nor to_cli; a --dp-size replica gets
     # them through its environment (SECRET_ENV), not its command line, which `ps` shows.
@@ -119,10 +134,19 @@ class ServerArgs:
             raise ValueError(f"--restart-on-failure must be >= 0, got {self.restart_on_failure}")
         if self.restart_on_failure and self.nnodes > 1:
             raise ValueError("--restart-on-failure needs --nnodes 1 (a restart across nodes is not built)")
+        if self.enable_deterministic_inference and self.quantization == "gguf":
+            raise ValueError("--enable-deterministic-inference cannot hold with --quantization gguf: its decode "
+                             "steps of up to 12 rows run on the file's 4-bit blocks, prefills on a bf16 copy")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
-        if not 0 < self.mem_fraction_static < 1:
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.cpu_kvcache_space is not None:
+            if not self.cpu_kvcache_space > 0:
+                raise ValueError(f"--cpu-kvcache-space must be positive (GiB), got {self.cpu_kvcache_space}")
+        if not self.min_available_memory >= 0:
+            raise ValueError(f"--min-available-memory must be >= 0 (GiB; 0 turns it off), got "
+                             f"{self.min_available_memory}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside [0, --nnodes {self.nnodes})")
         if (self.tp_size * self.pp_size) % self.nnodes != 0:
@@ -163,10 +187,33 @@ class ServerArgs:
         return self.world_size // self.nnodes
 
     @property
+    def deterministic(self) -> bool:
+        """Whether the ranks run one arithmetic for prefill and decode: asked for, or needed by
+        --restart-on-failure's replays (which re-prefill tokens first decoded); never with gguf."""
+        return self.enable_deterministic_inference or (self.restart_on_failure > 0 and self.quantization != "gguf")
+
+    @property
     def model_name(self) -> str:
         """The name the API answers with (`model` of the OpenAI routes): --served-model-name, else
         --model-path as given (SGLang's default), else the bundled model's name."""
         return self.served_model_name or self.model_path or DEFAULT_MODEL_NAME
+
+    @property
+    def uses_cpu_kvcache_space(self) -> bool:
+        """The KV space bounds the pool (mem_cache/budget.py): on CPU, unless --mem-fraction-static or
+        --max-total-tokens is given without --cpu-kvcache-space."""
+        explicit = self.mem_fraction_static is not None or self.max_total_tokens is not None
+        return self.device == "cpu" and (self.cpu_kvcache_space is not None or not explicit)
+
+    def replica_memory_share(self, replicas: int) -> dict[str, float]:
+        """The memory flags of one of `replicas` servers on this host (--dp-size): each gets its
+        share of the KV space, or of --mem-fraction-static (given, or CUDA's default)."""
+        share: dict[str, float] = {}
+        if self.uses_cpu_kvcache_space:
+            share["cpu_kvcache_space"] = (self.cpu_kvcache_space or DEFAULT_CPU_KVCACHE_SPACE_GIB) / replicas
+        if self.mem_fraction_static is not None or self.device != "cpu":
+            share["mem_fraction_static"] = (self.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC) / replicas
+        return share
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, the secrets masked (this is what /server_info shows)."""
@@ -231,8 +278,17 @@ class ServerArgs:
         a("--node-rank", type=int, default=0)
         a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// ")
         a("--dist-timeout", type=float, default=d["dist_timeout"].default)
-        a("--mem-fraction-static", type=float, default=d["mem_fraction_static"].default)
-        a("--max-total-tokens", type=int, default=None)
+        a("--mem-fraction-static", type=float, default=None,
+          help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
+               "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space")
+        a("--max-total-tokens", type=int, default=None,
+          help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space")
+        a("--cpu-kvcache-space", type=float, default=None,
+          help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
+               "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)")
+        a("--min-available-memory", type=float, default=d["min_available_memory"].default,
+          help="GiB: while the host has less RAM available, new requests get 503 and the prefix cache is "
+               "evicted and given back to the OS (0: off)")
         a("--max-running-requests", type=int, default=d["max_running_requests"].default)
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
@@ -272,6 +328,9 @@ class ServerArgs:
         a("--restart-on-failure", type=int, default=d["restart_on_failure"].default,
           help="when a rank or the detokenizer dies, restart the engine and replay the requests in flight, "
                "up to this many times within --restart-window (0: the server goes down)")
+        a("--enable-deterministic-inference", action="store_true",
+          help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: prefill "
+               "runs each token with decode's arithmetic (on by itself with --restart-on-failure)")
         a("--restart-window", type=float, default=d["restart_window"].default,
           help="seconds over which --restart-on-failure counts restarts")
         a("--api-key", default=None,
@@ -295,6 +354,9 @@ class ServerArgs:
         cls.add_cli_args(parser)
         ns = vars(parser.parse_args(argv))
         ns = {k: v for k, v in ns.items() if v is not None or k in ("model_path",)}
+        if ns.get("cpu_kvcache_space") is not None and ns.get("device") != "cpu":
+            raise ValueError("--cpu-kvcache-space sizes the KV cache on --device cpu; on CUDA use "
+                             "--mem-fraction-static or --max-total-tokens")
         return cls(**ns)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -32,8 +33,24 @@ from transformers import AutoTokenizer
 
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from srt.generate_parse import GenerateCall, GenerateParser, RequestError
-from srt.io_struct import AbortReq, BatchStrOut, ControlReply, FlushCacheReq, GetInternalStateReq, GetLoadReq
+from srt.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    ControlReply,
+    FlushCacheReq,
+    GetInternalStateReq,
+    GetLoadReq,
+    ReleaseMemoryReq,
+)
 from srt.logprob_meta import LogprobMeta
+from srt.memory_watch import (
+    GIB,
+    POLL_S,
+    MemoryWatch,
+    ProcessMemoryCollector,
+    available_memory,
+    process_memory,
+)
 from srt.metrics import FrontendMetrics, metrics_dir
 from srt.recovery import FrontendRecovery
 from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
@@ -76,6 +93,12 @@ class TokenizerManager(FrontendRecovery):
         self._send_sock: zmq.asyncio.Socket | None = None
         self._recv_sock: zmq.asyncio.Socket | None = None
         self._handle_task: asyncio.Task[None] | None = None
+        self.memory_watch = MemoryWatch(int(server_args.min_available_memory * GIB))
+        self._memory_task: asyncio.Task[None] | None = None
+        # (name, pid) of this node's processes; launch_server sets the children's (restarts replace them)
+        self.processes: Callable[[], list[tuple[str, int]]] = lambda: [("main", os.getpid())]
+        if self.metrics is not None:
+            self.metrics.registry.register(ProcessMemoryCollector(lambda: self.processes()))
 
     @property
     def refusal(self) -> str | None:
@@ -114,6 +137,15 @@ class TokenizerManager(FrontendRecovery):
             self._recovered.set()
         self._zmq = zmq.asyncio.Context()
         self._open_sockets()
+        if self.memory_watch.threshold > 0:
+            self._memory_task = loop.create_task(self._watch_memory())
+
+    async def _watch_memory(self) -> None:
+        """srt/memory_watch.py: the one reading of host memory that decides anything."""
+        while True:
+            if self.memory_watch.poll(time.monotonic()) and self.failure is None:
+                self._send_nowait(ReleaseMemoryReq(self.memory_watch.pressure or ""))
+            await asyncio.sleep(POLL_S)
 
     def _open_sockets(self) -> None:
         assert self._zmq is not None and self._loop is not None
@@ -125,6 +157,10 @@ class TokenizerManager(FrontendRecovery):
         self._handle_task = self._loop.create_task(self.handle_loop())
 
     async def close(self) -> None:
+        if self._memory_task is not None:
+            self._memory_task.cancel()
+            await asyncio.gather(self._memory_task, return_exceptions=True)
+            self._memory_task = None
         if self._handle_task is not None:
             self._handle_task.cancel()
             await asyncio.gather(self._handle_task, return_exceptions=True)
@@ -169,6 +205,8 @@ class TokenizerManager(FrontendRecovery):
         """Validate and tokenize a /generate body. Raises RequestError (400) or ServiceUnavailableError."""
         if self.refusal is not None:
             raise ServiceUnavailableError(self.refusal)
+        if self.memory_watch.pressure is not None:
+            raise ServiceUnavailableError(self.memory_watch.pressure)
         if self.recovering is not None and self.held_back >= self.max_held_back:
             raise ServiceUnavailableError(f"recovering: {self.recovering}; {self.held_back} requests are "
                                           "waiting already")
@@ -288,6 +326,11 @@ class TokenizerManager(FrontendRecovery):
         finish = out["meta_info"]["finish_reason"]
         if finish is None or finish["type"] == "abort":
             raise ServiceUnavailableError(f"health generation ended with finish_reason {finish}")
+
+    def memory_report(self) -> dict[str, Any]:
+        """/server_info's "memory": each process's resident bytes and the host's available memory."""
+        return {"processes": process_memory(self.processes()), "host_available_bytes": available_memory(),
+                "min_available_memory_bytes": self.memory_watch.threshold, "pressure": self.memory_watch.pressure}
 
     # ---- control ----
     async def flush_cache(self, timeout: float = 10.0) -> ControlReply:

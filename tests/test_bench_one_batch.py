@@ -20,17 +20,20 @@ def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[st
     out_json = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1", "2",
-         "--input-len", "8", "--output-len", "4", "--compare-transformers", "--json", str(out_json)],
+         "--input-len", "8", "--output-len", "4", "--compare-transformers", "--compare-deterministic",
+         "--json", str(out_json)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "srt (tp=1)" in out and "transformers generate" in out
-    assert len(re.findall(r"batch size \| prefill tok/s \| decode tok/s \| +decode ms/step", out)) == 2, out
+    assert "srt (tp=1)" in out and "transformers generate" in out and "srt --enable-deterministic-inference" in out
+    assert len(re.findall(r"batch size \| prefill tok/s \| decode tok/s \| +decode ms/step", out)) == 3, out
     for bs in (1, 2):
         assert re.search(rf"^\s+{bs} \|\s+[\d.]+ \|\s+[\d.]+ \|\s+[\d.]+$", out, re.MULTILINE), out
         for phase in ("prefill", "decode"):
             assert re.search(rf"^ratio vs transformers \(batch {bs} {phase}\): \d+\.\d\dx$", out, re.MULTILINE), out
+        assert re.search(rf"^deterministic / default \(batch {bs}\): prefill \d+\.\d\dx, decode \d+\.\d\dx$", out,
+                         re.MULTILINE), out
 
     floor = re.search(r"^weight-bandwidth floor \(batch 1 decode\): ([\d.]+) ms/step = \d+ steps/s \((\d+) MB of "
                       r"weights at ([\d.]+) GB/s, the read bandwidth measured between srt's runs\); srt batch-1 decode at "
@@ -44,7 +47,7 @@ def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[st
     assert (report["input_len"], report["output_len"], report["dtype"]) == (8, 4, "bfloat16")
     assert report["read_bandwidth_bytes_per_s"] > 1e8 and report["weight_bytes"] > 0
     assert report["matmul_flops"] > 1e9 and report["prefill_compute_bound_tok_s"] > 0
-    for engine in ("srt", "transformers"):
+    for engine in ("srt", "transformers", "deterministic"):
         assert [r["batch_size"] for r in report[engine]] == [1, 2]
         for row in report[engine]:
             for key in ("prefill_tok_s", "decode_tok_s", "decode_ms_per_step"):

@@ -296,7 +296,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     if arch == "qwen3":  # q/k norm: the layer runs op by op, each op a kernel
         assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
         assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
-    elif len(lens) > cpu.FUSED_DECODE_MAX_BATCH and not cpu.bf16_linear_available():  # op by op, each op a kernel
+    elif not cpu.bf16_linear_available():  # op by op, each op a kernel (srt_gemv's plain loops lose here)
         assert calls["decode_attention"] == layers * 6 and "decode_layers" not in calls
     else:  # one rank: each decode layer is one fused kernel call; prefill runs op by op
         assert calls["decode_layers"] == 6 and "decode_attention" not in calls  # every layer, once a step

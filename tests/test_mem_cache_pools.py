@@ -22,6 +22,8 @@ from mem_cache import (
     kv_bytes_per_token,
     profile_num_pages,
 )
+from mem_cache.budget import kv_budget
+from srt.server_args import ServerArgs
 
 # ---------------------------------------------------------------- ReqToTokenPool
 
@@ -69,20 +71,19 @@ def test_alloc_extend_page_size_1_prefill_then_decode() -> None:
 
 def test_decode_step_takes_one_free_page_per_request_in_request_order() -> None:
     """One new token per request on one-token pages (every decode step): request i gets the i-th
-    page the free list hands out, freed pages included, written at its own position."""
+    page the free stack hands out, the pages freed last first, written at its own position."""
     alloc = PageAllocator(num_pages=12, page_size=1)
     req_to_token = torch.zeros((4, 10), dtype=torch.int64)
     first = alloc.alloc_extend(req_to_token, [0, 1, 3], [0, 0, 0], [2, 4, 3])
     assert first is not None and first.tolist() == list(range(9))
-    alloc.free_slots(req_to_token[1, :4].clone())  # pages 2-5 back, merged when the rest run out
+    alloc.free_slots(req_to_token[1, :4].clone())  # pages 2-5 back on top of the stack
     step = alloc.alloc_extend(req_to_token, [3, 0], [3, 2], [4, 3])
-    assert step is not None and step.tolist() == [9, 10]
-    assert req_to_token[3, :4].tolist() == [6, 7, 8, 9] and req_to_token[0, :3].tolist() == [0, 1, 10]
-    step = alloc.alloc_extend(req_to_token, [0, 3], [3, 4], [4, 5])
-    assert step is not None and step.tolist() == [2, 3]  # one page left: the freed ones merged in
-    assert req_to_token[0, 3].item() == 2 and req_to_token[3, 4].item() == 3
-    step = alloc.alloc_extend(req_to_token, [0, 3, 2], [4, 5, 0], [5, 6, 1])
-    assert step is not None and step.tolist() == [4, 5, 11] and req_to_token[2, 0].item() == 11
+    assert step is not None and step.tolist() == [2, 3]  # the freed pages, before the never-used 9-11
+    assert req_to_token[3, :4].tolist() == [6, 7, 8, 2] and req_to_token[0, :3].tolist() == [0, 1, 3]
+    step = alloc.alloc_extend(req_to_token, [0, 3, 2], [3, 4, 0], [4, 5, 1])
+    assert step is not None and step.tolist() == [4, 5, 9] and req_to_token[2, 0].item() == 9
+    step = alloc.alloc_extend(req_to_token, [0, 3], [4, 5], [5, 6])
+    assert step is not None and step.tolist() == [10, 11]
     assert alloc.alloc_extend(req_to_token, [0, 3], [5, 6], [6, 7]) is None  # none left
     alloc.check_integrity(expected_used_pages=12)
 
@@ -227,16 +228,38 @@ def test_free_rejects_double_free_out_of_range_and_repeats_without_freeing_anyth
     assert alloc.num_free_pages == 4 and alloc.num_used_pages == 0
 
 
-def test_freed_pages_come_back_lowest_first_after_merge() -> None:
-    alloc = PageAllocator(num_pages=4, page_size=1)
-    assert alloc.alloc_pages(4) is not None
+def test_freed_pages_come_back_last_freed_first() -> None:
+    """LIFO: the pages freed last (still resident on CPU) go out before pages freed long ago or
+    never touched, so the pool's touched memory follows the working set."""
+    alloc = PageAllocator(num_pages=8, page_size=1)
+    assert alloc.alloc_pages(4) is not None  # 0-3
     alloc.free_pages(torch.tensor([3]))
-    alloc.free_pages(torch.tensor([1]))
-    again = alloc.alloc_pages(2)
-    assert again is not None and again.tolist() == [1, 3]
+    alloc.free_pages(torch.tensor([1, 2]))
+    again = alloc.alloc_pages(3)
+    assert again is not None and again.tolist() == [1, 2, 3]  # the last free first, each batch in its order
+    assert alloc.free_page_ids().tolist() == [7, 6, 5, 4]  # the longest-free (never used) first
     alloc.reset()
-    assert alloc.num_free_pages == 4 and alloc.num_used_pages == 0
+    assert alloc.num_free_pages == 8 and alloc.num_used_pages == 0
     alloc.check_integrity(expected_used_pages=0)
+
+
+def test_churn_touches_only_the_working_set() -> None:
+    """Requests of 8 pages come and go one at a time (each finished one freed, as an eviction
+    would): with LIFO they never leave the first 16 pages of a pool of 1000; a free list handed
+    out in order would have swept all 1000."""
+    alloc = PageAllocator(num_pages=1000, page_size=1)
+    touched: set[int] = set()
+    held = [alloc.alloc_pages(8)]
+    for _ in range(500):
+        pages = alloc.alloc_pages(8)
+        assert pages is not None
+        touched.update(pages.tolist())
+        held.append(pages)
+        old = held.pop(0)
+        assert old is not None
+        alloc.free_pages(old)
+    assert max(touched) < 16
+    alloc.check_integrity(expected_used_pages=8)
 
 
 def test_check_integrity_detects_corruption_with_numbers() -> None:
@@ -245,11 +268,12 @@ def test_check_integrity_detects_corruption_with_numbers() -> None:
     alloc.check_integrity(expected_used_pages=2)
     with pytest.raises(KVIntegrityError, match="used 2 != expected 3"):
         alloc.check_integrity(expected_used_pages=3)
-    alloc._free_pages = torch.cat([alloc._free_pages, alloc._free_pages[:1]])  # corrupt: page 2 twice
+    alloc._stack[alloc._top] = alloc._stack[0]  # corrupt: a page twice on the free stack
+    alloc._top += 1
     with pytest.raises(KVIntegrityError, match=r"duplicate.*total 4, free 3, used 2"):
         alloc.check_integrity()
     alloc.reset()
-    alloc._free_pages[0] = 7  # corrupt: out of range
+    alloc._stack[0] = 7  # corrupt: out of range
     with pytest.raises(KVIntegrityError, match="outside"):
         alloc.check_integrity()
 
@@ -327,6 +351,51 @@ def test_profile_num_pages_too_small_names_flags_and_bytes() -> None:
         )
     with pytest.raises(ValueError, match="mem_fraction_static"):
         profile_num_pages(device="cpu", mem_fraction_static=1.5, bytes_per_token=1, page_size=1)
+
+
+def test_cpu_budget_is_the_smaller_of_the_space_and_what_running_requests_can_hold() -> None:
+    # SmolLM2-135M in bf16: 23040 B a token; a 24 GiB host with 20 GiB available
+    host: dict[str, Any] = dict(device="cpu", bytes_per_token=23040, page_size=1, free_memory=20 * GIB,
+                                total_memory=24 * GIB, max_running_requests=128, context_length=8192)
+    default = kv_budget(**host)
+    assert default.num_tokens == 4 * GIB // 23040 == 186413  # not 0.8 of the host (about 660k tokens)
+    assert default.flag == "--cpu-kvcache-space" and "4 GiB (the default)" in default.bound
+    line = default.describe()
+    assert line.startswith("KV cache budget: 4 GiB = 186413 tokens") and "change it with --cpu-kvcache-space" in line
+    small = kv_budget(**host, cpu_kvcache_space=0.25)
+    assert small.num_tokens == GIB // 4 // 23040 and "--cpu-kvcache-space 0.25 GiB" in small.bound
+    few = kv_budget(**{**host, "max_running_requests": 4, "context_length": 2048})
+    assert few.num_tokens == 4 * 2048 and few.flag == "--max-running-requests or --context-length"
+    paged = kv_budget(**{**host, "page_size": 16, "max_running_requests": 2, "context_length": 100})
+    assert paged.num_pages == 2 * 7  # each request's 100 tokens on 7 pages of 16
+    tp = kv_budget(**host, local_world_size=2)  # two ranks of the host share the space
+    assert tp.num_pages == 4 * GIB // 2 // 23040 and "/ 2 local ranks" in tp.bound
+    assert "2 ranks on this host" in tp.describe()
+
+
+def test_cpu_budget_keeps_sglangs_flags_when_given() -> None:
+    host: dict[str, Any] = dict(device="cpu", bytes_per_token=1024, page_size=1, free_memory=20 * GIB,
+                                total_memory=24 * GIB, max_running_requests=128, context_length=8192)
+    fraction = kv_budget(**host, mem_fraction_static=0.9)  # 20 - 2.4 GiB, no space bound
+    assert fraction.num_bytes == int(20 * GIB - int(24 * GIB * 0.1)) // 1024 * 1024
+    assert fraction.flag == "--mem-fraction-static"
+    tokens = kv_budget(**host, max_total_tokens=10_000_000)  # more than 4 GiB / 1 KiB: it wins anyway
+    assert tokens.num_tokens == 10_000_000 and tokens.flag == "--max-total-tokens"
+    both = kv_budget(**host, max_total_tokens=10_000_000, cpu_kvcache_space=1.0)  # given too: it applies
+    assert both.num_tokens == GIB // 1024 and both.flag == "--cpu-kvcache-space"
+    short = kv_budget(**{**host, "free_memory": 5 * GIB})  # the host has less than the space: it bounds
+    assert short.flag == "--mem-fraction-static" and "host RAM" in short.bound
+    cuda = kv_budget(**{**host, "device": "cuda"})  # GPU semantics: 0.8 of the device
+    assert cuda.num_bytes == int(20 * GIB - int(24 * GIB * (1 - 0.8))) // 1024 * 1024
+    with pytest.raises(ValueError, match="cpu-kvcache-space"):
+        kv_budget(**host, cpu_kvcache_space=0)
+
+
+def test_dp_replicas_split_the_hosts_kv_space() -> None:
+    assert ServerArgs(dp_size=2).replica_memory_share(2) == {"cpu_kvcache_space": 2.0}
+    assert ServerArgs(dp_size=4, cpu_kvcache_space=1.0).replica_memory_share(4) == {"cpu_kvcache_space": 0.25}
+    assert ServerArgs(dp_size=2, mem_fraction_static=0.6).replica_memory_share(2) == {"mem_fraction_static": 0.3}
+    assert ServerArgs(dp_size=2, max_total_tokens=4096).replica_memory_share(2) == {}  # tokens per replica
 
 
 def _free_port() -> int:

@@ -4,10 +4,12 @@ tokens."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from server_fixture import Server
 from tiny_models import hf_float32, hf_greedy
@@ -98,6 +100,16 @@ def test_pp2_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     with Server("--model-path", str(smollm2_dir), "--dtype", "float32", "--pp-size", "2",
                 "--max-total-tokens", "4096", "--enable-rank-consensus-checker") as server:
         assert generate_all(server, prompts, 16) == expected
+        # A stream's logprobs: one per token, as without streaming (the last stage records a
+        # token's logprob when it launches the step, before the token is appended).
+        body = {"input_ids": prompts[0], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+        want = server.generate(body).json()["meta_info"]["output_token_logprobs"]
+        with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                      if line and line != "data: [DONE]"]
+        assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [len(c["output_ids"]) for c in chunks]
+        assert chunks[-1]["meta_info"]["output_token_logprobs"] == want and len(want) == 12
         log = server.output()
     assert "pipeline stages own layers [19, 11] (stage 0: 0-18, stage 1: 19-29)" in log
     assert "divergence" not in log

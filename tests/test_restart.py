@@ -22,6 +22,7 @@ import requests
 from server_fixture import Server
 from test_guards_e2e import assert_tree_gone, rank_pid, remember_tree, server_args, wait_exit
 
+from model_executor.kernels import cpu as cpu_kernels
 from scheduler.fault_injection import FaultInjector, parse_faults
 from srt.io_struct import ResumeState, TokenizedGenerateReq
 from srt.recovery import RestartBudget
@@ -128,15 +129,16 @@ def wait_for(condition: Any, timeout: float, what: str, server: Server) -> None:
         time.sleep(0.05)
 
 
-def streams_through_a_kill(server: Server, bodies: list[dict[str, Any]], victim: str) -> list[Any]:
-    """Streams every body; once each has 2 tokens, SIGKILLs the process titled `victim`; waits for
-    every stream to end (see `stream`)."""
+def streams_through_a_kill(server: Server, bodies: list[dict[str, Any]], victim: str, after: int = 2,
+                           timeout: float = 400) -> list[Any]:
+    """Streams every body; once each has `after` tokens, SIGKILLs the process titled `victim`; waits
+    for every stream to end (see `stream`)."""
     progress = [[0] for _ in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(stream, server, b, p) for b, p in zip(bodies, progress)]
-        wait_for(lambda: all(p[0] >= 2 for p in progress), 60, "every stream under way", server)
+        wait_for(lambda: all(p[0] >= after for p in progress), timeout, "every stream under way", server)
         os.kill(rank_pid(server, victim), signal.SIGKILL)
-        return [f.result(timeout=400) for f in futures]
+        return [f.result(timeout=timeout) for f in futures]
 
 
 def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: Path, smollm2_dir: Path) -> None:
@@ -215,3 +217,56 @@ def test_a_crash_loop_goes_down_loudly_after_its_restarts(long_context_llama: Pa
         assert "no restart left (2 within the last 300 s, --restart-on-failure 2)" in out
         assert "exited with code 13; shutting down the server" in out
         assert_tree_gone(server)
+
+
+# ---------------------------------------------------------------- the default path: SmolLM2 in bf16
+
+
+def smollm2_payloads(tokens: int) -> list[dict[str, Any]]:
+    """Eight streams: four greedy, four seeded at temperature 0.7, text prompts of different
+    lengths, every one with logprobs (their bits show any difference in arithmetic at once)."""
+    topics = ["the tides", "a lighthouse keeper", "bread", "the moons of Jupiter", "an old map", "rain in a city",
+              "chess openings", "a river delta"]
+    out = []
+    for i, topic in enumerate(topics):
+        params: dict[str, Any] = {"max_new_tokens": tokens, "ignore_eos": True}
+        params.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.7, "seed": 1000 + i})
+        out.append({"text": f"Write a long story about {topic}." + " Be vivid." * (i % 3),
+                    "sampling_params": params, "return_logprob": True})
+    return out
+
+
+# On 2 cores 8 x 512 bf16 tokens take ~100 s a run at TP=1 and several times that at TP=3 (three
+# ranks on two cores), so the multi-rank cases stream fewer tokens; their logprobs, compared bit
+# for bit, part at the first token whose arithmetic differs.
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(("flags", "victim", "tokens", "killed_at"), [
+    ((), "srt::scheduler_TP0", 512, 160),
+    (("--pp-size", "2"), "srt::scheduler_PP1_TP0", 192, 64),
+    (("--tp", "3"), "srt::scheduler_TP2", 96, 32),
+    pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", 512, 160, marks=pytest.mark.skipif(
+        not cpu_kernels.int8_available(), reason="w8a8_int8 needs AMX int8 or AVX-512 VNNI")),
+], ids=["tp1", "pp2", "tp3", "w8a8_int8"])
+def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str, tokens: int,
+                                                                 killed_at: int) -> None:
+    """The default server (bundled SmolLM2, bf16, the CPU kernels; deterministic inference on by
+    itself with --restart-on-failure): a rank SIGKILLed mid-stream in eight streams; every stream's
+    ids, text and logprobs equal a fault-free run's on the same server."""
+    with Server(*flags, "--restart-on-failure", "1", startup_timeout=300) as server:
+        bodies = smollm2_payloads(tokens)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            expected = [r.json() for r in pool.map(lambda b: server.generate(b, timeout=1200), bodies)]
+        assert all(len(e["output_ids"]) == tokens for e in expected), [e.get("error") for e in expected]
+        assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
+
+        results = streams_through_a_kill(server, bodies, victim, after=killed_at, timeout=1200)
+        out = server.output()
+        assert "killed by signal SIGKILL; restarting the engine" in out and "engine restarted in" in out
+        assert "deterministic inference: every token on the decode kernel's arithmetic" in out
+        for i, ((ids, text, logprobs, meta), want) in enumerate(zip(results, expected)):
+            parted = next((j for j, (a, b) in enumerate(zip(ids, want["output_ids"])) if a != b), None)
+            assert ids == want["output_ids"], f"stream {i} parts from the fault-free tokens at token {parted}"
+            assert text == want["text"] and meta["completion_tokens"] == tokens
+            assert logprobs == want["meta_info"]["output_token_logprobs"], f"stream {i}'s logprobs"
+        assert server.proc.poll() is None

@@ -211,7 +211,8 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
     log = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"srt-dp-{port}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--dp-size", "2", "--port", str(port),
-                                 "--api-key", DP_KEY, *replica_args(model_dir, smollm2_dir)], cwd=ROOT, stdout=out,
+                                 "--api-key", DP_KEY, *replica_args(model_dir, smollm2_dir, "--cpu-kvcache-space", "1")],
+                                cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT)
     auth = {"Authorization": f"Bearer {DP_KEY}"}
     try:
@@ -236,6 +237,7 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
         replica_cmds = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()
                         if "srt.launch_server" in " ".join(c.cmdline())]
         assert len(replica_cmds) == 2 and not any(DP_KEY in c for c in replica_cmds)  # the key goes by environment
+        assert all("--cpu-kvcache-space 0.5" in c for c in replica_cmds), replica_cmds  # the host's KV space, split
         # a lost replica is named and started again; the other serves meanwhile
         os.kill(mine["srt::scheduler_DP1_TP0"], signal.SIGKILL)
         for _ in range(4):

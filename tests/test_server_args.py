@@ -23,10 +23,22 @@ def test_sglang_flag_names_and_aliases() -> None:
     (["--port", "70000"], "--port"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
     (["--watchdog-timeout", "0"], "--watchdog-timeout"),
+    (["--cpu-kvcache-space", "0"], "--cpu-kvcache-space"),
+    (["--cpu-kvcache-space", "2", "--device", "cuda"], "--cpu-kvcache-space"),
+    (["--min-available-memory", "-1"], "--min-available-memory"),
 ])
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         ServerArgs.from_cli(argv)
+
+
+def test_deterministic_inference_is_asked_for_or_needed_by_restarts() -> None:
+    assert not ServerArgs.from_cli([]).deterministic
+    assert ServerArgs.from_cli(["--enable-deterministic-inference"]).deterministic
+    assert ServerArgs.from_cli(["--restart-on-failure", "2"]).deterministic  # its replays re-prefill decoded tokens
+    assert not ServerArgs.from_cli(["--restart-on-failure", "2", "--quantization", "gguf"]).deterministic
+    with pytest.raises(ValueError, match="--enable-deterministic-inference cannot hold with --quantization gguf"):
+        ServerArgs.from_cli(["--enable-deterministic-inference", "--quantization", "gguf"])
 
 
 def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,3 +71,15 @@ def test_request_deadlines_from_sglang_environment(monkeypatch: pytest.MonkeyPat
     assert ServerArgs.from_cli(["--req-running-timeout", "5"]).req_running_timeout == 5.0
     with pytest.raises(ValueError, match="--req-waiting-timeout"):
         ServerArgs.from_cli(["--req-waiting-timeout", "0"])
+
+
+def test_kv_space_flag_and_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ServerArgs.from_cli([])
+    assert args.cpu_kvcache_space is None and args.mem_fraction_static is None and args.uses_cpu_kvcache_space
+    assert ServerArgs.from_cli(["--cpu-kvcache-space", "0.5"]).cpu_kvcache_space == 0.5
+    assert not ServerArgs.from_cli(["--max-total-tokens", "4096"]).uses_cpu_kvcache_space  # SGLang's flag alone
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    assert ServerArgs.from_cli([]).cpu_kvcache_space == 8.0
+    assert ServerArgs.from_cli(["--cpu-kvcache-space", "2"]).cpu_kvcache_space == 2.0  # the flag wins
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "unset"
+    assert ServerArgs.from_cli([]).cpu_kvcache_space is None

@@ -24,6 +24,9 @@ ARCHS = {
     # head size 64, 3 query heads per kv head (as SmolLM2): the shapes the AMX attention kernels take
     "llama_d64": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                   {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
+    # 64 KiB of fp32 KV a token (16 kv heads of 256, 2 layers) on little compute: host memory tests
+    "llama_wide_kv": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                      {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256}),
     # SmolLM2's vocabulary and a long context: any text its tokenizer makes, chat templates included
     "llama_smollm2_vocab": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
                             {"vocab_size": 49152, "max_position_embeddings": 8192}),

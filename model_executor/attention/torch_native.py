@@ -8,6 +8,12 @@ the whole batch (no per-request loop). Extend runs every request in one AMX kern
 CPU has AMX (bf16, head size 64 or 128; cached prefixes gathered from the pool), else fresh prompts
 of one length as one causal call; otherwise it loops over requests: each attends over its cached prefix plus its new tokens with a
 causal mask shifted by the prefix.
+
+With `deterministic` (--enable-deterministic-inference) and the bf16 kernel, extend runs every new
+token as a decode row of that same kernel: the token attends over its own slots with the arithmetic
+a decode step would use for it (the kernel splits a row's keys by the row's length only, never by
+the batch), so a token's K/V and output have the same bits whether it was prefilled, in any chunk
+or behind any cached prefix, or decoded.
 """
 
 from __future__ import annotations
@@ -29,25 +35,39 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool = False) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self._decode_slots: torch.Tensor | None = None  # [bs, L] pool slots, padding repeats slot 0
         self._decode_mask: torch.Tensor | None = None  # [bs, 1, 1, L] bool, None when no padding
         self._extend_slots: torch.Tensor | None = None  # extend with cached prefixes: each request's
         # prefix + new slots, one after another (the same for every layer)
+        self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # deterministic extend: each new
+        # token's (req_to_token row, length with its own slot, longest)
         k_cache, _ = kv_pool.get_kv_buffer(0)
-        self.fused_decode = cpu_kernels.usable(k_cache) and k_cache.is_contiguous() and req_to_token.is_contiguous() \
-            and req_to_token.dtype == torch.int64
+        self.kernel_attention = cpu_kernels.usable(k_cache) and k_cache.is_contiguous() \
+            and req_to_token.is_contiguous() and req_to_token.dtype == torch.int64
+        # Extend on the decode kernel: only the kernel path has one arithmetic for both phases.
+        self.decode_rows_extend = deterministic and self.kernel_attention
+        # The model may run a small decode batch as whole fused layers (their own gemv arithmetic):
+        # not in deterministic mode, where every step goes through the same layers as a prefill.
+        self.fused_decode = self.kernel_attention and not deterministic
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if not batch.is_decode and self.decode_rows_extend:
+            lens = torch.tensor(batch.extend_seq_lens_cpu)
+            own = torch.cat([torch.arange(prefix + 1, prefix + new + 1)
+                             for prefix, new in zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)])
+            self._rows = (batch.req_pool_indices.repeat_interleave(lens.to(batch.req_pool_indices.device)),
+                          own.to(batch.seq_lens.device), max(batch.seq_lens_cpu))
+            return
         if not batch.is_decode:
             prefixes = batch.extend_prefix_lens_cpu
             self._extend_slots = torch.cat([
                 self.req_to_token[batch.req_pool_indices[i], :prefix + new]
                 for i, (prefix, new) in enumerate(zip(prefixes, batch.extend_seq_lens_cpu))]) if any(prefixes) else None
             return
-        if self.fused_decode:
+        if self.kernel_attention:
             return
         max_len = max(batch.seq_lens_cpu)
         slots = self.req_to_token[batch.req_pool_indices, :max_len]
@@ -62,12 +82,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch) -> torch.Tensor:
         n = q.shape[0]
-        if batch.is_decode and self.fused_decode and cpu_kernels.usable(q, k, v):
+        if self.kernel_attention and cpu_kernels.usable(q, k, v):
             k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
-            return cpu_kernels.decode_attention(
-                q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, batch.req_pool_indices,
-                batch.seq_lens, max(batch.seq_lens_cpu), layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                layer.scaling)
+            if batch.is_decode:
+                return cpu_kernels.decode_attention(
+                    q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, batch.req_pool_indices,
+                    batch.seq_lens, max(batch.seq_lens_cpu), layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                    layer.scaling)
+            if self.decode_rows_extend:
+                assert self._rows is not None
+                rows, own_lens, max_len = self._rows
+                return cpu_kernels.decode_attention(
+                    q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, rows, own_lens, max_len,
+                    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
         # q/k/v may be column slices of one qkv tensor: reshape keeps them views where it can.
         q = q.reshape(n, layer.num_heads, layer.head_dim)
         k = k.reshape(n, layer.num_kv_heads, layer.head_dim)

@@ -22,6 +22,8 @@ class Communicator:
     rank_in_group: int
     device_group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    # Deterministic inference: sums in rank order whatever the tensor's size (see all_reduce)
+    fixed_order_sum: bool = False
 
     @property
     def world_size(self) -> int:
@@ -40,9 +42,22 @@ class Communicator:
         return Communicator(ranks=[0], rank_in_group=0)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        """Reduces in place and returns `tensor`."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.device_group)
+        """Reduces in place and returns `tensor`.
+
+        A ring all-reduce adds an element's parts in an order set by where the element falls among
+        the ring's chunks, i.e. by the tensor's size: with three or more ranks (two parts add alike
+        in either order) a token's sums then depend on how many tokens share the step. With
+        `fixed_order_sum` the parts are gathered and added rank 0 first, the same for every size."""
+        if self.world_size == 1:
+            return tensor
+        if self.fixed_order_sum and self.world_size > 2 and op == dist.ReduceOp.SUM:
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self.device_group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            return tensor.copy_(total)
+        dist.all_reduce(tensor, op=op, group=self.device_group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -62,10 +62,18 @@ _SIGNATURES = {
                          *[_ptr] * 6],  # scratch, out
 }
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
-# Decode batches up to this size run each layer as one srt_decode_layer call. Measured against
-# the op-by-op path on SmolLM2: 25% faster at batch 1, a little at 2, slower at 4 (there the
-# oneDNN GEMMs beat srt_gemv).
+# Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
+# AVX-512 BF16 loop (fused_gemv_max_batch). Measured against the op-by-op path on SmolLM2: 25%
+# faster at batch 1, a little at 2, slower at 4 (there the oneDNN GEMMs beat srt_gemv).
 FUSED_DECODE_MAX_BATCH = 2
+
+
+def fused_gemv_max_batch() -> int:
+    """The largest decode batch whose layers run fused on srt_gemv (weights not packed for our
+    kernels): FUSED_DECODE_MAX_BATCH with AVX-512 BF16; none without, where srt_gemv's plain loops
+    made a batch-1 step of SmolLM2 ~4x slower than torch's linears (docs/performance.md)."""
+    lib = kernels()
+    return FUSED_DECODE_MAX_BATCH if lib is not None and lib.srt_dp_linear_available() else 0
 
 
 def _cpu_flags() -> str:

@@ -44,11 +44,21 @@ def onednn_bf16_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+_one_arithmetic = False  # set_one_arithmetic
+
+
+def set_one_arithmetic(on: bool) -> None:
+    """Deterministic inference (this process's ranks): every row of every size on the kernel a
+    packed weight was packed for, so a row's bits never depend on how many rows share its call."""
+    global _one_arithmetic
+    _one_arithmetic = on
+
+
 def packed_max_rows() -> int:
     """The most rows srt_bf16_linear takes a packed bf16 weight for (F.linear above): AMX_MAX_ROWS on
     AMX; any number on AVX-512 BF16, which kept up with oneDNN's GEMM at 4096 rows and spares a
     prefill's MLP the separate silu pass (32 x 128-token prefill 2406 -> 2302 ms on SmolLM2, Zen 4)."""
-    return AMX_MAX_ROWS if cpu_kernels.amx_available() else sys.maxsize
+    return AMX_MAX_ROWS if cpu_kernels.amx_available() and not _one_arithmetic else sys.maxsize
 
 
 def is_kernel_packed(packed: PackedWeight) -> bool:
@@ -127,7 +137,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             return cpu_kernels.bf16_linear(x.contiguous(), packed, bias,
                                            torch.float32 if float32_out else torch.bfloat16)
         return F.linear(x, weight, bias)
-    if rows == 1:
+    if rows == 1 and not _one_arithmetic:
         # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
         # packed GEMM at M = 1 (measured 1.8 ms vs 5.5 ms for SmolLM2's 49152 x 576 LM head).
         out = torch.mv(weight, x.reshape(-1))

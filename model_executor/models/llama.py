@@ -157,7 +157,8 @@ class LlamaModel(nn.Module):
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
-        packed_max_rows() with packed weights, else (the gemv kernel) a small one."""
+        packed_max_rows() with packed weights, else (the gemv kernel, where it has its AVX-512 BF16
+        loop) a small one."""
         if not (batch.is_decode and self.single_rank and not self.qk_norm
                 and self.local_layers[0].self_attn.o_proj.bias is None
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
@@ -165,7 +166,7 @@ class LlamaModel(nn.Module):
             return False
         backend: Any = batch.attn_backend
         packed = self._fused_layers(backend.kv_pool).packed
-        return batch.batch_size <= (packed_max_rows() if packed else cpu_kernels.FUSED_DECODE_MAX_BATCH)
+        return batch.batch_size <= (packed_max_rows() if packed else cpu_kernels.fused_gemv_max_batch())
 
     def _fused_layers(self, kv_pool: Any) -> cpu_kernels.DecodeLayers:
         """The layers' kernel arguments, gathered on the first fused step (weights are packed by
