@@ -121,16 +121,16 @@ def local_ranks(tp_size: int, pp_size: int, nnodes: int = 1, node_rank: int = 0,
             for w in range(first, first + per_node)]
 
 
-def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1) -> str:
+def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1, http_port: int | None = None) -> str:
     """torch.distributed init method from `--dist-init-addr`.
 
-    None -> a free loopback port (single node only); "HOST:PORT" or "[v6]:PORT" -> tcp://...;
+    None -> a free loopback port other than `http_port` (single node only); "HOST:PORT" or "[v6]:PORT" -> tcp://...;
     "env://" and "tcp://..." pass through (an outer orchestrator owns the rendezvous).
     """
     if dist_init_addr is None or dist_init_addr == "":
         if nnodes > 1:
             raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
-        return f"tcp://127.0.0.1:{free_port()}"
+        return f"tcp://127.0.0.1:{free_port(avoid=http_port)}"
     if dist_init_addr == "env://" or dist_init_addr.startswith("tcp://"):
         return dist_init_addr
     host, sep, port_text = dist_init_addr.rpartition(":")

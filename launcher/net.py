@@ -5,11 +5,15 @@ from __future__ import annotations
 import socket
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (the caller binds it soon after: a small race, as everywhere)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
+    """A port nothing listens on now (the caller binds it soon after: a small race, as everywhere),
+    never `avoid` (a port chosen but not bound yet, e.g. the server's own --port)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port != avoid:
+            return port
 
 
 def check_port_free(host: str, port: int) -> None:

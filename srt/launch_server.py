@@ -96,7 +96,7 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
         import torch
 
         check_device_count(len(ranks), torch.cuda.device_count(), server_args.nnodes)
-    init_method = resolve_init_method(server_args.dist_init_addr, server_args.nnodes)
+    init_method = resolve_init_method(server_args.dist_init_addr, server_args.nnodes, server_args.port)
     rendezvous = rendezvous_address(init_method, os.environ)
     if server_args.node_rank == 0 and rendezvous.port == server_args.port and server_args.dist_init_addr:
         raise ValueError(f"--dist-init-addr and --port both name port {server_args.port}; node 0 needs both")

@@ -213,7 +213,7 @@ BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
     ("unknown sampling param", {"text": "hi", "sampling_params": {"temprature": 1}}, "temprature", "unknown"),
     ("unknown field", {"text": "hi", "return_hiden_states": False}, "return_hiden_states", "unknown"),
     ("unsupported field", {"text": "hi", "return_hidden_states": True}, "return_hidden_states", "not supported"),
-    ("unsupported sampling param", {"text": "hi", "sampling_params": {"json_schema": "{}"}}, "json_schema",
+    ("unsupported sampling param", {"text": "hi", "sampling_params": {"beam_width": 4}}, "beam_width",
      "not supported"),
     ("bad stop_regex", {"text": "hi", "sampling_params": {"stop_regex": "a("}}, "stop_regex", "regular expression"),
     ("logit_bias key", {"text": "hi", "sampling_params": {"logit_bias": {"x": 1}}}, "logit_bias", "token ids"),
