@@ -67,6 +67,7 @@ def generate(server: Server, texts: list[str], params: list[dict[str, Any]]) -> 
     return list(resp.json())
 
 
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_json_schema_outputs_validate(server: Server) -> None:
     schemas = [PERSON, TAGS, SCORES]
     outs = generate(server, ["Describe a user of a website as JSON:", "Tag this photo of a beach:",
@@ -77,6 +78,7 @@ def test_json_schema_outputs_validate(server: Server) -> None:
         jsonschema.validate(json.loads(out["text"]), schema)
 
 
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_regex_outputs_full_match(server: Server) -> None:
     patterns = [r"(red|green|blue)-[0-9]{2}", r"[A-Z][a-z]{2,8} [0-9]{4}", r"\d{3}-\d{3}-\d{4}"]
     outs = generate(server, ["Pick a colour code:", "A month and a year:", "Call me at"],
@@ -86,6 +88,7 @@ def test_regex_outputs_full_match(server: Server) -> None:
         assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
 
 
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_ebnf_outputs_parse(server: Server) -> None:
     outs = generate(server, ["Write an arithmetic expression:", "2 + 2 is the same as"],
                     [{"max_new_tokens": 24, "ebnf": ARITHMETIC, "temperature": 0.8, "seed": 3}] * 2)
@@ -98,6 +101,7 @@ def test_ebnf_outputs_parse(server: Server) -> None:
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs), outs
 
 
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_openai_response_format_json_schema_chat_and_stream(client: openai.OpenAI) -> None:
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS, "strict": True}}
     messages: Any = [{"role": "user", "content": "Tag a photo of a cat as JSON."}]
@@ -113,6 +117,7 @@ def test_openai_response_format_json_schema_chat_and_stream(client: openai.OpenA
     assert streamed == content
 
 
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_openai_json_object_on_completions(client: openai.OpenAI) -> None:
     reply = client.completions.create(model="m", prompt="A JSON object describing a dog:", temperature=0,
                                       max_tokens=48, extra_body={"response_format": {"type": "json_object"}})
@@ -130,12 +135,14 @@ def test_openai_json_object_on_completions(client: openai.OpenAI) -> None:
     ({"structural_tag": '{"type": "structural_tag", "format": {"type": "what"}}'}, "structural_tag"),
     ({"regex": "a+", "json_schema": '{"type": "object"}'}, "regex"),
 ])
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_bad_grammars_are_400s_naming_the_parameter(server: Server, params: dict[str, Any], param: str) -> None:
     resp = server.generate({"text": "hello", "sampling_params": {"max_new_tokens": 4, **params}})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
 
 
+@pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_bad_response_formats_are_400s_and_the_server_keeps_serving(server: Server, client: openai.OpenAI) -> None:
     messages: Any = [{"role": "user", "content": "hi"}]
     for fmt in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},

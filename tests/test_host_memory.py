@@ -144,6 +144,7 @@ def test_memory_watch_decides_alone_and_repeats_while_short() -> None:
     assert not MemoryWatch(0, read=lambda: 0).poll(0.0)  # 0: off
 
 
+@pytest.mark.slow  # its own server, ~20 s
 def test_host_short_of_memory_sheds_new_requests_and_releases_the_cache(tiny_model_dirs: dict[str, Path],
                                                                          smollm2_dir: Path) -> None:
     # A threshold no host meets: the front end is under pressure from its first reading.
