@@ -82,19 +82,17 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch) -> torch.Tensor:
         n = q.shape[0]
-        if self.kernel_attention and cpu_kernels.usable(q, k, v):
-            k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+        if self.kernel_attention and (batch.is_decode or self.decode_rows_extend) and cpu_kernels.usable(q, k, v):
+            # A decode step's rows are its requests; a deterministic extend's, its new tokens.
             if batch.is_decode:
-                return cpu_kernels.decode_attention(
-                    q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, batch.req_pool_indices,
-                    batch.seq_lens, max(batch.seq_lens_cpu), layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                    layer.scaling)
-            if self.decode_rows_extend:
+                rows, row_lens, max_len = batch.req_pool_indices, batch.seq_lens, max(batch.seq_lens_cpu)
+            else:
                 assert self._rows is not None
-                rows, own_lens, max_len = self._rows
-                return cpu_kernels.decode_attention(
-                    q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, rows, own_lens, max_len,
-                    layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
+                rows, row_lens, max_len = self._rows
+            k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
+            return cpu_kernels.decode_attention(
+                q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, rows, row_lens, max_len,
+                layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
         # q/k/v may be column slices of one qkv tensor: reshape keeps them views where it can.
         q = q.reshape(n, layer.num_heads, layer.head_dim)
         k = k.reshape(n, layer.num_kv_heads, layer.head_dim)
