@@ -37,6 +37,7 @@ from srt.http_server import (
 )
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
+from srt.reasoning import ReasoningSplit
 from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
 
 router = APIRouter()
@@ -86,6 +87,7 @@ class ChoiceProgress:
     tokens: int = 0  # output tokens whose logprobs were sent
     text_offset: int = 0  # completions: where the next token's text starts
     first: bool = True
+    reasoning: str = ""  # reasoning_content sent so far
 
 
 def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) -> dict[str, Any] | None:
@@ -112,8 +114,35 @@ def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chu
     meta = out["meta_info"]
     choice: dict[str, Any] = {"index": out.get("index", 0), "logprobs": _logprobs(call, meta, progress),
                               "finish_reason": _finish_reason(meta)}
+    reasoning = None
+    if call.chat and call.reasoning is not None:  # the content part goes on as the whole output would
+        out, reasoning = _reasoning_part(call.reasoning, out, progress, chunk, choice["finish_reason"] is not None)
     if call.tools is not None:
-        return _tool_choice_part(call, out, progress, chunk, choice)
+        choice = _tool_choice_part(call, out, progress, chunk, choice)
+    else:
+        choice = _content_part(call, out, progress, chunk, choice)
+    if reasoning is not None:
+        choice["delta" if chunk else "message"]["reasoning_content"] = reasoning
+    return choice
+
+
+def _reasoning_part(split: ReasoningSplit, out: dict[str, Any], progress: ChoiceProgress, chunk: bool,
+                    finished: bool) -> tuple[dict[str, Any], str | None]:
+    """(the output with only its content as text, the reasoning_content to send: all of it in a
+    whole reply; in a stream what is new, or with stream_reasoning false all of it once it ended)."""
+    reasoning, content, done = split.split(out["text"], finished)
+    out = {**out, "text": content}
+    if not chunk:
+        return out, reasoning or None
+    if not split.stream_reasoning and not done:
+        return out, None
+    new = reasoning[len(progress.reasoning):] if reasoning.startswith(progress.reasoning) else ""
+    progress.reasoning = max(reasoning, progress.reasoning, key=len)
+    return out, new or None
+
+
+def _content_part(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool,
+                  choice: dict[str, Any]) -> dict[str, Any]:
     delta = out["text"][len(progress.text):]  # the text is cumulative; send what is new
     progress.text = out["text"]
     if call.echo is not None and progress.first:

@@ -11,6 +11,7 @@ import jinja2
 import orjson
 
 from srt.generate_parse import RequestError
+from srt.reasoning import ReasoningSplit
 from srt.tool_calls import ToolPlan, plan_tools
 from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
 
@@ -43,6 +44,7 @@ class OpenAICall:
     prompts: int = 1  # completions may send a batch of prompts: choice i * n + j is copy j of prompt i
     echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices start with
     tools: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
+    reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser: <think> as reasoning_content
 
     @property
     def object_name(self) -> str:
@@ -142,6 +144,20 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     if not isinstance(include_usage, bool):
         raise RequestError(f"stream_options.include_usage must be a boolean, got {include_usage!r}", "stream_options")
     return stream, include_usage
+
+
+def _reasoning(body: dict[str, Any], parser: str | None) -> ReasoningSplit | None:
+    """separate_reasoning / stream_reasoning (SGLang's fields, both true by default): the split needs
+    --reasoning-parser; without one the output is all content, as SGLang's."""
+    flags = {}
+    for name in ("separate_reasoning", "stream_reasoning"):
+        value = body.get(name, True)
+        if not isinstance(value, bool):
+            raise RequestError(f"{name} must be a boolean, got {value!r}", name)
+        flags[name] = value
+    if parser is None or not flags["separate_reasoning"]:
+        return None
+    return ReasoningSplit(parser, flags["stream_reasoning"])
 
 
 def _is_int(value: Any) -> bool:
@@ -315,4 +331,5 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
                       {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
                        "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs",
                        **renamed_grammar},
-                      n, bool(logprobs), tools=tools if tools is not None and tools.parses else None)
+                      n, bool(logprobs), tools=tools if tools is not None and tools.parses else None,
+                      reasoning=_reasoning(body, tm.server_args.reasoning_parser))

@@ -18,6 +18,7 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_executor/constrained)
+REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names srt has (srt/reasoning.py)
 TOOL_CALL_PARSERS = ("qwen25", "llama3")  # SGLang's names srt has (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
@@ -85,6 +86,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
     tool_call_parser: str | None = None  # "qwen25" | "llama3": tool_choice auto parses the model's calls
+    reasoning_parser: str | None = None  # "deepseek-r1" | "qwen3" | "qwen3-thinking": chat splits off <think>
     constrained_json_disable_any_whitespace: bool = False  # JSON outputs compact (SGLang's flag)
     constrained_json_max_whitespace_cnt: int | None = None  # at most this many whitespace chars in a row
     watchdog_timeout: float = 300.0
@@ -170,6 +172,9 @@ class ServerArgs:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
                 raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
@@ -313,6 +318,8 @@ class ServerArgs:
           help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)")
         a("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
           help="the model's tool-call format, parsed into tool_calls for tool_choice auto")
+        a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+          help="the model's <think> format: chat replies carry it as reasoning_content, apart from content")
         a("--constrained-json-disable-any-whitespace", action="store_true",
           help="JSON-constrained outputs take the compact form (no whitespace between tokens)")
         a("--constrained-json-max-whitespace-cnt", type=int, default=None,

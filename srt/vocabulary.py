@@ -132,8 +132,8 @@ CHAT: dict[str, Field] = {
     "messages": impl(), "logprobs": impl(False), "top_logprobs": impl(), "max_tokens": impl(),
     "max_completion_tokens": impl(), "temperature": impl(), "top_p": impl(), "top_k": impl(), "min_p": impl(),
     "repetition_penalty": impl(), "continue_final_message": impl(False), "chat_template_kwargs": impl(),
-    # SGLang separates reasoning only with --reasoning-parser; srt has none, so there is nothing to split
-    "separate_reasoning": advisory(True), "stream_reasoning": advisory(True),
+    # with --reasoning-parser (srt/reasoning.py); without one there is nothing to split, as SGLang
+    "separate_reasoning": impl(True), "stream_reasoning": impl(True),
     "metadata": advisory(), "prompt_cache_key": advisory(), "safety_identifier": advisory(),
     "tools": impl(), "tool_choice": impl("auto"), "parallel_tool_calls": impl(True),
     "return_prompt_token_ids": off(False), "return_meta_info": off(False),
