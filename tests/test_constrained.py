@@ -1,4 +1,4 @@
-"""Structured outputs on SmolLM2 (float32, one server for the module): JSON schemas that validate,
+"""Structured outputs on SmolLM2 (the default path, bf16, one server for the module): JSON schemas that validate,
 regexes that full-match, an EBNF grammar whose outputs parse, the official openai client's
 response_format (streaming too), and bad grammars as 400s naming their parameter. Plus the parts
 without a server: the sampler's bitmask, matcher rebuilds (retraction, replay), the front end's
@@ -51,7 +51,7 @@ factor ::= [1-9] [0-9]? | "(" expr ")"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with Server("--dtype", "float32", "--max-total-tokens", "4096", "--max-running-requests", "8",
+    with Server("--max-total-tokens", "4096", "--max-running-requests", "8",
                 "--constrained-json-disable-any-whitespace") as srv:
         yield srv
 
