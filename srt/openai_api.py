@@ -88,6 +88,7 @@ class ChoiceProgress:
     text_offset: int = 0  # completions: where the next token's text starts
     first: bool = True
     reasoning: str = ""  # reasoning_content sent so far
+    calls: int = 0  # tool calls sent so far
 
 
 def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) -> dict[str, Any] | None:
@@ -168,17 +169,21 @@ def _tool_choice_part(call: OpenAICall, out: dict[str, Any], progress: ChoicePro
         safe = text[:call.tools.stream_safe_prefix(text)]
         message["content"] = safe[len(progress.text):] if len(safe) > len(progress.text) else ""
         progress.text = max(safe, progress.text, key=len)
+        calls = call.tools.complete_calls(text) if chunk else []
     else:
         content, calls = call.tools.parse(text)
         rest = content or ""
         message["content"] = (rest[len(progress.text):] if rest.startswith(progress.text) else "") if chunk else content
-        if calls:
-            message["tool_calls"] = [c.to_json(i if chunk else None) for i, c in enumerate(calls)]
-            if choice["finish_reason"] == "stop":
-                choice["finish_reason"] = "tool_calls"
+        if calls and choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"
         if chunk and not message["content"] and calls:
             message["content"] = None
         progress.text = text
+    if chunk and len(calls) > progress.calls:  # each call streams once, as soon as it is complete
+        message["tool_calls"] = [c.to_json(i) for i, c in enumerate(calls) if i >= progress.calls]
+        progress.calls = len(calls)
+    elif calls and not chunk:
+        message["tool_calls"] = [c.to_json() for c in calls]
     choice["delta" if chunk else "message"] = message
     progress.first = False
     return choice

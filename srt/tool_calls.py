@@ -75,6 +75,19 @@ class ToolPlan:
             return _parse_llama3(text)
         return text, []
 
+    def complete_calls(self, text: str) -> list[ToolCall]:
+        """The calls of a partial output that can no longer change: they stream before the output
+        ends, and are always the first of the finished output's calls."""
+        if self.constrained:
+            return _array_items(text)
+        if self.parser == "qwen25":
+            start = text.find("<tool_call>")
+            if start < 0:
+                return []
+            return [c for c in (_one_call(m.group(1)) for m in _QWEN_CLOSED_CALL.finditer(text, start))
+                    if c is not None]
+        return []  # llama3: a call ends where the output does, or at a ";" the grammar does not promise
+
     def stream_safe_prefix(self, text: str) -> int:
         """How much of a partial output may stream as content: all of it until a call could have
         begun (the constrained array is never content)."""
@@ -108,18 +121,49 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def _array_call(item: Any) -> ToolCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    return ToolCall(item["name"], _arguments(item.get("parameters", item.get("arguments", {}))))
+
+
+def _array_items(text: str) -> list[ToolCall]:
+    """The calls whose objects are complete in a (perhaps partial) JSON array of calls."""
+    decoder, calls = json.JSONDecoder(), list[ToolCall]()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    at += 1
+    while True:
+        while at < len(text) and text[at] in " \t\n\r":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return calls
+        call = _array_call(item)
+        if call is not None:
+            calls.append(call)
+        while at < len(text) and text[at] in " \t\n\r":
+            at += 1
+        if not text.startswith(",", at):
+            return calls
+        at += 1
+
+
 def _parse_array(text: str) -> tuple[str | None, list[ToolCall]]:
     try:
         calls = json.loads(text)
-    except json.JSONDecodeError:
-        return text, []  # cut short by max_tokens
+    except json.JSONDecodeError:  # cut short by max_tokens: the calls that were complete
+        complete = _array_items(text)
+        return (None, complete) if complete else (text, [])
     if not isinstance(calls, list):
         return text, []
-    return None, [ToolCall(c["name"], _arguments(c.get("parameters", c.get("arguments", {}))))
-                  for c in calls if isinstance(c, dict) and isinstance(c.get("name"), str)]
+    return None, [c for c in map(_array_call, calls) if c is not None]
 
 
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_QWEN_CLOSED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def _one_call(raw: str) -> ToolCall | None:

@@ -104,6 +104,22 @@ def test_required_returns_calls_matching_the_schema_streaming_too(client: openai
     assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == calls
 
 
+def test_parallel_calls_stream_each_as_soon_as_it_is_complete(client: openai.OpenAI) -> None:
+    kwargs: Any = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                   "temperature": 0, "max_tokens": 96}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls = check_calls(whole.message.tool_calls, set(SCHEMAS))  # cut short by max_tokens: the complete calls
+    arrivals: list[tuple[int, bool]] = []  # (call index, did the output end in this chunk)
+    streamed: dict[int, tuple[str, str]] = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or []:
+            assert call.index not in streamed, "a call was sent twice"
+            streamed[call.index] = (call.function.name, call.function.arguments)
+            arrivals.append((call.index, chunk.choices[0].finish_reason is not None))
+    assert [streamed[i] for i in sorted(streamed)] == calls
+    assert len(calls) >= 2 and not arrivals[0][1], arrivals  # the first call came while the output ran on
+
+
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     # one call: with parallel calls a random-weight model may add calls until max_tokens
     reply = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=96,
@@ -157,6 +173,25 @@ def test_qwen25_and_llama3_parsers() -> None:
                                  '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}')
     assert content is None and [c.name for c in calls] == ["set_alarm", "get_weather"]
     assert json.loads(calls[0].arguments) == {"hour": 6, "loud": False}
+
+
+@pytest.mark.parametrize("choice,text", [
+    ("required", '[{"name":"get_weather","parameters":{"city":"Oslo","days":2}}, '
+                 '{"name":"set_alarm","parameters":{"hour":7,"loud":true}}]'),
+    ("auto", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 6, "loud": false}}\n</tool_call>'),
+])
+def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(choice: str, text: str) -> None:
+    plan = plan_tools({"tools": TOOLS, "tool_choice": choice}, "qwen25")
+    assert plan is not None
+    finished = plan.parse(text)[1]
+    assert [c.name for c in finished] == ["get_weather", "set_alarm"]
+    seen: list[Any] = []
+    for end in range(len(text) + 1):  # the output as a stream sees it, a character at a time
+        complete = plan.complete_calls(text[:end])
+        assert complete[:len(seen)] == seen and complete == finished[:len(complete)], text[:end]
+        seen = complete
+    assert plan.complete_calls(text[:text.index("set_alarm")]) == finished[:1]
 
 
 def test_tool_plans_are_validated() -> None:
