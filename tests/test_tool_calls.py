@@ -120,6 +120,23 @@ def test_parallel_calls_stream_each_as_soon_as_it_is_complete(client: openai.Ope
     assert len(calls) >= 2 and not arrivals[0][1], arrivals  # the first call came while the output ran on
 
 
+def test_auto_parses_the_models_own_calls_whole_and_streamed(client: openai.OpenAI) -> None:
+    # a random-weight model does not call tools by itself: a regex makes it write Qwen's format
+    regex = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)", '
+             r'"days": [1-7]\}\}\n</tool_call>')
+    kwargs: Any = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "temperature": 0,
+                   "max_tokens": 64, "extra_body": {"regex": regex}}
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure.", choice
+    calls = check_calls(choice.message.tool_calls, {"get_weather"})
+    content, streamed = "", []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        streamed += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+    assert "<" not in content and content.strip() == "Sure." and streamed == calls
+
+
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     # one call: with parallel calls a random-weight model may add calls until max_tokens
     reply = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=96,
