@@ -23,7 +23,7 @@ from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight
+from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight, describe_paths
 from model_executor.layers.cpu_linear import check_quantization, pack_model, set_one_arithmetic
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
@@ -109,6 +109,8 @@ class ModelRunner:
                 kind += ", the LM head Q8_0"
             logger.info("packed %d weights for the CPU kernels%s", packed,
                         f", {quantized} of them {kind} ({self.config.quantization})" if self.config.quantization else "")
+        if self.device.type == "cpu" and self.config.dtype in (torch.bfloat16, torch.float16):
+            logger.info(describe_paths())
         self.weight_bytes = model_weight_bytes(self.model)
         layers = "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
         logger.info("loaded %s (%.1f MB on this rank%s, %s) in %.1f s", model_cls.__name__,

@@ -3,6 +3,9 @@ model with them against the same model on torch ops, both measured against fp32 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,16 @@ pytestmark = pytest.mark.skipif(cpu._compiler() is None, reason="no C compiler: 
 
 def test_kernels_build_where_there_is_a_compiler() -> None:
     assert cpu.kernels() is not None  # a build error must fail here, not skip every test below
+
+def test_the_start_up_line_names_each_kernels_path_on_this_cpu() -> None:
+    line = cpu.describe_paths()
+    assert ("torch (this CPU has no AVX-512 BF16)" in line) != cpu.bf16_linear_available(), line
+    assert ("refused (no VNNI)" in line) != cpu.int8_available(), line
+    assert ("plain loops: this CPU has no AVX-512" in line) == ("avx512f" not in cpu._cpu_flags().split()), line
+    off = subprocess.run([sys.executable, "-c", "from model_executor.kernels import cpu; print(cpu.describe_paths())"],
+                         env={**os.environ, "SRT_CPU_KERNELS": "0"}, capture_output=True, text=True, check=True)
+    assert "every op runs on torch" in off.stdout, off
+
 
 BF16 = torch.bfloat16
 

@@ -467,6 +467,23 @@ def prefill_kernel_available() -> bool:
     return lib is not None and (amx_available() or bool(lib.srt_dp_prefill_attention_available()))
 
 
+def describe_paths() -> str:
+    """One start-up line: the path each kind of kernel takes on this CPU, so a slow machine says why."""
+    lib = kernels()
+    if lib is None:
+        return "CPU kernels off (SRT_CPU_KERNELS=0 or no compiler): every op runs on torch"
+    avx512 = "avx512f" in _cpu_flags().split()
+    bf16 = "AMX tiles" if amx_available() else "AVX-512 BF16" if bf16_linear_available() else \
+        "torch (this CPU has no AVX-512 BF16)"
+    int8 = "AMX int8" if amx_available() and int8_available() else "AVX-512 VNNI" if int8_available() else \
+        "refused (no VNNI)"
+    prefill = "C kernel" if prefill_kernel_available() else "torch"
+    loops = "AVX-512" if avx512 else "plain loops: this CPU has no AVX-512"
+    q4 = "C kernel" if q4_available() else "refused (no AVX-512 BF16)"
+    return (f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}; prefill attention on {prefill}; "
+            f"norms, rotary and decode attention in C ({loops})")
+
+
 def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `prefill_attention` runs here: bf16 on a CPU with AMX or AVX-512 BF16, head size 64 or 128."""
     return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and prefill_kernel_available()
