@@ -83,6 +83,13 @@ def busy_response(message: str, body: Callable[[int, str], dict[str, Any]] = err
     return JSONResponse(body(503, message), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def unavailable_response(error: ServiceUnavailableError,
+                         body: Callable[[int, str], dict[str, Any]] = error_body) -> JSONResponse:
+    """503; with Retry-After where the condition passes by itself."""
+    return busy_response(str(error), body) if error.retry_after else \
+        JSONResponse(body(503, str(error)), status_code=503)
+
+
 async def peek_refusal(outputs: AsyncGenerator[dict[str, Any], None]
                        ) -> tuple[AsyncGenerator[dict[str, Any], None], str | None]:
     """For a stream that may be refused (refusals_possible): wait for its first output, so that a
@@ -175,7 +182,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         except ValueError as error:
             return bad_request(error)
         except ServiceUnavailableError as error:
-            return error_response(503, str(error))
+            return unavailable_response(error)
         outputs = tm.generate(call, request, incremental=tm.server_args.incremental_streaming_output)
         if call.stream:
             if refusals_possible(tm.server_args) and not call.is_batch:
@@ -188,7 +195,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         except ValueError as error:
             return bad_request(error)
         except ServiceUnavailableError as error:
-            return error_response(503, str(error))
+            return unavailable_response(error)
         if len(results) < len(call.reqs):  # the client went away; nobody reads this
             return error_response(400, "the client disconnected")
         refusal = queue_refusal(results[0]) if not call.is_batch else None
@@ -209,7 +216,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         try:
             await tm.health_generate()
         except ServiceUnavailableError as error:
-            return error_response(503, str(error))
+            return unavailable_response(error)
         return JSONResponse({})
 
     @app.get("/model_info")
@@ -229,7 +236,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         try:
             state = await tm.get_internal_state()
         except ServiceUnavailableError as error:
-            return error_response(503, str(error))
+            return unavailable_response(error)
         return JSONResponse({**server_info, "internal_states": [state], "memory": tm.memory_report()})
 
     @app.get("/get_load")
@@ -239,7 +246,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         try:
             load = await tm.get_load()
         except ServiceUnavailableError as error:
-            return error_response(503, str(error))
+            return unavailable_response(error)
         return JSONResponse([{"dp_rank": 0, **load}])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -247,7 +254,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         try:
             reply = await tm.flush_cache()
         except ServiceUnavailableError as error:
-            return error_response(503, str(error))
+            return unavailable_response(error)
         if not reply.success:
             return error_response(400, str(reply.payload.get("message", "the cache was not flushed")))
         return JSONResponse({"success": True, **reply.payload})

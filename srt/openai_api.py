@@ -34,6 +34,7 @@ from srt.http_server import (
     read_json_object,
     refusals_possible,
     sse,
+    unavailable_response,
 )
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
@@ -236,7 +237,7 @@ async def _serve(request: Request, chat: bool) -> Response:
         param = getattr(error, "param", None)
         return error_response(400, str(error), renamed.get(param, param) if param else None)
     except ServiceUnavailableError as error:
-        return error_response(503, str(error))
+        return unavailable_response(error, error_body)
     outputs = tm.generate(generate_call, request)
     model = _model_name(tm)
     if call.stream:
@@ -250,7 +251,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     except ValueError as error:
         return error_response(400, str(error), getattr(error, "param", None))
     except ServiceUnavailableError as error:
-        return error_response(503, str(error))
+        return unavailable_response(error, error_body)
     if len(results) < call.choices:  # the client went away; nobody reads this
         return error_response(400, "the client disconnected")
     refusals = [r for r in map(queue_refusal, results) if r is not None]

@@ -23,7 +23,13 @@ from srt.metrics import FrontendMetrics, RequestTiming
 
 
 class ServiceUnavailableError(RuntimeError):
-    """The server cannot serve (a rank died, or a control/health reply did not come): HTTP 503."""
+    """The server cannot serve (a rank died, or a control/health reply did not come): HTTP 503.
+    `retry_after`: the condition passes by itself (memory pressure, a recovery), so the reply says
+    when to try again."""
+
+    def __init__(self, message: str, retry_after: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass

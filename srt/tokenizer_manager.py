@@ -206,10 +206,10 @@ class TokenizerManager(FrontendRecovery):
         if self.refusal is not None:
             raise ServiceUnavailableError(self.refusal)
         if self.memory_watch.pressure is not None:
-            raise ServiceUnavailableError(self.memory_watch.pressure)
+            raise ServiceUnavailableError(self.memory_watch.pressure, retry_after=True)
         if self.recovering is not None and self.held_back >= self.max_held_back:
             raise ServiceUnavailableError(f"recovering: {self.recovering}; {self.held_back} requests are "
-                                          "waiting already")
+                                          "waiting already", retry_after=True)
         return self.parser.parse(obj, self.rid_to_state)
 
     def _check_rids_free(self, rids: list[str]) -> None:

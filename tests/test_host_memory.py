@@ -156,6 +156,11 @@ def test_host_short_of_memory_sheds_new_requests_and_releases_the_cache(tiny_mod
         assert "releasing KV memory" in server.output()  # the rank applied the front end's message
         r = server.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 503 and "--min-available-memory 1e+06 GiB" in r.text, r.text
+        assert r.headers.get("Retry-After") == "1"  # the condition passes by itself: say when to retry
+        chat = requests.post(server.url + "/v1/chat/completions", timeout=30,
+                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == 503 and chat.headers.get("Retry-After") == "1", chat.text
+        assert chat.json()["error"]["type"] == "service_unavailable_error"
         info = requests.get(server.url + "/server_info", timeout=30).json()
         assert "short of memory" in info["memory"]["pressure"]
         assert requests.get(server.url + "/health", timeout=10).status_code == 200  # alive, shedding
