@@ -12,19 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from srt.detokenizer import stop_holdback_start
 from srt.server_args import REASONING_PARSERS
 
 THINK_START, THINK_END = "<think>", "</think>"
 _FORCED = {"deepseek-r1": True, "qwen3": False, "qwen3-thinking": True}
 assert set(_FORCED) == set(REASONING_PARSERS)
-
-
-def _held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 @dataclass(frozen=True)
@@ -47,5 +40,5 @@ class ReasoningSplit:
             return body[:end].strip(), body[end + len(THINK_END):].lstrip(), True
         if finished:
             return body.strip(), "", True  # cut short inside the reasoning: all of it is reasoning
-        # trailing whitespace waits too: the finished reasoning is stripped
-        return body[:len(body) - _held_back(body, THINK_END)].strip(), "", False
+        # a partial </think> at the end waits, and trailing whitespace too: the finished reasoning is stripped
+        return body[:stop_holdback_start(body, 0, [THINK_END])].strip(), "", False

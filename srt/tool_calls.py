@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from srt.detokenizer import stop_holdback_start
 from srt.generate_parse import RequestError
 from srt.server_args import TOOL_CALL_PARSERS
 
@@ -96,15 +97,7 @@ class ToolPlan:
         if not self.parses:
             return len(text)
         starts = ["<tool_call>"] if self.parser == "qwen25" else ["<|python_tag|>", "{"]
-        cut = len(text)
-        for start in starts:
-            at = text.find(start)
-            if at >= 0:
-                cut = min(cut, at)
-            for k in range(len(start) - 1, 0, -1):  # a partial marker at the end stays back
-                if text.endswith(start[:k]):
-                    cut = min(cut, len(text) - k)
-                    break
+        cut = stop_holdback_start(text, 0, starts)  # before a call's marker, or a partial one at the end
         if self.parser == "llama3" and text[:cut].strip() == "" and cut < len(text):
             return 0
         return cut
