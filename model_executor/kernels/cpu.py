@@ -31,8 +31,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c",
                              "cpu_q4_linear.c", "cpu_q8_linear.c", "cpu_prefill_attention.c"))
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h"))  # part of the build key
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+                for name in ("srt_kernels.h", "simd_bf16.h", "dp_bf16.h", "prefill_tasks.h"))  # part of the build key
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {

@@ -5,7 +5,7 @@
  * well under the machine's read bandwidth: this kernel streams the weight in the order the tiles
  * consume it, prefetches a few tiles ahead, and reaches the bandwidth (~20 GB/s measured).
  *
- * The weight is packed once at load (model_executor/kernels/cpu.py, amx_pack) as
+ * The weight is packed once at load (model_executor/kernels/packing.py, bf16_pack) as
  * [n/16][k/32][16][16][2]: for each block of 16 outputs, each 32-wide slice of k is one B tile of
  * 16 rows (pairs of k) x 16 columns (outputs) x 2, contiguous, 1 KiB. The math is fp32 in the
  * tiles; outputs are rounded to bf16 (round to nearest even) after the bias is added.
@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#include "srt_kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -488,7 +488,7 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
 #if defined(__AMX_INT8__)
 /* ---- W8A8 int8 (--quantization w8a8_int8) ----
  * Weights are int8 with one fp32 scale per output (symmetric, absmax / 127), packed by
- * cpu.int8_pack as [n/16][k/64][16 (k quads)][16 (n)][4]: each 64-wide slice of k for 16
+ * packing.int8_pack as [n/16][k/64][16 (k quads)][16 (n)][4]: each 64-wide slice of k for 16
  * outputs is one B tile, 1 KiB. Each row of x is quantized the same way per call (one scale per
  * row), the tiles multiply int8 into int32 (vpdpbssd's tile form, twice the bf16 rate per tile),
  * and the epilogue applies both scales (and the bias) in fp32 before rounding to bf16. */
@@ -496,9 +496,6 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
 #ifndef I8_CHUNK_BLOCKS
 #define I8_CHUNK_BLOCKS 32 /* 16-row blocks of x per pass over the weight */
 #endif
-
-/* cpu_int8_linear.c: x rows -> int8 rows and their scales (and sums) */
-void srt_quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales, int32_t *sums);
 
 static inline void store_block_i8(const int32_t *c, int64_t rows, const float *xs, const float *ws, const bf16 *bias,
                                   bf16 *out, int64_t n) {

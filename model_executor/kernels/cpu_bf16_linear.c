@@ -2,7 +2,7 @@
  * AMX tiles where this process was granted them (cpu_amx.c), else AVX-512 BF16 dot products
  * (vdpbf16ps: AMD Zen 4 and 5, Intel Cooper Lake and later), both on the one packed layout.
  *
- * The weight is packed once at load (model_executor/kernels/cpu.py, bf16_pack) as
+ * The weight is packed once at load (model_executor/kernels/packing.py, bf16_pack) as
  * [n/16][k/32][16][16][2]: for each block of 16 outputs, k in pairs, each pair's 16 outputs x 2
  * values one 64-byte line. An AMX B tile is 16 such lines; for vdpbf16ps one line is one register,
  * and each 16-output block is one contiguous stream of k/2 lines.
@@ -22,13 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef uint16_t bf16;
-
-int64_t srt_amx_granted(void);
-void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
-void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
-                        int64_t k);
-void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
+#include "srt_kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 /* W8A8 int8 linear layers (--quantization w8a8_int8): AMX int8 tiles where this process was granted
  * them (cpu_amx.c), else AVX-512 VNNI (vpdpbusd: AMD Zen 4 and 5, Intel Ice Lake and later).
  *
- * Weights are int8 with one fp32 scale per output (symmetric, absmax / 127), packed by cpu.int8_pack
+ * Weights are int8 with one fp32 scale per output (symmetric, absmax / 127), packed by packing.int8_pack
  * as [n/16][k/64][16 (k quads)][16 (n)][4]: for each block of 16 outputs, k in quads, each quad's
  * 16 outputs x 4 values one 64-byte line (an AMX B tile is 16 such lines). Each row of x is
  * quantized the same way per call (one scale per row). The products are exact int32 sums; the
@@ -17,13 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef uint16_t bf16;
-
-int64_t srt_amx_granted(void);
-void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
-                       bf16 *out, int64_t n, int64_t k);
-void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
-                            int64_t d, int64_t k);
+#include "srt_kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -193,7 +187,7 @@ int64_t srt_vnni_linear_available(void) { return 0; }
 #endif
 
 /* out[m][n] = x[m][k] @ (w * w_scale).T (+ bias), x quantized per row; n % 32 == 0 and k % 64 == 0
- * (the caller checks), the weight packed for the path that runs (cpu.int8_pack). */
+ * (the caller checks), the weight packed for the path that runs (packing.int8_pack). */
 void srt_int8_linear(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                      bf16 *out, int64_t n, int64_t k) {
     if (srt_amx_granted())

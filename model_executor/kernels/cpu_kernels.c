@@ -1,6 +1,6 @@
 /* Fused CPU kernels for the bf16 decode path: activations are bf16 in memory, the math is fp32.
  *
- * Built once per machine by model_executor/kernels/cpu.py (gcc -O3 -march=native -fopenmp) and
+ * Built once per machine by model_executor/kernels/build.py (gcc -O3 -march=native -fopenmp) and
  * called through ctypes on tensors' data pointers. Each kernel replaces several small ATen ops
  * whose per-call overhead, not their arithmetic, dominates a decode step on a few cores.
  * OpenMP here is the libgomp that torch already loaded, so kernels share torch's threads.
@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #endif
 
-typedef uint16_t bf16;
+#include "srt_kernels.h"
 
 #include "simd_bf16.h"
 
@@ -655,16 +655,6 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
     }
 #undef GEMV_ROWS
 }
-
-void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
-void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
-void srt_int8_linear_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
-                          int64_t d, int64_t k);
-void srt_int8_linear(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
-                     bf16 *out, int64_t n, int64_t k);
-void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
-                   int64_t k);
-void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
 
 /* x @ w.T through a packed-weight kernel where the caller packed the weight (cpu_bf16_linear.c: AMX
  * or AVX-512 BF16; cpu_int8_linear.c when it has scales, --quantization w8a8_int8: AMX or AVX-512

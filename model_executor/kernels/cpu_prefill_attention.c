@@ -15,13 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-
-int64_t srt_amx_granted(void);
-void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
-                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
-                               const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
-                               int64_t d, float scale);
+#include "srt_kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -3,7 +3,7 @@
  * an fp16 scale d and minimum m: w = d q + m. A decode step at batch 1 streams every weight once,
  * and these are 0.625 bytes a weight against bf16's 2.
  *
- * Packed by cpu.q4_pack as [n/16][k/32][320 bytes]: for each block of 16 outputs and 32 k, the 16
+ * Packed by packing.q4_pack as [n/16][k/32][320 bytes]: for each block of 16 outputs and 32 k, the 16
  * d then the 16 m (fp16), then 8 chunks of 32 bytes, chunk c holding k 4c .. 4c+3: byte 2j is
  * q[j][4c] | q[j][4c+2] << 4, byte 2j+1 is q[j][4c+1] | q[j][4c+3] << 4. Widened to 16-bit words,
  * chunk c is 16 lanes of (byte 2j, byte 2j+1): its low nibbles are k pair 2c of the 16 outputs,
@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef uint16_t bf16;
+#include "srt_kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -189,7 +189,7 @@ int64_t srt_q4_linear_available(void) { return 0; }
 #define Q4(mode, ...) abort() /* never called: srt_q4_linear_available() answered 0 */
 #endif
 
-/* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the Q4_1 weight packed by cpu.q4_pack; x rows
+/* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the Q4_1 weight packed by packing.q4_pack; x rows
  * contiguous; n % 16 == 0 and k % 32 == 0 (the caller checks) */
 void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                    int64_t k) {

@@ -11,14 +11,14 @@
  * exactly in int32, and the block adds d dx times that. The weights are exact; each x is off by at
  * most amax / 65278, against the 2^-9 of its own value that rounding a weight to bf16 costs.
  *
- * Packed by cpu.q8_pack as [n/16][k/32][544 bytes]: per 16 outputs and 32 k, the 16 d (fp16), then
+ * Packed by packing.q8_pack as [n/16][k/32][544 bytes]: per 16 outputs and 32 k, the 16 d (fp16), then
  * 8 chunks of 64 bytes, chunk c byte 4j + i = q[j][4c + i] + 128: lane j of a vpdpbusd operand.
  * Rows go in tiles of two against four 16-output blocks, as in cpu_q4_linear.c.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef uint16_t bf16;
+#include "srt_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -150,7 +150,7 @@ int64_t srt_q8_linear_available(void) { return 0; }
 #define Q8(...) abort() /* never called: srt_q8_linear_available() answered 0 */
 #endif
 
-/* out[m][n] (float32) = x[m][k] @ w.T for the Q8_0 weight packed by cpu.q8_pack; x rows contiguous;
+/* out[m][n] (float32) = x[m][k] @ w.T for the Q8_0 weight packed by packing.q8_pack; x rows contiguous;
  * n % 16 == 0 and k % 32 == 0 (the caller checks) */
 void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
     Q8(x, m, packed, out, n, k);

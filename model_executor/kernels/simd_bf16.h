@@ -1,5 +1,5 @@
 /* bf16 <-> fp32, exp and silu on sixteen AVX-512 lanes, shared by cpu_kernels.c and cpu_amx.c (each
- * includes it after defining `bf16` and including immintrin.h). Empty without AVX-512 BF16. */
+ * includes it after srt_kernels.h and immintrin.h). Empty without AVX-512 BF16. */
 #ifndef SRT_SIMD_BF16_H
 #define SRT_SIMD_BF16_H
 #if defined(__AVX512BF16__)

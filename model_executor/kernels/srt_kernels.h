@@ -1,0 +1,91 @@
+/* The CPU kernels' interface: every function the shared object exports, declared once.
+ *
+ * Every .c file includes this header first, so a definition that disagrees with its declaration
+ * does not compile, and the build (-Werror=missing-prototypes) refuses an exported function that
+ * is not declared here. Python reads its ctypes signatures from this file (build.py), so keep each
+ * declaration to the types that parser knows: `void` or `int64_t` results; `int64_t`, `float` or a
+ * pointer parameters. Tensors are passed as their data pointers, row-major; `bf16` is bfloat16's
+ * bits (torch.bfloat16). Sizes and strides are in elements.
+ */
+#ifndef SRT_KERNELS_H
+#define SRT_KERNELS_H
+
+#include <stdint.h>
+
+typedef uint16_t bf16;
+
+/* cpu_kernels.c: the elementwise ops, decode attention, the GEMV and the fused decoder layer */
+void srt_rmsnorm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
+                 int64_t rows, int64_t dim, float eps);
+void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
+void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
+              const int64_t *positions, const bf16 *cos, const bf16 *sin);
+void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                          int64_t v_stride, bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc,
+                          const int64_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
+                          const int64_t *seq_lens, bf16 *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
+                          float scale, int64_t max_len);
+void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
+                      const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
+                      const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
+                      const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
+                      const float *s_down, int64_t q4, const int64_t *positions, const bf16 *cos, const bf16 *sin,
+                      bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
+                      int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
+                      int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
+                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out);
+void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride, bf16 *k_cache, bf16 *v_cache,
+                  const int64_t *loc, int64_t n, int64_t width);
+void srt_argmax(const float *logits, int64_t rows, int64_t n, int64_t *out);
+
+/* cpu_amx.c: AMX tiles (each answers 0 / is never called where the compiler's target lacks AMX) */
+int64_t srt_amx_init(void);
+int64_t srt_amx_granted(void);
+int64_t srt_amx_has_int8(void);
+void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
+                        int64_t k);
+void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
+void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                       bf16 *out, int64_t n, int64_t k);
+void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
+                            int64_t d, int64_t k);
+void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                               int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
+                               const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
+                               int64_t d, float scale);
+
+/* cpu_bf16_linear.c: bf16 linears on bf16_pack's layout (AMX where granted, else AVX-512 BF16) */
+int64_t srt_dp_linear_available(void);
+void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
+                         int64_t k);
+void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
+
+/* cpu_int8_linear.c: W8A8 int8 linears (AMX int8 where granted, else AVX-512 VNNI) */
+int64_t srt_vnni_linear_available(void);
+void srt_quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales, int32_t *sums);
+void srt_int8_linear(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
+                     bf16 *out, int64_t n, int64_t k);
+void srt_int8_linear_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
+                          int64_t d, int64_t k);
+
+/* cpu_q4_linear.c: linears on GGUF Q4_1 blocks (q4_pack's layout) */
+int64_t srt_q4_linear_available(void);
+void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                   int64_t k);
+void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
+
+/* cpu_q8_linear.c: the LM head on GGUF Q8_0 blocks (q8_pack's layout), fp32 logits */
+int64_t srt_q8_linear_available(void);
+void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
+
+/* cpu_prefill_attention.c: causal prefill attention (AMX where granted, else AVX-512 BF16) */
+int64_t srt_dp_prefill_attention_available(void);
+void srt_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
+                           int64_t v_stride, bf16 *out, const int64_t *starts, const int64_t *kstarts,
+                           const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
+                           int64_t d, float scale);
+
+#endif
