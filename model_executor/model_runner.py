@@ -23,7 +23,8 @@ from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels.cpu import Int8Weight, Q4Weight, Q8Weight, describe_paths
+from model_executor.kernels.build import describe_paths
+from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight
 from model_executor.layers.cpu_linear import check_quantization, pack_model, set_one_arithmetic
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import iter_checkpoint, load_hf_config

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from model_executor.kernels import cpu
+from model_executor.kernels import build
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.py"
 
@@ -105,7 +105,7 @@ def test_bandwidth_probe_runs_between_the_timed_runs() -> None:
 def test_int8_prefill_is_held_to_the_int8_matmul_rate(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     """With --quantization w8a8_int8 the linears multiply in int8, so the compute bound the prefill is
     held to comes from torch's int8 matmul, not the bf16 one (which int8 can exceed)."""
-    if not cpu.int8_available():
+    if not build.int8_available():
         pytest.skip("neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused")
     out_json = tmp_path / "out.json"
     proc = subprocess.run(

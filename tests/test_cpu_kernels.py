@@ -15,22 +15,22 @@ from tiny_models import hf_float32, hf_forced_logits, make_tiny_model
 
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.kernels import cpu
+from model_executor.kernels import build, decode_layers, ops
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(cpu._compiler() is None, reason="no C compiler: the kernels are not built")
+pytestmark = pytest.mark.skipif(build._compiler() is None, reason="no C compiler: the kernels are not built")
 
 
 def test_kernels_build_where_there_is_a_compiler() -> None:
-    assert cpu.kernels() is not None  # a build error must fail here, not skip every test below
+    assert build.kernels() is not None  # a build error must fail here, not skip every test below
 
 def test_the_start_up_line_names_each_kernels_path_on_this_cpu() -> None:
-    line = cpu.describe_paths()
-    assert ("torch (this CPU has no AVX-512 BF16)" in line) != cpu.bf16_linear_available(), line
-    assert ("refused (no VNNI)" in line) != cpu.int8_available(), line
-    assert ("plain loops: this CPU has no AVX-512" in line) == ("avx512f" not in cpu._cpu_flags().split()), line
-    off = subprocess.run([sys.executable, "-c", "from model_executor.kernels import cpu; print(cpu.describe_paths())"],
+    line = build.describe_paths()
+    assert ("torch (this CPU has no AVX-512 BF16)" in line) != build.bf16_linear_available(), line
+    assert ("refused (no VNNI)" in line) != build.int8_available(), line
+    assert ("plain loops: this CPU has no AVX-512" in line) == ("avx512f" not in build._cpu_flags().split()), line
+    off = subprocess.run([sys.executable, "-c", "from model_executor.kernels import build; print(build.describe_paths())"],
                          env={**os.environ, "SRT_CPU_KERNELS": "0"}, capture_output=True, text=True, check=True)
     assert "every op runs on torch" in off.stdout, off
 
@@ -53,10 +53,10 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, ulps: float = 2.0) 
 @pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 576), (64, 576), (3, 40), (4096, 576)])
 def test_rmsnorm_with_and_without_residual(rows: int, dim: int) -> None:
     x, residual, weight = rand(rows, dim, seed=1), rand(rows, dim, seed=2), rand(dim, seed=3)
-    out, none = cpu.rmsnorm(x, weight, 1e-5)
+    out, none = ops.rmsnorm(x, weight, 1e-5)
     assert none is None
     assert_bf16_close(out, F.rms_norm(x.float(), (dim,), weight.float(), 1e-5))
-    out, new_residual = cpu.rmsnorm(x, weight, 1e-5, residual)
+    out, new_residual = ops.rmsnorm(x, weight, 1e-5, residual)
     assert new_residual is not None and torch.equal(new_residual, x + residual)  # same bf16 rounding as torch
     assert_bf16_close(out, F.rms_norm(new_residual.float(), (dim,), weight.float(), 1e-5))
 
@@ -66,7 +66,7 @@ def test_silu_mul(rows: int, d: int) -> None:
     x = rand(rows, 2 * d, seed=4, scale=4.0)
     x[0, :6] = torch.tensor([-100.0, -88.0, 0.0, 88.0, 100.0, -0.0])  # exp's clamps, both signs of 0
     gate, up = x.float().chunk(2, dim=-1)
-    assert_bf16_close(cpu.silu_mul(x), F.silu(gate) * up)
+    assert_bf16_close(ops.silu_mul(x), F.silu(gate) * up)
 
 
 # d 64 and 128: AVX-512 with cos/sin rows widened once per token; 48: the plain loops
@@ -77,7 +77,7 @@ def test_rope_on_strided_rows_matches_the_torch_rotation(n: int, d: int) -> None
     x = qkv[:, : 12 * d].view(n, 12, d)  # q and k heads of a qkv row: a strided view
     positions = torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(6))
     want = rot.rotate(positions, x.float())  # fp32 tables and math
-    got = cpu.rope(x, positions, rot.cos.to(BF16), rot.sin.to(BF16))
+    got = ops.rope(x, positions, rot.cos.to(BF16), rot.sin.to(BF16))
     assert got.is_contiguous() and got.shape == x.shape
     assert_bf16_close(got, want, ulps=4.0)  # bf16 cos/sin tables add their own rounding
 
@@ -87,8 +87,8 @@ def test_rope_on_strided_rows_matches_the_torch_rotation(n: int, d: int) -> None
 def test_gemv_matches_fp32_matmul(m: int, n: int, k: int) -> None:
     x, weight, bias = rand(m, k, seed=12), rand(n, k, seed=13), rand(n, seed=14)
     want = x.float() @ weight.float().T + bias.float()
-    assert_bf16_close(cpu.gemv(x, weight, bias), want, ulps=3.0)
-    assert_bf16_close(cpu.gemv(x, weight, None), x.float() @ weight.float().T, ulps=3.0)
+    assert_bf16_close(ops.gemv(x, weight, bias), want, ulps=3.0)
+    assert_bf16_close(ops.gemv(x, weight, None), x.float() @ weight.float().T, ulps=3.0)
 
 
 def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, torch.Tensor]:
@@ -122,7 +122,7 @@ def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, tor
 def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq: int, hkv: int, d: int) -> None:
     c = paged_case(lens, hq, hkv, d)
     scale = d ** -0.5
-    out = cpu.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], c["req_to_token"],
+    out = ops.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], c["req_to_token"],
                                c["rows"], c["seq_lens"], max(lens), hq, hkv, d, scale)
     assert torch.equal(c["k_cache"][c["out_loc"]], c["k"].reshape(-1, hkv, d))
     assert torch.equal(c["v_cache"][c["out_loc"]], c["v"].reshape(-1, hkv, d))
@@ -140,11 +140,11 @@ def test_decode_attention_gives_a_request_the_same_bits_alone_and_in_a_batch() -
     lens, hq, hkv, d = [1100, 20, 700, 513, 5, 64, 2048, 9, 300], 9, 3, 64
     c = paged_case(lens, hq, hkv, d)
     args = (c["k_cache"], c["v_cache"])
-    together = cpu.decode_attention(c["q"], c["k"], c["v"], *args, c["out_loc"], c["req_to_token"], c["rows"],
+    together = ops.decode_attention(c["q"], c["k"], c["v"], *args, c["out_loc"], c["req_to_token"], c["rows"],
                                     c["seq_lens"], max(lens), hq, hkv, d, d ** -0.5)
     for b, n in enumerate(lens):
         one = slice(b, b + 1)
-        alone = cpu.decode_attention(c["q"][one], c["k"][one], c["v"][one], *args, c["out_loc"][one],
+        alone = ops.decode_attention(c["q"][one], c["k"][one], c["v"][one], *args, c["out_loc"][one],
                                      c["req_to_token"], c["rows"][one], c["seq_lens"][one], n, hq, hkv, d, d ** -0.5)
         assert torch.equal(alone[0], together[b]), n
 
@@ -156,7 +156,7 @@ def test_decode_attention_splits_right_with_more_threads_than_512_token_parts() 
     threads = torch.get_num_threads()
     torch.set_num_threads(16)
     try:
-        out = cpu.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"],
+        out = ops.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"],
                                    c["req_to_token"], c["rows"], c["seq_lens"], max(lens), hq, hkv, d, d ** -0.5)
     finally:
         torch.set_num_threads(threads)
@@ -169,7 +169,7 @@ def test_decode_attention_splits_right_with_more_threads_than_512_token_parts() 
 
 
 needs_prefill_kernel = pytest.mark.skipif(
-    cpu._compiler() is None or not cpu.prefill_attention_applies(torch.zeros(1, 1, 64, dtype=BF16), 1, 1, 64),
+    build._compiler() is None or not ops.prefill_attention_applies(torch.zeros(1, 1, 64, dtype=BF16), 1, 1, 64),
     reason="neither AMX nor AVX-512 BF16 here")
 
 
@@ -184,8 +184,8 @@ def test_prefill_attention_matches_causal_sdpa(lens: list[int], hq: int, hkv: in
     qkv = rand(n, (hq + 2 * hkv) * d, seed=12)
     q = qkv[:, :hq * d].view(n, hq, d)  # strided rows, as the columns of one qkv tensor
     k, v = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d), qkv[:, (hq + hkv) * d:].view(n, hkv, d)
-    assert cpu.prefill_attention_applies(q, hq, hkv, d)
-    out = cpu.prefill_attention(q, k, v, lens, d ** -0.5)
+    assert ops.prefill_attention_applies(q, hq, hkv, d)
+    out = ops.prefill_attention(q, k, v, lens, d ** -0.5)
     start = 0
     for length in lens:
         qi, ki, vi = (t[start:start + length].float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -204,7 +204,7 @@ def test_prefill_attention_after_cached_prefixes_matches_masked_sdpa(spec: list[
     prefixes, lens = [p for p, _ in spec], [n for _, n in spec]
     q = rand(sum(lens), hq, d, seed=14)
     k, v = rand(sum(prefixes) + sum(lens), hkv, d, seed=15), rand(sum(prefixes) + sum(lens), hkv, d, seed=16)
-    out = cpu.prefill_attention(q, k, v, lens, d ** -0.5, prefixes)
+    out = ops.prefill_attention(q, k, v, lens, d ** -0.5, prefixes)
     qs = ks = 0
     for prefix, new in spec:
         qi = q[qs:qs + new].float().transpose(0, 1).unsqueeze(0)
@@ -245,13 +245,13 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path:
         return logits
 
     calls: list[int] = []
-    real = cpu.prefill_attention
-    monkeypatch.setattr(cpu, "prefill_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = ops.prefill_attention
+    monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=1024)
     layers = hf.config.num_hidden_layers
     fresh, chunked = prefill(ModelRunner(config), 0), prefill(ModelRunner(config), 2)  # prompt 3 keeps 1 token
     assert len(calls) == 3 * layers
-    monkeypatch.setattr(cpu, "prefill_attention_applies", lambda *a: False)
+    monkeypatch.setattr(ops, "prefill_attention_applies", lambda *a: False)
     fresh_sdpa, chunked_sdpa = prefill(ModelRunner(config), 0), prefill(ModelRunner(config), 2)
     assert len(calls) == 3 * layers
     for with_kernel, with_sdpa in ((fresh, fresh_sdpa), (chunked, chunked_sdpa)):
@@ -297,25 +297,25 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
     calls: dict[str, int] = {}
     for name in ("rmsnorm", "silu_mul", "bf16_linear_silu", "rope", "decode_attention"):
-        real = getattr(cpu, name)
+        real = getattr(ops, name)
         key = "silu_mul" if name == "bf16_linear_silu" else name  # silu * up alone or in the gate_up product
-        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=key, **k: (
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=key, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
-    real_layers = cpu.DecodeLayers.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (
+    real_layers = decode_layers.DecodeLayers.forward
+    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda *a, **k: (
         calls.__setitem__("decode_layers", calls.get("decode_layers", 0) + 1), real_layers(*a, **k))[1])
     with_kernels = decode_logits(fused, prompts, forced)
     layers = hf.config.num_hidden_layers
     if arch == "qwen3":  # q/k norm: the layer runs op by op, each op a kernel
         assert calls["decode_attention"] == layers * 6 and calls["rope"] >= layers * 7
         assert calls["rmsnorm"] >= 2 * layers * 7 and calls["silu_mul"] >= layers * 7
-    elif not cpu.bf16_linear_available():  # op by op, each op a kernel (srt_gemv's plain loops lose here)
+    elif not build.bf16_linear_available():  # op by op, each op a kernel (srt_gemv's plain loops lose here)
         assert calls["decode_attention"] == layers * 6 and "decode_layers" not in calls
     else:  # one rank: each decode layer is one fused kernel call; prefill runs op by op
         assert calls["decode_layers"] == 6 and "decode_attention" not in calls  # every layer, once a step
         assert calls["rope"] == layers and calls["silu_mul"] == layers
 
-    monkeypatch.setattr(cpu, "usable", lambda *tensors: False)
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)
     plain = ModelRunner(config)
     assert not plain.attn_backend.fused_decode  # type: ignore[attr-defined]
     without = decode_logits(plain, prompts, forced)
@@ -336,12 +336,12 @@ def test_store_kv_writes_the_rows_index_copy_writes(n: int, hkv: int, d: int) ->
     loc = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:n]
     k_cache, v_cache = rand(slots, hkv, d, seed=2), rand(slots, hkv, d, seed=3)
     want_k, want_v = k_cache.clone().index_copy_(0, loc, k), v_cache.clone().index_copy_(0, loc, v)
-    assert cpu.store_kv_applies(k, v, k_cache, v_cache, loc)
-    cpu.store_kv(k, v, k_cache, v_cache, loc)
+    assert ops.store_kv_applies(k, v, k_cache, v_cache, loc)
+    ops.store_kv(k, v, k_cache, v_cache, loc)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    assert not cpu.store_kv_applies(k, v, k_cache.float(), v_cache, loc)  # the pool's dtype decides
-    assert not cpu.store_kv_applies(k, v, k_cache, v_cache, loc.int())
-    assert not cpu.store_kv_applies(qkv[:, :2 * hkv * d:2].reshape(n, hkv, d), v, k_cache, v_cache, loc)
+    assert not ops.store_kv_applies(k, v, k_cache.float(), v_cache, loc)  # the pool's dtype decides
+    assert not ops.store_kv_applies(k, v, k_cache, v_cache, loc.int())
+    assert not ops.store_kv_applies(qkv[:, :2 * hkv * d:2].reshape(n, hkv, d), v, k_cache, v_cache, loc)
 
 
 @pytest.mark.parametrize("shape", [(32, 49152), (3, 17), (2, 5), (1, 16)])
@@ -350,5 +350,5 @@ def test_argmax_is_torch_argmax_first_index_on_ties(shape: tuple[int, int]) -> N
     logits = torch.randn(*shape, generator=g)
     logits[0, shape[1] // 2] = logits[0, -1] = 50.0  # a tie: the first index wins
     logits[-1] = float("-inf")  # a row of -inf: index 0, as torch
-    assert torch.equal(cpu.argmax(logits), logits.argmax(dim=-1))
-    assert cpu.argmax(logits.bfloat16()) is None and cpu.argmax(logits[:, ::2]) is None  # torch's own there
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    assert ops.argmax(logits.bfloat16()) is None and ops.argmax(logits[:, ::2]) is None  # torch's own there

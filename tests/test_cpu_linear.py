@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import build, ops
 from model_executor.layers.cpu_linear import (
     AMX_MAX_ROWS,
     is_kernel_packed,
@@ -44,7 +44,7 @@ def test_bf16_runner_packs_every_linear(tiny_model_dirs: dict[str, Path]) -> Non
     assert all(m.packed_weight is None for m in fp32.model.modules() if hasattr(m, "packed_weight"))
 
 
-needs_packed = pytest.mark.skipif(not cpu_kernels.bf16_linear_available(),
+needs_packed = pytest.mark.skipif(not build.bf16_linear_available(),
                                   reason="neither AMX nor AVX-512 BF16 on this CPU")
 
 
@@ -70,10 +70,10 @@ def test_packed_linear_is_the_fp32_product_rounded_once(m: int) -> None:
     got = linear(x, weight, bias, packed)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 96)
     assert ((got.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
-    assert torch.equal(linear(x, weight, None, packed), cpu_kernels.bf16_linear(x, packed, None))
+    assert torch.equal(linear(x, weight, None, packed), ops.bf16_linear(x, packed, None))
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_linear_available() or cpu_kernels.amx_available(),
+@pytest.mark.skipif(not build.bf16_linear_available() or build.amx_available(),
                     reason="the AVX-512 BF16 kernel runs only where AMX does not")
 def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
     """Without AMX a row's outputs do not depend on the rows beside it (each sum runs over k in one
@@ -82,14 +82,14 @@ def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
     every tail of the 6-row tiles, in all three output forms."""
     weight, bias, x, packed = kernel_case(70, 1024, 576)
     d = 512  # as a gate_up weight: gate rows 0-511, up rows 512-1023
-    whole = (cpu_kernels.bf16_linear(x, packed, bias), cpu_kernels.bf16_linear(x, packed, bias, torch.float32),
-             cpu_kernels.bf16_linear_silu(x, packed))
+    whole = (ops.bf16_linear(x, packed, bias), ops.bf16_linear(x, packed, bias, torch.float32),
+             ops.bf16_linear_silu(x, packed))
     assert whole[2].shape == (70, d)
     for rows in (1, 2, 5, 6, 7, 13, 64):
         for start in (0, 70 - rows):
             part = x[start:start + rows]
-            got = (cpu_kernels.bf16_linear(part, packed, bias), cpu_kernels.bf16_linear(part, packed, bias, torch.float32),
-                   cpu_kernels.bf16_linear_silu(part, packed))
+            got = (ops.bf16_linear(part, packed, bias), ops.bf16_linear(part, packed, bias, torch.float32),
+                   ops.bf16_linear_silu(part, packed))
             for g, w in zip(got, whole):
                 assert torch.equal(g, w[start:start + rows]), (rows, start)
 
@@ -104,8 +104,8 @@ def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
         got = linear(x, weight, b, packed, out_dtype=torch.float32)
         assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == (m, 160)
         assert torch.equal(got, linear(x, weight, b, packed).float())
-    assert torch.equal(cpu_kernels.bf16_linear(x, packed, bias, out_dtype=torch.float32),
-                       cpu_kernels.bf16_linear(x, packed, bias).float())
+    assert torch.equal(ops.bf16_linear(x, packed, bias, out_dtype=torch.float32),
+                       ops.bf16_linear(x, packed, bias).float())
 
 
 @needs_packed
@@ -115,13 +115,13 @@ def test_float32_logits_into_an_unaligned_buffer(m: int) -> None:
     64-byte aligned (as torch allocates it); an output that is not gets the same values by plain
     stores (a non-temporal store to an unaligned address would fault)."""
     weight, bias, x, packed = kernel_case(m, 160, 96)
-    lib = cpu_kernels.kernels()
+    lib = build.kernels()
     assert lib is not None
     buffer = torch.full((m * 160 + 1,), float("nan"))
     out = buffer[1:]  # 4 bytes past a 64-byte boundary
     assert out.data_ptr() % 64 == 4
     lib.srt_bf16_linear_f32(x.data_ptr(), m, packed.data_ptr(), bias.data_ptr(), out.data_ptr(), 160, 96)
-    assert torch.equal(out.view(m, 160), cpu_kernels.bf16_linear(x, packed, bias).float())
+    assert torch.equal(out.view(m, 160), ops.bf16_linear(x, packed, bias).float())
 
 
 @needs_packed
@@ -133,21 +133,21 @@ def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None
     weight, bias, x, packed = kernel_case(m, 2 * 48, 64)  # gate rows 0-47, up rows 48-95
     fused = linear_silu_mul(x, packed, None)
     assert fused is not None and fused.shape == (m, 48)
-    assert torch.equal(fused, cpu_kernels.silu_mul(linear(x, weight, None, packed)))
+    assert torch.equal(fused, ops.silu_mul(linear(x, weight, None, packed)))
     gate, up = F.linear(x.float(), weight.float()).split(48, dim=-1)
     torch.testing.assert_close(fused.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
     assert linear_silu_mul(x, packed, bias) is None
     many = torch.cat([x] * (AMX_MAX_ROWS // m + 1))
-    if cpu_kernels.amx_available():
+    if build.amx_available():
         assert packed_max_rows() == AMX_MAX_ROWS and linear_silu_mul(many, packed, None) is None
     else:
         fused_many = linear_silu_mul(many, packed, None)
-        assert fused_many is not None and torch.equal(fused_many, cpu_kernels.silu_mul(linear(many, weight, None, packed)))
-    if cpu_kernels.int8_available():
+        assert fused_many is not None and torch.equal(fused_many, ops.silu_mul(linear(many, weight, None, packed)))
+    if build.int8_available():
         int8 = pack_weight(weight, "w8a8_int8")
         for rows in (x, many):  # int8: every row count
             fused = linear_silu_mul(rows, int8, None)
-            assert fused is not None and torch.equal(fused, cpu_kernels.silu_mul(linear(rows, weight, None, int8)))
+            assert fused is not None and torch.equal(fused, ops.silu_mul(linear(rows, weight, None, int8)))
 
 
 @needs_packed

@@ -16,11 +16,11 @@ import torch
 from server_fixture import Server
 
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.kernels import cpu
+from model_executor.kernels import build
 from model_executor.layers.cpu_linear import set_one_arithmetic
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(cpu.kernels() is None, reason="the CPU kernels did not build here")
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the CPU kernels did not build here")
 
 PROMPT = [1, 504, 3458, 314, 260, 3656, 282, 4722, 30, 378, 2151, 288, 260, 15661, 282, 253, 1789, 29]
 FORCED = [2498, 6520, 28, 270, 1317, 702, 1789, 325, 4722, 314, 253, 2536, 28, 27, 7845, 3582]

@@ -15,12 +15,12 @@ from server_fixture import Server
 from test_cpu_kernels import decode_logits
 from tiny_models import hf_float32, hf_forced_logits
 
-from model_executor.kernels import cpu
+from model_executor.kernels import build, decode_layers, ops, packing
 from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.server_args import ServerArgs
 
-needs_q4 = pytest.mark.skipif(cpu._compiler() is None or not cpu.q4_available(),
+needs_q4 = pytest.mark.skipif(build._compiler() is None or not build.q4_available(),
                               reason="no AVX-512 BF16 here: --quantization gguf is refused")
 
 
@@ -88,23 +88,23 @@ def q4_llama(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
 def test_q4_recover_finds_the_blocks_and_nothing_else() -> None:
     q, d, m = q4_1_blocks(48, 96, seed=1)
     weight = dequantize(q, d, m)
-    found = cpu.q4_recover(weight)
+    found = packing.q4_recover(weight)
     assert found is not None
     assert torch.equal(found[0], q) and torch.equal(found[1], d) and torch.equal(found[2], m)
     constant = torch.full((16, 32), 0.25)  # d = 0: every q 0
-    assert torch.equal(dequantize(*cpu.q4_recover(constant)), constant)  # type: ignore[misc]
+    assert torch.equal(dequantize(*packing.q4_recover(constant)), constant)  # type: ignore[misc]
     nudged = weight.clone()
     nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))  # one value off the grid
-    assert cpu.q4_recover(nudged) is None
-    assert cpu.q4_recover(torch.randn(32, 64)) is None  # never quantized
-    assert cpu.q4_recover(weight.bfloat16()) is None  # bf16 has lost the exact values
-    assert cpu.q4_recover(dequantize(*q4_1_blocks(16, 64, seed=2))[:, :48]) is None  # k % 32 != 0
+    assert packing.q4_recover(nudged) is None
+    assert packing.q4_recover(torch.randn(32, 64)) is None  # never quantized
+    assert packing.q4_recover(weight.bfloat16()) is None  # bf16 has lost the exact values
+    assert packing.q4_recover(dequantize(*q4_1_blocks(16, 64, seed=2))[:, :48]) is None  # k % 32 != 0
 
 
 def test_q4_pack_lays_out_scales_then_nibble_pairs() -> None:
     q, d, m = q4_1_blocks(32, 64, seed=3)
-    packed = cpu.q4_pack(q, d, m)
-    assert packed.shape == (2, 2, cpu.Q4_BLOCK_BYTES) and packed.dtype == torch.uint8
+    packed = packing.q4_pack(q, d, m)
+    assert packed.shape == (2, 2, packing.Q4_BLOCK_BYTES) and packed.dtype == torch.uint8
     block = packed[1, 1]  # outputs 16..31, k 32..63
     assert torch.equal(block[:32].view(torch.float16), d[16:32, 1])
     assert torch.equal(block[32:64].view(torch.float16), m[16:32, 1])
@@ -121,12 +121,12 @@ def test_q4_pack_lays_out_scales_then_nibble_pairs() -> None:
 def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int, with_bias: bool) -> None:
     q, d, mins = q4_1_blocks(n, k, seed=m)
     weight = dequantize(q, d, mins)
-    packed = cpu.q4_pack(q, d, mins)
+    packed = packing.q4_pack(q, d, mins)
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=g) * 2).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
     want = x.float() @ weight.T + (0 if bias is None else bias.float())
-    out = cpu.q4_linear(x, packed, bias).float()
+    out = ops.q4_linear(x, packed, bias).float()
     # fp32 sums of exact products; the output's bf16 rounding is what differs (2^-8 relative)
     assert ((out - want).abs() <= want.abs() * 2**-8 + 2e-3).all(), (out - want).abs().max()
     # and closer to it than the same product with the weights rounded to bf16 (as a bf16 checkpoint holds them)
@@ -134,7 +134,7 @@ def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int,
     assert (out - want).norm() < (rounded - want).norm()
     if n % 32 == 0:
         gate, up = (x.float() @ weight.T).bfloat16().float().chunk(2, dim=-1)
-        act = cpu.q4_linear_silu(x, packed).float()
+        act = ops.q4_linear_silu(x, packed).float()
         ref = torch.nn.functional.silu(gate) * up
         assert ((act - ref).abs() <= ref.abs() * 2**-7 + 2e-3).all(), (act - ref).abs().max()
 
@@ -142,23 +142,23 @@ def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int,
 def test_q8_recover_finds_the_blocks_and_nothing_else() -> None:
     q, d = q8_0_blocks(48, 96, seed=1)
     weight = d.float().repeat_interleave(32, 1) * q.float()
-    found = cpu.q8_recover(weight)
+    found = packing.q8_recover(weight)
     assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], d)
-    assert torch.equal(cpu.q8_recover(quantize_q8_0(torch.randn(16, 64)))[0].abs().amax(-1),  # type: ignore[index]
+    assert torch.equal(packing.q8_recover(quantize_q8_0(torch.randn(16, 64)))[0].abs().amax(-1),  # type: ignore[index]
                        torch.full((16,), 127, dtype=torch.int8))
     zeros = torch.zeros(16, 32)
-    assert torch.equal(cpu.q8_recover(zeros)[0], zeros.to(torch.int8))  # type: ignore[index]
+    assert torch.equal(packing.q8_recover(zeros)[0], zeros.to(torch.int8))  # type: ignore[index]
     nudged = weight.clone()
     nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))
-    assert cpu.q8_recover(nudged) is None
-    assert cpu.q8_recover(torch.randn(32, 64)) is None
-    assert cpu.q8_recover(weight[:, :48]) is None  # k % 32 != 0
+    assert packing.q8_recover(nudged) is None
+    assert packing.q8_recover(torch.randn(32, 64)) is None
+    assert packing.q8_recover(weight[:, :48]) is None  # k % 32 != 0
 
 
 def test_q8_pack_lays_out_scales_then_biased_quads() -> None:
     q, d = q8_0_blocks(32, 64, seed=3)
-    packed = cpu.q8_pack(q, d)
-    assert packed.shape == (2, 2, cpu.Q8_BLOCK_BYTES) and packed.dtype == torch.uint8
+    packed = packing.q8_pack(q, d)
+    assert packed.shape == (2, 2, packing.Q8_BLOCK_BYTES) and packed.dtype == torch.uint8
     block = packed[1, 1]  # outputs 16..31, k 32..63
     assert torch.equal(block[:32].view(torch.float16), d[16:32, 1])
     chunk = block[32 + 64 * 3: 32 + 64 * 4]  # k 32 + 12 .. 32 + 15
@@ -166,7 +166,7 @@ def test_q8_pack_lays_out_scales_then_biased_quads() -> None:
     assert chunk[4 * j: 4 * j + 4].tolist() == [int(v) + 128 for v in q[16 + j, 44:48]]
 
 
-needs_q8 = pytest.mark.skipif(cpu._compiler() is None or not cpu.q8_available(),
+needs_q8 = pytest.mark.skipif(build._compiler() is None or not build.q8_available(),
                               reason="no AVX-512 BF16 and VNNI here: the LM head stays bf16")
 
 
@@ -179,7 +179,7 @@ def test_q8_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int)
     x = (torch.randn(m, k, generator=g) * 2).bfloat16()
     x[0, :32] *= 1e-3  # a block of small values: each has its own scale
     want = x.double() @ weight.T
-    out = cpu.q8_linear(x, cpu.q8_pack(q, d))
+    out = ops.q8_linear(x, packing.q8_pack(q, d))
     assert out.dtype == torch.float32 and out.shape == (m, n)
     # each x is off by at most its block's largest |x| / 65278, and the sums are fp32
     bound = (x.double().abs().view(m, k // 32, 32).amax(-1).repeat_interleave(32, 1) / 65278) @ weight.abs().T
@@ -200,18 +200,18 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
     runner = ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf"))
     layer = runner.model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert isinstance(linear.packed_weight, cpu.Q4Weight)
-    assert isinstance(runner.model.lm_head.packed_weight, cpu.Q8Weight if cpu.q8_available() else torch.Tensor)
+        assert isinstance(linear.packed_weight, packing.Q4Weight)
+    assert isinstance(runner.model.lm_head.packed_weight, packing.Q8Weight if build.q8_available() else torch.Tensor)
     calls: list[int] = []
-    real_layer = cpu.DecodeLayers.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1])
+    real_layer = decode_layers.DecodeLayers.forward
+    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1])
     fused = decode_logits(runner, prompts, forced)
     assert len(calls) == 6 and runner.model.model._fused_cache[1].q4  # every decode step fused, on Q4_1 weights
 
-    monkeypatch.setattr(cpu, "usable", lambda *tensors: False)  # op by op: each linear on srt_q4_linear
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q4_linear
     q4_calls: list[int] = []
-    real_linear = cpu.q4_linear
-    monkeypatch.setattr(cpu, "q4_linear", lambda *a: (q4_calls.append(1), real_linear(*a))[1])
+    real_linear = ops.q4_linear
+    monkeypatch.setattr(ops, "q4_linear", lambda *a: (q4_calls.append(1), real_linear(*a))[1])
     plain = decode_logits(ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf")),
                           prompts, forced)
     assert q4_calls
@@ -228,15 +228,15 @@ def test_q8_lm_head_runs_up_to_q8_max_rows_then_the_bf16_copy(q4_llama: Path) ->
     runner = ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf"))
     head = runner.model.lm_head
     packed = head.packed_weight
-    assert isinstance(packed, cpu.Q8Weight)
+    assert isinstance(packed, packing.Q8Weight)
     exact = load_file(q4_llama / "model.safetensors")["lm_head.weight"].double()
     g = torch.Generator().manual_seed(8)
-    for rows in (1, cpu.Q8_MAX_ROWS, cpu.Q8_MAX_ROWS + 1):
+    for rows in (1, ops.Q8_MAX_ROWS, ops.Q8_MAX_ROWS + 1):
         hidden = torch.randn(rows, 64, generator=g).bfloat16()
         logits = head(hidden, out_dtype=torch.float32)
-        on_q8 = rows <= cpu.Q8_MAX_ROWS
-        assert torch.equal(logits, cpu.q8_linear(hidden, packed.packed) if on_q8 else
-                           cpu.bf16_linear(hidden, packed.bf16, None, torch.float32))
+        on_q8 = rows <= ops.Q8_MAX_ROWS
+        assert torch.equal(logits, ops.q8_linear(hidden, packed.packed) if on_q8 else
+                           ops.bf16_linear(hidden, packed.bf16, None, torch.float32))
         err = (logits.double() - hidden.double() @ exact.T).abs().max().item()
         assert err < 1e-4 if on_q8 else err > 1e-4, (rows, err)  # exact weights, or the bf16 copy's
 
@@ -246,7 +246,7 @@ def test_q4_model_runs_larger_batches_on_the_bf16_copy(q4_llama: Path) -> None:
     """Past Q4_MAX_ROWS rows (and in every prefill) the same bf16 weights as without --quantization
     run: the same logits, bit for bit."""
     g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in range(3, 5 + cpu.Q4_MAX_ROWS)]
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in range(3, 5 + ops.Q4_MAX_ROWS)]
     forced = [torch.randint(3, 320, (3,), generator=g).tolist() for _ in prompts]
     logits = [decode_logits(ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization=q)),
                             prompts, forced) for q in ("gguf", None)]
@@ -275,8 +275,8 @@ def test_gguf_smollm2_decodes_as_close_to_fp32_as_bf16_does(smollm2_dir: Path) -
     errors, agreement = {}, {}
     for quantization in (None, "gguf"):
         runner = ModelRunner(RunnerConfig(model_dir=smollm2_dir, max_total_tokens=256, quantization=quantization))
-        if quantization == "gguf" and cpu.q8_available():  # the file's token embedding is Q8_0
-            assert isinstance(runner.model.lm_head.packed_weight, cpu.Q8Weight)
+        if quantization == "gguf" and build.q8_available():  # the file's token embedding is Q8_0
+            assert isinstance(runner.model.lm_head.packed_weight, packing.Q8Weight)
         logits = decode_logits(runner, prompt, forced)
         errors[quantization] = (logits - ref).abs().max().item() / ref.abs().max().item()
         agreement[quantization] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
@@ -288,7 +288,7 @@ def test_gguf_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) ->
     assert ServerArgs.from_cli(["--quantization", "gguf"]).quantization == "gguf"
     with pytest.raises(ValueError, match="--quantization gguf needs --device cpu and --dtype bfloat16"):
         ServerArgs(quantization="gguf", dtype="float32")
-    monkeypatch.setattr(cpu, "q4_available", lambda: False)
+    monkeypatch.setattr(build, "q4_available", lambda: False)
     with pytest.raises(ValueError, match="--quantization gguf needs a CPU with AVX-512 BF16"):
         check_quantization("gguf", torch.bfloat16, "cpu")
 
@@ -301,7 +301,7 @@ def test_server_serves_on_q4_1_weights(q4_llama: Path, smollm2_dir: Path) -> Non
                                     "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
-        head = ", the LM head Q8_0" if cpu.q8_available() else ""
+        head = ", the LM head Q8_0" if build.q8_available() else ""
         assert f"packed 9 weights for the CPU kernels, 8 of them Q4_1{head} (gguf)" in server.output()
 
 
@@ -309,5 +309,5 @@ def test_tiny_q4_copy_is_on_the_grid(q4_llama: Path) -> None:
     """The fixture itself: every projection is Q4_1, so the tests above exercise real blocks."""
     tensors = load_file(q4_llama / "model.safetensors")
     projections = [name for name in tensors if name.endswith("proj.weight")]
-    assert len(projections) == 14 and all(cpu.q4_recover(tensors[name]) is not None for name in projections)
+    assert len(projections) == 14 and all(packing.q4_recover(tensors[name]) is not None for name in projections)
     assert json.loads((q4_llama / "config.json").read_text())["hidden_size"] == 64

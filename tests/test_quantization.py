@@ -12,12 +12,12 @@ from server_fixture import Server
 from test_cpu_kernels import decode_logits
 from tiny_models import hf_float32, hf_forced_logits
 
-from model_executor.kernels import cpu
+from model_executor.kernels import build, decode_layers, ops, packing
 from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.server_args import ServerArgs
 
-needs_int8 = pytest.mark.skipif(cpu._compiler() is None or not cpu.int8_available(),
+needs_int8 = pytest.mark.skipif(build._compiler() is None or not build.int8_available(),
                                 reason="neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused")
 
 
@@ -44,10 +44,10 @@ def test_int8_linear_is_the_quantized_product(m: int, n: int, k: int, with_bias:
     if m > 1:
         x[m // 2] = 0  # a row of zeros: its scale is 1 and its outputs the bias
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    packed = cpu.int8_pack(weight)
-    assert packed.packed.dtype == (torch.int8 if cpu.amx_available() else torch.uint8)
+    packed = packing.int8_pack(weight)
+    assert packed.packed.dtype == (torch.int8 if build.amx_available() else torch.uint8)
     assert packed.packed.numel() == n * k
-    out = cpu.int8_linear(x, packed, bias).float()
+    out = ops.int8_linear(x, packed, bias).float()
     want = quantized_reference(x, weight, bias)
     # int32 sums are exact; what differs is the fp32 epilogue and the bf16 rounding of the output
     assert ((out - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (out - want).abs().max()
@@ -67,15 +67,15 @@ def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
     bf16 = decode_logits(ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512)), prompts, forced)
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="w8a8_int8"))
     layer = runner.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj.packed_weight, cpu.Int8Weight)
-    assert not isinstance(runner.model.lm_head.packed_weight, cpu.Int8Weight)  # the LM head stays bf16
+    assert isinstance(layer.mlp.down_proj.packed_weight, packing.Int8Weight)
+    assert not isinstance(runner.model.lm_head.packed_weight, packing.Int8Weight)  # the LM head stays bf16
     fused_calls: list[int] = []
-    real = cpu.DecodeLayers.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
+    real = decode_layers.DecodeLayers.forward
+    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
     fused = decode_logits(runner, prompts, forced)
     assert len(fused_calls) == 6  # every decode step in the fused layer, on int8 weights
 
-    monkeypatch.setattr(cpu, "usable", lambda *tensors: False)  # op by op: each linear on the int8 kernel
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on the int8 kernel
     plain = decode_logits(ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512,
                                                    quantization="w8a8_int8")), prompts, forced)
     scale = ref.abs().max().item()
@@ -112,7 +112,7 @@ def test_quantization_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyP
     assert ServerArgs.from_cli(["--quantization", "w8a8_int8"]).quantization == "w8a8_int8"
     with pytest.raises(ValueError, match="runs on --device cpu with bfloat16 activations"):
         check_quantization("w8a8_int8", torch.float32, "cpu")
-    monkeypatch.setattr(cpu, "int8_available", lambda: False)
+    monkeypatch.setattr(build, "int8_available", lambda: False)
     with pytest.raises(ValueError, match="needs a CPU with AMX int8 tiles .* or AVX-512 VNNI"):
         check_quantization("w8a8_int8", torch.bfloat16, "cpu")
     check_quantization(None, torch.float32, "cpu")  # no quantization: nothing to check

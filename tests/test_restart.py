@@ -22,7 +22,7 @@ import requests
 from server_fixture import Server
 from test_guards_e2e import assert_tree_gone, rank_pid, remember_tree, server_args, wait_exit
 
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import build
 from scheduler.fault_injection import FaultInjector, parse_faults
 from srt.io_struct import ResumeState, TokenizedGenerateReq
 from srt.recovery import RestartBudget
@@ -246,7 +246,7 @@ def smollm2_payloads(tokens: int) -> list[dict[str, Any]]:
     (("--pp-size", "2"), "srt::scheduler_PP1_TP0", 192, 64),
     (("--tp", "3"), "srt::scheduler_TP2", 96, 32),
     pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", 512, 160, marks=pytest.mark.skipif(
-        not cpu_kernels.int8_available(), reason="w8a8_int8 needs AMX int8 or AVX-512 VNNI")),
+        not build.int8_available(), reason="w8a8_int8 needs AMX int8 or AVX-512 VNNI")),
 ], ids=["tp1", "pp2", "tp3", "w8a8_int8"])
 def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str, tokens: int,
                                                                  killed_at: int) -> None:

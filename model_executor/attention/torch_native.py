@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import ops
 from model_executor.layers.attention import Attention
 
 
@@ -45,7 +45,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # deterministic extend: each new
         # token's (req_to_token row, length with its own slot, longest)
         k_cache, _ = kv_pool.get_kv_buffer(0)
-        self.kernel_attention = cpu_kernels.usable(k_cache) and k_cache.is_contiguous() \
+        self.kernel_attention = ops.usable(k_cache) and k_cache.is_contiguous() \
             and req_to_token.is_contiguous() and req_to_token.dtype == torch.int64
         # Extend on the decode kernel: only the kernel path has one arithmetic for both phases.
         self.decode_rows_extend = deterministic and self.kernel_attention
@@ -82,7 +82,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 batch: ForwardBatch) -> torch.Tensor:
         n = q.shape[0]
-        if self.kernel_attention and (batch.is_decode or self.decode_rows_extend) and cpu_kernels.usable(q, k, v):
+        if self.kernel_attention and (batch.is_decode or self.decode_rows_extend) and ops.usable(q, k, v):
             # A decode step's rows are its requests; a deterministic extend's, its new tokens.
             if batch.is_decode:
                 rows, row_lens, max_len = batch.req_pool_indices, batch.seq_lens, max(batch.seq_lens_cpu)
@@ -90,7 +90,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 assert self._rows is not None
                 rows, row_lens, max_len = self._rows
             k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
-            return cpu_kernels.decode_attention(
+            return ops.decode_attention(
                 q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, rows, row_lens, max_len,
                 layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
         # q/k/v may be column slices of one qkv tensor: reshape keeps them views where it can.
@@ -98,8 +98,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         k = k.reshape(n, layer.num_kv_heads, layer.head_dim)
         v = v.reshape(n, layer.num_kv_heads, layer.head_dim)
         k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
-        if cpu_kernels.store_kv_applies(k, v, k_cache, v_cache, batch.out_cache_loc):
-            cpu_kernels.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)  # ~3.6x index_copy_
+        if ops.store_kv_applies(k, v, k_cache, v_cache, batch.out_cache_loc):
+            ops.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)  # ~3.6x index_copy_
         else:
             self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         gqa = layer.num_heads != layer.num_kv_heads
@@ -113,15 +113,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             return out.reshape(n, layer.num_heads * layer.head_dim)
         lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
         fresh = not any(prefixes)
-        if cpu_kernels.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
+        if ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
             # bf16 on AMX: every request in one kernel call (~1.9x SDPA at 32 fresh x 128; ~2x the
             # masked SDPA below for a 2048-token chunk after 2048 cached ones). With cached prefixes
             # the keys are each request's slots in the pool, the new tokens' just written.
             if fresh:
-                return cpu_kernels.prefill_attention(q, k, v, lens, layer.scaling)
+                return ops.prefill_attention(q, k, v, lens, layer.scaling)
             extend_slots = self._extend_slots
             assert extend_slots is not None
-            return cpu_kernels.prefill_attention(q, gather(k_cache, extend_slots), gather(v_cache, extend_slots),
+            return ops.prefill_attention(q, gather(k_cache, extend_slots), gather(v_cache, extend_slots),
                                                  lens, layer.scaling, prefixes)
         if len(lens) > 1 and fresh and min(lens) == max(lens):
             # Fresh prompts of one length (a burst of same-size requests): one causal call for the

@@ -4,14 +4,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import ops
 
 
 class SiluAndMul(nn.Module):
     """[.., 2d] (gate | up) -> silu(gate) * up, [.., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.usable(x) and x.is_contiguous():
-            return cpu_kernels.silu_mul(x)
+        if ops.usable(x) and x.is_contiguous():
+            return ops.silu_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -11,7 +11,7 @@ reordered for oneDNN's bf16 kernel: ATen's bf16 GEMM at small M ran at 2-4x its 
 bit-identical results. fp32 and other devices keep F.linear.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
-becomes int8 with one scale per output (cpu.int8_pack) and every linear of every size runs on
+becomes int8 with one scale per output (packing.int8_pack) and every linear of every size runs on
 the int8 kernel (AMX tiles, or AVX-512 VNNI), its input quantized per row: half the bytes per
 decode step, and twice bf16's multiply rate both on AMX and on Zen 4's VNNI (a 512-bit vpdpbusd
 issues as often as a vdpbf16ps and does twice the multiply-adds). Not bit-identical to bf16: a
@@ -19,7 +19,7 @@ separate mode, off by default.
 
 With --quantization gguf (vLLM's name for running a GGUF file's own quantized weights) every such
 layer of a checkpoint converted from a GGUF Q4_1 file keeps the file's 4-bit blocks (recovered
-exactly from the dequantized values, cpu.q4_recover) for decode steps of up to cpu.Q4_MAX_ROWS
+exactly from the dequantized values, packing.q4_recover) for decode steps of up to ops.Q4_MAX_ROWS
 rows, where a step streams every weight once: 0.625 bytes a weight against bf16's 2, every weight
 exact (bf16 rounds them to 8 bits). Larger batches and prefills run on a bf16 copy, as without it.
 """
@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import build, ops, packing
 
 AMX_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast as the AMX kernel or faster
 QUANTIZATIONS = ("w8a8_int8", "gguf")
 # a layer's `packed_weight`
-PackedWeight = torch.Tensor | cpu_kernels.Int8Weight | cpu_kernels.Q4Weight | cpu_kernels.Q8Weight
+PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q8Weight
 
 
 def onednn_bf16_available() -> bool:
@@ -58,13 +58,13 @@ def packed_max_rows() -> int:
     """The most rows srt_bf16_linear takes a packed bf16 weight for (F.linear above): AMX_MAX_ROWS on
     AMX; any number on AVX-512 BF16, which kept up with oneDNN's GEMM at 4096 rows and spares a
     prefill's MLP the separate silu pass (32 x 128-token prefill 2406 -> 2302 ms on SmolLM2, Zen 4)."""
-    return AMX_MAX_ROWS if cpu_kernels.amx_available() and not _one_arithmetic else sys.maxsize
+    return AMX_MAX_ROWS if build.amx_available() and not _one_arithmetic else sys.maxsize
 
 
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
-    # cpu_kernels.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
-    return isinstance(packed, (cpu_kernels.Int8Weight, cpu_kernels.Q4Weight, cpu_kernels.Q8Weight)) \
+    # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
+    return isinstance(packed, (packing.Int8Weight, packing.Q4Weight, packing.Q8Weight)) \
         or packed.dim() == 5
 
 
@@ -78,11 +78,11 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
         raise ValueError(f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
                          f"got {device} with {dtype}")
     if quantization == "gguf":
-        if not (cpu_kernels.q4_available() and cpu_kernels.bf16_linear_available()):
+        if not (build.q4_available() and build.bf16_linear_available()):
             raise ValueError("--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
                              "Lake or later) and the CPU kernels built; this process has neither")
         return
-    if not cpu_kernels.int8_available():
+    if not build.int8_available():
         raise ValueError(f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
                          "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
                          "and the CPU kernels built; this process has neither")
@@ -92,17 +92,17 @@ def pack_weight(weight: torch.Tensor, quantization: str | None = None,
                 q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 q8: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
-    (the weight's Q4_1 blocks, cpu.q4_recover) a Q4Weight, with `q8` (Q8_0, cpu.q8_recover) a Q8Weight."""
+    (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, with `q8` (Q8_0, packing.q8_recover) a Q8Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    if q4 is not None and cpu_kernels.bf16_packable(weight):
-        return cpu_kernels.Q4Weight(cpu_kernels.q4_pack(*q4), cpu_kernels.bf16_pack(weight))
-    if q8 is not None and cpu_kernels.bf16_packable(weight):
-        return cpu_kernels.Q8Weight(cpu_kernels.q8_pack(*q8), cpu_kernels.bf16_pack(weight))
-    if quantization == "w8a8_int8" and cpu_kernels.int8_packable(weight):
-        return cpu_kernels.int8_pack(weight)
-    if cpu_kernels.bf16_packable(weight) and cpu_kernels.bf16_linear_available():
-        return cpu_kernels.bf16_pack(weight)
+    if q4 is not None and packing.bf16_packable(weight):
+        return packing.Q4Weight(packing.q4_pack(*q4), packing.bf16_pack(weight))
+    if q8 is not None and packing.bf16_packable(weight):
+        return packing.Q8Weight(packing.q8_pack(*q8), packing.bf16_pack(weight))
+    if quantization == "w8a8_int8" and packing.int8_packable(weight):
+        return packing.int8_pack(weight)
+    if packing.bf16_packable(weight) and build.bf16_linear_available():
+        return packing.bf16_pack(weight)
     if not onednn_bf16_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
@@ -120,22 +120,22 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: PackedWeight | None, float32_out: bool) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    if isinstance(packed, cpu_kernels.Int8Weight):
-        return cpu_kernels.int8_linear(x.contiguous(), packed, bias)
+    if isinstance(packed, packing.Int8Weight):
+        return ops.int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
-    if isinstance(packed, cpu_kernels.Q4Weight):
-        if rows <= cpu_kernels.Q4_MAX_ROWS:
-            return cpu_kernels.q4_linear(x.contiguous(), packed.packed, bias)
+    if isinstance(packed, packing.Q4Weight):
+        if rows <= ops.Q4_MAX_ROWS:
+            return ops.q4_linear(x.contiguous(), packed.packed, bias)
         packed = packed.bf16
-    if isinstance(packed, cpu_kernels.Q8Weight):
-        if rows <= cpu_kernels.Q8_MAX_ROWS and bias is None:
-            out = cpu_kernels.q8_linear(x.contiguous(), packed.packed)
+    if isinstance(packed, packing.Q8Weight):
+        if rows <= ops.Q8_MAX_ROWS and bias is None:
+            out = ops.q8_linear(x.contiguous(), packed.packed)
             return out if float32_out else out.to(x.dtype)
         packed = packed.bf16
     if is_kernel_packed(packed):
         if rows <= packed_max_rows():
-            return cpu_kernels.bf16_linear(x.contiguous(), packed, bias,
-                                           torch.float32 if float32_out else torch.bfloat16)
+            return ops.bf16_linear(x.contiguous(), packed, bias,
+                                   torch.float32 if float32_out else torch.bfloat16)
         return F.linear(x, weight, bias)
     if rows == 1 and not _one_arithmetic:
         # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
@@ -153,17 +153,17 @@ def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Te
     """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
     for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most packed_max_rows()),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
-    if packed is None or bias is not None or not is_kernel_packed(packed) or isinstance(packed, cpu_kernels.Q8Weight):
+    if packed is None or bias is not None or not is_kernel_packed(packed) or isinstance(packed, packing.Q8Weight):
         return None
-    if isinstance(packed, cpu_kernels.Int8Weight):
-        return cpu_kernels.int8_linear_silu(x.contiguous(), packed)
-    if isinstance(packed, cpu_kernels.Q4Weight):
-        if x.numel() // x.shape[-1] <= cpu_kernels.Q4_MAX_ROWS:
-            return cpu_kernels.q4_linear_silu(x.contiguous(), packed.packed)
+    if isinstance(packed, packing.Int8Weight):
+        return ops.int8_linear_silu(x.contiguous(), packed)
+    if isinstance(packed, packing.Q4Weight):
+        if x.numel() // x.shape[-1] <= ops.Q4_MAX_ROWS:
+            return ops.q4_linear_silu(x.contiguous(), packed.packed)
         packed = packed.bf16
     if x.numel() // x.shape[-1] > packed_max_rows():
         return None
-    return cpu_kernels.bf16_linear_silu(x.contiguous(), packed)
+    return ops.bf16_linear_silu(x.contiguous(), packed)
 
 
 def pack_model(model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None) -> int:
@@ -183,13 +183,13 @@ def pack_model(model: nn.Module, quantization: str | None = None, float32_model:
             quantizable = getattr(module, "quantizable", True)
             q4 = q8 = None
             if quantization == "gguf" and quantizable:
-                q4 = cpu_kernels.q4_recover(float32_modules[name].weight)
+                q4 = packing.q4_recover(float32_modules[name].weight)
                 if q4 is None:
                     raise ValueError(f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
                                      f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
                                      "input is d * q + m with q in 0..15 and fp16 d and m)")
-            elif quantization == "gguf" and cpu_kernels.q8_available():  # the LM head: the file's Q8_0 if it is
-                q8 = cpu_kernels.q8_recover(float32_modules[name].weight)
+            elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
+                q8 = packing.q8_recover(float32_modules[name].weight)
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
             setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
             count += packed is not None

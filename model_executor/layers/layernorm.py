@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import ops
 from model_executor.layers.sharding import default_weight_loader, set_weight_attrs
 
 
@@ -25,8 +25,8 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        if cpu_kernels.usable(x, self.weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
-            out, new_residual = cpu_kernels.rmsnorm(x, self.weight, self.eps, residual)  # one pass, add fused
+        if ops.usable(x, self.weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out, new_residual = ops.rmsnorm(x, self.weight, self.eps, residual)  # one pass, add fused
             return out if residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)

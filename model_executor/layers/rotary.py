@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import ops
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -73,8 +73,8 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] -> a rotated copy (contiguous)."""
-        if cpu_kernels.usable(x, self.cos) and x.stride(1) == self.head_dim and positions.is_contiguous():
-            return cpu_kernels.rope(x, positions, self.cos, self.sin)
+        if ops.usable(x, self.cos) and x.stride(1) == self.head_dim and positions.is_contiguous():
+            return ops.rope(x, positions, self.cos, self.sin)
         if positions is not self._cached_positions:
             self._cached_positions = positions
             self._cached_cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))

@@ -13,7 +13,7 @@ from torch import nn
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels import cpu as cpu_kernels
+from model_executor.kernels import decode_layers, ops, packing
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
 from model_executor.layers.cpu_linear import PackedWeight, is_kernel_packed, linear_silu_mul, packed_max_rows
@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = rotary_emb
         self.single_rank = comm.world_size == 1 and stage.size == 1
         self.qk_norm = qk_norm
-        self._fused_cache: tuple[Any, cpu_kernels.DecodeLayers] | None = None  # (KV pool, its layers)
+        self._fused_cache: tuple[Any, decode_layers.DecodeLayers] | None = None  # (KV pool, its layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
@@ -146,13 +146,13 @@ class LlamaModel(nn.Module):
         return hidden
 
     @staticmethod
-    def _kernel_weights(layer: Any) -> list[torch.Tensor | cpu_kernels.Int8Weight | cpu_kernels.Q4Weight] | None:
+    def _kernel_weights(layer: Any) -> list[torch.Tensor | packing.Int8Weight | packing.Q4Weight] | None:
         """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
         or None (a Q8_0 weight is only ever the LM head's)."""
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         packed: list[PackedWeight | None] = [m.packed_weight for m in linears]
         kernel = [p for p in packed
-                  if p is not None and is_kernel_packed(p) and not isinstance(p, cpu_kernels.Q8Weight)]
+                  if p is not None and is_kernel_packed(p) and not isinstance(p, packing.Q8Weight)]
         return kernel if len(kernel) == len(linears) else None
 
     def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
@@ -162,13 +162,13 @@ class LlamaModel(nn.Module):
         if not (batch.is_decode and self.single_rank and not self.qk_norm
                 and self.local_layers[0].self_attn.o_proj.bias is None
                 and bool(getattr(batch.attn_backend, "fused_decode", False))
-                and cpu_kernels.usable(hidden, self.rotary_emb.cos)):
+                and ops.usable(hidden, self.rotary_emb.cos)):
             return False
         backend: Any = batch.attn_backend
         packed = self._fused_layers(backend.kv_pool).packed
-        return batch.batch_size <= (packed_max_rows() if packed else cpu_kernels.fused_gemv_max_batch())
+        return batch.batch_size <= (packed_max_rows() if packed else ops.fused_gemv_max_batch())
 
-    def _fused_layers(self, kv_pool: Any) -> cpu_kernels.DecodeLayers:
+    def _fused_layers(self, kv_pool: Any) -> decode_layers.DecodeLayers:
         """The layers' kernel arguments, gathered on the first fused step (weights are packed by
         then) and again only if the KV pool is a different one."""
         cached = self._fused_cache
@@ -177,12 +177,12 @@ class LlamaModel(nn.Module):
             for layer in self.local_layers:
                 a, mlp = layer.self_attn, layer.mlp
                 k_cache, v_cache = kv_pool.get_kv_buffer(a.attn.layer_id)
-                layers.append(cpu_kernels.DecodeLayerWeights(
+                layers.append(decode_layers.DecodeLayerWeights(
                     layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
                     a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, mlp.gate_up_proj.weight,
                     mlp.down_proj.weight, self._kernel_weights(layer), k_cache, v_cache, a.attn.num_heads,
                     a.attn.num_kv_heads, a.head_dim, a.attn.scaling))
-            cached = (kv_pool, cpu_kernels.DecodeLayers(layers))
+            cached = (kv_pool, decode_layers.DecodeLayers(layers))
             self._fused_cache = cached
         return cached[1]
 

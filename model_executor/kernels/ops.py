@@ -1,0 +1,311 @@
+"""The CPU kernels as functions of tensors: each checks what the C side cannot (dtypes, contiguity,
+sizes), allocates the output and passes data pointers through ctypes (build.kernels()).
+
+A bad argument raises ValueError naming it; calling an op where the kernels are not loaded raises
+RuntimeError (callers check `usable` or the `*_applies` / `build.*_available` probes first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from model_executor.kernels import build
+from model_executor.kernels.packing import Int8Weight
+
+GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
+# Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
+# AVX-512 BF16 loop (fused_gemv_max_batch). Measured against the op-by-op path on SmolLM2: 25%
+# faster at batch 1, a little at 2, slower at 4 (there the oneDNN GEMMs beat srt_gemv).
+FUSED_DECODE_MAX_BATCH = 2
+# A linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
+# docs/performance.md), on the bf16 copy for more.
+Q4_MAX_ROWS = 12
+# The LM head runs on its Q8_0 weight for at most this many rows (measured on SmolLM2, see
+# docs/performance.md), on the bf16 copy for more.
+Q8_MAX_ROWS = 8
+
+
+def fused_gemv_max_batch() -> int:
+    """The largest decode batch whose layers run fused on srt_gemv (weights not packed for our
+    kernels): FUSED_DECODE_MAX_BATCH with AVX-512 BF16; none without, where srt_gemv's plain loops
+    made a batch-1 step of SmolLM2 ~4x slower than torch's linears (docs/performance.md)."""
+    lib = build.kernels()
+    return FUSED_DECODE_MAX_BATCH if lib is not None and lib.srt_dp_linear_available() else 0
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels apply: all bf16 on the CPU, rows with a contiguous last dimension."""
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors) \
+        and build.kernels() is not None
+
+
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """t's data pointer, or None (NULL) for an absent optional tensor (a bias, a residual)."""
+    return None if t is None else t.data_ptr()
+
+
+def _library() -> ctypes.CDLL:
+    lib = build.kernels()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not loaded (SRT_CPU_KERNELS=0, no compiler, or the build failed): "
+                           "check usable() before calling an op")
+    return lib
+
+
+def _need_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; got shape {tuple(t.shape)} with strides {t.stride()}")
+
+
+def _need_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}; got {t.dtype}")
+
+
+def _need_gate_up(name: str, packed: torch.Tensor) -> None:
+    if packed.shape[0] % 2:
+        raise ValueError(f"{name} must hold gate rows then up rows: an even number of 16-output blocks; "
+                         f"got {packed.shape[0]}")
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rmsnorm(x + residual) * weight, x + residual); x and residual [rows, dim] contiguous."""
+    lib = _library()
+    _need_contiguous("x", x)
+    if residual is not None:
+        _need_contiguous("residual", residual)
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    residual_out = None if residual is None else torch.empty_like(x)
+    lib.srt_rmsnorm(x.data_ptr(), data_ptr(residual), weight.data_ptr(), out.data_ptr(), data_ptr(residual_out),
+                    x.numel() // dim, dim, eps)
+    return out, residual_out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[.., 2d] (gate | up) -> silu(gate) * up; x contiguous."""
+    lib = _library()
+    _need_contiguous("x", x)
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    lib.srt_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] (rows may be strided, heads contiguous) -> rotated contiguous copy."""
+    lib = _library()
+    n, heads, d = x.shape
+    if x.stride(1) != d:
+        raise ValueError(f"x's heads must be contiguous (stride {d} along dim 1); got strides {x.stride()}")
+    _need_dtype("positions", positions, torch.int64)
+    _need_contiguous("cos", cos)
+    out = torch.empty(n, heads, d, dtype=x.dtype)
+    lib.srt_rope(x.data_ptr(), x.stride(0), out.data_ptr(), n, heads, d, positions.data_ptr(), cos.data_ptr(),
+                 sin.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, out_loc: torch.Tensor, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int, num_heads: int, num_kv_heads: int,
+                     head_dim: int, scale: float) -> torch.Tensor:
+    """Writes k/v [bs, kv_heads*d] at out_loc, then attends q [bs, heads*d] over each request's
+    seq_lens[b] slots of row rows[b] in req_to_token. Returns [bs, heads*d]."""
+    lib = _library()
+    bs = q.shape[0]
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token", req_to_token)):
+        _need_contiguous(name, tensor)
+    for name, index in (("out_loc", out_loc), ("rows", rows), ("seq_lens", seq_lens)):
+        if index.dtype != torch.int64 or not index.is_contiguous() or index.numel() != bs:
+            raise ValueError(f"{name} must be {bs} contiguous int64 values (one per row of q); got {index.numel()} "
+                             f"{index.dtype}, contiguous={index.is_contiguous()}")
+    _need_dtype("req_to_token", req_to_token, torch.int64)
+    out = torch.empty(bs, num_heads * head_dim, dtype=q.dtype)
+    lib.srt_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                             k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(),
+                             req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), bs,
+                             num_heads, num_kv_heads, head_dim, scale, max_len)
+    return out
+
+
+def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `prefill_attention` runs here: bf16 on a CPU with AMX or AVX-512 BF16, head size 64 or 128."""
+    return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and build.prefill_kernel_available()
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int], scale: float,
+                      prefix_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """Causal attention of requests' new tokens packed one after another: q [new tokens, heads, d];
+    k/v [keys, kv_heads, d] hold each request's prefix_lens[i] cached keys then its lens[i] new ones
+    (no prefixes: k/v are the new tokens' own). Rows may be strided (heads and d contiguous).
+    Returns [new tokens, heads * d]. On AMX tiles or AVX-512 BF16 (cpu_prefill_attention.c); check
+    `prefill_attention_applies` first."""
+    lib = _library()
+    n, num_heads, d = q.shape
+    num_kv_heads = k.shape[1]
+    prefixes = torch.tensor(list(prefix_lens) if prefix_lens is not None else [0] * len(lens), dtype=torch.int64)
+    lens_t = torch.tensor(list(lens), dtype=torch.int64)
+    if len(prefixes) != len(lens_t):
+        raise ValueError(f"prefix_lens must have one entry per request ({len(lens_t)}); got {len(prefixes)}")
+    keys = lens_t + prefixes  # per request
+    if int(lens_t.sum()) != n:
+        raise ValueError(f"lens must sum to q's {n} rows; got {int(lens_t.sum())}")
+    if d not in (64, 128):
+        raise ValueError(f"the head size (q.shape[2]) must be 64 or 128; got {d}")
+    for name, t, rows in (("q", q, n), ("k", k, int(keys.sum())), ("v", v, int(keys.sum()))):
+        _need_dtype(name, t, torch.bfloat16)
+        if t.stride(2) != 1 or t.stride(1) != d or t.shape[0] != rows:
+            raise ValueError(f"{name} must be [{rows}, heads, {d}] with heads and d contiguous; got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()}")
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    kstarts = torch.cumsum(keys, 0) - keys
+    out = torch.empty(n, num_heads * d, dtype=torch.bfloat16)
+    lib.srt_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                              out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),
+                              prefixes.data_ptr(), len(lens), num_heads, num_kv_heads, d, scale)
+    return out
+
+
+def store_kv_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     loc: torch.Tensor) -> bool:
+    """Whether store_kv takes these: bf16 [n, kv heads, d] rows with each row's values contiguous
+    (column slices of a qkv output are), contiguous caches of the same width, int64 slots."""
+    return (usable(k, v, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and loc.dtype == torch.int64 and loc.is_contiguous() and k.shape == v.shape
+            and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             loc: torch.Tensor) -> None:
+    """k_cache[loc] = k and v_cache[loc] = v (see store_kv_applies), rows copied in parallel."""
+    lib = _library()
+    n, width = k.shape[0], k.shape[1] * k.shape[2]
+    lib.srt_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                     loc.data_ptr(), n, width)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """logits.argmax(-1) for [rows, n] float32 CPU logits (None where the kernel does not apply)."""
+    lib = build.kernels()
+    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 \
+            or not logits.is_contiguous():
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.srt_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] with at most GEMV_MAX_ROWS rows, weight [n, k] -> x @ weight.T (+ bias), bf16."""
+    lib = _library()
+    k = x.shape[-1]
+    m = x.numel() // k
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise ValueError(f"x must have 1 to {GEMV_MAX_ROWS} rows; got {m}")
+    _need_contiguous("x", x)
+    _need_contiguous("weight", weight)
+    n = weight.shape[0]
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    lib.srt_gemv(x.data_ptr(), m, weight.data_ptr(), data_ptr(bias), out.data_ptr(), n, k)
+    return out
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see bf16_pack), in bf16,
+    or in float32 (the bf16 values widened: what .float() of the bf16 output gives, in one pass)."""
+    lib = _library()
+    _need_contiguous("x", x)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
+    fn = lib.srt_bf16_linear if out_dtype == torch.bfloat16 else lib.srt_bf16_linear_f32
+    fn(x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k)
+    return out
+
+
+def bf16_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 and a packed gate_up weight [2d, k] (gate rows, then up rows; see bf16_pack)
+    -> silu(x @ gate.T) * (x @ up.T) [.., d] in one pass, equal to silu_mul(bf16_linear(x, packed))."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_gate_up("packed", packed)
+    d, k = packed.shape[0] * 8, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_bf16_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
+    return out
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (q * scale).T (+ bias) in bf16, x quantized to int8 per row."""
+    lib = _library()
+    packed = weight.packed
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    n, k = packed.shape[0] * 16, packed.shape[1] * 64
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib.srt_int8_linear(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), data_ptr(bias), out.data_ptr(),
+                        n, k)
+    return out
+
+
+def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """x [.., k] bf16 and an int8 gate_up weight [2d, k] (gate rows, then up rows) -> silu(gate) * up
+    [.., d] in one pass, equal to silu_mul(int8_linear(x, weight, None))."""
+    lib = _library()
+    packed = weight.packed
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    _need_gate_up("weight.packed", packed)
+    d, k = packed.shape[0] * 8, packed.shape[1] * 64
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_int8_linear_silu(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k)
+    return out
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, for the weight `packed` holds (q4_pack)."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    lib.srt_q4_linear(x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k)
+    return out
+
+
+def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 and a Q4_1 gate_up weight [2d, k] (gate rows, then up rows) -> silu(gate) * up
+    [.., d] in one pass, equal to silu_mul(q4_linear(x, packed, None))."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    _need_gate_up("packed", packed)
+    d, k = packed.shape[0] * 8, packed.shape[1] * 32
+    m = x.numel() // k
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_q4_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
+    return out
+
+
+def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (d q).T in float32, for the weight `packed` holds (q8_pack)."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    lib.srt_q8_linear(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
+    return out

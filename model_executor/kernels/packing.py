@@ -1,0 +1,143 @@
+"""Weights in the layouts the linear kernels stream them in, packed once at load, and the GGUF
+blocks (Q4_1, Q8_0) recovered from a dequantized float32 weight.
+
+bf16_pack: bf16 for srt_bf16_linear; int8_pack -> Int8Weight for srt_int8_linear; q4_recover +
+q4_pack -> Q4Weight for srt_q4_linear; q8_recover + q8_pack -> Q8Weight for srt_q8_linear. Each
+layout is drawn in the .c file that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model_executor.kernels import build
+
+
+def bf16_packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 32 == 0 and k % 32 == 0
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] bf16 -> the order srt_bf16_linear streams it in: [n/16, k/32, 16 (k pairs), 16 (n), 2]
+    (an AMX B tile per 32-wide slice of k; one vdpbf16ps operand per k pair)."""
+    n, k = weight.shape
+    return weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def int8_packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return weight.device.type == "cpu" and weight.is_floating_point() and n % 32 == 0 and k % 64 == 0
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight for srt_int8_linear: int8 in its tile order [n/16, k/64, 16 (k quads), 16 (n), 4]
+    and one fp32 scale per output (w ~ q * scale). For AMX `packed` holds q (torch.int8); for the
+    AVX-512 VNNI path, whose products take one operand unsigned, q + 128 (torch.uint8)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+
+def int8_pack(weight: torch.Tensor) -> Int8Weight:
+    """[n, k] -> its Int8Weight for the path srt_int8_linear takes here: symmetric per-output
+    quantization (absmax / 127), |q| <= 127."""
+    n, k = weight.shape
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    if not build.amx_available():
+        q = (q.to(torch.int16) + 128).to(torch.uint8)
+    return Int8Weight(q.view(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous(), scale.contiguous())
+
+
+Q4_BLOCK_BYTES = 320  # cpu_q4_linear.c: 16 outputs x 32 k of Q4_1 (fp16 d and m, then the nibbles)
+
+
+def q4_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q4_1 blocks behind a float32 [n, k] weight, if it is one: (q [n, k] uint8 in 0..15,
+    d [n, k/32] and m [n, k/32] fp16) with float32(d * q + m) equal to every value, as gguf-py and
+    llama.cpp dequantize; None where some 32-value run along k is not such a block (k % 32 != 0,
+    or a weight that was never Q4_1). Each block's m is its smallest value and its d (largest -
+    smallest) / 15, as llama.cpp's Q4_1 quantizer sets them; every value is checked."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32:
+        return None
+    w = weight.detach().view(n, k // 32, 32)
+    low, high = w.amin(-1), w.amax(-1)
+    m = low.half()
+    d = ((high - low) / 15).half()
+    if not (torch.isfinite(w).all() and (m.float() == low).all() and torch.isfinite(d).all()):
+        return None
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, torch.round((w - mf) / torch.where(df > 0, df, 1.0)), 0.0).clamp(0, 15)
+    if not torch.equal(df * q + mf, w):
+        return None
+    return q.to(torch.uint8).view(n, k), d, m
+
+
+def q4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks (q_recover's form) -> srt_q4_linear's order, [n/16, k/32, 320] uint8: per 16
+    outputs and 32 k, 16 d and 16 m (fp16), then for each quad of k 32 bytes: byte 2j q[j][4c] |
+    q[j][4c + 2] << 4, byte 2j + 1 q[j][4c + 1] | q[j][4c + 3] << 4. n % 16 == 0."""
+    n, k = q.shape
+    blocks = k // 32
+    scales = torch.stack([d, m], dim=1).view(n // 16, 16, 2, blocks).permute(0, 3, 2, 1)  # [n/16, kb, 2, 16]
+    scales = scales.contiguous().view(torch.uint8).reshape(n // 16, blocks, 64)
+    quads = q.view(n // 16, 16, blocks, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [n/16, kb, c, j, pair, low/high]
+    nibbles = (quads[..., 0] | (quads[..., 1] << 4)).reshape(n // 16, blocks, 256)
+    return torch.cat([scales, nibbles], dim=-1).contiguous()
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A layer's GGUF Q4_1 weight for srt_q4_linear (decode steps of up to Q4_MAX_ROWS rows) and
+    its bf16 copy packed for srt_bf16_linear (more rows: a prefill, a big decode batch)."""
+
+    packed: torch.Tensor  # q4_pack's [n/16, k/32, 320]
+    bf16: torch.Tensor  # bf16_pack's
+
+
+Q8_BLOCK_BYTES = 544  # cpu_q8_linear.c: 16 outputs x 32 k of Q8_0 (fp16 d, then q + 128)
+
+
+def q8_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q8_0 blocks behind a float32 [n, k] weight, if it is one: (q [n, k] int8 in -127..127,
+    d [n, k/32] fp16) with float32(d * q) equal to every value; None where some run of 32 along k
+    is not such a block. d is the block's largest magnitude / 127, as llama.cpp's Q8_0 quantizer
+    sets it (that value's q is +-127); every value is checked."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32:
+        return None
+    w = weight.detach().view(n, k // 32, 32)
+    d = (w.abs().amax(-1) / 127).half()
+    if not (torch.isfinite(w).all() and torch.isfinite(d).all()):
+        return None
+    df = d.float()[..., None]
+    q = torch.where(df > 0, torch.round(w / torch.where(df > 0, df, 1.0)), 0.0)
+    if (q.abs() > 127).any() or not torch.equal(df * q, w):
+        return None
+    return q.to(torch.int8).view(n, k), d
+
+
+def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (q8_recover's form) -> srt_q8_linear's order, [n/16, k/32, 544] uint8: per 16
+    outputs and 32 k, the 16 d (fp16), then for each quad c of k 64 bytes, byte 4j + i being
+    q[j][4c + i] + 128. n % 16 == 0."""
+    n, k = q.shape
+    blocks = k // 32
+    scales = d.view(n // 16, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, blocks, 32)
+    biased = (q.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, blocks, 8, 4)
+    return torch.cat([scales, biased.permute(0, 2, 3, 1, 4).reshape(n // 16, blocks, 512)], dim=-1).contiguous()
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """The tied LM head's GGUF Q8_0 weight for srt_q8_linear (up to Q8_MAX_ROWS rows) and its bf16
+    copy packed for srt_bf16_linear (more rows)."""
+
+    packed: torch.Tensor  # q8_pack's [n/16, k/32, 544]
+    bf16: torch.Tensor  # bf16_pack's
