@@ -4,6 +4,7 @@ model with them against the same model on torch ops, both measured against fp32 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,68 @@ def test_the_start_up_line_names_each_kernels_path_on_this_cpu() -> None:
     off = subprocess.run([sys.executable, "-c", "from model_executor.kernels import build; print(build.describe_paths())"],
                          env={**os.environ, "SRT_CPU_KERNELS": "0"}, capture_output=True, text=True, check=True)
     assert "every op runs on torch" in off.stdout, off
+
+
+def test_every_kernel_is_declared_once_in_the_header_and_typed_from_it() -> None:
+    """srt_kernels.h is the one interface: each .c file includes it and declares nothing itself,
+    every exported function is declared there, and the loaded functions carry its signatures."""
+    declared = build.signatures(build.HEADER.read_text())
+    defined = set()
+    for source in build.SOURCES:
+        text = source.read_text()
+        assert '#include "srt_kernels.h"' in text and "typedef uint16_t bf16" not in text, source.name
+        assert not re.search(r"^(void|int64_t)\s+srt_\w+\([^)]*\);", text, re.M), f"{source.name} declares its own"
+        defined |= set(re.findall(r"^(?:void|int64_t)\s+(srt_\w+)\(", text, re.M))
+    assert defined == set(declared)
+    assert len(declared["srt_decode_layer"][1]) == 44  # the 44-argument fused layer, read from the header
+    lib = build.kernels()
+    assert lib is not None
+    for name, (restype, argtypes) in declared.items():
+        assert getattr(lib, name).argtypes == argtypes and getattr(lib, name).restype == restype, name
+    with pytest.raises(TypeError):  # a call with an argument missing never reaches the C code
+        lib.srt_silu_mul(0, 0, 4)
+
+
+@pytest.mark.parametrize("header", ["void srt_f(bf16 x);", "double srt_f(void);", "void srt_f(int64_t);",
+                                    "void srt_f(int64_t n)", "int64_t srt_f(void); void srt_f(void);"])
+def test_a_header_ctypes_cannot_read_fails_loudly(header: str) -> None:
+    with pytest.raises(ValueError, match="srt_kernels.h"):
+        build.signatures(header)
+
+
+@pytest.mark.parametrize("definition", [
+    "void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows) {}",  # a parameter fewer than declared
+    "void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, float d) {}",  # a kind other than declared
+    "void srt_undeclared(void) {}",  # exported without a declaration in the header
+])
+def test_a_definition_that_disagrees_with_the_header_does_not_build(definition: str, tmp_path: Path) -> None:
+    cc = build._compiler()
+    assert cc is not None
+    source = tmp_path / "wrong.c"
+    source.write_text(f'#include "{build.HEADER}"\n{definition}\n')
+    with pytest.raises(RuntimeError, match="failed"):
+        build.compile_shared_object(cc, [source], tmp_path / "wrong.so")
+    source.write_text(f'#include "{build.HEADER}"\nvoid srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, '
+                      'int64_t d) {}\n')
+    build.compile_shared_object(cc, [source], tmp_path / "right.so")  # the declared form builds
+
+
+def test_ops_name_the_argument_they_refuse() -> None:
+    x = torch.zeros(4, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="^x must be contiguous"):
+        ops.silu_mul(x.t())
+    with pytest.raises(ValueError, match="^x must have 1 to 4 rows; got 5"):
+        ops.gemv(torch.zeros(5, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16), None)
+    with pytest.raises(ValueError, match="^out_dtype must be torch.bfloat16 or torch.float32"):
+        ops.bf16_linear(x, torch.zeros(2, 2, 16, 16, 2, dtype=BF16), None, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="^positions must be torch.int64"):
+        ops.rope(x.view(4, 1, 64), torch.zeros(4, dtype=torch.int32), x, x)
+    q, cache, slots = torch.zeros(2, 64, dtype=BF16), torch.zeros(8, 64, dtype=BF16), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^seq_lens must be 2 contiguous int64 values"):
+        ops.decode_attention(q, q, q, cache, cache, slots, torch.zeros(2, 8, dtype=torch.int64), slots,
+                             slots.int(), 8, 1, 1, 64, 0.125)
+    with pytest.raises(ValueError, match="^lens must sum to q's 4 rows; got 3"):
+        ops.prefill_attention(x.view(4, 1, 64), x.view(4, 1, 64), x.view(4, 1, 64), [3], 0.125)
 
 
 BF16 = torch.bfloat16
