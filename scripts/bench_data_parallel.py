@@ -40,7 +40,7 @@ from bench_configs import (  # noqa: E402
 )
 from server_process import SrtServer  # noqa: E402
 
-from launcher.net import free_port  # noqa: E402
+from srt.utils import free_port  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, ...]] = {"1 replica": (), "2 replicas": ("--dp-size", "2")}
 RATIO_LINE = "throughput of {config}: {ratio} of {baseline}, both through sglang-router"

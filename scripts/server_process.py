@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 from bench_clients import HTTP_ERRORS, http_call
 
-from launcher.net import free_port
+from srt.utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOWN_LOG_CHARS = 3000

@@ -14,7 +14,7 @@ import psutil
 import requests
 from server_fixture import kill_all
 
-from srt.engine import free_port
+from srt.utils import free_port
 
 
 class Router:

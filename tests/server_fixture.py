@@ -12,7 +12,7 @@ from typing import Any
 import psutil
 import requests
 
-from srt.engine import free_port
+from srt.utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

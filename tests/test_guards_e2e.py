@@ -19,7 +19,7 @@ import pytest
 import requests
 from server_fixture import ROOT, Server
 
-from srt.engine import free_port
+from srt.utils import free_port
 
 LONG = {"input_ids": list(range(5, 25)), "sampling_params": {"max_new_tokens": 5000, "temperature": 0,
                                                             "ignore_eos": True}}

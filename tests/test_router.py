@@ -27,7 +27,7 @@ from router_fixture import Router
 from server_fixture import ROOT, Server, kill_all
 from tiny_models import make_tiny_model
 
-from srt.engine import free_port
+from srt.utils import free_port
 
 pytest.importorskip("sglang_router", reason="the test extra installs sglang-router")
 
