@@ -12,8 +12,8 @@ from typing import Any
 
 import psutil
 import requests
-from server_fixture import kill_all
 
+from srt.server_process import kill_all
 from srt.utils import free_port
 
 
