@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING
 import requests
 
 from launcher.layout import DP_RANK_ENV
-from launcher.net import check_port_free, free_port
+from launcher.net import check_port_free
 from launcher.process import describe_exit
 from launcher.teardown import become_subreaper, kill_process_tree, set_parent_death_signal
+from srt.utils import free_port
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs

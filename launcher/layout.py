@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from launcher.net import free_port
+from srt.utils import free_port
 
 INPUT_WORLD_RANK = 0  # owns the front end's ZMQ socket and broadcasts what it receives
 

@@ -1,19 +1,8 @@
-"""Ports on this host: a free one for a child to listen on, and a check that a given one is free."""
+"""Ports on this host: a check that a given one is free (a free one: srt.utils.free_port)."""
 
 from __future__ import annotations
 
 import socket
-
-
-def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
-    """A port nothing listens on now (the caller binds it soon after: a small race, as everywhere),
-    never `avoid` (a port chosen but not bound yet, e.g. the server's own --port)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port != avoid:
-            return port
 
 
 def check_port_free(host: str, port: int) -> None:

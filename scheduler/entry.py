@@ -20,9 +20,9 @@ from scheduler.pipeline import PipelineScheduler
 from scheduler.receiver import RequestReceiver
 from scheduler.scheduler import Scheduler
 from scheduler.watchdog import Watchdog
-from srt.engine import resolve_dtype
 from srt.metrics import RankMetrics, enable_multiprocess_metrics, metrics_dir
 from srt.server_args import PortArgs, ServerArgs
+from srt.utils import resolve_dtype
 
 logger = logging.getLogger("srt.scheduler")
 

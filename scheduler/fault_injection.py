@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.recovery import ENGINE_START_ENV
+from srt.utils import ENGINE_START_ENV
 
 logger = logging.getLogger("srt.fault")
 

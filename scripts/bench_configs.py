@@ -27,7 +27,8 @@ for path in (SCRIPTS, SCRIPTS.parent):  # the sibling bench modules, and this ch
 
 import bench_serving  # noqa: E402
 from bench_clients import HTTP_ERRORS, http_call  # noqa: E402
-from server_process import SrtServer  # noqa: E402
+
+from srt.server_process import ServerProcess  # noqa: E402
 
 
 # ---- one measurement ----
@@ -60,7 +61,7 @@ def measure(config: str, flags: Sequence[str], round_index: int, args: argparse.
     if args.tokenizer_path is not None:
         server_args += ["--tokenizer-path", args.tokenizer_path]
     print(f"--- round {round_index + 1}/{args.rounds}: {config} ---", flush=True)
-    with SrtServer(server_args, args.startup_timeout) as server:
+    with ServerProcess(server_args, args.startup_timeout) as server:
         warmup(server.url, args.input_len)
         bench_args = bench_serving.parse_args(
             ["--base-url", server.url, "--num-prompts", str(args.num_prompts),

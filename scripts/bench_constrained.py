@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_clients import http_call  # noqa: E402
-from server_process import SrtServer  # noqa: E402
+
+from srt.server_process import ServerProcess  # noqa: E402
 
 MODES: dict[str, dict[str, Any]] = {
     "unconstrained": {},
@@ -37,7 +38,7 @@ BATCHES = (1, 32)
 PROMPT_LEN = 32
 
 
-def timed_batch(server: SrtServer, batch: int, new_tokens: int, grammar: dict[str, Any]) -> float:
+def timed_batch(server: ServerProcess, batch: int, new_tokens: int, grammar: dict[str, Any]) -> float:
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(PROMPT_LEN)] for i in range(batch)]
     params = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0, **grammar}
     start = time.perf_counter()
@@ -54,7 +55,7 @@ def timed_batch(server: SrtServer, batch: int, new_tokens: int, grammar: dict[st
     return elapsed
 
 
-def decode_throughput(server: SrtServer, batch: int, output_len: int, grammar: dict[str, Any]) -> float:
+def decode_throughput(server: ServerProcess, batch: int, output_len: int, grammar: dict[str, Any]) -> float:
     full = timed_batch(server, batch, output_len, grammar)
     prefill = timed_batch(server, batch, 1, grammar)
     return batch * (output_len - 1) / max(full - prefill, 1e-9)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--output-len must be >= 2")
     server_args = (["--model-path", args.model_path] if args.model_path else []) + [
         "--max-running-requests", str(max(BATCHES)), *args.server_args]
-    server = SrtServer(server_args, startup_timeout_s=600)
+    server = ServerProcess(server_args, startup_timeout_s=600)
     results: dict[tuple[int, str], list[float]] = {(b, m): [] for b in BATCHES for m in MODES}
     try:
         for grammar in MODES.values():  # warm-up: compile each grammar, touch each batch shape

@@ -50,7 +50,8 @@ for path in (SCRIPTS, SCRIPTS.parent):  # the sibling bench modules, and this ch
 import bench_serving  # noqa: E402
 from bench_clients import HTTP_ERRORS, http_call  # noqa: E402
 from bench_configs import warmup  # noqa: E402
-from server_process import SrtServer  # noqa: E402
+
+from srt.server_process import ServerProcess  # noqa: E402
 
 CONTROL_PLANE_TARGET_PCT = 5.0  # broadcast + scheduling, of a busy step
 IDLE_CPU_TARGET_PCT = 5.0  # the whole idle server, of one core
@@ -311,7 +312,7 @@ def scrape(url: str) -> Samples:
 def full_run(args: argparse.Namespace, mem_fraction_static: float) -> dict[str, Any]:
     """Workload with step timing, idle CPU, memory and the KV budget, on one server."""
     available = int(psutil.virtual_memory().available)
-    with SrtServer(server_flags(args, mem_fraction_static), args.startup_timeout) as server:
+    with ServerProcess(server_flags(args, mem_fraction_static), args.startup_timeout) as server:
         warmup(server.url, args.input_len)
         steps_before = server_info(server.url)["internal_states"][0]["step_timing"]["steps"]
         before = scrape(server.url)
@@ -344,7 +345,7 @@ def full_run(args: argparse.Namespace, mem_fraction_static: float) -> dict[str, 
 def kv_run(args: argparse.Namespace, mem_fraction_static: float) -> KvBudget:
     """Start, read the KV size, stop."""
     available = int(psutil.virtual_memory().available)
-    with SrtServer(server_flags(args, mem_fraction_static), args.startup_timeout) as server:
+    with ServerProcess(server_flags(args, mem_fraction_static), args.startup_timeout) as server:
         info = server_info(server.url)
     return kv_budget(info, info["internal_states"][0], available, args.max_total_tokens)
 

@@ -38,9 +38,9 @@ from bench_configs import (  # noqa: E402
     summarize,
     warmup,
 )
-from server_process import SrtServer  # noqa: E402
 
-from launcher.net import free_port  # noqa: E402
+from srt.server_process import ServerProcess  # noqa: E402
+from srt.utils import free_port  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, ...]] = {"1 replica": (), "2 replicas": ("--dp-size", "2")}
 RATIO_LINE = "throughput of {config}: {ratio} of {baseline}, both through sglang-router"
@@ -89,7 +89,7 @@ def measure(config: str, flags: tuple[str, ...], round_index: int, args: argpars
         if value is not None:
             server_args += [flag, value]
     print(f"--- round {round_index + 1}/{args.rounds}: {config} ---", flush=True)
-    with SrtServer(server_args, args.startup_timeout) as server:
+    with ServerProcess(server_args, args.startup_timeout) as server:
         router = Router(server.url) if not flags else None  # --dp-size 2 starts its own
         url = router.url if router is not None else server.url
         try:

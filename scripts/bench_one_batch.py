@@ -62,7 +62,7 @@ from model_executor.layers.cpu_linear import QUANTIZATIONS, set_one_arithmetic  
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
 from model_executor.sampler import SamplingBatchInfo  # noqa: E402
-from srt.engine import free_port, resolve_dtype, threads_per_rank  # noqa: E402
+from srt.utils import free_port, resolve_dtype, threads_per_rank  # noqa: E402
 
 
 @dataclass(frozen=True)

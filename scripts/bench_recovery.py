@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench this checkout, installed or not
 
-from srt.engine import free_port  # noqa: E402
+from srt.utils import free_port  # noqa: E402
 
 
 class StreamClock(threading.Thread):

@@ -54,9 +54,9 @@ import transformers_peer as peers  # noqa: E402
 from bench_clients import BACKENDS, HTTP_ERRORS, http_call, open_session, resolve_target  # noqa: E402
 from bench_metrics import BenchMetrics, LevelResult, compute_metrics  # noqa: E402
 from bench_serving import Workload, random_prompts, run_level, warmup  # noqa: E402
-from server_process import SrtServer  # noqa: E402
 
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
+from srt.server_process import ServerProcess  # noqa: E402
 
 PEER_NAMES = {"generate": "transformers generate", "continuous": "transformers continuous batching"}
 PEER_WARMUP_TOKENS = 2
@@ -163,7 +163,7 @@ def run_srt(args: argparse.Namespace, workloads: dict[int, Workload]) -> list[Le
         url = args.url
         if url is None:
             print(f"starting srt: launch_server {' '.join(server_args(args))}", flush=True)
-            url = stack.enter_context(SrtServer(server_args(args), args.startup_timeout)).url
+            url = stack.enter_context(ServerProcess(server_args(args), args.startup_timeout)).url
         return asyncio.run(measure_server(url, args, workloads))
 
 

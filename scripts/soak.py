@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from server_process import SrtServer
+
+from srt.server_process import ServerProcess
 
 MB = 1 << 20
 VOCAB_RANGE = (100, 49000)  # token ids every model of interest here has (SmolLM2: 49152)
@@ -129,8 +130,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.minutes <= 0 or args.interval <= 0 or args.concurrency < 1:
         parser.error("--minutes and --interval must be positive, --concurrency at least 1")
-    with SrtServer(args.server_args, args.startup_timeout) as server:
-        log = Path(server.log.name).read_text(errors="replace")
+    with ServerProcess(args.server_args, args.startup_timeout) as server:
+        log = server.output()
         budget = [ln for ln in log.splitlines() if "KV cache budget" in ln]
         print(budget[-1].split("] ", 1)[-1] if budget else "(no KV budget line in the log)", flush=True)
         t0 = time.monotonic()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import signal
 import time
 import traceback
@@ -19,27 +18,15 @@ from typing import Any
 
 import torch
 
-from launcher.net import free_port  # noqa: F401  (re-exported: scripts and tests take it from here)
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.sampler import SamplingBatchInfo, apply_logit_bias, apply_penalties, ban_tokens
 from srt.sampling_params import SamplingParams
+from srt.utils import free_port, resolve_dtype, threads_per_rank
 
 logger = logging.getLogger("srt.engine")
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-          "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16
-    if name not in DTYPES:
-        raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
-    return DTYPES[name]
-
 
 @dataclass
 class GenerateOutput:
@@ -136,23 +123,6 @@ def _step(runner: ModelRunner, reqs: list[_Running], mode: ForwardMode, eos: set
             # The last sampled token never entered the pool: free exactly the tokens written.
             runner.allocator.free_slots(req_table[r.row, : r.seq_len - 1])
             runner.req_to_token_pool.free(r.row)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask (a container's cpuset, `taskset`), not
-    the host's count, which would oversubscribe them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity masks on this platform
-        return os.cpu_count() or 1
-
-
-def threads_per_rank(local_ranks: int) -> int:
-    """torch threads for each of `local_ranks` ranks sharing this node's usable CPUs. The ranks are
-    not pinned: on the 2-vCPU VM two TP ranks pinned one per vCPU served 194-217 tok/s against
-    243-256 floating (docs/performance.md), as a pinned rank cannot move off the vCPU the front end
-    takes."""
-    return max(1, usable_cpus() // local_ranks)
 
 
 class Engine:

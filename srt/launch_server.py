@@ -57,6 +57,7 @@ from launcher.teardown import become_subreaper, kill_process_tree
 from srt.metrics import metrics_dir, render_rank_metrics
 from srt.recovery import EngineRestarter
 from srt.server_args import PortArgs, ServerArgs
+from srt.utils import threads_per_rank
 
 logger = logging.getLogger("srt.launch_server")
 
@@ -109,8 +110,6 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
 
 def child_specs(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
                 detokenizer_target: str = DETOKENIZER_TARGET) -> list[ChildSpec]:
-    from srt.engine import threads_per_rank
-
     args = plan.server_args
     threads = threads_per_rank(len(plan.ranks))
     specs = [ChildSpec(name=rank.name, title=rank.title, target=scheduler_target, num_threads=threads,

@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from srt.request_state import ServiceUnavailableError
+from srt.utils import ENGINE_START_ENV
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("srt.recovery")
 
-ENGINE_START_ENV = "SRT_ENGINE_START"  # 0 for the first start, n after the n-th restart
 LOOP_CALL_TIMEOUT_S = 10.0
 
 # Exit codes that say why a rank went (scheduler/watchdog.py, consensus/checker.py, fault injection).

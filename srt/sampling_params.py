@@ -9,10 +9,21 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from model_executor.constrained.base import GRAMMAR_KINDS, GrammarSpec
 from srt.vocabulary import SAMPLING, check_fields
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's sampling_params names
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's grammar, what model_executor/constrained compiles."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    source: str  # the grammar as the client sent it (a JSON schema serialized, a regex, EBNF, a structural tag)
+
+    def __post_init__(self) -> None:
+        assert self.kind in GRAMMAR_KINDS, self.kind
 
 
 def _is_int(value: Any) -> bool:

@@ -12,9 +12,9 @@ from typing import Any
 
 import psutil
 import requests
-from server_fixture import kill_all
 
-from srt.engine import free_port
+from srt.server_process import kill_all
+from srt.utils import free_port
 
 
 class Router:

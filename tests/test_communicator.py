@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
 from model_executor.distributed.pipeline import StageLink, StageOutput
-from srt.engine import free_port
+from srt.utils import free_port
 
 OBJECTS: list[Any] = [[], {"rid": "r1", "ids": [1, 2, 3]}, [], ["abort", None], []]
 

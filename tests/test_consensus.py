@@ -7,7 +7,6 @@ import datetime
 import enum
 import os
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.multiprocessing as mp
 import consensus
 from consensus import LOG, rank_consensus, record, set_enabled
 from consensus.canonical import canonical, event_digest, window_digest
+from srt.utils import free_port
 
 
 class Phase(enum.Enum):
@@ -274,16 +274,10 @@ def _rank_main(rank: int, tp: int, pp: int, port: int, q: Any, release: Any) -> 
         os._exit(0)  # skip process-group teardown; a stopped peer must not make it wait
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(tp: int, pp: int, timeout_s: float = 60.0) -> dict[tuple[int, str], Any]:
     ctx = mp.get_context("spawn")
     q, release = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, tp, pp, port, q, release), daemon=True) for r in range(tp * pp)]
     for p in procs:
         p.start()

@@ -16,9 +16,10 @@ from typing import Any
 import psutil
 import pytest
 import requests
-from server_fixture import ROOT, Server
+from server_fixture import Server
 
-from srt.engine import free_port
+from srt.server_process import ROOT
+from srt.utils import free_port
 
 MAX_NEW = 300  # long enough that the drain outlasts the probe for a 503 (the tiny model allows 512 positions)
 SHUTTING_DOWN_BODY = {"error": {"message": "server is shutting down", "type": "ServiceUnavailable", "code": 503}}

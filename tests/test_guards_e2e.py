@@ -17,9 +17,10 @@ from typing import Any
 import psutil
 import pytest
 import requests
-from server_fixture import ROOT, Server
+from server_fixture import Server
 
-from srt.engine import free_port
+from srt.server_process import ROOT
+from srt.utils import free_port
 
 LONG = {"input_ids": list(range(5, 25)), "sampling_params": {"max_new_tokens": 5000, "temperature": 0,
                                                             "ignore_eos": True}}

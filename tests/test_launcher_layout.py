@@ -97,7 +97,7 @@ def test_resolve_init_method_rejects(addr: str) -> None:
 
 
 def test_threads_per_rank_count_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    from srt.engine import threads_per_rank
+    from srt.utils import threads_per_rank
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the host; a cpuset or taskset allows fewer
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)

@@ -17,17 +17,12 @@ import psutil
 import pytest
 
 from launcher.teardown import kill_process_tree
+from srt.utils import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gone(pid: int) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import random
-import socket
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +23,7 @@ from mem_cache import (
 )
 from mem_cache.budget import kv_budget
 from srt.server_args import ServerArgs
+from srt.utils import free_port
 
 # ---------------------------------------------------------------- ReqToTokenPool
 
@@ -398,12 +398,6 @@ def test_dp_replicas_split_the_hosts_kv_space() -> None:
     assert ServerArgs(dp_size=2, max_total_tokens=4096).replica_memory_share(2) == {}  # tokens per replica
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _budget_worker(rank: int, port: int, results: Any) -> None:
     try:
         dist.init_process_group(
@@ -437,7 +431,7 @@ def _budget_worker(rank: int, port: int, results: Any) -> None:
 def test_profile_num_pages_all_reduces_the_minimum_over_ranks() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_budget_worker, args=(rank, port, results)) for rank in range(2)]
     for proc in procs:
         proc.start()

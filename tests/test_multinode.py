@@ -23,16 +23,17 @@ from typing import Any
 import psutil
 import pytest
 import requests
-from server_fixture import Server, kill_all
+from server_fixture import Server
 from tiny_models import hf_float32, hf_greedy
 
 from launcher.fingerprint import fingerprint_diff, launch_fingerprint
 from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
 from launcher.peers import HEARTBEAT_S, LOST_AFTER_S, PeerWatch
 from launcher.rendezvous import Rendezvous, RendezvousError
-from srt.engine import free_port
 from srt.launch_server import plan_launch
 from srt.server_args import ServerArgs
+from srt.server_process import kill_all
+from srt.utils import free_port
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -24,10 +24,11 @@ import psutil
 import pytest
 import requests
 from router_fixture import Router
-from server_fixture import ROOT, Server, kill_all
+from server_fixture import Server
 from tiny_models import make_tiny_model
 
-from srt.engine import free_port
+from srt.server_process import ROOT, kill_all
+from srt.utils import free_port
 
 pytest.importorskip("sglang_router", reason="the test extra installs sglang-router")
 

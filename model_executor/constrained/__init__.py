@@ -7,15 +7,8 @@ from typing import Any
 
 import torch
 
-from model_executor.constrained.base import (
-    GRAMMAR_KINDS,
-    GrammarBackend,
-    GrammarError,
-    GrammarSpec,
-    JsonOptions,
-    Matcher,
-    bitmask_words,
-)
+from model_executor.constrained.base import GrammarBackend, GrammarError, JsonOptions, Matcher, bitmask_words
+from srt.sampling_params import GRAMMAR_KINDS, GrammarSpec
 
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's --grammar-backend names srt has
 

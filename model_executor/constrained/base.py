@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's sampling_params names
+from srt.sampling_params import GrammarSpec
 
 
 class GrammarError(ValueError):
@@ -25,15 +25,6 @@ class GrammarError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    kind: str  # one of GRAMMAR_KINDS
-    source: str  # the grammar as the client sent it (a JSON schema serialized, a regex, EBNF, a structural tag)
-
-    def __post_init__(self) -> None:
-        assert self.kind in GRAMMAR_KINDS, self.kind
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from model_executor.constrained.base import GrammarBackend, GrammarError, GrammarSpec, JsonOptions, Matcher
+from model_executor.constrained.base import GrammarBackend, GrammarError, JsonOptions, Matcher
+from srt.sampling_params import GrammarSpec
 
 _WHAT = {"json_schema": "a valid JSON schema", "regex": "a valid regular expression",
          "ebnf": "a valid EBNF grammar", "structural_tag": "a valid structural tag"}
