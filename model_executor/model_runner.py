@@ -18,7 +18,8 @@ from mem_cache.budget import KVBudget, kv_budget, kv_bytes_per_token
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
-from model_executor.attention.torch_native import TorchNativeAttnBackend
+from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.attention.registry import create_attention_backend
 from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
@@ -45,7 +46,7 @@ class RunnerConfig:
     cpu_kvcache_space: float | None = None  # GiB for every rank of the host together; None: the default
     max_running_requests: int = 256
     context_length: int | None = None
-    attention_backend: str = "auto"  # "torch_native" | "flashinfer" | "auto"
+    attention_backend: str = "auto"  # attention/registry.py: "cpu_kernels" | "torch_native" | "flashinfer" | "auto"
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
@@ -143,25 +144,16 @@ class ModelRunner:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
     def _init_attention_backend(self) -> None:
-        name = self.config.attention_backend
-        if name == "auto":  # flashinfer becomes the CUDA default once its backend exists
-            name = "torch_native"
-        self.attn_backend: AttentionBackend
-        if name == "torch_native":
-            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token,
-                                                       self.config.deterministic)
-            if self.config.deterministic:
-                native: TorchNativeAttnBackend = self.attn_backend
-                logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
-                            "or decode, in any batch" if native.decode_rows_extend else
-                            "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
-                            f"(this rank runs {self.config.dtype} on {self.device.type})")
-        elif name == "flashinfer":
-            from model_executor.attention.flashinfer_backend import FlashInferAttnBackend
-
-            self.attn_backend = FlashInferAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token)
-        else:
-            raise ValueError(f"unknown --attention-backend {name!r} (choose torch_native or flashinfer)")
+        self.attn_backend: AttentionBackend = create_attention_backend(
+            self.config.attention_backend, self.device, self.kv_pool, self.req_to_token_pool.req_to_token,
+            self.config.deterministic)
+        if self.config.deterministic:
+            exact = isinstance(self.attn_backend, CpuKernelsAttnBackend) and self.attn_backend.decode_rows_extend
+            logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
+                        "or decode, in any batch" if exact else
+                        "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
+                        f"(this rank runs {self.config.dtype} on {self.device.type}, "
+                        f"attention backend {self.config.attention_backend})")
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
