@@ -20,6 +20,7 @@ from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.registry import create_attention_backend
+from model_executor.cpu_decode_runner import CpuDecodeRunner
 from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
@@ -68,6 +69,8 @@ class ModelRunner:
         self._init_model()
         self._init_memory()
         self._init_attention_backend()
+        self.decode_runner = CpuDecodeRunner(self.model, self.attn_backend, tp_size=self.parallel.tp.world_size,
+                                             pp_size=self.parallel.pp.world_size, deterministic=config.deterministic)
         self.sampler = Sampler()
 
     def _context_length(self) -> int:
@@ -178,12 +181,15 @@ class ModelRunner:
         runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
         returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
-        previous = None
-        if self.stage_link is not None and not self.stage.is_first:
-            previous = self.stage_link.recv_stage_output(batch.num_tokens, int(self.hf_config.hidden_size),
-                                                         self.config.dtype, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch, previous)
+        if self.decode_runner.can_run(batch):
+            hidden: torch.Tensor | StageOutput = self.decode_runner.run(batch)
+        else:
+            self.attn_backend.init_forward_metadata(batch)
+            previous = None
+            if self.stage_link is not None and not self.stage.is_first:
+                previous = self.stage_link.recv_stage_output(batch.num_tokens, int(self.hf_config.hidden_size),
+                                                             self.config.dtype, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, batch, previous)
         if isinstance(hidden, StageOutput):
             assert self.stage_link is not None
             self.stage_link.send_stage_output(hidden)

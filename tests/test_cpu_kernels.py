@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tiny_models import hf_float32, hf_forced_logits, make_tiny_model
 
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.cpu_decode_runner import DecodeLayers
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.kernels import cpu
 from model_executor.layers.rotary import RotaryEmbedding
@@ -294,15 +295,15 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
 
     config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=512)
     fused = ModelRunner(config)
-    assert isinstance(fused.attn_backend, CpuKernelsAttnBackend) and fused.attn_backend.fused_decode
+    assert isinstance(fused.attn_backend, CpuKernelsAttnBackend) and fused.attn_backend.kernel_attention
     calls: dict[str, int] = {}
     for name in ("rmsnorm", "silu_mul", "bf16_linear_silu", "rope", "decode_attention"):
         real = getattr(cpu, name)
         key = "silu_mul" if name == "bf16_linear_silu" else name  # silu * up alone or in the gate_up product
         monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=key, **k: (
             calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
-    real_layers = cpu.DecodeLayers.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (
+    real_layers = DecodeLayers.forward
+    monkeypatch.setattr(DecodeLayers, "forward", lambda *a, **k: (
         calls.__setitem__("decode_layers", calls.get("decode_layers", 0) + 1), real_layers(*a, **k))[1])
     with_kernels = decode_logits(fused, prompts, forced)
     layers = hf.config.num_hidden_layers
@@ -317,7 +318,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
 
     monkeypatch.setattr(cpu, "usable", lambda *tensors: False)
     plain = ModelRunner(config)
-    assert not plain.attn_backend.fused_decode  # type: ignore[attr-defined]
+    assert not plain.attn_backend.kernel_attention  # type: ignore[attr-defined]
     without = decode_logits(plain, prompts, forced)
 
     err_kernels = (with_kernels - ref).abs().max().item()

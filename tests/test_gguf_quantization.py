@@ -15,6 +15,7 @@ from server_fixture import Server
 from test_cpu_kernels import decode_logits
 from tiny_models import hf_float32, hf_forced_logits
 
+from model_executor.cpu_decode_runner import DecodeLayers
 from model_executor.kernels import cpu
 from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
@@ -203,10 +204,10 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
         assert isinstance(linear.packed_weight, cpu.Q4Weight)
     assert isinstance(runner.model.lm_head.packed_weight, cpu.Q8Weight if cpu.q8_available() else torch.Tensor)
     calls: list[int] = []
-    real_layer = cpu.DecodeLayers.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1])
+    real_layer = DecodeLayers.forward
+    monkeypatch.setattr(DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1])
     fused = decode_logits(runner, prompts, forced)
-    assert len(calls) == 6 and runner.model.model._fused_cache[1].q4  # every decode step fused, on Q4_1 weights
+    assert len(calls) == 6 and runner.decode_runner.layers().q4  # every decode step fused, on Q4_1 weights
 
     monkeypatch.setattr(cpu, "usable", lambda *tensors: False)  # op by op: each linear on srt_q4_linear
     q4_calls: list[int] = []

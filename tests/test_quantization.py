@@ -12,6 +12,7 @@ from server_fixture import Server
 from test_cpu_kernels import decode_logits
 from tiny_models import hf_float32, hf_forced_logits
 
+from model_executor.cpu_decode_runner import DecodeLayers
 from model_executor.kernels import cpu
 from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
@@ -70,8 +71,8 @@ def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
     assert isinstance(layer.mlp.down_proj.packed_weight, cpu.Int8Weight)
     assert not isinstance(runner.model.lm_head.packed_weight, cpu.Int8Weight)  # the LM head stays bf16
     fused_calls: list[int] = []
-    real = cpu.DecodeLayers.forward
-    monkeypatch.setattr(cpu.DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
+    real = DecodeLayers.forward
+    monkeypatch.setattr(DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
     fused = decode_logits(runner, prompts, forced)
     assert len(fused_calls) == 6  # every decode step in the fused layer, on int8 weights
 

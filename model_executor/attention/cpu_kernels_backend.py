@@ -36,9 +36,6 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
             and req_to_token.is_contiguous() and req_to_token.dtype == torch.int64
         # Extend on the decode kernel: only the kernel path has one arithmetic for both phases.
         self.decode_rows_extend = deterministic and self.kernel_attention
-        # The model may run a small decode batch as whole fused layers (their own gemv arithmetic):
-        # not in deterministic mode, where every step goes through the same layers as a prefill.
-        self.fused_decode = self.kernel_attention and not deterministic
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.is_decode and self.decode_rows_extend:
