@@ -18,7 +18,9 @@ from mem_cache.budget import KVBudget, kv_budget, kv_bytes_per_token
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
-from model_executor.attention.torch_native import TorchNativeAttnBackend
+from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.attention.registry import create_attention_backend
+from model_executor.cpu_decode_runner import CpuDecodeRunner
 from model_executor.cpu_memory import keep_freed_memory
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
@@ -46,7 +48,7 @@ class RunnerConfig:
     cpu_kvcache_space: float | None = None  # GiB for every rank of the host together; None: the default
     max_running_requests: int = 256
     context_length: int | None = None
-    attention_backend: str = "auto"  # "torch_native" | "flashinfer" | "auto"
+    attention_backend: str = "auto"  # attention/registry.py: "cpu_kernels" | "torch_native" | "flashinfer" | "auto"
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
@@ -68,6 +70,8 @@ class ModelRunner:
         self._init_model()
         self._init_memory()
         self._init_attention_backend()
+        self.decode_runner = CpuDecodeRunner(self.model, self.attn_backend, tp_size=self.parallel.tp.world_size,
+                                             pp_size=self.parallel.pp.world_size, deterministic=config.deterministic)
         self.sampler = Sampler()
 
     def _context_length(self) -> int:
@@ -144,25 +148,16 @@ class ModelRunner:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
     def _init_attention_backend(self) -> None:
-        name = self.config.attention_backend
-        if name == "auto":  # flashinfer becomes the CUDA default once its backend exists
-            name = "torch_native"
-        self.attn_backend: AttentionBackend
-        if name == "torch_native":
-            self.attn_backend = TorchNativeAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token,
-                                                       self.config.deterministic)
-            if self.config.deterministic:
-                native: TorchNativeAttnBackend = self.attn_backend
-                logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
-                            "or decode, in any batch" if native.decode_rows_extend else
-                            "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
-                            f"(this rank runs {self.config.dtype} on {self.device.type})")
-        elif name == "flashinfer":
-            from model_executor.attention.flashinfer_backend import FlashInferAttnBackend
-
-            self.attn_backend = FlashInferAttnBackend(self.kv_pool, self.req_to_token_pool.req_to_token)
-        else:
-            raise ValueError(f"unknown --attention-backend {name!r} (choose torch_native or flashinfer)")
+        self.attn_backend: AttentionBackend = create_attention_backend(
+            self.config.attention_backend, self.device, self.kv_pool, self.req_to_token_pool.req_to_token,
+            self.config.deterministic)
+        if self.config.deterministic:
+            exact = isinstance(self.attn_backend, CpuKernelsAttnBackend) and self.attn_backend.decode_rows_extend
+            logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
+                        "or decode, in any batch" if exact else
+                        "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
+                        f"(this rank runs {self.config.dtype} on {self.device.type}, "
+                        f"attention backend {self.config.attention_backend})")
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -187,12 +182,15 @@ class ModelRunner:
         runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
         returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
-        previous = None
-        if self.stage_link is not None and not self.stage.is_first:
-            previous = self.stage_link.recv_stage_output(batch.num_tokens, int(self.hf_config.hidden_size),
-                                                         self.config.dtype, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch, previous)
+        if self.decode_runner.can_run(batch):
+            hidden: torch.Tensor | StageOutput = self.decode_runner.run(batch)
+        else:
+            self.attn_backend.init_forward_metadata(batch)
+            previous = None
+            if self.stage_link is not None and not self.stage.is_first:
+                previous = self.stage_link.recv_stage_output(batch.num_tokens, int(self.hf_config.hidden_size),
+                                                             self.config.dtype, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, batch, previous)
         if isinstance(hidden, StageOutput):
             assert self.stage_link is not None
             self.stage_link.send_stage_output(hidden)

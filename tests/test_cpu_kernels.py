@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import hf_float32, hf_forced_logits, make_tiny_model
 
-from model_executor.attention.torch_native import TorchNativeAttnBackend
+from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.kernels import build, decode_layers, ops
 from model_executor.layers.rotary import RotaryEmbedding
@@ -357,7 +357,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
 
     config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=512)
     fused = ModelRunner(config)
-    assert isinstance(fused.attn_backend, TorchNativeAttnBackend) and fused.attn_backend.fused_decode
+    assert isinstance(fused.attn_backend, CpuKernelsAttnBackend) and fused.attn_backend.kernel_attention
     calls: dict[str, int] = {}
     for name in ("rmsnorm", "silu_mul", "bf16_linear_silu", "rope", "decode_attention"):
         real = getattr(ops, name)
@@ -380,7 +380,7 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
 
     monkeypatch.setattr(ops, "usable", lambda *tensors: False)
     plain = ModelRunner(config)
-    assert not plain.attn_backend.fused_decode  # type: ignore[attr-defined]
+    assert not plain.attn_backend.kernel_attention  # type: ignore[attr-defined]
     without = decode_logits(plain, prompts, forced)
 
     err_kernels = (with_kernels - ref).abs().max().item()

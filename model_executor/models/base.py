@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +11,43 @@ from torch import nn
 
 from model_executor.distributed.pipeline import StageOutput
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.attention import Attention
+from model_executor.layers.layernorm import RMSNorm
+from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.rotary import RotaryEmbedding
+from model_executor.layers.vocab_parallel import VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class PreNormLayer:
+    """One decoder layer of the Llama block, as its modules:
+
+        q, k, v = qkv_proj(input_layernorm(x))          (q_norm / k_norm per head, where set)
+        h = x + o_proj(attn(rotary(q), rotary(k), v))
+        out = h + down_proj(silu(gate) * up)            gate, up = gate_up_proj(post_attention_layernorm(h))
+    """
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    qkv_proj: QKVParallelLinear
+    o_proj: RowParallelLinear
+    gate_up_proj: MergedColumnParallelLinear
+    down_proj: RowParallelLinear
+    attn: Attention
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """A whole model below its LM head, as modules: what a runner that runs whole layers in one call
+    reads (model_executor/cpu_decode_runner.py). The modules themselves, not copies: their weights
+    are the ones loaded and packed."""
+
+    embed_tokens: VocabParallelEmbedding
+    layers: list[PreNormLayer]
+    norm: RMSNorm
+    rotary_emb: RotaryEmbedding  # shared by every layer
 
 
 class CausalLM(nn.Module):
@@ -30,6 +68,11 @@ class CausalLM(nn.Module):
     @abstractmethod
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """(layers, KV heads on this rank, head_dim): the shape of this rank's KV pool per token."""
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """This rank's model as PreNormLayers, or None where its layers are another block or the rank
+        holds only part of the model (a pipeline stage)."""
+        return None
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors the model knowingly ignores (e.g. rotary inv_freq, a tied lm_head,

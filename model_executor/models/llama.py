@@ -13,15 +13,14 @@ from torch import nn
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels import decode_layers, ops, packing
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.cpu_linear import PackedWeight, is_kernel_packed, linear_silu_mul, packed_max_rows
+from model_executor.layers.cpu_linear import linear_silu_mul
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
-from model_executor.models.base import CausalLM
+from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 from model_executor.models.registry import register_model
 
 
@@ -121,9 +120,6 @@ class LlamaModel(nn.Module):
         self.local_layers: list[LlamaDecoderLayer] = [m for m in self.layers if isinstance(m, LlamaDecoderLayer)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype) if stage.is_last else None
         self.rotary_emb = rotary_emb
-        self.single_rank = comm.world_size == 1 and stage.size == 1
-        self.qk_norm = qk_norm
-        self._fused_cache: tuple[Any, decode_layers.DecodeLayers] | None = None  # (KV pool, its layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
@@ -134,64 +130,13 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)
         else:
             hidden, residual = previous.hidden, previous.residual
-        if self._fused_decode_applies(hidden, batch):
-            hidden, residual = self._fused_decode(hidden, positions, batch)
-        else:
-            for layer in self.local_layers:
-                hidden, residual = layer(positions, hidden, residual, batch)
+        for layer in self.local_layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
         if self.norm is None:
             assert residual is not None
             return StageOutput(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    @staticmethod
-    def _kernel_weights(layer: Any) -> list[torch.Tensor | packing.Int8Weight | packing.Q4Weight] | None:
-        """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
-        or None (a Q8_0 weight is only ever the LM head's)."""
-        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        packed: list[PackedWeight | None] = [m.packed_weight for m in linears]
-        kernel = [p for p in packed
-                  if p is not None and is_kernel_packed(p) and not isinstance(p, packing.Q8Weight)]
-        return kernel if len(kernel) == len(linears) else None
-
-    def _fused_decode_applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
-        """A bf16 decode batch on one CPU rank runs each layer as one kernel call: any batch up to
-        packed_max_rows() with packed weights, else (the gemv kernel, where it has its AVX-512 BF16
-        loop) a small one."""
-        if not (batch.is_decode and self.single_rank and not self.qk_norm
-                and self.local_layers[0].self_attn.o_proj.bias is None
-                and bool(getattr(batch.attn_backend, "fused_decode", False))
-                and ops.usable(hidden, self.rotary_emb.cos)):
-            return False
-        backend: Any = batch.attn_backend
-        packed = self._fused_layers(backend.kv_pool).packed
-        return batch.batch_size <= (packed_max_rows() if packed else ops.fused_gemv_max_batch())
-
-    def _fused_layers(self, kv_pool: Any) -> decode_layers.DecodeLayers:
-        """The layers' kernel arguments, gathered on the first fused step (weights are packed by
-        then) and again only if the KV pool is a different one."""
-        cached = self._fused_cache
-        if cached is None or cached[0] is not kv_pool:
-            layers = []
-            for layer in self.local_layers:
-                a, mlp = layer.self_attn, layer.mlp
-                k_cache, v_cache = kv_pool.get_kv_buffer(a.attn.layer_id)
-                layers.append(decode_layers.DecodeLayerWeights(
-                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                    a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight, self._kernel_weights(layer), k_cache, v_cache, a.attn.num_heads,
-                    a.attn.num_kv_heads, a.head_dim, a.attn.scaling))
-            cached = (kv_pool, decode_layers.DecodeLayers(layers))
-            self._fused_cache = cached
-        return cached[1]
-
-    def _fused_decode(self, hidden: torch.Tensor, positions: torch.Tensor,
-                      batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        backend: Any = batch.attn_backend
-        return self._fused_layers(backend.kv_pool).forward(
-            hidden, positions, self.rotary_emb.cos, self.rotary_emb.sin, batch.out_cache_loc, backend.req_to_token,
-            batch.req_pool_indices, batch.seq_lens, max(batch.seq_lens_cpu))
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
@@ -219,6 +164,16 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm, params_dtype=dtype,
                                       tied_to=self.model.embed_tokens if self.tie_word_embeddings else None) \
             if stage.is_last else None
+
+    def decoder_stack(self) -> DecoderStack | None:
+        model = self.model
+        if model.embed_tokens is None or model.norm is None:  # a pipeline stage
+            return None
+        layers = [PreNormLayer(layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.qkv_proj,
+                               layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                               layer.self_attn.attn, layer.self_attn.q_norm, layer.self_attn.k_norm)
+                  for layer in model.local_layers]
+        return DecoderStack(model.embed_tokens, layers, model.norm, model.rotary_emb)
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Rotary caches, a tied head's own copy, and whatever other pipeline stages own."""

@@ -1,0 +1,90 @@
+"""CpuDecodeRunner: decode steps as whole fused layers, beside ModelRunner (the CPU counterpart of
+CUDA-graph replay: a step's shape of work prepared once, each layer one C call).
+
+A decode batch on one rank (no tensor or pipeline parallelism), over a bf16 pool on the cpu_kernels
+attention backend, of a model of plain Llama blocks (no q/k norm, no o_proj bias) runs each layer as
+one srt_decode_layer call: any batch up to packed_max_rows() where the layers' weights are packed for
+our kernels, else (srt_gemv, where it has its AVX-512 BF16 loop) a small one. ModelRunner asks
+`can_run` first; every other batch runs the model's layers op by op.
+
+Not in deterministic mode: there every step goes through the same layers as a prefill, the fused
+layer's gemv arithmetic being its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mem_cache.kv_pool import KVPool
+from model_executor.attention.base import AttentionBackend
+from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.forward_batch import ForwardBatch
+from model_executor.kernels import ops
+from model_executor.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
+from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight
+from model_executor.layers.cpu_linear import PackedWeight, is_kernel_packed, packed_max_rows
+from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
+
+
+def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight] | None:
+    """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
+    or None (a Q8_0 weight is only ever the LM head's)."""
+    packed: list[PackedWeight | None] = [layer.qkv_proj.packed_weight, layer.o_proj.packed_weight,
+                                         layer.gate_up_proj.packed_weight, layer.down_proj.packed_weight]
+    kernel = [p for p in packed if p is not None and is_kernel_packed(p) and not isinstance(p, Q8Weight)]
+    return kernel if len(kernel) == len(packed) else None
+
+
+class CpuDecodeRunner:
+    def __init__(self, model: CausalLM, attn_backend: AttentionBackend, *, tp_size: int, pp_size: int,
+                 deterministic: bool) -> None:
+        self.attn_backend = attn_backend
+        self.stack: DecoderStack | None = None  # None: declines every batch
+        self._layers: tuple[KVPool, DecodeLayers] | None = None
+        stack = model.decoder_stack() if tp_size == 1 and pp_size == 1 else None
+        if stack is None or deterministic or not isinstance(attn_backend, CpuKernelsAttnBackend) \
+                or not attn_backend.kernel_attention:
+            return
+        first = stack.layers[0]
+        # The embedding's output has the rotary tables' dtype and device: the kernels take both or neither.
+        if first.q_norm is None and first.o_proj.bias is None and ops.usable(stack.rotary_emb.cos):
+            self.stack = stack
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        if self.stack is None or not batch.is_decode:
+            return False
+        packed = self.layers().packed
+        return batch.batch_size <= (packed_max_rows() if packed else ops.fused_gemv_max_batch())
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final hidden states [bs, hidden] of a batch can_run took, as the model's forward returns
+        them; writes the step's K/V into the pool."""
+        stack = self.stack
+        assert stack is not None and isinstance(self.attn_backend, CpuKernelsAttnBackend)
+        rotary = stack.rotary_emb
+        hidden = stack.embed_tokens(batch.input_ids)
+        hidden, residual = self.layers().forward(
+            hidden, batch.positions, rotary.cos, rotary.sin, batch.out_cache_loc, self.attn_backend.req_to_token,
+            batch.req_pool_indices, batch.seq_lens, max(batch.seq_lens_cpu))
+        hidden, _ = stack.norm(hidden, residual)
+        return hidden
+
+    def layers(self) -> DecodeLayers:
+        """The layers' kernel arguments, gathered on the first decode step (weights are packed by
+        then) and again only if the KV pool is a different one."""
+        stack = self.stack
+        assert stack is not None and isinstance(self.attn_backend, CpuKernelsAttnBackend)
+        kv_pool = self.attn_backend.kv_pool
+        if self._layers is None or self._layers[0] is not kv_pool:
+            self._layers = (kv_pool, DecodeLayers([decode_layer_weights(layer, kv_pool) for layer in stack.layers]))
+        return self._layers[1]
+
+
+def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWeights:
+    attn = layer.attn
+    k_cache, v_cache = kv_pool.get_kv_buffer(attn.layer_id)
+    return DecodeLayerWeights(
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+        layer.qkv_proj.weight, layer.qkv_proj.bias, layer.o_proj.weight, layer.gate_up_proj.weight,
+        layer.down_proj.weight, kernel_weights(layer), k_cache, v_cache, attn.num_heads, attn.num_kv_heads,
+        attn.head_dim, attn.scaling)
