@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 import zmq
+from tqdm import tqdm
 
 from launcher.layout import local_ranks
 from launcher.net import free_port  # noqa: F401  (re-exported: scripts and tests take it from here)
@@ -322,8 +324,12 @@ def _describe(dead: list[tuple[int, int]]) -> str:
 
 
 def _rank_main(threads: int, *args: Any) -> None:
-    """One spawned rank: the server's scheduler process (start-up, ready message, the loop)."""
+    """One spawned rank: the server's scheduler process (start-up, ready message, the loop), until
+    `shutdown` kills it."""
     torch.set_num_threads(threads)
+    # tqdm's default lock is a named semaphore that a killed process leaves behind (the resource
+    # tracker then warns of it at exit); the weight loader's progress bars need no more than this.
+    tqdm.set_lock(threading.RLock())
     from scheduler.entry import run_scheduler_process
 
     run_scheduler_process(*args)
