@@ -153,6 +153,7 @@ class Engine:
             model_path=str(self.model_dir), tp_size=tp_size, device=device,
             dtype="auto" if dtype == "auto" else str(torch_dtype).removeprefix("torch."),
             page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+            cpu_kvcache_space=None,  # not $VLLM_CPU_KVCACHE_SPACE: the engine's budget comes from its arguments
             max_running_requests=max_running_requests, random_seed=random_seed,
             max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=max_prefill_tokens,
             context_length=context_length, quantization=quantization, disable_radix_cache=True)
