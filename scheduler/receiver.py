@@ -27,7 +27,8 @@ class RequestReceiver:
         """Messages that arrived since the last call, identical on every rank.
 
         wait_ms > 0 (idle) blocks rank 0 on its socket up to that long, so an idle server costs a
-        few small broadcasts per second instead of a spinning loop.
+        few small broadcasts per second instead of a spinning loop. A list received is a batch of
+        messages (the offline Engine's call), handed over in one step.
         """
         messages: list[Any] = []
         if self.socket is not None:
@@ -35,9 +36,13 @@ class RequestReceiver:
                 self.socket.poll(wait_ms)
             while True:
                 try:
-                    messages.append(self.socket.recv_pyobj(zmq.NOBLOCK))
+                    message = self.socket.recv_pyobj(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if isinstance(message, list):
+                    messages += message
+                else:
+                    messages.append(message)
         result = self.world.broadcast_pyobj(messages)
         assert isinstance(result, list)
         return result

@@ -1,29 +1,40 @@
-"""The offline engine: generate from token ids without a server.
+"""The offline engine: generate from token ids without a server, on the server's own Scheduler.
 
-With tp_size > 1 it spawns one process per rank. Only rank 0 hears the caller; it broadcasts each
-command over the gloo group and every rank runs the same deterministic generation loop (Model B
-in miniature), so all ranks issue the same collectives in the same order.
+At tp_size 1 the Scheduler runs in this process: `generate` queues a call's requests and steps it
+until every one has finished. With tp_size > 1 it spawns one process per rank, each running the
+server's scheduler process (scheduler/entry.py); the engine stands where a server's tokenizer
+manager and detokenizer stand: it pushes a call's requests to rank 0 in one message (so every rank
+admits them in the same step) and pulls the output rank's token ids.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import shutil
 import signal
+import threading
 import time
-import traceback
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
+from tqdm import tqdm
 
-from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
-from model_executor.forward_batch import ForwardMode, make_forward_batch
+from launcher.layout import local_ranks
+from model_executor.distributed.parallel_state import single_process_state
 from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
-from model_executor.sampler import SamplingBatchInfo, apply_logit_bias, apply_penalties, ban_tokens
+from scheduler.entry import run_scheduler_process, runner_config
+from scheduler.receiver import RequestReceiver
+from scheduler.scheduler import Scheduler
+from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
+from srt.server_args import PortArgs, ServerArgs
 from srt.utils import free_port, resolve_dtype, threads_per_rank
 
 logger = logging.getLogger("srt.engine")
@@ -35,94 +46,55 @@ class GenerateOutput:
     prompt_tokens: int
 
 
-@dataclass
-class _Running:
-    index: int
-    input_ids: list[int]
-    params: SamplingParams
-    seed: int
-    row: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+class _Inbox(RequestReceiver):
+    """The in-process Scheduler's receiver: the requests `generate` queued, handed over at once."""
+
+    def __init__(self) -> None:  # no socket and no group: one rank, in this process
+        self.messages: list[Any] = []
+
+    def recv(self, wait_ms: int) -> list[Any]:
+        messages, self.messages = self.messages, []
+        return messages
+
+
+class _Outputs:
+    """One `generate` call's token ids, gathered from the Scheduler's BatchTokenIDOut messages."""
+
+    def __init__(self, reqs: list[TokenizedGenerateReq]) -> None:
+        self.rids = [r.rid for r in reqs]
+        self.ids: dict[str, list[int]] = {rid: [] for rid in self.rids}
+        self.finished: dict[str, tuple[FinishReason, int]] = {}
+
+    def add(self, out: Any) -> None:
+        if not isinstance(out, BatchTokenIDOut):
+            return
+        for i, rid in enumerate(out.rids):
+            if rid not in self.ids:
+                continue
+            self.ids[rid].extend(out.new_token_ids[i])
+            reason = out.finished_reasons[i]
+            if reason is not None:
+                self.finished[rid] = (reason, out.prompt_tokens[i])
 
     @property
-    def seq_len(self) -> int:  # tokens whose KV is (or is about to be) in the pool
-        return len(self.input_ids) + len(self.output_ids)
+    def done(self) -> bool:
+        return len(self.finished) == len(self.rids)
+
+    def results(self) -> list[GenerateOutput]:
+        for i, rid in enumerate(self.rids):
+            reason, prompt_tokens = self.finished[rid]
+            if reason.type == "abort":
+                raise RuntimeError(f"prompt {i} ({prompt_tokens} tokens) was aborted: {reason.message}")
+        return [GenerateOutput(self.ids[rid], self.finished[rid][0].type, self.finished[rid][1]) for rid in self.rids]
 
 
-def run_generation(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams],
-                   seeds: list[int], max_prefill_tokens: int = 4096) -> list[GenerateOutput]:
-    """Prefills every prompt (grouped under a token budget), then decodes them together until each
-    stops. Every rank calling this with the same arguments runs the same steps."""
-    eos = eos_token_ids(runner.config.model_dir, runner.hf_config)
-    reqs = [_Running(i, list(p), sp, s) for i, (p, sp, s) in enumerate(zip(prompts, params, seeds))]
-    for r in reqs:
-        if len(r.input_ids) + r.params.max_new_tokens > runner.context_length:
-            raise ValueError(f"prompt ({len(r.input_ids)} tokens) + max_new_tokens ({r.params.max_new_tokens}) "
-                             f"exceeds the context length ({runner.context_length})")
-        if r.params.max_new_tokens == 0:
-            r.finish_reason = "length"
-    pending = [r for r in reqs if r.finish_reason is None]
-    running: list[_Running] = []
-    while pending:
-        group: list[_Running] = []
-        tokens = 0
-        while pending and (not group or tokens + len(pending[0].input_ids) <= max_prefill_tokens) \
-                and len(running) + len(group) < runner.max_running_requests:
-            tokens += len(pending[0].input_ids)
-            group.append(pending.pop(0))
-        if not group:
-            raise RuntimeError("no request slot free for prefill")
-        _step(runner, group, ForwardMode.EXTEND, eos)
-        running += [r for r in group if r.finish_reason is None]
-    while running:
-        _step(runner, running, ForwardMode.DECODE, eos)
-        running = [r for r in running if r.finish_reason is None]
-    return [GenerateOutput(r.output_ids, r.finish_reason or "length", len(r.input_ids)) for r in reqs]
+def _tokenizer_loader(path: str) -> Callable[[], Any]:
+    """The Scheduler's stop-string checks load the tokenizer on first need, as a server's ranks do."""
+    def load() -> Any:
+        from transformers import AutoTokenizer
 
-
-def _step(runner: ModelRunner, reqs: list[_Running], mode: ForwardMode, eos: set[int]) -> None:
-    req_table = runner.req_to_token_pool.req_to_token
-    if mode is ForwardMode.EXTEND:
-        for r in reqs:
-            row = runner.req_to_token_pool.alloc()
-            if row is None:
-                raise RuntimeError("out of request slots")
-            r.row = row
-        prefix_lens = [0] * len(reqs)
-        seq_lens = [len(r.input_ids) for r in reqs]
-        input_ids = [t for r in reqs for t in r.input_ids]
-    else:
-        seq_lens = [r.seq_len for r in reqs]
-        prefix_lens = [s - 1 for s in seq_lens]
-        input_ids = [r.output_ids[-1] for r in reqs]
-    rows = [r.row for r in reqs]
-    out_cache_loc = runner.allocator.alloc_extend(req_table, rows, prefix_lens, seq_lens)
-    if out_cache_loc is None:
-        raise RuntimeError(f"KV cache exhausted ({runner.max_total_tokens} tokens); raise --max-total-tokens")
-    batch = make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, runner.device)
-    logits = runner.forward(batch)
-    info = SamplingBatchInfo.from_lists(
-        temperatures=[r.params.temperature for r in reqs], top_ps=[r.params.top_p for r in reqs],
-        top_ks=[r.params.top_k for r in reqs], min_ps=[r.params.min_p for r in reqs],
-        seeds=[r.seed for r in reqs], output_positions=[len(r.output_ids) for r in reqs], device=runner.device)
-    penalized = apply_penalties(logits, [r.params.penalties for r in reqs], [r.output_ids for r in reqs],
-                                [r.input_ids for r in reqs])
-    penalized = apply_logit_bias(penalized, [r.params.logit_bias for r in reqs])
-    penalized = ban_tokens(penalized, [r.params.banned_ids(len(r.output_ids), eos) for r in reqs])
-    next_ids = runner.sample(penalized, info).tolist()
-    for r, token in zip(reqs, next_ids):
-        r.output_ids.append(int(token))
-        if len(r.output_ids) < r.params.min_new_tokens:
-            continue  # max_new_tokens >= min_new_tokens: nothing ends it yet
-        if (token in eos and not r.params.ignore_eos) or token in r.params.stop_token_ids:
-            r.finish_reason = "stop"
-        elif len(r.output_ids) >= r.params.max_new_tokens:
-            r.finish_reason = "length"
-        if r.finish_reason is not None:
-            # The last sampled token never entered the pool: free exactly the tokens written.
-            runner.allocator.free_slots(req_table[r.row, : r.seq_len - 1])
-            runner.req_to_token_pool.free(r.row)
+        return AutoTokenizer.from_pretrained(path)
+    return load
 
 
 class Engine:
@@ -136,48 +108,100 @@ class Engine:
                  mem_fraction_static: float | None = None, max_running_requests: int = 256, random_seed: int = 0,
                  max_prefill_tokens: int = 4096, context_length: int | None = None,
                  start_timeout_s: float = 300.0, quantization: str | None = None) -> None:
+
         self.model_dir = resolve_model_path(model_path)
         self.tp_size = tp_size
         self.random_seed = random_seed
         self.max_prefill_tokens = max_prefill_tokens
         self._requests_seen = 0
-        self.config = RunnerConfig(model_dir=self.model_dir, dtype=resolve_dtype(dtype, device), device=device,
-                                   page_size=page_size, mem_fraction_static=mem_fraction_static,
-                                   max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
-                                   context_length=context_length, local_world_size=tp_size,
-                                   quantization=quantization)
+        torch_dtype = resolve_dtype(dtype, device)
+        # The server's options for the same run. Each prompt is prefilled whole, with no prefix
+        # cache, so a call's outputs do not depend on the calls before it; a prompt may take the
+        # whole prefill budget (longer ones are chunked).
+        self.args = ServerArgs(
+            model_path=str(self.model_dir), tp_size=tp_size, device=device,
+            dtype="auto" if dtype == "auto" else str(torch_dtype).removeprefix("torch."),
+            page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+            cpu_kvcache_space=None,  # not $VLLM_CPU_KVCACHE_SPACE: the engine's budget comes from its arguments
+            max_running_requests=max_running_requests, random_seed=random_seed,
+            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=max_prefill_tokens,
+            context_length=context_length, quantization=quantization, disable_radix_cache=True)
+        self.config: RunnerConfig = runner_config(self.args, self.model_dir)
         self.runner: ModelRunner | None = None
+        self.scheduler: Scheduler | None = None
         self._procs: list[Any] = []
         if tp_size == 1:
             self.runner = ModelRunner(self.config)
+            self._inbox = _Inbox()
+            self._outbox: list[Any] = []
+            self.scheduler = Scheduler(self.args, single_process_state(), self.runner, self._inbox,
+                                       self._outbox.append, eos_token_ids(self.model_dir, self.runner.hf_config),
+                                       _tokenizer_loader(str(self.model_dir)))
+            self.context_length = self.runner.context_length
             return
+        self._start_ranks(start_timeout_s)
+        self.context_length = int(self.runner_info["context_length"])
+
+    def _start_ranks(self, timeout_s: float) -> None:
+        """Spawns the ranks, each running the server's scheduler process, and waits until every
+        one is ready. The engine binds where a server's detokenizer binds (the output rank pushes
+        its token ids there) and connects where its tokenizer manager connects (rank 0's inbox)."""
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._conn, child_conn = ctx.Pipe()
-        for rank in range(tp_size):
-            proc = ctx.Process(target=_rank_main, args=(rank, tp_size, init_method, self.config,
-                                                        child_conn if rank == 0 else None), daemon=True)
+        self._port_args = PortArgs.create(f"tcp://127.0.0.1:{free_port()}")
+        self._zmq = zmq.Context(1)
+        self._outputs = self._zmq.socket(zmq.PULL)
+        self._outputs.bind(self._port_args.detokenizer_ipc)
+        self._requests = self._zmq.socket(zmq.PUSH)
+        self._requests.connect(self._port_args.tokenizer_ipc)
+        ready: dict[Connection, int] = {}
+        for rank in local_ranks(self.tp_size, 1, device_type=torch.device(self.args.device).type):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, daemon=True,
+                               args=(threads_per_rank(self.tp_size), self.args, self._port_args,
+                                     str(self.model_dir), rank, writer))
             proc.start()
+            writer.close()  # the rank holds the other end: its exit ends the pipe
             self._procs.append(proc)
-        child_conn.close()  # rank 0 holds the other end: its exit ends the pipe
-        status = self._reply("during start-up", start_timeout_s)
+            ready[reader] = rank.tp_rank
+        infos: dict[int, dict[str, Any]] = {}
+
+        def poll_ready(timeout: float) -> tuple[str, Any] | None:
+            if not ready:
+                time.sleep(timeout)
+            for conn in wait(list(ready), timeout) if ready else []:
+                assert isinstance(conn, Connection)
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):  # the rank is gone: its exit code comes next
+                    ready.pop(conn)
+                    continue
+                if kind != "ready":
+                    return kind, payload
+                infos[ready.pop(conn)] = payload
+            return ("ready", infos[0]) if len(infos) == self.tp_size else None
+
+        status = self._wait("during start-up", poll_ready, timeout_s)
         if status[0] != "ready":
             self.shutdown()
             raise RuntimeError(f"rank start-up failed: {status[1]}")
         self.runner_info: dict[str, Any] = status[1]
 
-    def _reply(self, during: str, timeout_s: float | None = None) -> Any:
-        """Rank 0's next message, watching every rank meanwhile: a rank that exits first (or no
-        message within `timeout_s`) shuts the others down and raises, naming it."""
+    def _recv_output(self, timeout: float) -> Any:
+        return self._outputs.recv_pyobj() if self._outputs.poll(int(timeout * 1000)) else None
+
+    def _wait(self, during: str, poll: Callable[[float], Any], timeout_s: float | None = None) -> Any:
+        """What `poll` gets next from the ranks, watching every rank meanwhile: a rank that exits
+        first (or nothing within `timeout_s`) shuts the others down and raises, naming it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            try:
-                if self._conn.poll(POLL_S):
-                    return self._conn.recv()
-            except (EOFError, OSError):
-                pass  # rank 0 is gone: its exit code below
+            got = poll(POLL_S)
+            if got is not None:
+                return got
             dead = self._dead_ranks()
             if dead:
+                got = poll(0)  # what a rank sent before it exited (a start-up error)
+                if got is not None:
+                    return got
                 self.shutdown()
                 why = f"tensor-parallel {_describe(dead)} {during}"
                 if any(code > 0 for _, code in dead):
@@ -195,24 +219,34 @@ class Engine:
         constrained = next((p.grammar.kind for p in plist if p.grammar is not None), None)
         if constrained is not None:
             raise ValueError(f"{constrained}: the offline Engine does not constrain outputs; serve the model")
-        seeds = [p.seed if p.seed is not None else self.random_seed * 1_000_003 + self._requests_seen + i
-                 for i, p in enumerate(plist)]
+        for i, (prompt, sp) in enumerate(zip(prompts, plist)):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) + sp.max_new_tokens > self.context_length:
+                raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+                                 f"exceeds the context length ({self.context_length})")
+        first = self._requests_seen
         self._requests_seen += len(prompts)
-        if self.runner is not None:
-            return run_generation(self.runner, prompts, plist, seeds, self.max_prefill_tokens)
+        reqs = [TokenizedGenerateReq(f"engine-{first + i}", list(prompt), sp,
+                                     sp.seed if sp.seed is not None else self.random_seed * 1_000_003 + first + i)
+                for i, (prompt, sp) in enumerate(zip(prompts, plist))]
+        outputs = _Outputs(reqs)
+        if self.scheduler is not None:
+            self._inbox.messages += reqs
+            while not outputs.done:
+                self.scheduler.step()
+                for out in self._outbox:
+                    outputs.add(out)
+                self._outbox.clear()
+                if not (outputs.done or self.scheduler.has_work()):
+                    raise RuntimeError("the scheduler went idle before every request finished")
+            return outputs.results()
         if not self._procs:
             raise RuntimeError("the engine is shut down")
-        try:
-            self._conn.send(("generate", (prompts, plist, seeds, self.max_prefill_tokens)))
-        except OSError:  # rank 0 is gone (BrokenPipeError): _reply names it
-            pass
-        kind, payload = self._reply("during generation")
-        if kind != "ok":
-            dead = self._dead_ranks()
-            if dead:  # a lost rank breaks the group: the engine cannot go on
-                self.shutdown()
-            raise RuntimeError(f"generation failed on a rank{' (' + _describe(dead) + ')' if dead else ''}: {payload}")
-        return payload
+        self._requests.send_pyobj(reqs)  # one message: rank 0 hands them to every rank in the same step
+        while not outputs.done:
+            outputs.add(self._wait("during generation", self._recv_output))
+        return outputs.results()
 
     def _dead_ranks(self) -> list[tuple[int, int]]:
         """(rank, exit code) of the ranks that have exited, those a signal ended first (the rank
@@ -222,15 +256,17 @@ class Engine:
 
     def shutdown(self) -> None:
         if self._procs:
-            try:
-                self._conn.send(("shutdown", None))
-            except (BrokenPipeError, OSError):
-                pass
+            # The scheduler loop runs until killed, as a server's does. Rank 0 last: it alone waits
+            # on its socket, where the others would see a peer gone and log a crash.
+            for proc in reversed(self._procs):
+                proc.kill()
             for proc in self._procs:
                 proc.join(timeout=10)
-                if proc.is_alive():
-                    proc.kill()
             self._procs = []
+            self._requests.close(linger=0)
+            self._outputs.close(linger=0)
+            self._zmq.term()
+            shutil.rmtree(Path(self._port_args.tokenizer_ipc.removeprefix("ipc://")).parent, ignore_errors=True)
 
     def __enter__(self) -> Engine:
         return self
@@ -257,29 +293,12 @@ def _describe(dead: list[tuple[int, int]]) -> str:
     return ", ".join(f"rank {rank} exited {reason(code)}" for rank, code in dead)
 
 
-def _rank_main(rank: int, tp_size: int, init_method: str, config: RunnerConfig, conn: Connection | None) -> None:
-    torch.set_num_threads(threads_per_rank(tp_size))
-    try:
-        state = init_distributed(tp_size=tp_size, pp_size=1, world_rank=rank, init_method=init_method,
-                                 device=torch.device(config.device))
-        runner = ModelRunner(config, state)
-    except Exception:
-        if conn is not None:
-            conn.send(("error", traceback.format_exc()))
-        raise
-    if conn is not None:
-        conn.send(("ready", runner.info()))
-    while True:
-        command = conn.recv() if conn is not None else None
-        message: Any = state.tp.broadcast_pyobj(command)
-        kind, payload = message
-        if kind == "shutdown":
-            break
-        try:
-            result: Any = run_generation(runner, *payload)
-            reply = ("ok", result)
-        except Exception:
-            reply = ("error", traceback.format_exc())
-        if conn is not None:
-            conn.send(reply)
-    destroy_distributed()
+def _rank_main(threads: int, *args: Any) -> None:
+    """One spawned rank: the server's scheduler process (start-up, ready message, the loop), until
+    `shutdown` kills it."""
+    torch.set_num_threads(threads)
+    # tqdm's default lock is a named semaphore that a killed process leaves behind (the resource
+    # tracker then warns of it at exit); the weight loader's progress bars need no more than this.
+    tqdm.set_lock(threading.RLock())
+
+    run_scheduler_process(*args)
