@@ -236,23 +236,26 @@ def smollm2_payloads(tokens: int) -> list[dict[str, Any]]:
     return out
 
 
-# On 2 cores 8 x 512 bf16 tokens take ~100 s a run at TP=1 and several times that at TP=3 (three
-# ranks on two cores), so the multi-rank cases stream fewer tokens; their logprobs, compared bit
-# for bit, part at the first token whose arithmetic differs.
+INT8 = pytest.mark.skipif(not build.int8_available(), reason="w8a8_int8 needs AMX int8 or AVX-512 VNNI")
+
+
+# Every case streams 8 x 512 tokens and is killed 160 tokens in; their logprobs, compared bit for
+# bit, part at the first token whose arithmetic differs.
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize(("flags", "victim", "tokens", "killed_at"), [
-    ((), "srt::scheduler_TP0", 512, 160),
-    (("--pp-size", "2"), "srt::scheduler_PP1_TP0", 192, 64),
-    (("--tp", "3"), "srt::scheduler_TP2", 96, 32),
-    pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", 512, 160, marks=pytest.mark.skipif(
-        not build.int8_available(), reason="w8a8_int8 needs AMX int8 or AVX-512 VNNI")),
-], ids=["tp1", "pp2", "tp3", "w8a8_int8"])
-def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str, tokens: int,
-                                                                 killed_at: int) -> None:
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(("flags", "victim"), [
+    ((), "srt::scheduler_TP0"),
+    (("--pp-size", "2"), "srt::scheduler_PP1_TP0"),
+    (("--tp", "3"), "srt::scheduler_TP2"),
+    pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", marks=INT8),
+    pytest.param(("--quantization", "w8a8_int8", "--pp-size", "2"), "srt::scheduler_PP0_TP0", marks=INT8),
+    pytest.param(("--quantization", "w8a8_int8", "--tp", "3"), "srt::scheduler_TP1", marks=INT8),
+], ids=["tp1", "pp2", "tp3", "w8a8_int8-tp1", "w8a8_int8-pp2", "w8a8_int8-tp3"])
+def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str) -> None:
     """The default server (bundled SmolLM2, bf16, the CPU kernels; deterministic inference on by
     itself with --restart-on-failure): a rank SIGKILLed mid-stream in eight streams; every stream's
     ids, text and logprobs equal a fault-free run's on the same server."""
+    tokens, killed_at = 512, 160
     with Server(*flags, "--restart-on-failure", "1", startup_timeout=300) as server:
         bodies = smollm2_payloads(tokens)
         with ThreadPoolExecutor(len(bodies)) as pool:
