@@ -326,7 +326,7 @@ def _probe_rate(make: Callable[[int], torch.Tensor], matmul: Callable[[torch.Ten
                 runs: int) -> float:
     """The rate at the largest of PROBE_SIZES (up to 2048) whose call took under PROBE_RUN_S at the
     size before: a CPU where torch has no fast kernel for the dtype (bf16 without AVX-512 BF16 or
-    AMX runs at ~1 GFLOP/s) is measured in seconds instead of minutes."""
+    AMX is far slower than fp32: docs/performance.md) is measured in seconds instead of minutes."""
     rate = 0.0
     for size in PROBE_SIZES:
         a, b = make(size), make(size)

@@ -333,8 +333,8 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """loop / http "auto": uvloop and httptools (dependencies; uvicorn falls back to asyncio and h11
-    without them). Measured with 32 streams on 2 cores: the front end's CPU per 64-request run
-    0.46-0.63 s with asyncio + h11, 0.35-0.43 s with these; log_config=None: uvicorn's lines go
+    without them), which cost the front end less CPU than asyncio + h11 (docs/performance.md);
+    log_config=None: uvicorn's lines go
     through the process's own handler, labelled like every other line."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto", http="auto",
                           timeout_keep_alive=5, timeout_graceful_shutdown=CLOSE_GRACE_S, log_config=None)

@@ -52,7 +52,7 @@ def usable_cpus() -> int:
 
 def threads_per_rank(local_ranks: int) -> int:
     """torch threads for each of `local_ranks` ranks sharing this node's usable CPUs. The ranks are
-    not pinned: on the 2-vCPU VM two TP ranks pinned one per vCPU served 194-217 tok/s against
-    243-256 floating (docs/performance.md), as a pinned rank cannot move off the vCPU the front end
+    not pinned: on a 2-vCPU VM two TP ranks pinned one per vCPU served fewer tokens per second than
+    floating ones (docs/performance.md), as a pinned rank cannot move off the vCPU the front end
     takes."""
     return max(1, usable_cpus() // local_ranks)

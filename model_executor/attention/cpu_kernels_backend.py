@@ -73,7 +73,7 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  layer: Attention, batch: ForwardBatch) -> None:
         if ops.store_kv_applies(k, v, k_cache, v_cache, batch.out_cache_loc):
-            ops.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)  # ~3.6x index_copy_
+            ops.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)  # faster than index_copy_ (docs/performance.md)
         else:
             super().store_kv(k, v, k_cache, v_cache, layer, batch)
 
@@ -81,9 +81,9 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
                v_cache: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
         if not ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
             return super().extend(q, k, v, k_cache, v_cache, layer, batch)
-        # bf16 on AMX: every request in one kernel call (~1.9x SDPA at 32 fresh x 128; ~2x the
-        # masked SDPA for a 2048-token chunk after 2048 cached ones). With cached prefixes the keys
-        # are each request's slots in the pool, the new tokens' just written.
+        # bf16 on AMX: every request in one kernel call (faster than SDPA for fresh prompts and than
+        # the masked SDPA for a chunk after cached tokens: docs/performance.md). With cached
+        # prefixes the keys are each request's slots in the pool, the new tokens' just written.
         lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
         if not any(prefixes):
             return ops.prefill_attention(q, k, v, lens, layer.scaling)

@@ -1,9 +1,9 @@
 /* bf16 linear layers on Intel AMX tiles, for the small row counts of decode steps.
  *
  * At a decode step's few rows a linear layer is a stream of its weight from memory. oneDNN's AMX
- * GEMM reaches about 8 GB/s on weights that are not in cache (measured here on SmolLM2's layers),
- * well under the machine's read bandwidth: this kernel streams the weight in the order the tiles
- * consume it, prefetches a few tiles ahead, and reaches the bandwidth (~20 GB/s measured).
+ * GEMM streams weights that are not in cache well under the machine's read bandwidth (measured on
+ * SmolLM2's layers): this kernel streams the weight in the order the tiles consume it, prefetches
+ * a few tiles ahead, and reaches the bandwidth (figures in docs/performance.md).
  *
  * The weight is packed once at load (model_executor/kernels/packing.py, bf16_pack) as
  * [n/16][k/32][16][16][2]: for each block of 16 outputs, each 32-wide slice of k is one B tile of
@@ -84,8 +84,8 @@ static inline void prefetch_tile(const bf16 *tile) {
 /* the same, stored as fp32: each value rounded to bf16 first, so it equals the bf16 output widened
  * (an LM head's logits without a separate conversion pass). Each row's 16 values are one cache line
  * where `out` is 64-byte aligned (n % 16 == 0 always): written with non-temporal stores, which skip
- * reading the line in first. For SmolLM2's 49152 x 576 LM head followed by srt_argmax, alternating:
- * 3.9-4.4 -> 3.4-3.9 ms at 32 rows, 7.4-8.3 -> 6.0-6.8 ms at 64, equal or less at 1-16.
+ * reading the line in first: less time for SmolLM2's LM head followed by srt_argmax at 32-64 rows,
+ * equal or less at 1-16 (docs/performance.md, "What bounds a step").
  * amx_linear fences them before its threads meet. */
 static inline void store_block_f32(const float *c, int64_t rows, const bf16 *bias, float *out, int64_t n) {
     const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
@@ -114,10 +114,9 @@ enum { OUT_BF16, OUT_F32, OUT_SILU }; /* what output_pair stores */
 /* Two sets of 16 outputs for every row, from the B tile streams b0 and b1, two 16-row blocks of x at
  * a time (four C tiles: each B tile load feeds two products): B streams from memory for the first
  * two blocks and from cache for the others. Against one block at a time, alternating in one process
- * on SmolLM2's 30 layers with cold weights (medians of 20): 10-15% less time at 32 rows, 7-10% at
- * 48-64, equal at 16; the 49152 x 576 LM head 1-13% less. (An earlier measurement of the same idea
- * had found it slower; one-block-at-a-time timings on this VM swing by more than that from run to
- * run, hence the alternating medians.)
+ * on SmolLM2's 30 layers with cold weights: less time at 32-64 rows and for the LM head, equal at 16
+ * (docs/performance.md). (An earlier measurement of the same idea had found it slower; one-block-at-
+ * a-time timings on that VM swung by more than that from run to run, hence the alternating medians.)
  * OUT_BF16 / OUT_F32: b0, b1 are outputs [col, col + 32) of a linear; out [m][n] bf16 / fp32 (+ bias).
  * OUT_SILU: b0 is the gate's outputs [col, col + 16), b1 the up projection's same outputs; out
  * [m][n] bf16 gets silu(gate) * up there. `mode` is a constant at each call site. */
@@ -207,9 +206,8 @@ static inline void quad_pass(const bf16 *a, int64_t nb, const bf16 *b, int64_t k
  * where output_pair would stream it for the first two row blocks and re-read it from cache for the
  * others (no overlap with the next stream). OUT_BF16 / OUT_F32: b0 is the linear's 16-output
  * block; OUT_SILU: b0 the gate's and b1 the up projection's, one pass each. Alternating in one
- * process, a SmolLM2 decode step (with sampling) at batch 64: 51.7 -> 47.9 and 52.5 -> 48.6 ms while
- * the VM was slow, 37.2 -> 37.1 and 38.2 -> 38.0 while it was fast; at 48: 39.9 -> 38.1. Above 64
- * rows (more than one pass either way) it was not reliably faster. */
+ * process, SmolLM2 decode steps at batch 48-64 took less time, or the same while the VM was fast
+ * (docs/performance.md). Above 64 rows (more than one pass either way) it was not reliably faster. */
 static inline void output_quad(const bf16 *xp, int64_t m, int64_t blocks, const bf16 *b0, const bf16 *b1, int64_t k,
                                const bf16 *bias, void *out, int64_t n, int64_t col, const int mode) {
     float c[4][256], c_up[4][256];
@@ -524,8 +522,8 @@ static inline void store_block_i8_silu(const int32_t *c_gate, const int32_t *c_u
 /* Two sets of 16 outputs from the B streams b0 and b1 (weight scales ws0, ws1; bias b), one 16-row
  * block at a time: outputs [col, col + 32) of a linear, or with silu the gate's outputs [col, col +
  * 16) (b0) and the up projection's (b1) as silu(gate) * up. (output_pair's two-block form, tried
- * here too, was within noise at a batch-32 decode step of SmolLM2 (17.6 ms against 17.8) and slower
- * at 64 (45.7 ms against 43.4), alternating step by step.) */
+ * here too, was within noise at a batch-32 decode step of SmolLM2 and slower at 64, alternating step
+ * by step: docs/performance.md.) */
 static inline void output_pair_i8(const int8_t *xq, const float *xs, int64_t m, int64_t blocks, const int8_t *b0,
                                   const int8_t *b1, const float *ws0, const float *ws1, const bf16 *b, bf16 *out,
                                   int64_t n, int64_t k, int64_t col, const int silu) {

@@ -60,8 +60,7 @@ int64_t srt_vnni_linear_available(void) { return 1; }
  * block pf[pf0 .. pf1) is prefetched into L2 (a block is k/4 lines).
  * The sums are __v16si, vpdpbusd's own type: held as __m512i (64-bit lanes, cast to 32-bit ones for
  * every vpdpbusd), gcc 12 kept half of the 6 x 4 tile's sums on the stack, loading and storing
- * them every k quad, and the kernel ran at 150-215 GOP/s a core on Zen 4 instead of 310-417 (3072
- * x 576 in cache, 6-1024 rows). */
+ * them every k quad, and the kernel ran at about half the rate (docs/performance.md). */
 static inline __attribute__((always_inline)) void vnni_tile(const int8_t *xq, const int32_t *row_sums, int64_t k,
                                                             const uint8_t *const *wb, const int R, const int NB,
                                                             __v16si acc[ROWS][GROUP], const uint8_t *const *pf,

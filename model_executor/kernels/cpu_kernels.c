@@ -208,9 +208,8 @@ void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t hea
 
 /* Prefetches rows [t0, t1) of the slots into L2: `elems` bf16 values from `offset` in each (a
  * task's heads). Into L2 rather than L1: a block's ~100 line prefetches into L1 held the core's
- * L1 miss buffers, and the attention's loads waited behind them (SmolLM2's 30 layers at 160 tokens
- * of context on Zen 4, medians of 30 alternating runs: 12.1 -> 7.6 ms at batch 32, 17.6 -> 12.0 at
- * 64; whole batch-32 decode steps 34.9 -> 31.8 ms, kernel builds alternating run by run). */
+ * L1 miss buffers, and the attention's loads waited behind them (measured on SmolLM2: see
+ * docs/performance.md). */
 static inline void prefetch_rows(const bf16 *cache, const int64_t *slots, int64_t t0, int64_t t1, int64_t row_elems,
                                  int64_t offset, int64_t elems) {
     for (int64_t t = t0; t < t1; t++)
@@ -313,8 +312,8 @@ static inline __attribute__((always_inline)) void attend_task(
     }
     softmax_rows(scores, task_heads, max_len, len);
     /* V in blocks of tokens: a block's rows come from memory once (prefetched during the block
-     * before) and from L1 for every head and column chunk (one pass over V per chunk was 1.4x
-     * slower on SmolLM2's batch-32 decode). */
+     * before) and from L1 for every head and column chunk (one pass over V per chunk was slower
+     * on SmolLM2's batch-32 decode: docs/performance.md). */
     for (int64_t i = 0; i < task_heads * d; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < len; t0 += V_BLOCK) {
         const int64_t t1 = t0 + V_BLOCK < len ? t0 + V_BLOCK : len;
@@ -339,10 +338,8 @@ static inline __attribute__((always_inline)) void attend_task(
  *   weighted sum: P rounded to bf16 (as flash attention's second product) times V by vdpbf16ps,
  *     two tokens at a time: each 32-wide chunk of the two V rows is loaded once and interleaved by
  *     token pairs for every query head of the group. With K and V rows prefetched two blocks ahead,
- *     against the fp32 products and one block: SmolLM2's 30 layers at 161 tokens of context on
- *     Zen 4, medians of 30 alternating runs, 22.0 -> 20.4 and 21.6 -> 19.8 ms at batch 64, 13.9 ->
- *     12.3 ms at 32; whole decode steps (the kernel build switched step by step) 1-3% less: 33.46
- *     -> 33.35 and 40.57 -> 39.91 ms at batch 32, 68.61 -> 67.84 and 65.33 -> 63.63 at 64. */
+ *     less time than the fp32 products and one block, for the attention and for whole decode
+ *     steps (docs/performance.md, "Decode attention"). */
 #define FAST_MAX_GROUP 8
 #define FAST_PREFETCH 2 /* 16-token blocks of K (then V) rows prefetched ahead (2-4 alike) */
 
@@ -486,9 +483,8 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
     }
     /* A task is one request's kv heads (whole K/V rows, read front to back) or, when there are
      * too few requests to share out, one (request, kv head). A (request, kv head, slot) costs
-     * tens of ns: below ~1024 of them one thread is faster (two threads from 1024 rather than 4096:
-     * a batch-1 SmolLM2 step at 1024 tokens of context 11.64 -> 10.71 ms, batch 2 at 300 12.51 ->
-     * 11.57; Zen 4, the kernel build switched step by step). */
+     * little: below 1024 of them one thread is faster (two threads from 1024 rather than 4096 made
+     * small-batch SmolLM2 steps faster: docs/performance.md). */
     const int64_t heads_per_task = bs >= 8 ? hkv : 1, groups = hkv / heads_per_task;
     const int64_t task_heads = heads_per_task * group; /* query heads of a task */
 #if defined(__AVX512BF16__)
@@ -722,8 +718,7 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
 
 /* k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i] for n tokens of `width` values each (kv heads x
  * head dim, contiguous in the row); rows of k and v `k_stride` / `v_stride` apart (columns of a qkv
- * output). torch's index_copy_ moved these rows at ~2.5 GB/s (0.55 ms for a 4096-token prefill's
- * keys of one SmolLM2 layer). */
+ * output). Faster than torch's index_copy_ on these rows (docs/performance.md). */
 void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride, bf16 *k_cache, bf16 *v_cache,
                   const int64_t *loc, int64_t n, int64_t width) {
     const size_t bytes = (size_t)width * sizeof(bf16);
@@ -735,7 +730,7 @@ void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stri
 }
 
 /* out[r] = the first index of the largest of logits[r][0 .. n) (torch.argmax's answer for rows
- * without NaN); rows in parallel. torch's CPU argmax over a 49152-wide row ran at ~60 us a row. */
+ * without NaN); rows in parallel; faster than torch's CPU argmax (docs/performance.md). */
 void srt_argmax(const float *logits, int64_t rows, int64_t n, int64_t *out) {
 #pragma omp parallel for if (rows * n >= 16 * PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {

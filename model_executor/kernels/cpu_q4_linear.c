@@ -16,8 +16,8 @@
  * 16-output blocks, the rest in tiles of two (or one) against four (16 sums, 16 block sums, two
  * weight lines, four broadcasts of 32 registers); each widened weight serves every row of its
  * tile, and a task's weights come from memory for its first tile and from L1/L2 for the others.
- * Four-row tiles against two-row ones, SmolLM2's 30 layers: 4.64 -> 3.87 ms at 4 rows, 7.53 ->
- * 6.30 at 8, 13.09 -> 11.10 at 16 (the same bits).
+ * Four-row tiles took less time than two-row ones on SmolLM2's 30 layers, with the same bits
+ * (docs/performance.md, "Four-row tiles").
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,8 +36,7 @@
 #define PARALLEL_MIN 65536
 /* Each k block's lines are prefetched into L2 this many k blocks (20 KB) ahead: a core spends
  * ~40 cycles on a block's 320 bytes, too few loads in flight for the hardware prefetchers alone.
- * SmolLM2's 30 layers at batch 1, weights cold, 2-core Zen 4: 3.34 -> 2.65 ms (2.5 and 5 KB
- * ahead, or into L1: less). */
+ * 2.5 and 5 KB ahead, or into L1, gained less (docs/performance.md). */
 #define PREFETCH_BLOCKS 64
 
 enum { OUT_BF16, OUT_SILU };

@@ -40,8 +40,8 @@ class DecodeLayers:
     """Every decoder layer of a decode step on one rank (TP=1), one srt_decode_layer call each.
 
     The weights, norms and KV buffers never move, so their pointers are gathered once here: per
-    step only the batch's own arguments are converted (Python glue around 30 per-layer calls cost
-    ~3 ms of a 38 ms batch-32 step on SmolLM2 before). With packed weights (`packed`) any number
+    step only the batch's own arguments are converted (Python glue around 30 per-layer calls was
+    a measurable share of a step before: docs/performance.md). With packed weights (`packed`) any number
     of rows, else at most GEMV_MAX_ROWS; Q4Weight layers on their Q4_1 weights up to Q4_MAX_ROWS
     rows, on the bf16 copies above. Every tensor contiguous bf16 / int64."""
 

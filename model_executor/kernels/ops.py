@@ -17,8 +17,8 @@ from model_executor.kernels.packing import Int8Weight
 
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
-# AVX-512 BF16 loop (fused_gemv_max_batch). Measured against the op-by-op path on SmolLM2: 25%
-# faster at batch 1, a little at 2, slower at 4 (there the oneDNN GEMMs beat srt_gemv).
+# AVX-512 BF16 loop (fused_gemv_max_batch). Measured against the op-by-op path on SmolLM2: faster
+# at batch 1 and 2, slower at 4 (there the oneDNN GEMMs beat srt_gemv; docs/performance.md).
 FUSED_DECODE_MAX_BATCH = 2
 # A linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
 # docs/performance.md), on the bf16 copy for more.
@@ -31,7 +31,8 @@ Q8_MAX_ROWS = 8
 def fused_gemv_max_batch() -> int:
     """The largest decode batch whose layers run fused on srt_gemv (weights not packed for our
     kernels): FUSED_DECODE_MAX_BATCH with AVX-512 BF16; none without, where srt_gemv's plain loops
-    made a batch-1 step of SmolLM2 ~4x slower than torch's linears (docs/performance.md)."""
+    made a batch-1 step of SmolLM2 several times slower than torch's linears
+    (docs/performance.md)."""
     lib = build.kernels()
     return FUSED_DECODE_MAX_BATCH if lib is not None and lib.srt_dp_linear_available() else 0
 

@@ -3,12 +3,12 @@
 Decode steps multiply a few rows by each weight, so a linear layer is a stream of its weight from
 memory. Where the CPU has AMX or AVX-512 BF16, the weight is packed in the order srt_bf16_linear
 reads it (model_executor/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): measured on
-SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them at ~2x the speed of
-oneDNN's packed GEMM and of F.linear from 1 to 32 rows and stays ahead up to a few hundred rows;
-the AVX-512 one (AMD Zen 4) takes 0.6-0.9x oneDNN's time from 1 to 256 rows and equals it up to
-4096. On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without either the weight is
-reordered for oneDNN's bf16 kernel: ATen's bf16 GEMM at small M ran at 2-4x its time, with
-bit-identical results. fp32 and other devices keep F.linear.
+SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them faster than oneDNN's
+packed GEMM and F.linear from 1 to 32 rows and stays ahead up to a few hundred rows; the AVX-512
+one (AMD Zen 4) is faster than oneDNN's from 1 to 256 rows and equals it up to 4096 (figures in
+docs/performance.md). On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without
+either the weight is reordered for oneDNN's bf16 kernel, faster than ATen's bf16 GEMM at small M,
+with bit-identical results. fp32 and other devices keep F.linear.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
 becomes int8 with one scale per output (packing.int8_pack) and every linear of every size runs on
@@ -57,7 +57,7 @@ def set_one_arithmetic(on: bool) -> None:
 def packed_max_rows() -> int:
     """The most rows srt_bf16_linear takes a packed bf16 weight for (F.linear above): AMX_MAX_ROWS on
     AMX; any number on AVX-512 BF16, which kept up with oneDNN's GEMM at 4096 rows and spares a
-    prefill's MLP the separate silu pass (32 x 128-token prefill 2406 -> 2302 ms on SmolLM2, Zen 4)."""
+    prefill's MLP the separate silu pass (docs/performance.md)."""
     return AMX_MAX_ROWS if build.amx_available() and not _one_arithmetic else sys.maxsize
 
 
@@ -139,7 +139,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if rows == 1 and not _one_arithmetic:
         # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
-        # packed GEMM at M = 1 (measured 1.8 ms vs 5.5 ms for SmolLM2's 49152 x 576 LM head).
+        # packed GEMM at M = 1 (measured on SmolLM2's LM head: docs/performance.md).
         out = torch.mv(weight, x.reshape(-1))
         if bias is not None:
             out = out + bias
