@@ -38,7 +38,7 @@ def test_a_forced_isa_builds_without_what_that_cpu_lacks(isa: str, dropped: tupl
 
 def child(model_dir: str, out: str) -> None:
     """In a process started with SRT_CPU_KERNEL_ISA set: the start-up line, the probes, and the tiny
-    model's bf16 logits (prefill, then decode under teacher forcing) and greedy tokens."""
+    model's bf16 logits (prefill, then decode under teacher forcing) and greedy tokens, at TP 1 and 2."""
     from test_cpu_kernels import decode_logits
 
     from srt.engine import Engine
@@ -50,12 +50,14 @@ def child(model_dir: str, out: str) -> None:
     logits = decode_logits(engine.runner, prompts, forced)
     engine.runner.allocator.reset()
     engine.runner.req_to_token_pool.reset()
-    greedy = [o.output_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=STEPS, temperature=0.0,
-                                                                             ignore_eos=True))]
+    params = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    greedy = [o.output_ids for o in engine.generate(prompts, params)]
+    with Engine(model_dir, tp_size=2, dtype="bfloat16", max_total_tokens=1024) as tp2:  # spawned ranks inherit the ISA
+        greedy_tp2 = [o.output_ids for o in tp2.generate(prompts, params)]
     probes = {name: getattr(build, name)() for name in ("amx_available", "bf16_linear_available",
                                                         "int8_available", "prefill_kernel_available")}
     torch.save({"paths": build.describe_paths(), "probes": probes, "loaded": build.kernels() is not None,
-                "logits": logits, "greedy": greedy}, out)
+                "logits": logits, "greedy": greedy, "greedy_tp2": greedy_tp2}, out)
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -79,7 +81,8 @@ def run_forced(isa: str, model_dir: Path, tmp_path: Path) -> dict:
 def test_every_forced_kernel_path_keeps_parity_with_transformers(tmp_path: Path) -> None:
     """Each path (no AMX; no AVX-512 BF16 nor VNNI; no C kernels) says so at start-up and gives
     logits as close to fp32 transformers as the torch ops do (the bound of
-    test_bf16_model_with_kernels_is_as_accurate_as_torch_ops), and transformers' greedy tokens."""
+    test_bf16_model_with_kernels_is_as_accurate_as_torch_ops), and transformers' greedy tokens at TP 1
+    and 2 (or the other side of a near-tie of transformers' fp32 logits)."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     prompts, forced = _prompts()
     hf = hf_float32(model_dir)
@@ -104,7 +107,7 @@ def test_every_forced_kernel_path_keeps_parity_with_transformers(tmp_path: Path)
     for isa, result in results.items():
         err = (result["logits"] - ref).abs().max().item()
         assert err <= bound, (isa, err, err_torch)
-        for prompt, got, want in zip(prompts, result["greedy"], want_greedy):
+        for prompt, got, want in zip(prompts * 2, result["greedy"] + result["greedy_tp2"], want_greedy * 2):
             if got != want:  # bf16 may take the other side of a near-tie of transformers' fp32 logits, only
                 at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
                 with torch.no_grad():
