@@ -41,6 +41,7 @@ class ChildSpec:
     target: str
     args: tuple[Any, ...] = ()
     num_threads: int | None = None  # torch intra-op threads; None leaves torch alone (and unimported)
+    cpus: frozenset[int] | None = None  # pinned to these CPUs first (SGLANG_CPU_OMP_THREADS_BIND); None: not pinned
     log_level: str = "info"
     parent_death_signal: bool = True  # False leaves only the watcher thread (tests use it)
 
@@ -82,12 +83,16 @@ def child_main(spec: ChildSpec, ready_conn: Connection, lifeline: Connection, pa
                      daemon=True).start()
     configure_logging(spec.log_level, spec.title.removeprefix("srt::"))
     try:
+        if spec.cpus is not None:
+            os.sched_setaffinity(0, spec.cpus)
         if spec.num_threads is not None:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
                 os.environ[var] = str(spec.num_threads)
             import torch
 
             torch.set_num_threads(spec.num_threads)
+            pinned = f", pinned to CPUs {sorted(spec.cpus)}" if spec.cpus is not None else ""
+            logger.info("%s: %d torch threads%s", spec.name, torch.get_num_threads(), pinned)
         resolve_target(spec.target)(*spec.args, ready_conn)
     except Exception:
         text = traceback.format_exc()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import threading
@@ -35,7 +36,7 @@ from scheduler.scheduler import Scheduler
 from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import free_port, resolve_dtype, threads_per_rank
+from srt.utils import free_port, rank_cpus, resolve_dtype
 
 logger = logging.getLogger("srt.engine")
 
@@ -154,10 +155,11 @@ class Engine:
         self._requests = self._zmq.socket(zmq.PUSH)
         self._requests.connect(self._port_args.tokenizer_ipc)
         ready: dict[Connection, int] = {}
-        for rank in local_ranks(self.tp_size, 1, device_type=torch.device(self.args.device).type):
+        ranks = local_ranks(self.tp_size, 1, device_type=torch.device(self.args.device).type)
+        for rank, (threads, cpus) in zip(ranks, rank_cpus(len(ranks), self.args.cpu_threads), strict=True):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_rank_main, daemon=True,
-                               args=(threads_per_rank(self.tp_size), self.args, self._port_args,
+                               args=(threads, cpus, self.args, self._port_args,
                                      str(self.model_dir), rank, writer))
             proc.start()
             writer.close()  # the rank holds the other end: its exit ends the pipe
@@ -293,9 +295,11 @@ def _describe(dead: list[tuple[int, int]]) -> str:
     return ", ".join(f"rank {rank} exited {reason(code)}" for rank, code in dead)
 
 
-def _rank_main(threads: int, *args: Any) -> None:
+def _rank_main(threads: int, cpus: frozenset[int] | None, *args: Any) -> None:
     """One spawned rank: the server's scheduler process (start-up, ready message, the loop), until
     `shutdown` kills it."""
+    if cpus is not None:  # SGLANG_CPU_OMP_THREADS_BIND
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     # tqdm's default lock is a named semaphore that a killed process leaves behind (the resource
     # tracker then warns of it at exit); the weight loader's progress bars need no more than this.

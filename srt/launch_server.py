@@ -57,7 +57,7 @@ from launcher.teardown import become_subreaper, kill_process_tree
 from srt.metrics import metrics_dir, render_rank_metrics
 from srt.recovery import EngineRestarter
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import threads_per_rank
+from srt.utils import rank_cpus
 
 logger = logging.getLogger("srt.launch_server")
 
@@ -93,6 +93,7 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
         check_port_free(server_args.host, server_args.port)
     ranks = local_ranks(server_args.tp_size, server_args.pp_size, server_args.nnodes, server_args.node_rank,
                         server_args.device)
+    rank_cpus(len(ranks), server_args.cpu_threads)  # a bad SGLANG_CPU_OMP_THREADS_BIND fails here, before any child
     if server_args.device == "cuda":
         import torch
 
@@ -111,10 +112,10 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
 def child_specs(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
                 detokenizer_target: str = DETOKENIZER_TARGET) -> list[ChildSpec]:
     args = plan.server_args
-    threads = threads_per_rank(len(plan.ranks))
-    specs = [ChildSpec(name=rank.name, title=rank.title, target=scheduler_target, num_threads=threads,
-                       args=(args, plan.port_args, plan.model_dir, rank), log_level=args.log_level)
-             for rank in plan.ranks]
+    threads = rank_cpus(len(plan.ranks), args.cpu_threads)
+    specs = [ChildSpec(name=rank.name, title=rank.title, target=scheduler_target, num_threads=num_threads,
+                       cpus=cpus, args=(args, plan.port_args, plan.model_dir, rank), log_level=args.log_level)
+             for rank, (num_threads, cpus) in zip(plan.ranks, threads, strict=True)]
     if args.node_rank == 0:
         replica = dp_rank_label()
         specs.append(ChildSpec(name="detokenizer", title="srt::detokenizer" + (f"_{replica}" if replica else ""),

@@ -60,6 +60,9 @@ class ServerArgs:
     dp_size: int = 1  # replicas of the TP x PP group on this node, behind SGLang's router (launcher/data_parallel.py)
     router_policy: str = "cache_aware"  # with --dp-size > 1
     pp_micro_batches: int | None = None  # batches in flight with --pp-size > 1 (None: pp_size)
+    # torch intra-op threads per rank (None: the usable CPUs / this node's ranks, or with
+    # SGLANG_CPU_OMP_THREADS_BIND the size of each rank's range: srt/utils.py rank_cpus)
+    cpu_threads: int | None = None
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -126,7 +129,7 @@ class ServerArgs:
         for flag in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
                      "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
             positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("max_total_tokens", "context_length", "soft_watchdog_timeout", "pp_micro_batches",
+        for flag in ("max_total_tokens", "context_length", "cpu_threads", "soft_watchdog_timeout", "pp_micro_batches",
                      "max_queued_requests", "max_request_bytes", "constrained_json_max_whitespace_cnt", "req_waiting_timeout", "req_running_timeout"):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
@@ -154,6 +157,9 @@ class ServerArgs:
         if (self.tp_size * self.pp_size) % self.nnodes != 0:
             raise ValueError(f"--tp-size x --pp-size ({self.tp_size} x {self.pp_size}) is not divisible by "
                              f"--nnodes {self.nnodes}")
+        if self.dp_size > 1 and os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "").strip():  # srt.utils.CPU_BIND_ENV
+            raise ValueError("SGLANG_CPU_OMP_THREADS_BIND pins the ranks of one replica; with --dp-size > 1 the replicas "
+                             "already split the cores between them (unset it, or use --cpu-threads)")
         if self.dp_size > 1 and self.nnodes > 1:
             raise ValueError("--dp-size runs its replicas on this node; across machines start launch_server on each "
                              "host and sglang-router with --worker-urls (README, Data parallelism)")
@@ -279,6 +285,9 @@ class ServerArgs:
           help="sglang-router's policy with --dp-size > 1")
         a("--pp-micro-batches", type=int, default=None,
           help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)")
+        a("--cpu-threads", type=int, default=None,
+          help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
+               "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)")
         a("--nnodes", type=int, default=1)
         a("--node-rank", type=int, default=0)
         a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// ")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: one CPU range per rank, "0-1|2-3" (rank_cpus)
 ENGINE_START_ENV = "SRT_ENGINE_START"  # 0 for the first start, n after the n-th restart (srt/recovery.py)
 
 # --dtype names (and the short forms the offline Engine takes) -> torch attribute names
@@ -56,3 +58,51 @@ def threads_per_rank(local_ranks: int) -> int:
     floating ones (docs/performance.md), as a pinned rank cannot move off the vCPU the front end
     takes."""
     return max(1, usable_cpus() // local_ranks)
+
+
+def parse_cpu_binding(value: str) -> list[frozenset[int]]:
+    """SGLang's SGLANG_CPU_OMP_THREADS_BIND: one CPU list per rank, '|'-separated, each a
+    comma-separated list of CPUs and ranges ("0-15|16-31", "0-3,8-11|4-7,12-15").
+    ValueError naming the variable where it cannot be read."""
+    groups: list[frozenset[int]] = []
+    for entry in value.split("|"):
+        cpus: set[int] = set()
+        for item in entry.split(","):
+            first, dash, last = item.strip().partition("-")
+            try:
+                lo, hi = int(first), int(last) if dash else int(first)
+            except ValueError:
+                lo, hi = 0, -1
+            if lo < 0 or hi < lo:
+                raise ValueError(f"{CPU_BIND_ENV}={value!r}: cannot read {item.strip()!r} as a CPU or a range "
+                                 f"of CPUs (the format is one list per rank, '|'-separated, e.g. 0-1|2-3)")
+            cpus.update(range(lo, hi + 1))
+        groups.append(frozenset(cpus))
+    return groups
+
+
+def rank_cpus(local_ranks: int, cpu_threads: int | None = None,
+              environ: Mapping[str, str] = os.environ) -> list[tuple[int, frozenset[int] | None]]:
+    """(torch threads, CPUs to pin to or None) for each of this node's `local_ranks` ranks, in
+    order. --cpu-threads N gives every rank N threads; SGLANG_CPU_OMP_THREADS_BIND pins each rank
+    to its range and, without --cpu-threads, gives it one thread per CPU of that range; neither:
+    the usable CPUs shared out (threads_per_rank), nothing pinned. ValueError naming the variable
+    where its ranges do not match the ranks or name CPUs this process may not use."""
+    value = environ.get(CPU_BIND_ENV, "").strip()
+    if not value:
+        threads = cpu_threads if cpu_threads is not None else threads_per_rank(local_ranks)
+        return [(threads, None)] * local_ranks
+    groups = parse_cpu_binding(value)
+    if len(groups) != local_ranks:
+        raise ValueError(f"{CPU_BIND_ENV}={value!r} has {len(groups)} CPU range(s) for the {local_ranks} rank(s) "
+                         f"on this node; give one per rank, '|'-separated")
+    try:
+        allowed: set[int] | None = set(os.sched_getaffinity(0))
+    except AttributeError:
+        allowed = None
+    for group in groups:
+        if allowed is not None and not group <= allowed:
+            raise ValueError(f"{CPU_BIND_ENV}={value!r} names CPU(s) {sorted(group - allowed)} this process "
+                             f"may not run on (it may use {sorted(allowed)})")
+    return [(cpu_threads if cpu_threads is not None else len(group), group) for group in groups]
+

@@ -20,7 +20,8 @@ from model_executor.kernels import build, decode_layers, ops
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(build._compiler() is None, reason="no C compiler: the kernels are not built")
+pytestmark = pytest.mark.skipif(build._compiler() is None or build.kernel_isa() == "none",
+                                reason="no C compiler, or SRT_CPU_KERNEL_ISA=none: the kernels are not built")
 
 
 def test_kernels_build_where_there_is_a_compiler() -> None:

@@ -102,3 +102,38 @@ def test_threads_per_rank_count_the_cpus_this_process_may_use(monkeypatch: pytes
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the host; a cpuset or taskset allows fewer
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7}, raising=False)
     assert [threads_per_rank(n) for n in (1, 2, 4, 8)] == [4, 2, 1, 1]
+
+
+def test_cpu_threads_gives_every_rank_that_many_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from srt.utils import rank_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert rank_cpus(2, environ={}) == [(2, None), (2, None)]  # the default: the usable CPUs shared out
+    assert rank_cpus(2, cpu_threads=1, environ={}) == [(1, None), (1, None)]
+    assert rank_cpus(1, cpu_threads=8, environ={}) == [(8, None)]  # oversubscribing is the user's call
+
+
+@pytest.mark.parametrize(("value", "groups"), [
+    ("0-1|2-3", [{0, 1}, {2, 3}]), ("3|0", [{3}, {0}]), (" 0-1,3 | 2 ", [{0, 1, 3}, {2}]), ("1-1", [{1}])])
+def test_sglang_cpu_binding_pins_each_rank_to_its_range(value: str, groups: list[set[int]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from srt.utils import parse_cpu_binding, rank_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert parse_cpu_binding(value) == groups
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": value}
+    assert rank_cpus(len(groups), environ=env) == [(len(g), frozenset(g)) for g in groups]
+    assert rank_cpus(len(groups), cpu_threads=1, environ=env) == [(1, frozenset(g)) for g in groups]
+
+
+@pytest.mark.parametrize(("value", "ranks", "match"), [
+    ("0-1|", 2, "cannot read '' as a CPU"), ("a-b", 1, "cannot read 'a-b'"), ("3-1", 1, "cannot read '3-1'"),
+    ("-1", 1, "cannot read '-1'"), ("0-1|2-3", 1, "has 2 CPU range.s. for the 1 rank.s."),
+    ("0", 2, "has 1 CPU range.s. for the 2 rank.s."), ("0|9", 2, r"names CPU.s. \[9\] this process may not run on")])
+def test_a_bad_cpu_binding_names_the_variable(value: str, ranks: int, match: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from srt.utils import rank_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    with pytest.raises(ValueError, match=r"SGLANG_CPU_OMP_THREADS_BIND=.*" + match):
+        rank_cpus(ranks, environ={"SGLANG_CPU_OMP_THREADS_BIND": value})

@@ -35,10 +35,11 @@ def gone(pid: int) -> bool:
 class Node:
     """`python tests/launcher_targets.py node ARGS...`: launch_server.run with fake targets."""
 
-    def __init__(self, tmp_path: Path, args: list[str], fake: str = "", die_after: float = 1.0) -> None:
+    def __init__(self, tmp_path: Path, args: list[str], fake: str = "", die_after: float = 1.0,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.pid_dir = tmp_path / "pids"
         self.pid_dir.mkdir()
-        env = {**ENV, "SRT_TEST_FAKE": fake, "SRT_TEST_PID_DIR": str(self.pid_dir),
+        env = {**ENV, **(extra_env or {}), "SRT_TEST_FAKE": fake, "SRT_TEST_PID_DIR": str(self.pid_dir),
                "SRT_TEST_DIE_AFTER": str(die_after)}
         self.proc = subprocess.Popen([sys.executable, str(TESTS / "launcher_targets.py"), "node", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -91,6 +92,34 @@ def test_busy_port_fails_at_once_naming_it() -> None:
                                 capture_output=True, text=True, timeout=60, cwd=TESTS.parent)
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0-1|x", "launch_server: error: SGLANG_CPU_OMP_THREADS_BIND='0-1|x': cannot read 'x' as a CPU"),
+    ("0", "launch_server: error: SGLANG_CPU_OMP_THREADS_BIND='0' has 1 CPU range(s) for the 2 rank(s)")])
+def test_a_bad_cpu_binding_is_a_start_up_error_naming_the_variable(value: str, message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "srt.launch_server", "--tp-size", "2", "--port", str(free_port())],
+                            env={**ENV, "SGLANG_CPU_OMP_THREADS_BIND": value}, capture_output=True, text=True,
+                            timeout=60, cwd=TESTS.parent)
+    assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
+
+
+def test_each_rank_takes_cpu_threads_and_its_cpu_binding(tmp_path: Path, model_dir: Path) -> None:
+    """--cpu-threads sets every rank's torch threads; SGLANG_CPU_OMP_THREADS_BIND pins each rank to
+    its range (here both on the first CPU this process may use)."""
+    cpu = min(os.sched_getaffinity(0))
+    port = free_port()
+    node = Node(tmp_path, ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(port), "--cpu-threads", "3"],
+                extra_env={"SGLANG_CPU_OMP_THREADS_BIND": f"{cpu}|{cpu}"})
+    wait_healthy(node, port)
+    pids = node.child_pids()
+    for title in ("srt::scheduler_TP0", "srt::scheduler_TP1"):
+        assert psutil.Process(pids[title]).cpu_affinity() == [cpu]
+    node.proc.send_signal(signal.SIGTERM)
+    code, _, err = node.finish(timeout=20)
+    assert code == 0, err
+    for rank in (0, 1):
+        assert f"scheduler TP{rank}: 3 torch threads, pinned to CPUs [{cpu}]" in err, err
 
 
 def test_start_up_failure_names_the_rank(tmp_path: Path, model_dir: Path) -> None:

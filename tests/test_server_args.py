@@ -26,6 +26,7 @@ def test_sglang_flag_names_and_aliases() -> None:
     (["--cpu-kvcache-space", "0"], "--cpu-kvcache-space"),
     (["--cpu-kvcache-space", "2", "--device", "cuda"], "--cpu-kvcache-space"),
     (["--min-available-memory", "-1"], "--min-available-memory"),
+    (["--cpu-threads", "0"], "--cpu-threads"),
 ])
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
@@ -83,3 +84,14 @@ def test_kv_space_flag_and_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert ServerArgs.from_cli(["--cpu-kvcache-space", "2"]).cpu_kvcache_space == 2.0  # the flag wins
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "unset"
     assert ServerArgs.from_cli([]).cpu_kvcache_space is None
+
+
+def test_cpu_threads_flag_and_sglang_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    assert ServerArgs.from_cli([]).cpu_threads is None  # the usable CPUs divided by this node's ranks
+    args = ServerArgs.from_cli(["--cpu-threads", "3", "--dp-size", "2"])
+    argv = args.to_cli(dp_size=1)  # a replica's: its ranks take 3 threads each too
+    assert args.cpu_threads == 3 and argv[argv.index("--cpu-threads") + 1] == "3"
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    with pytest.raises(ValueError, match="SGLANG_CPU_OMP_THREADS_BIND pins the ranks of one replica"):
+        ServerArgs.from_cli(["--dp-size", "2"])

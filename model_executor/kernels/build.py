@@ -12,6 +12,10 @@ call with an argument too many or too few raises TypeError instead of reading pa
 
 When there is no C compiler, the build fails, or SRT_CPU_KERNELS=0, `kernels()` is None and the
 layers keep their torch ops: same results within bf16 rounding, more time per step.
+
+SRT_CPU_KERNEL_ISA forces the paths a CPU with fewer features takes, so they can be tested on this
+one (`kernel_isa`): the kernels are built without the instructions that CPU lacks (-mno-...), so
+their own #if fallbacks compile in and the probes below answer as they would there.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = (HEADER, *(Path(__file__).with_name(name)
                      for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h")))  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes")
+
+ISA_ENV = "SRT_CPU_KERNEL_ISA"
+# The features each forced level takes away from -march=native (they only take away: a level above
+# what this CPU has changes nothing), or None: no C kernels at all, every op on torch.
+ISA_LEVELS: dict[str, tuple[str, ...] | None] = {
+    "auto": (),  # what this CPU has
+    "avx512_bf16": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),  # no AMX: the AVX-512 BF16 loops
+    "avx512": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512bf16", "-mno-avx512vnni"),
+    "none": None,
+}
 
 Signature = tuple[Any, list[Any]]  # (restype, argtypes) as ctypes takes them
 _RESULTS: dict[str, Any] = {"void": None, "int64_t": ctypes.c_int64}
@@ -86,13 +100,27 @@ def _cpu_flags() -> str:
     return ""
 
 
+def kernel_isa() -> str:
+    """SRT_CPU_KERNEL_ISA (default auto): the kernel paths to take, as if on a CPU with only these
+    features. ValueError naming the variable for a value not in ISA_LEVELS."""
+    isa = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}; got {isa!r}")
+    return isa
+
+
+def _cflags() -> tuple[str, ...]:
+    return (*CFLAGS, *(ISA_LEVELS[kernel_isa()] or ()))
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
 def compile_shared_object(cc: str, sources: Sequence[Path], target: Path) -> None:
-    """cc CFLAGS sources -> target; RuntimeError with the compiler's message where it fails."""
-    proc = subprocess.run([cc, *CFLAGS, "-o", str(target), *map(str, sources), "-lm"], capture_output=True, text=True)
+    """cc CFLAGS (less what SRT_CPU_KERNEL_ISA takes away) sources -> target; RuntimeError with the
+    compiler's message where it fails."""
+    proc = subprocess.run([cc, *_cflags(), "-o", str(target), *map(str, sources), "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
 
@@ -100,7 +128,7 @@ def compile_shared_object(cc: str, sources: Sequence[Path], target: Path) -> Non
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, cc, version, *CFLAGS, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*texts, cc, version, *_cflags(), _cpu_flags()]).encode()).hexdigest()
     cache = Path(os.environ.get("SRT_KERNEL_CACHE") or Path.home() / ".cache" / "srt" / "kernels")
     target = cache / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
@@ -122,7 +150,7 @@ def _build(cc: str) -> Path:
 def kernels() -> ctypes.CDLL | None:
     """The loaded kernel library, each function typed from srt_kernels.h, or None where the torch
     ops are used instead."""
-    if os.environ.get("SRT_CPU_KERNELS", "1") == "0":
+    if os.environ.get("SRT_CPU_KERNELS", "1") == "0" or ISA_LEVELS[kernel_isa()] is None:
         return None
     cc = _compiler()
     if cc is None:
@@ -187,9 +215,12 @@ def prefill_kernel_available() -> bool:
 
 def describe_paths() -> str:
     """One start-up line: the path each kind of kernel takes on this CPU, so a slow machine says why."""
+    isa = kernel_isa()
+    forced = f" ({ISA_ENV}={isa} forces the paths of a CPU with fewer features)" if isa != "auto" else ""
     lib = kernels()
     if lib is None:
-        return "CPU kernels off (SRT_CPU_KERNELS=0 or no compiler): every op runs on torch"
+        why = f"{ISA_ENV}=none" if isa == "none" else "SRT_CPU_KERNELS=0 or no compiler"
+        return f"CPU kernels off ({why}): every op runs on torch"
     avx512 = "avx512f" in _cpu_flags().split()
     bf16 = "AMX tiles" if amx_available() else "AVX-512 BF16" if bf16_linear_available() else \
         "torch (this CPU has no AVX-512 BF16)"
@@ -199,4 +230,4 @@ def describe_paths() -> str:
     loops = "AVX-512" if avx512 else "plain loops: this CPU has no AVX-512"
     q4 = "C kernel" if q4_available() else "refused (no AVX-512 BF16)"
     return (f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}; prefill attention on {prefill}; "
-            f"norms, rotary and decode attention in C ({loops})")
+            f"norms, rotary and decode attention in C ({loops}){forced}")

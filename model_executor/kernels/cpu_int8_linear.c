@@ -45,6 +45,12 @@ void srt_quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *sc
         if (sums) sums[r] = _mm512_reduce_add_epi32(sum);
     }
 }
+#else
+void srt_quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales, int32_t *sums) {
+    (void)x, (void)m, (void)k, (void)q, (void)scales, (void)sums;
+    abort(); /* never called: without AVX-512 BF16 neither int8 path is built (srt_vnni_linear_available,
+              * srt_amx_has_int8 answer 0) */
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
