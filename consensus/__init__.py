@@ -24,8 +24,21 @@ from consensus.event_log import LOG, Event, EventLog, record, set_enabled
 from consensus.groups import CheckGroup, ConsensusGroups, create_groups
 
 __all__ = [
-    "DIVERGENCE_EXIT_CODE", "LOG", "agree_before_step", "CheckGroup", "ConsensusChecker", "ConsensusGroups", "Event", "EventLog",
-    "create_groups", "disable", "enable", "exit_on_divergence", "get_checker", "is_enabled", "rank_consensus",
+    "DIVERGENCE_EXIT_CODE",
+    "LOG",
+    "agree_before_step",
+    "CheckGroup",
+    "ConsensusChecker",
+    "ConsensusGroups",
+    "Event",
+    "EventLog",
+    "create_groups",
+    "disable",
+    "enable",
+    "exit_on_divergence",
+    "get_checker",
+    "is_enabled",
+    "rank_consensus",
     "record",
 ]
 
@@ -34,8 +47,13 @@ logger = logging.getLogger("srt.consensus")
 _CHECKER: ConsensusChecker | None = None
 
 
-def enable(groups: ConsensusGroups, *, interval_s: float = 1.0,
-           on_divergence: Callable[[str], None] = exit_on_divergence, start: bool = True) -> ConsensusChecker:
+def enable(
+    groups: ConsensusGroups,
+    *,
+    interval_s: float = 1.0,
+    on_divergence: Callable[[str], None] = exit_on_divergence,
+    start: bool = True,
+) -> ConsensusChecker:
     """Starts recording (from an empty log) and, if `start`, the background checker thread.
 
     Call on every rank at the same point of start-up, before the first recorded event: a rank
@@ -53,8 +71,11 @@ def enable(groups: ConsensusGroups, *, interval_s: float = 1.0,
     set_enabled(True)
     if start:
         _CHECKER.start()
-    logger.info("rank consensus checker on: comparing with %s every %.2f s",
-                ", ".join(f"{g.name.upper()} ranks {list(g.ranks)}" for g in groups.compared), interval_s)
+    logger.info(
+        "rank consensus checker on: comparing with %s every %.2f s",
+        ", ".join(f"{g.name.upper()} ranks {list(g.ranks)}" for g in groups.compared),
+        interval_s,
+    )
     return _CHECKER
 
 

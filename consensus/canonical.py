@@ -45,8 +45,10 @@ def canonical(value: object) -> str:
     tolist = getattr(value, "tolist", None)  # torch tensors, numpy arrays and scalars
     if callable(tolist):
         return f"{type(value).__name__}:{canonical(tolist())}"
-    raise TypeError(f"rank-consensus payload of type {type(value).__qualname__} has no stable canonical form; "
-                    "record plain data (str, int, float, enum, list, tuple, dict, set, dataclass) instead")
+    raise TypeError(
+        f"rank-consensus payload of type {type(value).__qualname__} has no stable canonical form; "
+        "record plain data (str, int, float, enum, list, tuple, dict, set, dataclass) instead"
+    )
 
 
 def event_digest(name: str, text: str) -> int:

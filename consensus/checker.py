@@ -59,8 +59,15 @@ def exit_on_divergence(message: str) -> None:
 
 
 class ConsensusChecker:
-    def __init__(self, groups: ConsensusGroups, log: EventLog, *, interval_s: float = 1.0,
-                 on_divergence: Callable[[str], None] = exit_on_divergence, context_events: int = 2) -> None:
+    def __init__(
+        self,
+        groups: ConsensusGroups,
+        log: EventLog,
+        *,
+        interval_s: float = 1.0,
+        on_divergence: Callable[[str], None] = exit_on_divergence,
+        context_events: int = 2,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.groups = groups
@@ -135,7 +142,9 @@ class ConsensusChecker:
             return True
         self._thread.join(timeout_s if timeout_s is not None else 2 * self.interval_s + 5.0)
         if self._thread.is_alive():
-            logger.warning("rank consensus checker thread did not stop within the timeout; leaving it (daemon)")
+            logger.warning(
+                "rank consensus checker thread did not stop within the timeout; leaving it (daemon)"
+            )
             return False
         return True
 
@@ -150,7 +159,9 @@ class ConsensusChecker:
                         return
                 self.cycles += 1
         except Exception:
-            logger.exception("rank consensus checker stopped after a failed collective (is a peer rank gone?)")
+            logger.exception(
+                "rank consensus checker stopped after a failed collective (is a peer rank gone?)"
+            )
 
     def _vote_stop(self) -> bool:
         vote = torch.tensor([-int(self._stop.is_set())], dtype=torch.int64)
@@ -190,8 +201,10 @@ class ConsensusChecker:
         everyone: list[list[tuple[int, str]] | None] = [None] * group.size
         dist.all_gather_object(everyone, local, group=group.group)
         index = start + first
-        lines = [f"rank consensus divergence in the {group.name.upper()} group (world ranks {list(group.ranks)}): "
-                 f"first diverging event #{index} (compared events [{start}, {start + len(events)}))"]
+        lines = [
+            f"rank consensus divergence in the {group.name.upper()} group (world ranks {list(group.ranks)}): "
+            f"first diverging event #{index} (compared events [{start}, {start + len(events)}))"
+        ]
         for rank, described in zip(group.ranks, everyone):
             me = " (this rank)" if rank == self.groups.world_rank else ""
             lines.append(f"  world rank {rank}{me}:")

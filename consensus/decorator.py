@@ -64,7 +64,9 @@ def rank_consensus(
 
 def _wrap(fn: Callable[P, R], args: ArgSelector, result: ResultSelector, name: str | None) -> Callable[P, R]:
     if isinstance(args, str):
-        raise TypeError(f"rank_consensus(args=...) wants a sequence of parameter names, got the string {args!r}")
+        raise TypeError(
+            f"rank_consensus(args=...) wants a sequence of parameter names, got the string {args!r}"
+        )
     event_name = name or fn.__qualname__
     pick = _arg_picker(fn, args)
     project_result = result if callable(result) else None
@@ -89,28 +91,37 @@ def _wrap(fn: Callable[P, R], args: ArgSelector, result: ResultSelector, name: s
         except BaseException as exc:
             event_log.LOG.append(event_name, {**payload, "raise": type(exc).__qualname__})
             raise
-        event_log.LOG.append(event_name, {**payload, "return": project_result(out) if project_result else out})
+        event_log.LOG.append(
+            event_name, {**payload, "return": project_result(out) if project_result else out}
+        )
         return out
 
     return record_on_exit
 
 
-def _arg_picker(fn: Callable[..., Any], args: ArgSelector) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+def _arg_picker(
+    fn: Callable[..., Any], args: ArgSelector
+) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
     """Resolves parameter names to positions once, at decoration time."""
     if not args:
         return lambda a, kw: None
     projections: Mapping[str, Callable[[Any], object] | None] = (
-        args if isinstance(args, Mapping) else dict.fromkeys(args, None))
+        args if isinstance(args, Mapping) else dict.fromkeys(args, None)
+    )
     params = list(inspect.signature(fn).parameters.values())
     by_name = {p.name: (i, p) for i, p in enumerate(params)}
     selectors: list[tuple[str, int | None, object, Callable[[Any], object] | None]] = []
     for pname, project in projections.items():
         if pname not in by_name:
-            raise ValueError(f"rank_consensus(args=...) names {pname!r}, which is not a parameter of "
-                             f"{fn.__qualname__}{inspect.signature(fn)}")
+            raise ValueError(
+                f"rank_consensus(args=...) names {pname!r}, which is not a parameter of "
+                f"{fn.__qualname__}{inspect.signature(fn)}"
+            )
         index, param = by_name[pname]
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise ValueError(f"rank_consensus(args=...) cannot select *{pname} / **{pname} of {fn.__qualname__}")
+            raise ValueError(
+                f"rank_consensus(args=...) cannot select *{pname} / **{pname} of {fn.__qualname__}"
+            )
         position = index if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) else None
         default = _MISSING if param.default is param.empty else param.default
         selectors.append((pname, position, default, project))

@@ -68,11 +68,17 @@ def create_groups(tp_size: int, pp_size: int, world_rank: int, timeout_s: float 
     tp_rank, pp_rank = world_rank % tp_size, world_rank // tp_size
     my_tp, my_pp = tp_ranks(tp_size, pp_rank), pp_ranks(tp_size, pp_size, tp_rank)
     if world_size == 1:
-        return ConsensusGroups(world_rank, 1, None, CheckGroup("tp", my_tp, None), CheckGroup("pp", my_pp, None))
+        return ConsensusGroups(
+            world_rank, 1, None, CheckGroup("tp", my_tp, None), CheckGroup("pp", my_pp, None)
+        )
     if not dist.is_initialized():
-        raise RuntimeError("consensus.create_groups needs torch.distributed initialised (call init_distributed first)")
+        raise RuntimeError(
+            "consensus.create_groups needs torch.distributed initialised (call init_distributed first)"
+        )
     if dist.get_world_size() != world_size:
-        raise ValueError(f"tp_size * pp_size = {world_size} but torch.distributed has {dist.get_world_size()} ranks")
+        raise ValueError(
+            f"tp_size * pp_size = {world_size} but torch.distributed has {dist.get_world_size()} ranks"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
 
     def new_group(ranks: tuple[int, ...]) -> Any:
@@ -93,5 +99,11 @@ def create_groups(tp_size: int, pp_size: int, world_rank: int, timeout_s: float 
         for p in range(pp_size):
             group = new_group(tp_ranks(tp_size, p))
             gate = group if p == pp_rank else gate
-    return ConsensusGroups(world_rank, world_size, world,
-                           CheckGroup("tp", my_tp, tp_group), CheckGroup("pp", my_pp, pp_group), gate)
+    return ConsensusGroups(
+        world_rank,
+        world_size,
+        world,
+        CheckGroup("tp", my_tp, tp_group),
+        CheckGroup("pp", my_pp, pp_group),
+        gate,
+    )

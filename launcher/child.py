@@ -41,7 +41,9 @@ class ChildSpec:
     target: str
     args: tuple[Any, ...] = ()
     num_threads: int | None = None  # torch intra-op threads; None leaves torch alone (and unimported)
-    cpus: frozenset[int] | None = None  # pinned to these CPUs first (SGLANG_CPU_OMP_THREADS_BIND); None: not pinned
+    cpus: frozenset[int] | None = (
+        None  # pinned to these CPUs first (SGLANG_CPU_OMP_THREADS_BIND); None: not pinned
+    )
     log_level: str = "info"
     parent_death_signal: bool = True  # False leaves only the watcher thread (tests use it)
 
@@ -79,8 +81,9 @@ def child_main(spec: ChildSpec, ready_conn: Connection, lifeline: Connection, pa
         set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the signal was armed
         os._exit(1)
-    threading.Thread(target=_die_with_parent, args=(lifeline, parent_pid), name="srt-parent-watch",
-                     daemon=True).start()
+    threading.Thread(
+        target=_die_with_parent, args=(lifeline, parent_pid), name="srt-parent-watch", daemon=True
+    ).start()
     configure_logging(spec.log_level, spec.title.removeprefix("srt::"))
     try:
         if spec.cpus is not None:

@@ -62,8 +62,10 @@ ROUTER_EXTRA = 'pip install -e ".[router]"'  # or: pip install sglang-router==0.
 
 def require_router() -> None:
     if importlib.util.find_spec("sglang_router") is None:
-        raise ValueError(f"--dp-size > 1 puts SGLang's router in front of the replicas, and sglang-router is not "
-                         f"installed: {ROUTER_EXTRA}")
+        raise ValueError(
+            f"--dp-size > 1 puts SGLang's router in front of the replicas, and sglang-router is not "
+            f"installed: {ROUTER_EXTRA}"
+        )
 
 
 def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
@@ -76,7 +78,7 @@ def split_cpus(cpus: Sequence[int], n: int) -> list[list[int]]:
     groups, start = [], 0
     for i in range(n):
         size = base + (i < extra)
-        groups.append(cpus[start:start + size])
+        groups.append(cpus[start : start + size])
         start += size
     return groups
 
@@ -108,8 +110,9 @@ class Replica:
             os.sched_setaffinity(0, cpus)
 
         env = {**os.environ, **self.secrets, DP_RANK_ENV: str(self.rank)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", *self.argv], env=env,
-                                     preexec_fn=in_child)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "srt.launch_server", *self.argv], env=env, preexec_fn=in_child
+        )
 
     def healthy(self) -> bool:
         try:
@@ -125,7 +128,9 @@ class DataParallelController:
         self.replicas = []
         for rank, cpus in enumerate(groups):
             port = free_port()
-            argv = args.to_cli(dp_size=1, host="127.0.0.1", port=port, **args.replica_memory_share(args.dp_size))
+            argv = args.to_cli(
+                dp_size=1, host="127.0.0.1", port=port, **args.replica_memory_share(args.dp_size)
+            )
             self.replicas.append(Replica(rank, port, cpus, argv, secrets=args.secret_env()))
         self.router: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
@@ -146,7 +151,9 @@ class DataParallelController:
                 assert replica.proc is not None
                 code = replica.proc.poll()
                 if code is not None:
-                    raise RuntimeError(f"{replica.name} {describe_exit(code)} during start-up (its log is above)")
+                    raise RuntimeError(
+                        f"{replica.name} {describe_exit(code)} during start-up (its log is above)"
+                    )
                 if replica.healthy():
                     logger.info("%s is serving", replica.name)
                     pending.remove(replica)
@@ -158,14 +165,35 @@ class DataParallelController:
     def _start_router(self) -> None:
         args = self.args
         metrics_port = free_port()
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", args.host, "--port", str(args.port),
-                "--worker-urls", *(r.url for r in self.replicas), "--policy", args.router_policy,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S), "--health-failure-threshold", "1",
-                "--cb-failure-threshold", str(ROUTER_CIRCUIT_FAILURES),
-                "--cb-timeout-duration-secs", str(ROUTER_CIRCUIT_RETRY_S),
-                "--shutdown-grace-period-secs", str(int(args.shutdown_timeout) + 1),
-                "--log-level", "debug" if args.log_level == "debug" else "warn"]
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--worker-urls",
+            *(r.url for r in self.replicas),
+            "--policy",
+            args.router_policy,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--health-check-interval-secs",
+            str(ROUTER_HEALTH_INTERVAL_S),
+            "--health-failure-threshold",
+            "1",
+            "--cb-failure-threshold",
+            str(ROUTER_CIRCUIT_FAILURES),
+            "--cb-timeout-duration-secs",
+            str(ROUTER_CIRCUIT_RETRY_S),
+            "--shutdown-grace-period-secs",
+            str(int(args.shutdown_timeout) + 1),
+            "--log-level",
+            "debug" if args.log_level == "debug" else "warn",
+        ]
         if args.api_key:  # clients give the router the key, and the router gives it to the replicas
             argv += ["--api-key", args.api_key]
         self.router = subprocess.Popen(argv, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
@@ -182,8 +210,15 @@ class DataParallelController:
                 raise RuntimeError("sglang-router did not become ready within 60 s")
             if self.stopping.wait(POLL_S):
                 raise KeyboardInterrupt
-        logger.info("serving on http://%s:%d: sglang-router (%s, its metrics on 127.0.0.1:%d) in front of %d "
-                    "replicas", args.host, args.port, args.router_policy, metrics_port, len(self.replicas))
+        logger.info(
+            "serving on http://%s:%d: sglang-router (%s, its metrics on 127.0.0.1:%d) in front of %d "
+            "replicas",
+            args.host,
+            args.port,
+            args.router_policy,
+            metrics_port,
+            len(self.replicas),
+        )
 
     # ---- supervision ----
     def supervise(self) -> int:
@@ -208,18 +243,32 @@ class DataParallelController:
         replica.restarts = [t for t in replica.restarts if now - t < REPLICA_RESTART_WINDOW_S]
         if len(replica.restarts) >= REPLICA_RESTARTS:
             replica.down = True
-            logger.critical("%s %s; it was restarted %d times within %.0f s already, so it stays down (the others "
-                            "keep serving)", replica.name, how, len(replica.restarts), REPLICA_RESTART_WINDOW_S)
+            logger.critical(
+                "%s %s; it was restarted %d times within %.0f s already, so it stays down (the others "
+                "keep serving)",
+                replica.name,
+                how,
+                len(replica.restarts),
+                REPLICA_RESTART_WINDOW_S,
+            )
             return
         replica.restarts.append(now)
-        logger.critical("%s %s; the router routes around it; starting it again (restart %d of at most %d within "
-                        "%.0f s)", replica.name, how, len(replica.restarts), REPLICA_RESTARTS, REPLICA_RESTART_WINDOW_S)
+        logger.critical(
+            "%s %s; the router routes around it; starting it again (restart %d of at most %d within %.0f s)",
+            replica.name,
+            how,
+            len(replica.restarts),
+            REPLICA_RESTARTS,
+            REPLICA_RESTART_WINDOW_S,
+        )
         replica.start()
 
     # ---- shutdown ----
     def stop(self) -> None:
         """SIGTERM to the router and every replica (each drains), then SIGKILL what is left."""
-        procs = [p for p in [self.router, *(r.proc for r in self.replicas)] if p is not None and p.poll() is None]
+        procs = [
+            p for p in [self.router, *(r.proc for r in self.replicas)] if p is not None and p.poll() is None
+        ]
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.args.shutdown_timeout + 10

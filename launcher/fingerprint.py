@@ -14,11 +14,29 @@ from pathlib import Path
 from typing import Any
 
 # ServerArgs fields that change what a rank computes or which collectives it issues.
-SHARED_FIELDS = ("tp_size", "pp_size", "pp_micro_batches", "nnodes", "dtype", "device", "quantization", "page_size",
-                 "context_length", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "schedule_policy",
-                 "disable_radix_cache", "random_seed", "attention_backend", "grammar_backend", "constrained_json_disable_any_whitespace",
-                 "constrained_json_max_whitespace_cnt", "sync_token_ids_across_tp",
-                 "enable_rank_consensus_checker")
+SHARED_FIELDS = (
+    "tp_size",
+    "pp_size",
+    "pp_micro_batches",
+    "nnodes",
+    "dtype",
+    "device",
+    "quantization",
+    "page_size",
+    "context_length",
+    "max_running_requests",
+    "max_prefill_tokens",
+    "chunked_prefill_size",
+    "schedule_policy",
+    "disable_radix_cache",
+    "random_seed",
+    "attention_backend",
+    "grammar_backend",
+    "constrained_json_disable_any_whitespace",
+    "constrained_json_max_whitespace_cnt",
+    "sync_token_ids_across_tp",
+    "enable_rank_consensus_checker",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHOWN_ONLY = "model_path"  # where this node found the model: shown in a message, never compared
 
@@ -49,7 +67,9 @@ def launch_fingerprint(server_args: Any, model_dir: str | Path) -> dict[str, str
     return {**fields, "model": model_digest(model_dir), "version": code_version(), SHOWN_ONLY: str(model_dir)}
 
 
-def fingerprint_diff(mine: dict[str, str], theirs: dict[str, str], my_node: int, their_node: int) -> list[str]:
+def fingerprint_diff(
+    mine: dict[str, str], theirs: dict[str, str], my_node: int, their_node: int
+) -> list[str]:
     """One entry per differing field: "dtype (node 0: float32, node 1: bfloat16)"; [] when alike."""
     diffs = []
     for name in sorted(set(mine) | set(theirs)):

@@ -89,11 +89,13 @@ class RankInfo:
         return f"scheduler {self.suffix.replace('_', ' ')}"
 
 
-DP_RANK_ENV = "SRT_DP_RANK"  # set by --dp-size's controller in each replica's environment (launcher/data_parallel.py)
+DP_RANK_ENV = (
+    "SRT_DP_RANK"  # set by --dp-size's controller in each replica's environment (launcher/data_parallel.py)
+)
 
 
 def dp_rank_label() -> str:
-    """"DP1" in replica 1 of a --dp-size server (its process titles and log labels say so), else ""."""
+    """ "DP1" in replica 1 of a --dp-size server (its process titles and log labels say so), else ""."""
     rank = os.environ.get(DP_RANK_ENV, "")
     return f"DP{rank}" if rank.isdigit() else ""
 
@@ -102,23 +104,36 @@ def node_of_world_rank(world_rank: int, world_size: int, nnodes: int) -> int:
     return world_rank // (world_size // nnodes)
 
 
-def local_ranks(tp_size: int, pp_size: int, nnodes: int = 1, node_rank: int = 0,
-                device_type: str = "cpu") -> list[RankInfo]:
+def local_ranks(
+    tp_size: int, pp_size: int, nnodes: int = 1, node_rank: int = 0, device_type: str = "cpu"
+) -> list[RankInfo]:
     """The ranks node `node_rank` runs, in world-rank order. Raises ValueError on a bad layout."""
     for flag, value in (("--tp-size", tp_size), ("--pp-size", pp_size), ("--nnodes", nnodes)):
         if value < 1:
             raise ValueError(f"{flag} must be positive, got {value}")
     world_size = tp_size * pp_size
     if world_size % nnodes != 0:
-        raise ValueError(f"--tp-size x --pp-size ({tp_size} x {pp_size}) is not divisible by --nnodes {nnodes}")
+        raise ValueError(
+            f"--tp-size x --pp-size ({tp_size} x {pp_size}) is not divisible by --nnodes {nnodes}"
+        )
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank {node_rank} is outside [0, --nnodes {nnodes})")
     per_node = world_size // nnodes
     first = node_rank * per_node
-    return [RankInfo(tp_rank=w % tp_size, pp_rank=w // tp_size, tp_size=tp_size, pp_size=pp_size,
-                     node_rank=node_rank, nnodes=nnodes, local_index=w - first, local_world_size=per_node,
-                     device_type=device_type)
-            for w in range(first, first + per_node)]
+    return [
+        RankInfo(
+            tp_rank=w % tp_size,
+            pp_rank=w // tp_size,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            local_index=w - first,
+            local_world_size=per_node,
+            device_type=device_type,
+        )
+        for w in range(first, first + per_node)
+    ]
 
 
 def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1, http_port: int | None = None) -> str:
@@ -135,8 +150,9 @@ def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1, http_port: 
         return dist_init_addr
     host, sep, port_text = dist_init_addr.rpartition(":")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"--dist-init-addr must be HOST:PORT (port in [1, 65535]) or env://; "
-                         f"got {dist_init_addr!r}")
+        raise ValueError(
+            f"--dist-init-addr must be HOST:PORT (port in [1, 65535]) or env://; got {dist_init_addr!r}"
+        )
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # bare IPv6 address
     return f"tcp://{host}:{int(port_text)}"
@@ -145,8 +161,10 @@ def resolve_init_method(dist_init_addr: str | None, nnodes: int = 1, http_port: 
 def check_device_count(ranks_per_node: int, available: int, nnodes: int) -> None:
     """One CUDA device per local rank. Raises ValueError naming the remedy."""
     if ranks_per_node > available:
-        raise ValueError(f"this node runs {ranks_per_node} ranks (--tp-size x --pp-size / --nnodes {nnodes}) but "
-                         f"has {available} CUDA devices; use smaller sizes or more nodes (--nnodes)")
+        raise ValueError(
+            f"this node runs {ranks_per_node} ranks (--tp-size x --pp-size / --nnodes {nnodes}) but "
+            f"has {available} CUDA devices; use smaller sizes or more nodes (--nnodes)"
+        )
 
 
 @dataclass(frozen=True)
@@ -174,9 +192,13 @@ def rendezvous_address(init_method: str, environ: Mapping[str, str]) -> Rendezvo
             raise ValueError(f"--dist-init-addr env:// needs {' and '.join(missing)} in the environment")
         port_text = environ["MASTER_PORT"]
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise ValueError(f"--dist-init-addr env://: MASTER_PORT must be a port in [1, 65535], got {port_text!r}")
+            raise ValueError(
+                f"--dist-init-addr env://: MASTER_PORT must be a port in [1, 65535], got {port_text!r}"
+            )
         return RendezvousAddress(environ["MASTER_ADDR"], int(port_text), "MASTER_ADDR:MASTER_PORT")
     parts = urlsplit(init_method)
     if parts.scheme != "tcp" or not parts.hostname or not parts.port:
-        raise ValueError(f"--dist-init-addr must be HOST:PORT, tcp://HOST:PORT or env://; got {init_method!r}")
+        raise ValueError(
+            f"--dist-init-addr must be HOST:PORT, tcp://HOST:PORT or env://; got {init_method!r}"
+        )
     return RendezvousAddress(parts.hostname, parts.port, "--dist-init-addr")

@@ -13,5 +13,7 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as e:
-            raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e} "
-                             f"(is another server running?)") from None
+            raise ValueError(
+                f"--host/--port: cannot listen on {host}:{port}: {e.strerror or e} "
+                f"(is another server running?)"
+            ) from None

@@ -96,7 +96,9 @@ class PeerWatch:
                 if not silent:
                     return None
                 if time.monotonic() >= deadline:
-                    return "; ".join(f"node {k} is gone (no heartbeat for {LOST_AFTER_S:g} s)" for k in silent)
+                    return "; ".join(
+                        f"node {k} is gone (no heartbeat for {LOST_AFTER_S:g} s)" for k in silent
+                    )
                 time.sleep(POLL_S)
         except RuntimeError as error:  # torch's DistError: the store (node 0's launcher) stopped answering
             logger.debug("rendezvous store unreachable: %s", error)

@@ -41,8 +41,9 @@ def describe_exit(exitcode: int | None) -> str:
 class ChildProcess:
     """The parent's handle on one spawned child."""
 
-    def __init__(self, spec: ChildSpec, process: BaseProcess, ready_conn: Connection,
-                 lifeline: Connection) -> None:
+    def __init__(
+        self, spec: ChildSpec, process: BaseProcess, ready_conn: Connection, lifeline: Connection
+    ) -> None:
         self.spec = spec
         self.process = process
         self.ready_conn = ready_conn
@@ -92,16 +93,18 @@ def spawn_child(spec: ChildSpec) -> ChildProcess:
     ctx = mp.get_context("spawn")
     ready_reader, ready_writer = ctx.Pipe(duplex=False)
     lifeline_reader, lifeline_writer = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=child_main, name=spec.name,
-                          args=(spec, ready_writer, lifeline_reader, os.getpid()))
+    process = ctx.Process(
+        target=child_main, name=spec.name, args=(spec, ready_writer, lifeline_reader, os.getpid())
+    )
     process.start()
     ready_writer.close()
     lifeline_reader.close()
     return ChildProcess(spec, process, ready_reader, lifeline_writer)
 
 
-def wait_ready(children: list[ChildProcess], timeout: float,
-               abort: Connection | None = None) -> dict[str, dict[str, Any]]:
+def wait_ready(
+    children: list[ChildProcess], timeout: float, abort: Connection | None = None
+) -> dict[str, dict[str, Any]]:
     """Block until every child sent ("ready", info); return {child name: info}.
 
     Raises LaunchError at once when any child reports an error or exits (its traceback is

@@ -65,10 +65,14 @@ def host_store(address: RendezvousAddress) -> Any:
             raise RendezvousError(f"cannot host the rendezvous at {address}: {error}") from None
     holder = _node0_holder(address)
     if holder is not None:
-        raise RendezvousError(f"--node-rank 0 is already taken by {holder}, which hosts the rendezvous at "
-                              f"{address}; every node needs its own --node-rank")
-    raise RendezvousError(f"cannot host the rendezvous at {address}: port {address.port} is already in use on "
-                          f"this host (another server, or another program, holds it)")
+        raise RendezvousError(
+            f"--node-rank 0 is already taken by {holder}, which hosts the rendezvous at "
+            f"{address}; every node needs its own --node-rank"
+        )
+    raise RendezvousError(
+        f"cannot host the rendezvous at {address}: port {address.port} is already in use on "
+        f"this host (another server, or another program, holds it)"
+    )
 
 
 def _node0_holder(address: RendezvousAddress) -> str | None:
@@ -93,12 +97,16 @@ def connect_store(address: RendezvousAddress, timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            socket.create_connection(
+                (host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))
+            ).close()
             break
         except OSError as error:
             if time.monotonic() >= deadline:
-                raise RendezvousError(f"cannot reach the rendezvous at {where} within --dist-timeout {timeout_s:g} s "
-                                      f"({error.strerror or error}); is node 0 running there?") from None
+                raise RendezvousError(
+                    f"cannot reach the rendezvous at {where} within --dist-timeout {timeout_s:g} s "
+                    f"({error.strerror or error}); is node 0 running there?"
+                ) from None
             time.sleep(POLL_S)
     result: list[Any] = []
 
@@ -112,8 +120,10 @@ def connect_store(address: RendezvousAddress, timeout_s: float) -> Any:
     thread.start()
     thread.join(max(1.0, deadline - time.monotonic()))
     if not result:
-        raise RendezvousError(f"{where} accepts connections but does not answer as a torch.distributed store "
-                              f"within --dist-timeout {timeout_s:g} s; is it the right port?")
+        raise RendezvousError(
+            f"{where} accepts connections but does not answer as a torch.distributed store "
+            f"within --dist-timeout {timeout_s:g} s; is it the right port?"
+        )
     if isinstance(result[0], Exception):
         raise RendezvousError(f"cannot join the rendezvous at {where}: {result[0]}")
     return result[0]
@@ -127,7 +137,9 @@ def describe_holder(raw: bytes) -> str:
 class Rendezvous:
     """This node's place at the rendezvous, from the handshake until the process exits."""
 
-    def __init__(self, store: Any, server: Any, node_rank: int, nnodes: int, address: RendezvousAddress) -> None:
+    def __init__(
+        self, store: Any, server: Any, node_rank: int, nnodes: int, address: RendezvousAddress
+    ) -> None:
         self.store = store  # a client, on every node
         self.server = server  # node 0's hosted store (None elsewhere, or under an agent): kept alive
         self.node_rank = node_rank
@@ -136,8 +148,14 @@ class Rendezvous:
         self.prefix = key_prefix()
 
     @classmethod
-    def join(cls, address: RendezvousAddress, node_rank: int, nnodes: int, fingerprint: dict[str, str],
-             timeout_s: float) -> Rendezvous:
+    def join(
+        cls,
+        address: RendezvousAddress,
+        node_rank: int,
+        nnodes: int,
+        fingerprint: dict[str, str],
+        timeout_s: float,
+    ) -> Rendezvous:
         """Meet every other node, or raise RendezvousError within about timeout_s."""
         deadline = time.monotonic() + timeout_s
         agent_hosts = address.from_environment and os.environ.get(USE_AGENT_STORE) == "True"  # torchrun's
@@ -165,9 +183,11 @@ class Rendezvous:
         token = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "nonce": uuid.uuid4().hex})
         current = self.store.compare_set(self.key(f"node/{self.node_rank}"), "", token)
         if current.decode() != token:
-            raise RendezvousError(f"--node-rank {self.node_rank} is already taken by {describe_holder(current)} "
-                                  f"at {self.where}; every node needs its own --node-rank in [0, --nnodes "
-                                  f"{self.nnodes})")
+            raise RendezvousError(
+                f"--node-rank {self.node_rank} is already taken by {describe_holder(current)} "
+                f"at {self.where}; every node needs its own --node-rank in [0, --nnodes "
+                f"{self.nnodes})"
+            )
 
     def _wait_for(self, keys: list[str], deadline: float) -> list[str]:
         """Polls (store.wait logs every timeout); returns the keys still missing at the deadline."""
@@ -190,8 +210,10 @@ class Rendezvous:
             except RendezvousError:
                 raise
             except Exception as error:  # the store went away: node 0 exited during the handshake
-                raise RendezvousError(f"node 0 left the rendezvous at {self.where} during the start-up "
-                                      f"handshake ({error}); its log says why") from error
+                raise RendezvousError(
+                    f"node 0 left the rendezvous at {self.where} during the start-up "
+                    f"handshake ({error}); its log says why"
+                ) from error
         if verdict != "ok":
             raise RendezvousError(verdict)
 
@@ -200,20 +222,26 @@ class Rendezvous:
         missing = self._wait_for([f"fingerprint/{k}" for k in range(1, self.nnodes)], deadline)
         if missing:
             nodes = ", ".join(k.split("/")[1] for k in missing)
-            return (f"node {nodes} did not join the rendezvous at {self.where} within --dist-timeout "
-                    f"{timeout_s:g} s (started with the same --dist-init-addr and --nnodes {self.nnodes}?)")
+            return (
+                f"node {nodes} did not join the rendezvous at {self.where} within --dist-timeout "
+                f"{timeout_s:g} s (started with the same --dist-init-addr and --nnodes {self.nnodes}?)"
+            )
         diffs = [d for k in range(1, self.nnodes) for d in self._diff_with(fingerprint, k)]
         return self._mismatch(diffs) if diffs else "ok"
 
     def _hear_verdict(self, fingerprint: dict[str, str], deadline: float, timeout_s: float) -> str:
         """Another node: compare with node 0's configuration, then read node 0's verdict and say so."""
         if self._wait_for(["fingerprint/0"], deadline):
-            raise RendezvousError(f"node 0 did not publish its configuration at {self.where} within "
-                                  f"--dist-timeout {timeout_s:g} s")
+            raise RendezvousError(
+                f"node 0 did not publish its configuration at {self.where} within "
+                f"--dist-timeout {timeout_s:g} s"
+            )
         node0 = json.loads(self.store.get(self.key("fingerprint/0")))
         diffs = fingerprint_diff(node0, fingerprint, 0, self.node_rank)
         if self._wait_for(["verdict"], deadline):
-            raise RendezvousError(f"node 0 did not answer at {self.where} within --dist-timeout {timeout_s:g} s")
+            raise RendezvousError(
+                f"node 0 did not answer at {self.where} within --dist-timeout {timeout_s:g} s"
+            )
         verdict = self.store.get(self.key("verdict")).decode()
         self.store.set(self.key(f"seen/{self.node_rank}"), "1")
         return self._mismatch(diffs) if diffs else verdict
@@ -223,5 +251,7 @@ class Rendezvous:
 
     @staticmethod
     def _mismatch(diffs: list[str]) -> str:
-        return ("the nodes were started differently (every node needs the same model, sizes, dtype, page size "
-                "and version); they differ in " + "; ".join(diffs))
+        return (
+            "the nodes were started differently (every node needs the same model, sizes, dtype, page size "
+            "and version); they differ in " + "; ".join(diffs)
+        )

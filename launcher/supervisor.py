@@ -36,13 +36,18 @@ class Supervisor:
     from then on; None means no restart, and the server goes down as above.
     """
 
-    def __init__(self, children: list[ChildProcess], on_failure: Callable[[str], None] | None = None, *,
-                 grace_s: float = 1.0, exit_code: int = 1,
-                 exit_fn: Callable[[int], object] = os._exit,
-                 explain: Callable[[str], str | None] | None = None,
-                 peer_failure: Connection | None = None,
-                 restart: Callable[[str, ChildProcess, list[ChildProcess]], list[ChildProcess] | None] | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        children: list[ChildProcess],
+        on_failure: Callable[[str], None] | None = None,
+        *,
+        grace_s: float = 1.0,
+        exit_code: int = 1,
+        exit_fn: Callable[[int], object] = os._exit,
+        explain: Callable[[str], str | None] | None = None,
+        peer_failure: Connection | None = None,
+        restart: Callable[[str, ChildProcess, list[ChildProcess]], list[ChildProcess] | None] | None = None,
+    ) -> None:
         self.children = list(children)
         self.restart = restart  # (message, dead child, children) -> new children, or None: go down
         self.on_failure = on_failure

@@ -45,8 +45,9 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def kill_process_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL,
-                      timeout: float = 5.0) -> list[int]:
+def kill_process_tree(
+    pid: int, include_self: bool = True, sig: int = signal.SIGKILL, timeout: float = 5.0
+) -> list[int]:
     """Send `sig` to every descendant of `pid` (and to `pid` itself when include_self) and wait
     up to `timeout` s until they are dead. Returns the pids still alive after that.
 

@@ -63,7 +63,7 @@ class PageAllocator:
             raise ValueError(f"n must be >= 0, got {n}")
         if n > self._top:
             return None
-        pages = self._stack[self._top - n:self._top].flip(0)  # a copy: in the order they were freed
+        pages = self._stack[self._top - n : self._top].flip(0)  # a copy: in the order they were freed
         self._top -= n
         self._page_is_free[pages] = False
         self._num_used_pages += n
@@ -71,7 +71,7 @@ class PageAllocator:
 
     def free_page_ids(self) -> torch.Tensor:
         """The free pages (a copy), the longest-free first. Mutates nothing."""
-        return self._stack[:self._top].clone()
+        return self._stack[: self._top].clone()
 
     def free_pages(self, pages: torch.Tensor) -> None:
         """Return `pages` (integer page ids) to the top of the free stack: allocating as many
@@ -94,7 +94,7 @@ class PageAllocator:
             raise ValueError(f"pages {already_free.tolist()[:16]} are already free (double free)")
         n = int(pages.numel())
         self._page_is_free[pages] = True
-        self._stack[self._top:self._top + n] = pages.flip(0)
+        self._stack[self._top : self._top + n] = pages.flip(0)
         self._top += n
         self._num_used_pages -= n
 
@@ -240,7 +240,7 @@ class PageAllocator:
 
         Mutates nothing. Raises KVIntegrityError naming every problem found and the counts.
         """
-        free = self._stack[:self._top]
+        free = self._stack[: self._top]
         num_free, num_used = int(free.numel()), self._num_used_pages
         problems = []
         if num_free + num_used != self.num_pages:

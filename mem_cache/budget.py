@@ -76,9 +76,11 @@ class KVBudget:
 
     def describe(self) -> str:
         ranks = f" per rank, {self.local_world_size} ranks on this host" if self.local_world_size > 1 else ""
-        return (f"KV cache budget: {self.num_bytes / GIB:.3g} GiB = {self.num_tokens} tokens{ranks} "
-                f"({self.num_pages} pages of {self.page_size}, {self.bytes_per_token} B per token); "
-                f"bound by {self.bound}; change it with {self.flag}")
+        return (
+            f"KV cache budget: {self.num_bytes / GIB:.3g} GiB = {self.num_tokens} tokens{ranks} "
+            f"({self.num_pages} pages of {self.page_size}, {self.bytes_per_token} B per token); "
+            f"bound by {self.bound}; change it with {self.flag}"
+        )
 
 
 @dataclass(frozen=True)
@@ -141,23 +143,40 @@ def kv_budget(
     fraction = DEFAULT_MEM_FRACTION_STATIC if mem_fraction_static is None else mem_fraction_static
     reserved = int(total * (1.0 - fraction))
     memory = "host RAM" if on_cpu else "device memory"
-    bounds = [_Bound(max(free - reserved, 0) // local_world_size // page_bytes,
-                     f"{memory}: {_gib(free)} free - {_gib(reserved)} reserved (1 - --mem-fraction-static "
-                     f"{fraction:g} of {_gib(total)}){shared}", "--mem-fraction-static")]
+    bounds = [
+        _Bound(
+            max(free - reserved, 0) // local_world_size // page_bytes,
+            f"{memory}: {_gib(free)} free - {_gib(reserved)} reserved (1 - --mem-fraction-static "
+            f"{fraction:g} of {_gib(total)}){shared}",
+            "--mem-fraction-static",
+        )
+    ]
     if max_total_tokens is not None:
-        bounds.append(_Bound(max_total_tokens // page_size, f"--max-total-tokens {max_total_tokens}",
-                             "--max-total-tokens"))
+        bounds.append(
+            _Bound(
+                max_total_tokens // page_size, f"--max-total-tokens {max_total_tokens}", "--max-total-tokens"
+            )
+        )
     explicit = mem_fraction_static is not None or max_total_tokens is not None
     if on_cpu and (cpu_kvcache_space is not None or not explicit):
         space = DEFAULT_CPU_KVCACHE_SPACE_GIB if cpu_kvcache_space is None else cpu_kvcache_space
         default = " (the default)" if cpu_kvcache_space is None else ""
-        bounds.append(_Bound(int(space * GIB) // local_world_size // page_bytes,
-                             f"--cpu-kvcache-space {space:g} GiB{default}{shared}", "--cpu-kvcache-space"))
+        bounds.append(
+            _Bound(
+                int(space * GIB) // local_world_size // page_bytes,
+                f"--cpu-kvcache-space {space:g} GiB{default}{shared}",
+                "--cpu-kvcache-space",
+            )
+        )
         if max_running_requests is not None and context_length is not None and not explicit:
             per_request = -(-context_length // page_size)
-            bounds.append(_Bound(max_running_requests * per_request,
-                                 f"--max-running-requests {max_running_requests} x context length {context_length}",
-                                 "--max-running-requests or --context-length"))
+            bounds.append(
+                _Bound(
+                    max_running_requests * per_request,
+                    f"--max-running-requests {max_running_requests} x context length {context_length}",
+                    "--max-running-requests or --context-length",
+                )
+            )
     best = min(bounds, key=lambda b: b.pages)  # the first of equals: the order above
     num_pages = best.pages
     bound, flag = best.what, best.flag

@@ -28,6 +28,7 @@ def _madvise() -> object | None:
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
 
+
 # Float8 tensors are stored as uint8 and viewed back on read: index_put/index_copy for float8 is
 # not implemented on every backend, while a byte copy always is.
 _FLOAT8_DTYPES = tuple(
@@ -164,7 +165,9 @@ class PagedKVPool(KVPool):
         slot_bytes = self.num_kv_heads * self.head_dim * self.dtype.itemsize
         run_bytes = self.page_size * slot_bytes
         os_page = mmap.PAGESIZE
-        runs = [(a * run_bytes, b * run_bytes) for a, b in zip(starts, ends) if (b - a) * run_bytes >= 2 * os_page]
+        runs = [
+            (a * run_bytes, b * run_bytes) for a, b in zip(starts, ends) if (b - a) * run_bytes >= 2 * os_page
+        ]
         released = 0
         for buffer in (*self.k_buffer, *self.v_buffer):
             base = buffer.data_ptr()

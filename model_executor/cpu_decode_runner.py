@@ -29,21 +29,36 @@ from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight] | None:
     """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
     or None (a Q8_0 weight is only ever the LM head's)."""
-    packed: list[PackedWeight | None] = [layer.qkv_proj.packed_weight, layer.o_proj.packed_weight,
-                                         layer.gate_up_proj.packed_weight, layer.down_proj.packed_weight]
+    packed: list[PackedWeight | None] = [
+        layer.qkv_proj.packed_weight,
+        layer.o_proj.packed_weight,
+        layer.gate_up_proj.packed_weight,
+        layer.down_proj.packed_weight,
+    ]
     kernel = [p for p in packed if p is not None and is_kernel_packed(p) and not isinstance(p, Q8Weight)]
     return kernel if len(kernel) == len(packed) else None
 
 
 class CpuDecodeRunner:
-    def __init__(self, model: CausalLM, attn_backend: AttentionBackend, *, tp_size: int, pp_size: int,
-                 deterministic: bool) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        attn_backend: AttentionBackend,
+        *,
+        tp_size: int,
+        pp_size: int,
+        deterministic: bool,
+    ) -> None:
         self.attn_backend = attn_backend
         self.stack: DecoderStack | None = None  # None: declines every batch
         self._layers: tuple[KVPool, DecodeLayers] | None = None
         stack = model.decoder_stack() if tp_size == 1 and pp_size == 1 else None
-        if stack is None or deterministic or not isinstance(attn_backend, CpuKernelsAttnBackend) \
-                or not attn_backend.kernel_attention:
+        if (
+            stack is None
+            or deterministic
+            or not isinstance(attn_backend, CpuKernelsAttnBackend)
+            or not attn_backend.kernel_attention
+        ):
             return
         first = stack.layers[0]
         # The embedding's output has the rotary tables' dtype and device: the kernels take both or neither.
@@ -64,8 +79,16 @@ class CpuDecodeRunner:
         rotary = stack.rotary_emb
         hidden = stack.embed_tokens(batch.input_ids)
         hidden, residual = self.layers().forward(
-            hidden, batch.positions, rotary.cos, rotary.sin, batch.out_cache_loc, self.attn_backend.req_to_token,
-            batch.req_pool_indices, batch.seq_lens, max(batch.seq_lens_cpu))
+            hidden,
+            batch.positions,
+            rotary.cos,
+            rotary.sin,
+            batch.out_cache_loc,
+            self.attn_backend.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            max(batch.seq_lens_cpu),
+        )
         hidden, _ = stack.norm(hidden, residual)
         return hidden
 
@@ -76,7 +99,10 @@ class CpuDecodeRunner:
         assert stack is not None and isinstance(self.attn_backend, CpuKernelsAttnBackend)
         kv_pool = self.attn_backend.kv_pool
         if self._layers is None or self._layers[0] is not kv_pool:
-            self._layers = (kv_pool, DecodeLayers([decode_layer_weights(layer, kv_pool) for layer in stack.layers]))
+            self._layers = (
+                kv_pool,
+                DecodeLayers([decode_layer_weights(layer, kv_pool) for layer in stack.layers]),
+            )
         return self._layers[1]
 
 
@@ -84,7 +110,19 @@ def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWei
     attn = layer.attn
     k_cache, v_cache = kv_pool.get_kv_buffer(attn.layer_id)
     return DecodeLayerWeights(
-        layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-        layer.qkv_proj.weight, layer.qkv_proj.bias, layer.o_proj.weight, layer.gate_up_proj.weight,
-        layer.down_proj.weight, kernel_weights(layer), k_cache, v_cache, attn.num_heads, attn.num_kv_heads,
-        attn.head_dim, attn.scaling)
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        layer.input_layernorm.eps,
+        layer.qkv_proj.weight,
+        layer.qkv_proj.bias,
+        layer.o_proj.weight,
+        layer.gate_up_proj.weight,
+        layer.down_proj.weight,
+        kernel_weights(layer),
+        k_cache,
+        v_cache,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        attn.scaling,
+    )

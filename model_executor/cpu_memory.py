@@ -34,9 +34,14 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
-        (_M_TOP_PAD, _TOP_PAD)))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
+            (_M_TOP_PAD, _TOP_PAD),
+        )
+    )
     if not ok:
         logger.warning("mallopt refused a setting: large allocations keep glibc's defaults")
     return ok

@@ -43,7 +43,9 @@ class ForwardBatch:
         bs = len(self.seq_lens_cpu)
         assert len(self.extend_prefix_lens_cpu) == bs and len(self.extend_seq_lens_cpu) == bs
         assert sum(self.extend_seq_lens_cpu) == self.input_ids.numel() == self.out_cache_loc.numel()
-        for prefix, new, total in zip(self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu):
+        for prefix, new, total in zip(
+            self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu
+        ):
             assert 0 <= prefix and new >= 1 and prefix + new == total, (prefix, new, total)
 
     @property
@@ -59,8 +61,15 @@ class ForwardBatch:
         return self.mode is ForwardMode.DECODE
 
 
-def make_forward_batch(mode: ForwardMode, input_ids: list[int], req_pool_indices: list[int], prefix_lens: list[int],
-                       seq_lens: list[int], out_cache_loc: torch.Tensor, device: torch.device | str = "cpu") -> ForwardBatch:
+def make_forward_batch(
+    mode: ForwardMode,
+    input_ids: list[int],
+    req_pool_indices: list[int],
+    prefix_lens: list[int],
+    seq_lens: list[int],
+    out_cache_loc: torch.Tensor,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
     """Builds the step's tensors from per-request Python lists (prefix_lens[i] < seq_lens[i])."""
     new_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     if mode is ForwardMode.DECODE:

@@ -14,12 +14,16 @@ import torch
 TopLogprobs = tuple[list[float], list[int]]  # (logprobs, token ids), most likely first
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   top_nums: Sequence[int]) -> tuple[list[float], list[TopLogprobs | None]]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_nums: Sequence[int]
+) -> tuple[list[float], list[TopLogprobs | None]]:
     """logits [m, vocab], token_ids [m] -> (log p(token_ids[i]) per row, the top_nums[i] best
     (logprob, id) pairs per row, or None for a row that asked for none)."""
-    assert logits.dim() == 2 and logits.shape[0] == token_ids.shape[0] == len(top_nums), \
-        (logits.shape, token_ids.shape, len(top_nums))
+    assert logits.dim() == 2 and logits.shape[0] == token_ids.shape[0] == len(top_nums), (
+        logits.shape,
+        token_ids.shape,
+        len(top_nums),
+    )
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     floor = torch.finfo(torch.float32).min  # a -inf logprob (a -inf logit) is not valid JSON
     chosen = logprobs.gather(1, token_ids.to(torch.int64)[:, None]).squeeze(1).clamp(min=floor).tolist()
@@ -27,6 +31,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     if k == 0:
         return chosen, [None] * len(top_nums)
     values, ids = logprobs.topk(k, dim=-1)  # sorted, most likely first
-    tops: list[TopLogprobs | None] = [(v[:n], i[:n]) if n > 0 else None
-                                      for v, i, n in zip(values.clamp(min=floor).tolist(), ids.tolist(), top_nums)]
+    tops: list[TopLogprobs | None] = [
+        (v[:n], i[:n]) if n > 0 else None
+        for v, i, n in zip(values.clamp(min=floor).tolist(), ids.tolist(), top_nums)
+    ]
     return chosen, tops

@@ -48,9 +48,13 @@ class RunnerConfig:
     cpu_kvcache_space: float | None = None  # GiB for every rank of the host together; None: the default
     max_running_requests: int = 256
     context_length: int | None = None
-    attention_backend: str = "auto"  # attention/registry.py: "cpu_kernels" | "torch_native" | "flashinfer" | "auto"
+    attention_backend: str = (
+        "auto"  # attention/registry.py: "cpu_kernels" | "torch_native" | "flashinfer" | "auto"
+    )
     local_world_size: int = 1  # ranks on this host: they share its free memory
-    quantization: str | None = None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
+    quantization: str | None = (
+        None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
+    )
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
 
 
@@ -70,8 +74,13 @@ class ModelRunner:
         self._init_model()
         self._init_memory()
         self._init_attention_backend()
-        self.decode_runner = CpuDecodeRunner(self.model, self.attn_backend, tp_size=self.parallel.tp.world_size,
-                                             pp_size=self.parallel.pp.world_size, deterministic=config.deterministic)
+        self.decode_runner = CpuDecodeRunner(
+            self.model,
+            self.attn_backend,
+            tp_size=self.parallel.tp.world_size,
+            pp_size=self.parallel.pp.world_size,
+            deterministic=config.deterministic,
+        )
         self.sampler = Sampler()
 
     def _context_length(self) -> int:
@@ -82,7 +91,9 @@ class ModelRunner:
         if wanted < 1:
             raise ValueError(f"--context-length must be positive, got {wanted}")
         if wanted > model_len:
-            raise ValueError(f"--context-length {wanted} exceeds the model's max_position_embeddings ({model_len})")
+            raise ValueError(
+                f"--context-length {wanted} exceeds the model's max_position_embeddings ({model_len})"
+            )
         return wanted
 
     def _init_model(self) -> None:
@@ -90,12 +101,18 @@ class ModelRunner:
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
         model_cls = get_model_class(self.hf_config)
         pp = self.parallel.pp
-        self.stage = PipelineStage.of(int(self.hf_config.num_hidden_layers), pp.rank_in_group, pp.world_size,
-                                      lm_head_cost_in_layers(self.hf_config))
+        self.stage = PipelineStage.of(
+            int(self.hf_config.num_hidden_layers),
+            pp.rank_in_group,
+            pp.world_size,
+            lm_head_cost_in_layers(self.hf_config),
+        )
         self.stage_link = StageLink(pp) if pp.world_size > 1 else None
         with torch.device(self.device):
             self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)
-        load_weights(self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first)
+        load_weights(
+            self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first
+        )
         self.model.eval()
         float32_model = None
         if self.config.quantization == "gguf":  # the checkpoint's exact values, to find its Q4_1 blocks in
@@ -107,19 +124,34 @@ class ModelRunner:
         packed = pack_model(self.model, self.config.quantization, float32_model)
         del float32_model
         if packed:
-            quantized = sum(isinstance(getattr(m, "packed_weight", None), (Int8Weight, Q4Weight))
-                            for m in self.model.modules())
+            quantized = sum(
+                isinstance(getattr(m, "packed_weight", None), (Int8Weight, Q4Weight))
+                for m in self.model.modules()
+            )
             kind = "Q4_1" if self.config.quantization == "gguf" else "int8"
             if any(isinstance(getattr(m, "packed_weight", None), Q8Weight) for m in self.model.modules()):
                 kind += ", the LM head Q8_0"
-            logger.info("packed %d weights for the CPU kernels%s", packed,
-                        f", {quantized} of them {kind} ({self.config.quantization})" if self.config.quantization else "")
+            logger.info(
+                "packed %d weights for the CPU kernels%s",
+                packed,
+                f", {quantized} of them {kind} ({self.config.quantization})"
+                if self.config.quantization
+                else "",
+            )
         if self.device.type == "cpu" and self.config.dtype in (torch.bfloat16, torch.float16):
             logger.info(describe_paths())
         self.weight_bytes = model_weight_bytes(self.model)
-        layers = "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
-        logger.info("loaded %s (%.1f MB on this rank%s, %s) in %.1f s", model_cls.__name__,
-                    self.weight_bytes / 2**20, layers, self.config.dtype, time.perf_counter() - start)
+        layers = (
+            "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
+        )
+        logger.info(
+            "loaded %s (%.1f MB on this rank%s, %s) in %.1f s",
+            model_cls.__name__,
+            self.weight_bytes / 2**20,
+            layers,
+            self.config.dtype,
+            time.perf_counter() - start,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -131,33 +163,50 @@ class ModelRunner:
         page_size = self.config.page_size
         config = self.config
         self.kv_budget: KVBudget = kv_budget(
-            device=self.device, bytes_per_token=per_token, page_size=page_size,
-            local_world_size=config.local_world_size, mem_fraction_static=config.mem_fraction_static,
-            max_total_tokens=config.max_total_tokens, cpu_kvcache_space=config.cpu_kvcache_space,
-            max_running_requests=config.max_running_requests, context_length=self.context_length,
-            cpu_group=self.parallel.world.cpu_group)
+            device=self.device,
+            bytes_per_token=per_token,
+            page_size=page_size,
+            local_world_size=config.local_world_size,
+            mem_fraction_static=config.mem_fraction_static,
+            max_total_tokens=config.max_total_tokens,
+            cpu_kvcache_space=config.cpu_kvcache_space,
+            max_running_requests=config.max_running_requests,
+            context_length=self.context_length,
+            cpu_group=self.parallel.world.cpu_group,
+        )
         self.num_pages = self.kv_budget.num_pages
         self.max_total_tokens = self.num_pages * page_size
         self.max_running_requests = self.config.max_running_requests
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_length + page_size,
-                                                device=self.device)
-        self.kv_pool = PagedKVPool(self.num_pages, page_size, num_layers, kv_heads, head_dim,
-                                   self.config.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, self.context_length + page_size, device=self.device
+        )
+        self.kv_pool = PagedKVPool(
+            self.num_pages, page_size, num_layers, kv_heads, head_dim, self.config.dtype, self.device
+        )
         self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
         if self.parallel.world.is_first:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
     def _init_attention_backend(self) -> None:
         self.attn_backend: AttentionBackend = create_attention_backend(
-            self.config.attention_backend, self.device, self.kv_pool, self.req_to_token_pool.req_to_token,
-            self.config.deterministic)
+            self.config.attention_backend,
+            self.device,
+            self.kv_pool,
+            self.req_to_token_pool.req_to_token,
+            self.config.deterministic,
+        )
         if self.config.deterministic:
-            exact = isinstance(self.attn_backend, CpuKernelsAttnBackend) and self.attn_backend.decode_rows_extend
-            logger.info("deterministic inference: %s", "every token on the decode kernel's arithmetic, prefill "
-                        "or decode, in any batch" if exact else
-                        "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
-                        f"(this rank runs {self.config.dtype} on {self.device.type}, "
-                        f"attention backend {self.config.attention_backend})")
+            exact = (
+                isinstance(self.attn_backend, CpuKernelsAttnBackend) and self.attn_backend.decode_rows_extend
+            )
+            logger.info(
+                "deterministic inference: %s",
+                "every token on the decode kernel's arithmetic, prefill or decode, in any batch"
+                if exact
+                else "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
+                f"(this rank runs {self.config.dtype} on {self.device.type}, "
+                f"attention backend {self.config.attention_backend})",
+            )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -165,8 +214,9 @@ class ModelRunner:
         return self.forward_with_token_logits(batch, None)[0]
 
     @torch.inference_mode()
-    def forward_with_token_logits(self, batch: ForwardBatch,
-                                  token_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with_token_logits(
+        self, batch: ForwardBatch, token_rows: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward(), plus float32 logits [len(token_rows), vocab] of the given new tokens (indices
         into the step's flattened new tokens; prompt logprobs need them). The LM head runs once
         over both sets of rows. Every rank must pass the same rows (the head is a TP collective).
@@ -176,8 +226,9 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def forward_stage(self, batch: ForwardBatch,
-                      token_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def forward_stage(
+        self, batch: ForwardBatch, token_rows: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """This stage's part of the step: receives the previous stage's hand-over (unless first),
         runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
         returns the logits as forward_with_token_logits does."""
@@ -188,27 +239,36 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(batch)
             previous = None
             if self.stage_link is not None and not self.stage.is_first:
-                previous = self.stage_link.recv_stage_output(batch.num_tokens, int(self.hf_config.hidden_size),
-                                                             self.config.dtype, self.device)
+                previous = self.stage_link.recv_stage_output(
+                    batch.num_tokens, int(self.hf_config.hidden_size), self.config.dtype, self.device
+                )
             hidden = self.model(batch.input_ids, batch.positions, batch, previous)
         if isinstance(hidden, StageOutput):
             assert self.stage_link is not None
             self.stage_link.send_stage_output(hidden)
             return None
-        last = hidden if batch.is_decode else \
-            hidden[torch.tensor(batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1]
+        last = (
+            hidden
+            if batch.is_decode
+            else hidden[torch.tensor(batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1]
+        )
         if not token_rows:
             return self.model.compute_logits(last), None
         extra = hidden[torch.tensor(token_rows, dtype=torch.int64, device=hidden.device)]
         logits = self.model.compute_logits(torch.cat([last, extra]))
-        return logits[:batch.batch_size], logits[batch.batch_size:]
+        return logits[: batch.batch_size], logits[batch.batch_size :]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         return self.sampler(logits, info)
 
     def info(self) -> dict[str, Any]:
-        return {"max_total_tokens": self.max_total_tokens, "num_pages": self.num_pages,
-                "kv_budget": self.kv_budget.describe(),
-                "page_size": self.config.page_size, "context_length": self.context_length,
-                "weight_bytes": self.weight_bytes, "vocab_size": self.vocab_size}
+        return {
+            "max_total_tokens": self.max_total_tokens,
+            "num_pages": self.num_pages,
+            "kv_budget": self.kv_budget.describe(),
+            "page_size": self.config.page_size,
+            "context_length": self.context_length,
+            "weight_bytes": self.weight_bytes,
+            "vocab_size": self.vocab_size,
+        }

@@ -43,9 +43,14 @@ class SamplingBatchInfo:
 
     def __post_init__(self) -> None:
         bs = self.temperatures.shape[0]
-        for name, dtype in (("temperatures", torch.float32), ("top_ps", torch.float32),
-                            ("top_ks", torch.int64), ("min_ps", torch.float32), ("seeds", torch.int64),
-                            ("output_positions", torch.int64)):
+        for name, dtype in (
+            ("temperatures", torch.float32),
+            ("top_ps", torch.float32),
+            ("top_ks", torch.int64),
+            ("min_ps", torch.float32),
+            ("seeds", torch.int64),
+            ("output_positions", torch.int64),
+        ):
             tensor = getattr(self, name)
             assert tensor.shape == (bs,) and tensor.dtype == dtype, (name, tensor.shape, tensor.dtype)
 
@@ -54,14 +59,26 @@ class SamplingBatchInfo:
         return int(self.temperatures.shape[0])
 
     @classmethod
-    def from_lists(cls, temperatures: Sequence[float], top_ps: Sequence[float], top_ks: Sequence[int],
-                   min_ps: Sequence[float], seeds: Sequence[int], output_positions: Sequence[int],
-                   device: torch.device | str = "cpu") -> SamplingBatchInfo:
+    def from_lists(
+        cls,
+        temperatures: Sequence[float],
+        top_ps: Sequence[float],
+        top_ks: Sequence[int],
+        min_ps: Sequence[float],
+        seeds: Sequence[int],
+        output_positions: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatchInfo:
         """Validate and pack. top_k == 1 or a temperature below 1e-5 means greedy (exact argmax);
         a seed is taken modulo 2**64."""
         bs = len(temperatures)
-        columns = {"top_ps": top_ps, "top_ks": top_ks, "min_ps": min_ps, "seeds": seeds,
-                   "output_positions": output_positions}
+        columns = {
+            "top_ps": top_ps,
+            "top_ks": top_ks,
+            "min_ps": min_ps,
+            "seeds": seeds,
+            "output_positions": output_positions,
+        }
         for name, column in columns.items():
             if len(column) != bs:
                 raise ValueError(f"{name} has {len(column)} entries, temperatures has {bs}")
@@ -81,8 +98,11 @@ class SamplingBatchInfo:
         # Seeds wrap into int64 so any Python int is accepted.
         signed_seeds = [((s + 2**63) % 2**64) - 2**63 for s in seeds]
         return cls(
-            temperatures=torch.tensor([0.0 if g else t for g, t in zip(greedy, temperatures, strict=True)],
-                                      dtype=torch.float32, device=device),
+            temperatures=torch.tensor(
+                [0.0 if g else t for g, t in zip(greedy, temperatures, strict=True)],
+                dtype=torch.float32,
+                device=device,
+            ),
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
@@ -95,8 +115,12 @@ class SamplingBatchInfo:
         )
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Sequence[tuple[float, float, float] | None],
-                    output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    penalties: Sequence[tuple[float, float, float] | None],
+    output_ids: Sequence[Sequence[int]],
+    prompt_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
     """The logits to sample from, a row per request: with (frequency, presence, repetition) set,
     first the repetition penalty on every token of the prompt and the output (a positive logit
     divided by it, a negative one multiplied, as transformers does), then OpenAI's penalties on the
@@ -115,7 +139,9 @@ def apply_penalties(logits: torch.Tensor, penalties: Sequence[tuple[float, float
             values = out[i, seen]
             out[i, seen] = torch.where(values > 0, values / repetition, values * repetition)
         if (frequency or presence) and output_ids[i]:
-            counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64), minlength=vocab).to(out.dtype)
+            counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64), minlength=vocab).to(
+                out.dtype
+            )
             out[i] -= frequency * counts + presence * (counts > 0).to(out.dtype)
     return out
 
@@ -204,8 +230,9 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return probs.masked_fill(probs < thresholds[:, None], 0.0)
 
 
-def _top_k_top_p_thresholds(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                            use_k: torch.Tensor, use_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p_thresholds(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor
+) -> torch.Tensor:
     """[bs] thresholds from the largest probabilities of each row, without a full sort when the
     kept set is small: rows are searched in their top `width` values, and a row whose threshold
     might lie past that prefix is searched again in a wider one (the full row at the end)."""
@@ -216,7 +243,11 @@ def _top_k_top_p_thresholds(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: t
     while todo.numel() > 0:
         width = vocab if width > vocab // 4 else width  # a wide partial sort costs as much as a full one
         rows = probs[todo]
-        prefix = torch.topk(rows, width, dim=-1).values if width < vocab else rows.sort(dim=-1, descending=True).values
+        prefix = (
+            torch.topk(rows, width, dim=-1).values
+            if width < vocab
+            else rows.sort(dim=-1, descending=True).values
+        )
         found, resolved = _prefix_thresholds(prefix, top_ks[todo], top_ps[todo], use_k[todo], use_p[todo])
         if width == vocab:
             resolved = torch.ones_like(resolved)
@@ -226,8 +257,9 @@ def _top_k_top_p_thresholds(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: t
     return thresholds
 
 
-def _prefix_thresholds(prefix: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                       use_k: torch.Tensor, use_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_thresholds(
+    prefix: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Thresholds from each row's largest probabilities `prefix` [n, width] (descending), and
     whether the prefix was wide enough to be sure of them (the threshold lies above its last value)."""
     width = prefix.shape[1]

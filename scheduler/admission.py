@@ -72,10 +72,12 @@ class BatchSelection:
         if not self.waiting and self.chunked_req is None:
             return None
         budget = PrefillBudget(
-            max_prefill_tokens=self._prefill_token_cap(), chunked_prefill_size=self.args.chunked_prefill_size,
+            max_prefill_tokens=self._prefill_token_cap(),
+            chunked_prefill_size=self.args.chunked_prefill_size,
             free_tokens=self.kv.available_tokens(),
             reserved_tokens=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
-            page_size=self.kv.page_size)
+            page_size=self.kv.page_size,
+        )
         reqs: list[Req] = []
         lens: list[int] = []
         used = 0
@@ -85,9 +87,14 @@ class BatchSelection:
             reqs.append(req)
             lens.append(n)
             used += n
-        priority_first = (-1 if self.args.schedule_low_priority_values_first else 1) \
-            if self.args.enable_priority_scheduling else 0
-        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len, priority_first)
+        priority_first = (
+            (-1 if self.args.schedule_low_priority_values_first else 1)
+            if self.args.enable_priority_scheduling
+            else 0
+        )
+        ordered = order_waiting(
+            self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len, priority_first
+        )
         for req in ordered:
             if len(self.running) + len(reqs) >= self.runner.max_running_requests or not self.kv.free_rows():
                 break
@@ -130,9 +137,16 @@ class BatchSelection:
             if self.running:  # others hold KV (some may be in flight): this one waits and resumes
                 self._retract(req)
             else:
-                self._finish(req, FinishReason("abort", message=(
-                    f"request needs more KV cache than the server has ({self.kv.max_total_tokens} tokens); "
-                    "raise --max-total-tokens or lower max_new_tokens")))
+                self._finish(
+                    req,
+                    FinishReason(
+                        "abort",
+                        message=(
+                            f"request needs more KV cache than the server has ({self.kv.max_total_tokens} tokens); "
+                            "raise --max-total-tokens or lower max_new_tokens"
+                        ),
+                    ),
+                )
         return reqs
 
     @rank_consensus(args={"req": lambda r: r.rid})

@@ -29,13 +29,20 @@ logger = logging.getLogger("srt.scheduler")
 
 def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
     return RunnerConfig(
-        model_dir=model_dir, dtype=resolve_dtype(args.dtype, args.device), device=args.device,
-        page_size=args.page_size, mem_fraction_static=args.mem_fraction_static,
-        max_total_tokens=args.max_total_tokens, cpu_kvcache_space=args.cpu_kvcache_space,
+        model_dir=model_dir,
+        dtype=resolve_dtype(args.dtype, args.device),
+        device=args.device,
+        page_size=args.page_size,
+        mem_fraction_static=args.mem_fraction_static,
+        max_total_tokens=args.max_total_tokens,
+        cpu_kvcache_space=args.cpu_kvcache_space,
         max_running_requests=args.max_running_requests,
-        context_length=args.context_length, attention_backend=args.attention_backend,
-        local_world_size=args.ranks_per_node, quantization=args.quantization,
-        deterministic=args.deterministic)
+        context_length=args.context_length,
+        attention_backend=args.attention_backend,
+        local_world_size=args.ranks_per_node,
+        quantization=args.quantization,
+        deterministic=args.deterministic,
+    )
 
 
 def start_watchdogs(args: ServerArgs, scheduler: Scheduler, name: str) -> list[Watchdog]:
@@ -44,35 +51,64 @@ def start_watchdogs(args: ServerArgs, scheduler: Scheduler, name: str) -> list[W
 
     def describe() -> str:
         chunked = scheduler.chunked_req
-        return (f"step {scheduler.forward_steps}, running {[r.rid for r in list(scheduler.running)]}, "
-                f"waiting {[r.rid for r in list(scheduler.waiting)]}, chunked {chunked.rid if chunked else None}")
+        return (
+            f"step {scheduler.forward_steps}, running {[r.rid for r in list(scheduler.running)]}, "
+            f"waiting {[r.rid for r in list(scheduler.waiting)]}, chunked {chunked.rid if chunked else None}"
+        )
 
-    dogs = [Watchdog(name=name, timeout_s=args.watchdog_timeout, soft=False, progress=lambda: scheduler.forward_steps,
-                     busy=busy, describe=describe)]
+    dogs = [
+        Watchdog(
+            name=name,
+            timeout_s=args.watchdog_timeout,
+            soft=False,
+            progress=lambda: scheduler.forward_steps,
+            busy=busy,
+            describe=describe,
+        )
+    ]
     if args.soft_watchdog_timeout is not None:
-        dogs.append(Watchdog(name=name, timeout_s=args.soft_watchdog_timeout, soft=True,
-                             progress=lambda: scheduler.forward_steps, busy=busy, describe=describe))
+        dogs.append(
+            Watchdog(
+                name=name,
+                timeout_s=args.soft_watchdog_timeout,
+                soft=True,
+                progress=lambda: scheduler.forward_steps,
+                busy=busy,
+                describe=describe,
+            )
+        )
     return [dog.start() for dog in dogs]
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_dir: str, rank_info: Any,
-                          ready_conn: Connection) -> None:
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, model_dir: str, rank_info: Any, ready_conn: Connection
+) -> None:
     tp_rank, pp_rank = int(rank_info.tp_rank), int(rank_info.pp_rank)
     world_rank = server_args.tp_size * pp_rank + tp_rank
     try:
         FaultInjector(world_rank).at_startup()
         device = torch.device(server_args.device)
-        parallel = init_distributed(tp_size=server_args.tp_size, pp_size=server_args.pp_size, world_rank=world_rank,
-                                    init_method=port_args.dist_init_method, device=device,
-                                    timeout_s=server_args.dist_timeout)
+        parallel = init_distributed(
+            tp_size=server_args.tp_size,
+            pp_size=server_args.pp_size,
+            world_rank=world_rank,
+            init_method=port_args.dist_init_method,
+            device=device,
+            timeout_s=server_args.dist_timeout,
+        )
         if server_args.enable_rank_consensus_checker:
             # Collective over the whole world: every rank creates these groups at the same point.
-            consensus.enable(consensus.create_groups(server_args.tp_size, server_args.pp_size, world_rank,
-                                                     timeout_s=server_args.dist_timeout))
+            consensus.enable(
+                consensus.create_groups(
+                    server_args.tp_size, server_args.pp_size, world_rank, timeout_s=server_args.dist_timeout
+                )
+            )
         runner = ModelRunner(runner_config(server_args, Path(model_dir)), parallel)
         # With pipeline stages the broadcast covers stage 0; the stages pass messages on themselves.
-        receiver = RequestReceiver(parallel.tp if server_args.pp_size > 1 else parallel.world,
-                                   port_args.tokenizer_ipc if world_rank == 0 else None)
+        receiver = RequestReceiver(
+            parallel.tp if server_args.pp_size > 1 else parallel.world,
+            port_args.tokenizer_ipc if world_rank == 0 else None,
+        )
         is_output_rank = tp_rank == 0 and pp_rank == server_args.pp_size - 1
         send: Any = None
         if is_output_rank:
@@ -82,6 +118,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
 
             def send(obj: Any) -> None:
                 out_socket.send_pyobj(obj)
+
         tokenizer_path = server_args.tokenizer_path or model_dir
         eos = eos_token_ids(Path(model_dir), runner.hf_config)
 
@@ -96,17 +133,33 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_di
             metrics = RankMetrics(world_rank, is_output_rank)
         if server_args.pp_size > 1:
             scheduler: Scheduler = PipelineScheduler(
-                server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics,
-                micro_batches=server_args.pp_micro_batches or server_args.pp_size)
+                server_args,
+                parallel,
+                runner,
+                receiver,
+                send,
+                eos,
+                load_tokenizer,
+                metrics,
+                micro_batches=server_args.pp_micro_batches or server_args.pp_size,
+            )
         else:
             scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics)
     except Exception:
         logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
         ready_conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    ready_conn.send(("ready", {**runner.info(), "eos_token_ids": sorted(eos),
-                               "max_running_requests": runner.max_running_requests,
-                               "model_path": model_dir}))
+    ready_conn.send(
+        (
+            "ready",
+            {
+                **runner.info(),
+                "eos_token_ids": sorted(eos),
+                "max_running_requests": runner.max_running_requests,
+                "model_path": model_dir,
+            },
+        )
+    )
     start_watchdogs(server_args, scheduler, getattr(rank_info, "name", f"scheduler TP{tp_rank}"))
     try:
         scheduler.event_loop()

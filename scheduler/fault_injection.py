@@ -99,4 +99,6 @@ class FaultInjector:
         return self.active and self._due("diverge_batch", step, from_step=True)
 
     def skip_grammar_accept(self, step: int, req: object) -> bool:
-        return self.active and getattr(req, "grammar", None) is not None and self._due("diverge_grammar", step)
+        return (
+            self.active and getattr(req, "grammar", None) is not None and self._due("diverge_grammar", step)
+        )

@@ -69,8 +69,11 @@ def advance(req: Req, token: int, skip: bool = False) -> FinishReason | None:
     accepted = skip or grammar.accept(token)
     consensus.record("grammar", (req.rid, *grammar.state))
     if not accepted:
-        return FinishReason("abort", message=f"the grammar ({req.sampling_params.grammar.kind}) refused "  # type: ignore[union-attr]
-                                             f"token {token}")
+        return FinishReason(
+            "abort",
+            message=f"the grammar ({req.sampling_params.grammar.kind}) refused "  # type: ignore[union-attr]
+            f"token {token}",
+        )
     if grammar.terminated:
         return FinishReason("stop", matched=token)
     return None

@@ -106,18 +106,18 @@ class KVManager:
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
-        kv = self.req_to_token[row, :req.kv_len].clone()
+        kv = self.req_to_token[row, : req.kv_len].clone()
         if insert:
-            present = self.tree_cache.insert(req.fill_ids[:req.kv_len], kv)
+            present = self.tree_cache.insert(req.fill_ids[: req.kv_len], kv)
             aligned = self.tree_cache.page_aligned_len(req.kv_len)
             # The cache already had kv[cached_len:present] from someone else, and never takes the
             # partial last page kv[aligned:]: both stay ours to free.
             if present > req.cached_len:
-                self.allocator.free_slots(kv[req.cached_len:present])
+                self.allocator.free_slots(kv[req.cached_len : present])
             if aligned < req.kv_len:
                 self.allocator.free_slots(kv[aligned:])
         elif req.kv_len > req.cached_len:
-            self.allocator.free_slots(kv[req.cached_len:])
+            self.allocator.free_slots(kv[req.cached_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(row)
@@ -132,15 +132,23 @@ class KVManager:
         start = time.perf_counter()
         evicted = self._evict(self.tree_cache.evictable_size()) if evict else 0
         released = self.kv_pool.release_pages(self.allocator.free_page_ids())
-        logger.info("KV memory released to the OS: %.1f MB in %.1f ms (%d cached tokens evicted, %d pages free)",
-                    released / 2**20, (time.perf_counter() - start) * 1e3, evicted, self.allocator.num_free_pages)
+        logger.info(
+            "KV memory released to the OS: %.1f MB in %.1f ms (%d cached tokens evicted, %d pages free)",
+            released / 2**20,
+            (time.perf_counter() - start) * 1e3,
+            evicted,
+            self.allocator.num_free_pages,
+        )
         return evicted
 
     def page_counts(self) -> dict[str, int]:
         """KV pages free, allocated, and held by the prefix cache (some of those also by running
         requests; the other allocated pages belong to running requests alone)."""
-        return {"free_pages": self.allocator.num_free_pages, "used_pages": self.allocator.num_used_pages,
-                "cached_pages": self.tree_cache.total_size() // self.page_size}
+        return {
+            "free_pages": self.allocator.num_free_pages,
+            "used_pages": self.allocator.num_used_pages,
+            "cached_pages": self.tree_cache.total_size() // self.page_size,
+        }
 
     def stats(self, live: list[Req]) -> dict[str, Any]:
         return {
@@ -157,8 +165,9 @@ class KVManager:
 
     def integrity_error(self, live: list[Req]) -> str | None:
         """None when free + cached + owned-by-live-requests pages == all pages, with no overlap."""
-        parts = [self.tree_cache.all_kv_indices()] + [r.own_slots(self.req_to_token) for r in live
-                                                      if r.req_pool_idx is not None]
+        parts = [self.tree_cache.all_kv_indices()] + [
+            r.own_slots(self.req_to_token) for r in live if r.req_pool_idx is not None
+        ]
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         pages = torch.unique(slots // self.page_size)
         tree_pages = torch.unique(parts[0] // self.page_size)
@@ -170,7 +179,9 @@ class KVManager:
             return str(e)
         if overlap:
             return f"{overlap} KV pages are held by two owners"
-        if self.req_to_token_pool.num_free + len([r for r in live if r.req_pool_idx is not None]) \
-                != self.req_to_token_pool.size:
+        if (
+            self.req_to_token_pool.num_free + len([r for r in live if r.req_pool_idx is not None])
+            != self.req_to_token_pool.size
+        ):
             return "request rows leaked"
         return None

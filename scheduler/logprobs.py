@@ -55,15 +55,20 @@ def samples_a_token(batch: ScheduleBatch, i: int) -> bool:
     return batch.samples(i) and batch.reqs[i].sampling_params.max_new_tokens > 0
 
 
-def record_logprobs(batch: ScheduleBatch, plan: LogprobPlan, last_logits: torch.Tensor,
-                    token_logits: torch.Tensor | None, next_ids: list[int]) -> None:
+def record_logprobs(
+    batch: ScheduleBatch,
+    plan: LogprobPlan,
+    last_logits: torch.Tensor,
+    token_logits: torch.Tensor | None,
+    next_ids: list[int],
+) -> None:
     """Append this step's logprobs to the requests (call before the batch result moves kv_len)."""
     out_rows = [i for i, req in enumerate(batch.reqs) if req.return_logprob and samples_a_token(batch, i)]
     targets = [next_ids[i] for i in out_rows]
     top_nums = [batch.reqs[i].top_logprobs_num for i in out_rows]
     for span in plan.spans:
         req = batch.reqs[span.req_index]
-        targets += req.origin_input_ids[span.first_position + 1:span.first_position + 1 + span.count]
+        targets += req.origin_input_ids[span.first_position + 1 : span.first_position + 1 + span.count]
         top_nums += [req.top_logprobs_num] * span.count
     if not targets:
         return
@@ -72,7 +77,7 @@ def record_logprobs(batch: ScheduleBatch, plan: LogprobPlan, last_logits: torch.
         logits = torch.cat([logits, token_logits])
     values, tops = token_logprobs(logits, torch.tensor(targets, device=logits.device), top_nums)
     for k, i in enumerate(out_rows):
-        _append(batch.reqs[i].output_logprobs, values[k:k + 1], targets[k:k + 1], tops[k:k + 1])
+        _append(batch.reqs[i].output_logprobs, values[k : k + 1], targets[k : k + 1], tops[k : k + 1])
     k = len(out_rows)
     for span in plan.spans:
         end = k + span.count
@@ -80,7 +85,9 @@ def record_logprobs(batch: ScheduleBatch, plan: LogprobPlan, last_logits: torch.
         k = end
 
 
-def _append(into: TokenLogprobs, values: list[float], token_ids: list[int], tops: list[TopLogprobs | None]) -> None:
+def _append(
+    into: TokenLogprobs, values: list[float], token_ids: list[int], tops: list[TopLogprobs | None]
+) -> None:
     into.values.extend(values)
     into.token_ids.extend(token_ids)
     into.top.extend(tops)
@@ -95,9 +102,17 @@ def attach_logprobs(out: BatchTokenIDOut, req: Req) -> None:
         return
     # Those of the tokens this message sends: a replay's first ones were sent already, and a pipeline
     # stage records a token's logprob at launch, before the token itself is appended.
-    lp, start, end = req.output_logprobs, req.sent_len - req.resumed_len, len(req.output_ids) - req.resumed_len
-    out.output_logprobs.append(TokenLogprobs(lp.values[start:end], lp.token_ids[start:end], lp.top[start:end]))
-    out.input_logprobs.append(_prompt_logprobs(req) if req.logprob_start_len >= 0 and req.sent_len == 0 else None)
+    lp, start, end = (
+        req.output_logprobs,
+        req.sent_len - req.resumed_len,
+        len(req.output_ids) - req.resumed_len,
+    )
+    out.output_logprobs.append(
+        TokenLogprobs(lp.values[start:end], lp.token_ids[start:end], lp.top[start:end])
+    )
+    out.input_logprobs.append(
+        _prompt_logprobs(req) if req.logprob_start_len >= 0 and req.sent_len == 0 else None
+    )
 
 
 def _prompt_logprobs(req: Req) -> TokenLogprobs:

@@ -48,16 +48,24 @@ class PipelineScheduler(Scheduler):
         waiting prompt tokens, the next ones as much as the largest prefill in flight, so the
         stages get about equal work (a long prompt goes through them as chunks, one behind the
         other) without the tail halving into ever smaller batches."""
-        pending = sum(r.extend_len for r in self.waiting) + (self.chunked_req.extend_len if self.chunked_req else 0)
-        in_flight = max((sum(b.batch.extend_lens) for b in self.in_flight
-                         if b is not None and b.batch.phase is Phase.PREFILL), default=0)
+        pending = sum(r.extend_len for r in self.waiting) + (
+            self.chunked_req.extend_len if self.chunked_req else 0
+        )
+        in_flight = max(
+            (
+                sum(b.batch.extend_lens)
+                for b in self.in_flight
+                if b is not None and b.batch.phase is Phase.PREFILL
+            ),
+            default=0,
+        )
         share = max(-(-pending // self.micro_batches), in_flight, MIN_PREFILL_SHARE)
         return min(self.args.max_prefill_tokens, share)
 
     def _decode_candidates(self) -> list[Req]:
         """Each decode micro-batch takes at most its share of the running requests, so the
         micro-batches stay about equal."""
-        return super()._decode_candidates()[:-(-len(self.running) // self.micro_batches)]
+        return super()._decode_candidates()[: -(-len(self.running) // self.micro_batches)]
 
     def has_work(self) -> bool:
         return super().has_work() or any(launched is not None for launched in self.in_flight)
@@ -88,9 +96,16 @@ class PipelineScheduler(Scheduler):
         iteration, batch or not, each stage receives the previous stage's summary of what it
         scheduled, compares, and passes its own on: one small object per stage boundary."""
         assert self.link is not None
-        mine = None if batch is None else (
-            batch.phase.value, len(batch.reqs), sum(batch.extend_lens),
-            event_digest("step", canonical(batch.identity)))
+        mine = (
+            None
+            if batch is None
+            else (
+                batch.phase.value,
+                len(batch.reqs),
+                sum(batch.extend_lens),
+                event_digest("step", canonical(batch.identity)),
+            )
+        )
         if not self.link.pp.is_first:
             theirs = self.link.recv_object(self.link.prev)
             if theirs != mine:
@@ -98,7 +113,8 @@ class PipelineScheduler(Scheduler):
                 raise RuntimeError(
                     f"pipeline stages scheduled different batches at forward step {self.forward_steps + 1}: "
                     f"stage {stage - 1} {describe_batch(theirs)}, stage {stage} {describe_batch(mine)}; "
-                    f"the rank consensus gate stopped the step (the ranks' states diverged)")
+                    f"the rank consensus gate stopped the step (the ranks' states diverged)"
+                )
         if not self.link.pp.is_last:
             self.link.send_object(mine, self.link.next)
 

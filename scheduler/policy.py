@@ -20,8 +20,9 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 RESERVE_CAP_PER_REQ = 4096
 
 
-def order_waiting(waiting: list[Req], policy: str, prefix_len_of: Callable[[Req], int],
-                  priority_first: int = 0) -> list[Req]:
+def order_waiting(
+    waiting: list[Req], policy: str, prefix_len_of: Callable[[Req], int], priority_first: int = 0
+) -> list[Req]:
     """fcfs: arrival order. lpm: longest cached prefix first (stable, so ties keep arrival order).
     priority_first (--enable-priority-scheduling): 1 puts larger `priority` values first, -1
     smaller ones (--schedule-low-priority-values-first), requests without one last; the policy

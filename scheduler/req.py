@@ -16,9 +16,9 @@ from srt.sampling_params import SamplingParams
 class Req:
     """One request on one rank.
 
-        token ids:  |------ origin_input_ids ------|--- output_ids ---|
-        KV written: |-- cached_len --|-- computed --|  (kv_len tokens)  the last sampled token
-                                                                         has no KV until fed back
+    token ids:  |------ origin_input_ids ------|--- output_ids ---|
+    KV written: |-- cached_len --|-- computed --|  (kv_len tokens)  the last sampled token
+                                                                     has no KV until fed back
     """
 
     rid: str
@@ -39,7 +39,9 @@ class Req:
     # their logprobs are with the front end (output_logprobs covers output_ids[resumed_len:]).
     resumed_len: int = 0
     resume: ResumeState | None = None  # sent with the replay's first output (the detokenizer's seed)
-    decode_spec_sent: bool = False  # the detokenizer has this request's DecodeSpec (sent with its first output)
+    decode_spec_sent: bool = (
+        False  # the detokenizer has this request's DecodeSpec (sent with its first output)
+    )
     retractions: int = 0
     awaiting_token: bool = False  # launched in a batch whose sampled token is not appended yet
     return_logprob: bool = False
@@ -55,11 +57,15 @@ class Req:
         if not self.origin_input_ids:
             raise ValueError(f"request {self.rid}: empty prompt")
         if not 0 <= self.resumed_len == len(self.output_ids) <= self.sampling_params.max_new_tokens:
-            raise ValueError(f"request {self.rid}: {len(self.output_ids)} resumed output tokens do not fit "
-                             f"max_new_tokens {self.sampling_params.max_new_tokens}")
+            raise ValueError(
+                f"request {self.rid}: {len(self.output_ids)} resumed output tokens do not fit "
+                f"max_new_tokens {self.sampling_params.max_new_tokens}"
+            )
         if not -1 <= self.logprob_start_len < len(self.origin_input_ids):
-            raise ValueError(f"request {self.rid}: logprob_start_len {self.logprob_start_len} is outside "
-                             f"[-1, {len(self.origin_input_ids)})")
+            raise ValueError(
+                f"request {self.rid}: logprob_start_len {self.logprob_start_len} is outside "
+                f"[-1, {len(self.origin_input_ids)})"
+            )
 
     @property
     def fill_ids(self) -> list[int]:
@@ -108,4 +114,4 @@ class Req:
     def own_slots(self, req_to_token: torch.Tensor) -> torch.Tensor:
         """KV slots this request owns outright (not shared with the prefix cache)."""
         assert self.req_pool_idx is not None
-        return req_to_token[self.req_pool_idx, self.cached_len:self.kv_len]
+        return req_to_token[self.req_pool_idx, self.cached_len : self.kv_len]

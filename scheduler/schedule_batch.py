@@ -43,8 +43,11 @@ class ScheduleBatch:
     def to_forward_batch(self, out_cache_loc: torch.Tensor, device: torch.device) -> ForwardBatch:
         input_ids: list[int] = []
         for req, n in zip(self.reqs, self.extend_lens):
-            input_ids += req.fill_ids[req.kv_len:req.kv_len + n] if self.phase is Phase.PREFILL \
+            input_ids += (
+                req.fill_ids[req.kv_len : req.kv_len + n]
+                if self.phase is Phase.PREFILL
                 else [req.output_ids[-1]]
+            )
         mode = ForwardMode.EXTEND if self.phase is Phase.PREFILL else ForwardMode.DECODE
         rows = [r.req_pool_idx for r in self.reqs]
         prefix_lens = [r.kv_len for r in self.reqs]

@@ -59,10 +59,17 @@ IDLE_WAIT_MS = 100
 
 
 class Scheduler(BatchSelection):
-    def __init__(self, server_args: ServerArgs, parallel: ParallelState, runner: ModelRunner,
-                 receiver: RequestReceiver, send_output: Callable[[Any], None] | None,
-                 eos_token_ids: set[int], tokenizer_loader: Callable[[], Any],
-                 metrics: RankMetrics | None = None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        parallel: ParallelState,
+        runner: ModelRunner,
+        receiver: RequestReceiver,
+        send_output: Callable[[Any], None] | None,
+        eos_token_ids: set[int],
+        tokenizer_loader: Callable[[], Any],
+        metrics: RankMetrics | None = None,
+    ) -> None:
         self.args = server_args
         self.parallel = parallel
         self.runner = runner
@@ -70,22 +77,33 @@ class Scheduler(BatchSelection):
         self.send_output = send_output  # set on the output rank only
         self._init_cache()
         self._init_state()
-        self.stats = SchedulerStats(self._load, log_enabled=send_output is not None,
-                                    decode_log_interval=server_args.decode_log_interval, metrics=metrics)
+        self.stats = SchedulerStats(
+            self._load,
+            log_enabled=send_output is not None,
+            decode_log_interval=server_args.decode_log_interval,
+            metrics=metrics,
+        )
         self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
         self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
         self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
-        self.grammars = LazyGrammarBackend(server_args.grammar_backend, tokenizer_loader, runner.vocab_size,
-                                           eos_token_ids, JsonOptions.of(server_args))
+        self.grammars = LazyGrammarBackend(
+            server_args.grammar_backend,
+            tokenizer_loader,
+            runner.vocab_size,
+            eos_token_ids,
+            JsonOptions.of(server_args),
+        )
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
-        self.first_token_at_once = bool(server_args.enable_metrics or server_args.req_waiting_timeout
-                                        or server_args.req_running_timeout)
+        self.first_token_at_once = bool(
+            server_args.enable_metrics or server_args.req_waiting_timeout or server_args.req_running_timeout
+        )
 
     def _init_cache(self) -> None:
         page_size = self.runner.config.page_size
         self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
-            self.runner.allocator.free_slots, page_size=page_size, device=self.runner.device)
+            self.runner.allocator.free_slots, page_size=page_size, device=self.runner.device
+        )
         self.kv = KVManager(self.runner, self.tree_cache)
 
     def _init_state(self) -> None:
@@ -134,7 +152,9 @@ class Scheduler(BatchSelection):
                 if ok:
                     self.tree_cache.reset()
                     self.kv.release_memory(evict=False)  # every page is free now
-                self._reply(ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"}))
+                self._reply(
+                    ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"})
+                )
             elif isinstance(msg, ReleaseMemoryReq):
                 logger.warning("releasing KV memory: %s", msg.reason)
                 self.kv.release_memory(evict=True)
@@ -147,10 +167,21 @@ class Scheduler(BatchSelection):
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         resumed = list(msg.resume.output_ids) if msg.resume is not None else []
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.seed, msg.stream, output_ids=resumed,
-                  sent_len=len(resumed), resumed_len=len(resumed), resume=msg.resume,
-                  return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                  logprob_start_len=msg.logprob_start_len, priority=msg.priority)
+        req = Req(
+            msg.rid,
+            list(msg.input_ids),
+            msg.sampling_params,
+            msg.seed,
+            msg.stream,
+            output_ids=resumed,
+            sent_len=len(resumed),
+            resumed_len=len(resumed),
+            resume=msg.resume,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            priority=msg.priority,
+        )
         refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
         if refused is not None:
             self._finish(req, refused)
@@ -158,13 +189,28 @@ class Scheduler(BatchSelection):
             self._finish(req, FinishReason("length"))
         elif self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
             # the waiting queue is the same on every rank, so every rank refuses the same request
-            self._finish(req, FinishReason("abort", status_code=503, message=(
-                f"{len(self.waiting)} requests are waiting already (--max-queued-requests "
-                f"{self.args.max_queued_requests}); retry later")))
+            self._finish(
+                req,
+                FinishReason(
+                    "abort",
+                    status_code=503,
+                    message=(
+                        f"{len(self.waiting)} requests are waiting already (--max-queued-requests "
+                        f"{self.args.max_queued_requests}); retry later"
+                    ),
+                ),
+            )
         elif req.seq_len + 1 > self.kv.max_total_tokens:
-            self._finish(req, FinishReason("abort", message=(
-                f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
-                f"({self.kv.max_total_tokens} tokens); raise {self.runner.kv_budget.flag}")))
+            self._finish(
+                req,
+                FinishReason(
+                    "abort",
+                    message=(
+                        f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
+                        f"({self.kv.max_total_tokens} tokens); raise {self.runner.kv_budget.flag}"
+                    ),
+                ),
+            )
         else:
             self.waiting.append(req)
 
@@ -228,24 +274,39 @@ class Scheduler(BatchSelection):
         self.stats.after_step(tokens)
         return Launched(batch, sampled, ids)
 
-    def _sample(self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None, logits: torch.Tensor,
-                token_logits: torch.Tensor | None) -> list[int]:
+    def _sample(
+        self,
+        batch: ScheduleBatch,
+        step: int,
+        plan: LogprobPlan | None,
+        logits: torch.Tensor,
+        token_logits: torch.Tensor | None,
+    ) -> list[int]:
         info = SamplingBatchInfo.from_lists(
             temperatures=[r.sampling_params.temperature for r in batch.reqs],
             top_ps=[r.sampling_params.top_p for r in batch.reqs],
             top_ks=[r.sampling_params.top_k for r in batch.reqs],
             min_ps=[r.sampling_params.min_p for r in batch.reqs],
             seeds=[r.seed for r in batch.reqs],
-            output_positions=[len(r.output_ids) for r in batch.reqs], device=self.runner.device)
-        penalized = apply_penalties(logits, [r.sampling_params.penalties for r in batch.reqs],
-                                    [r.output_ids for r in batch.reqs], [r.origin_input_ids for r in batch.reqs])
+            output_positions=[len(r.output_ids) for r in batch.reqs],
+            device=self.runner.device,
+        )
+        penalized = apply_penalties(
+            logits,
+            [r.sampling_params.penalties for r in batch.reqs],
+            [r.output_ids for r in batch.reqs],
+            [r.origin_input_ids for r in batch.reqs],
+        )
         penalized = apply_logit_bias(penalized, [r.sampling_params.logit_bias for r in batch.reqs])
         eos = self.stop_checker.eos_token_ids
-        penalized = ban_tokens(penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs])
+        penalized = ban_tokens(
+            penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs]
+        )
         rows = constrained_rows(batch.reqs)
         if rows:
-            penalized = self.grammars.mask_logits(penalized, fill_bitmask(batch.reqs, rows, self.runner.vocab_size),
-                                                  rows)
+            penalized = self.grammars.mask_logits(
+                penalized, fill_bitmask(batch.reqs, rows, self.runner.vocab_size), rows
+            )
         next_ids = self.runner.sample(penalized, info)
         self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
         if self.sync_token_ids or self._grammar_sync(bool(rows)):
@@ -265,8 +326,12 @@ class Scheduler(BatchSelection):
         same on every rank); the output rank logs each change."""
         on = constrained and self.parallel.tp_size > 1
         if on != self.grammar_sync_on and not self.sync_token_ids and self.send_output is not None:
-            logger.info("token-id sync across TP %s", "on: the batch holds a constrained request" if on else
-                        "off: no constrained request in the batch")
+            logger.info(
+                "token-id sync across TP %s",
+                "on: the batch holds a constrained request"
+                if on
+                else "off: no constrained request in the batch",
+            )
         self.grammar_sync_on = on
         return on
 
@@ -283,7 +348,9 @@ class Scheduler(BatchSelection):
                 self._finish(req, FinishReason("length"))
                 continue
             req.output_ids.append(int(next_ids[i]))
-            reason = advance(req, int(next_ids[i]), skip=self.faults.skip_grammar_accept(self.forward_steps, req))
+            reason = advance(
+                req, int(next_ids[i]), skip=self.faults.skip_grammar_accept(self.forward_steps, req)
+            )
             reason = reason or self.stop_checker.check(req)
             if reason is not None:
                 self.running.remove(req)
@@ -319,7 +386,7 @@ class Scheduler(BatchSelection):
                 out.resumes.append(req.resume)
             req.resume = None
             out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.sent_len:])
+            out.new_token_ids.append(req.output_ids[req.sent_len :])
             out.finished_reasons.append(req.finished_reason)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
@@ -333,16 +400,23 @@ class Scheduler(BatchSelection):
     # ------------------------------------------------------------------ introspection
     def _load(self) -> LoadSnapshot:
         available = self.kv.available_tokens()
-        return LoadSnapshot(running=len(self.running) + (self.chunked_req is not None), waiting=len(self.waiting),
-                            used_tokens=self.kv.max_total_tokens - available, max_total_tokens=self.kv.max_total_tokens,
-                            **self.kv.page_counts())
+        return LoadSnapshot(
+            running=len(self.running) + (self.chunked_req is not None),
+            waiting=len(self.waiting),
+            used_tokens=self.kv.max_total_tokens - available,
+            max_total_tokens=self.kv.max_total_tokens,
+            **self.kv.page_counts(),
+        )
 
     def load_report(self) -> dict[str, int]:
         """SGLang's load fields: requests running and waiting, and the KV tokens they hold or will
         need first (held by running requests, plus the prompts waiting)."""
         load = self._load()
-        return {"num_reqs": load.running + load.waiting, "num_waiting_reqs": load.waiting,
-                "num_tokens": load.used_tokens + sum(r.seq_len for r in self.waiting)}
+        return {
+            "num_reqs": load.running + load.waiting,
+            "num_waiting_reqs": load.waiting,
+            "num_tokens": load.used_tokens + sum(r.seq_len for r in self.waiting),
+        }
 
     def internal_state(self) -> dict[str, Any]:
         return {
@@ -355,5 +429,3 @@ class Scheduler(BatchSelection):
             "kv_cache_bytes": self.runner.kv_pool.total_bytes,
             **self.kv.stats(self.running + ([self.chunked_req] if self.chunked_req else [])),
         }
-
-

@@ -96,8 +96,12 @@ class StepTimer:
             self.metrics.step_time(broadcast, schedule, forward)
 
     def as_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, "broadcast_s": self.broadcast_s, "schedule_s": self.schedule_s,
-                "forward_s": self.forward_s}
+        return {
+            "steps": self.steps,
+            "broadcast_s": self.broadcast_s,
+            "schedule_s": self.schedule_s,
+            "forward_s": self.forward_s,
+        }
 
 
 @dataclass
@@ -126,9 +130,16 @@ class SchedulerStats:
             return
         cached = sum(r.cached_len for r in batch.reqs if r.kv_len == r.cached_len)  # first chunks only
         load = self.load()
-        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                    "#running-req: %d, #queue-req: %d", len(batch.reqs), sum(batch.extend_lens), cached,
-                    load.token_usage, load.running, load.waiting)
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(batch.reqs),
+            sum(batch.extend_lens),
+            cached,
+            load.token_usage,
+            load.running,
+            load.waiting,
+        )
 
     def on_prompt_done(self, req: Req) -> None:
         """A request sampled its first token: its prompt counts towards the cache hit rate."""
@@ -144,8 +155,15 @@ class SchedulerStats:
         throughput = self.generated_since_log / max(now - self.last_log_time, 1e-9)
         self.generated_since_log, self.last_log_time = 0, now
         load = self.load()
-        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                    "#queue-req: %d", load.running, load.used_tokens, load.token_usage, throughput, load.waiting)
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            load.running,
+            load.used_tokens,
+            load.token_usage,
+            throughput,
+            load.waiting,
+        )
         if self.metrics is not None and self.metrics.is_output_rank:
             self.metrics.set(gen_throughput=throughput)
 
@@ -169,7 +187,13 @@ class SchedulerStats:
         if self.metrics is None or not self.metrics.is_output_rank:
             return
         load = self.load()
-        self.metrics.set(num_running_reqs=load.running, num_queue_reqs=load.waiting, num_used_tokens=load.used_tokens,
-                         token_usage=load.token_usage, cache_hit_rate=self.cache_hit_rate,
-                         kv_free_pages=load.free_pages, kv_cached_pages=load.cached_pages,
-                         kv_used_pages=load.used_pages)
+        self.metrics.set(
+            num_running_reqs=load.running,
+            num_queue_reqs=load.waiting,
+            num_used_tokens=load.used_tokens,
+            token_usage=load.token_usage,
+            cache_hit_rate=self.cache_hit_rate,
+            kv_free_pages=load.free_pages,
+            kv_cached_pages=load.cached_pages,
+            kv_used_pages=load.used_pages,
+        )

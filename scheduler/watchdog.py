@@ -32,7 +32,9 @@ def dump_stacks(pid: int | None = None) -> str:
     binary = shutil.which(os.environ.get(PY_SPY_ENV, "py-spy"))
     if binary is not None:
         try:
-            done = subprocess.run([binary, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+            done = subprocess.run(
+                [binary, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20
+            )
             if done.returncode == 0 and done.stdout.strip():
                 return "py-spy dump:\n" + done.stdout
             logger.warning("py-spy failed (%s); falling back to faulthandler", done.stderr.strip()[:200])
@@ -47,9 +49,17 @@ def dump_stacks(pid: int | None = None) -> str:
 
 
 class Watchdog:
-    def __init__(self, *, name: str, timeout_s: float, soft: bool, progress: Callable[[], int],
-                 busy: Callable[[], bool], describe: Callable[[], str],
-                 exit_fn: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        timeout_s: float,
+        soft: bool,
+        progress: Callable[[], int],
+        busy: Callable[[], bool],
+        describe: Callable[[], str],
+        exit_fn: Callable[[int], None] = os._exit,
+    ) -> None:
         self.name = name
         self.timeout_s = timeout_s
         self.soft = soft
@@ -59,7 +69,9 @@ class Watchdog:
         self._exit = exit_fn
         self.fired = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{'soft' if soft else 'hard'}-watchdog", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{'soft' if soft else 'hard'}-watchdog", daemon=True
+        )
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -87,8 +99,10 @@ class Watchdog:
         self.fired += 1
         kind = "soft watchdog" if self.soft else "watchdog"
         report = io.StringIO()
-        report.write(f"{self.name} {kind} timeout: no forward progress for {stalled_s:.1f} s "
-                     f"(--{'soft-' if self.soft else ''}watchdog-timeout {self.timeout_s:g}) while work is pending\n")
+        report.write(
+            f"{self.name} {kind} timeout: no forward progress for {stalled_s:.1f} s "
+            f"(--{'soft-' if self.soft else ''}watchdog-timeout {self.timeout_s:g}) while work is pending\n"
+        )
         try:
             report.write(f"scheduler state: {self._describe()}\n")
         except Exception as e:  # the state is best effort; the stacks matter more

@@ -42,8 +42,12 @@ BACKENDS = ("auto", "srt", "openai")
 # What a missing server or a broken connection raises, in the async client (aiohttp; its total
 # timeout raises asyncio.TimeoutError) and in http_call (urllib: URLError, HTTPError and socket
 # timeouts are OSErrors; a garbled answer is an http.client.HTTPException).
-HTTP_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientError, asyncio.TimeoutError, OSError,
-                                            http.client.HTTPException)
+HTTP_ERRORS: tuple[type[Exception], ...] = (
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    OSError,
+    http.client.HTTPException,
+)
 
 
 class BadAnswer(Exception):
@@ -82,8 +86,12 @@ def http_call(url: str, timeout_s: float, json_body: Any = None) -> HttpAnswer:
     """GET `url`, or POST `json_body` as JSON when given; the answer whatever its status. Raises one of
     HTTP_ERRORS when the server cannot be reached, does not answer within `timeout_s`, or answers garbage."""
     data = None if json_body is None else json.dumps(json_body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                     headers={} if data is None else {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=data,
+        method="GET" if data is None else "POST",
+        headers={} if data is None else {"Content-Type": "application/json"},
+    )
     try:
         with _OPENER.open(request, timeout=timeout_s) as response:
             return HttpAnswer(response.status, response.read())
@@ -97,8 +105,9 @@ def open_session(timeout_s: float, limit: int | None = None) -> aiohttp.ClientSe
     """A session whose requests each time out after `timeout_s` (the whole request, the streamed body
     included) and which opens at most `limit` connections at a time (None: no limit). Call it in the
     event loop that uses it, as `async with open_session(...) as client`."""
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                 connector=aiohttp.TCPConnector(limit=limit or 0))
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s), connector=aiohttp.TCPConnector(limit=limit or 0)
+    )
 
 
 async def _get_json(client: aiohttp.ClientSession, url: str) -> Any:
@@ -113,8 +122,9 @@ async def _get_json(client: aiohttp.ClientSession, url: str) -> Any:
         return None
 
 
-async def resolve_target(client: aiohttp.ClientSession, base_url: str, backend: str = "auto",
-                         model: str | None = None) -> tuple[Target, int | None]:
+async def resolve_target(
+    client: aiohttp.ClientSession, base_url: str, backend: str = "auto", model: str | None = None
+) -> tuple[Target, int | None]:
     """The target to benchmark and the vocabulary size the server reports (None when it does not).
 
     Raises aiohttp.ClientError or asyncio.TimeoutError when the server cannot be reached, ValueError
@@ -137,10 +147,19 @@ async def resolve_target(client: aiohttp.ClientSession, base_url: str, backend: 
 
 def _payload(target: Target, input_ids: list[int], output_len: int, stream: bool) -> dict[str, Any]:
     if target.backend == "srt":
-        return {"input_ids": input_ids, "stream": stream,
-                "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
-    payload: dict[str, Any] = {"model": target.model, "prompt": input_ids, "max_tokens": output_len,
-                               "temperature": 0.0, "ignore_eos": True, "stream": stream}
+        return {
+            "input_ids": input_ids,
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+        }
+    payload: dict[str, Any] = {
+        "model": target.model,
+        "prompt": input_ids,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         payload["stream_options"] = {"include_usage": True}
     return payload
@@ -163,7 +182,7 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, A
     async for line in _lines(response.content.iter_any()):
         if not line.startswith(b"data:"):
             continue
-        data = line[len(b"data:"):].strip()
+        data = line[len(b"data:") :].strip()
         if data == b"[DONE]":
             return
         yield _loads(data)
@@ -175,7 +194,9 @@ def _stream_error(event: dict[str, Any]) -> str:
     return f"stream error: {error.get('message') if isinstance(error, dict) else error}"
 
 
-async def _read_srt_stream(response: aiohttp.ClientResponse, start: float, result: RequestResult) -> str | None:
+async def _read_srt_stream(
+    response: aiohttp.ClientResponse, start: float, result: RequestResult
+) -> str | None:
     """Fills `result` from /generate's chunks; returns the finish reason type, None if none came."""
     finish = None
     async for event in _events(response):
@@ -194,7 +215,9 @@ async def _read_srt_stream(response: aiohttp.ClientResponse, start: float, resul
     return finish
 
 
-async def _read_openai_stream(response: aiohttp.ClientResponse, start: float, result: RequestResult) -> str | None:
+async def _read_openai_stream(
+    response: aiohttp.ClientResponse, start: float, result: RequestResult
+) -> str | None:
     finish, usage_tokens = None, None
     async for event in _events(response):
         if "error" in event:
@@ -219,8 +242,14 @@ def _finish_of(target: Target, body: dict[str, Any], result: RequestResult) -> s
     return body["choices"][0].get("finish_reason")
 
 
-async def send_request(client: aiohttp.ClientSession, target: Target, input_ids: list[int], output_len: int,
-                       stream: bool, result: RequestResult) -> None:
+async def send_request(
+    client: aiohttp.ClientSession,
+    target: Target,
+    input_ids: list[int],
+    output_len: int,
+    stream: bool,
+    result: RequestResult,
+) -> None:
     """Fill `result` in place, so a timeout still leaves what arrived. Raises BadAnswer for an error
     event or a cut stream, aiohttp.ClientError on transport errors, asyncio.TimeoutError past the
     session's timeout, and ValueError, KeyError, TypeError or IndexError for an answer of the wrong shape."""
@@ -244,8 +273,15 @@ async def send_request(client: aiohttp.ClientSession, target: Target, input_ids:
     result.success = True
 
 
-async def run_one(client: aiohttp.ClientSession, target: Target, input_ids: list[int], output_len: int, stream: bool,
-                  timeout_s: float, semaphore: asyncio.Semaphore | None) -> RequestResult:
+async def run_one(
+    client: aiohttp.ClientSession,
+    target: Target,
+    input_ids: list[int],
+    output_len: int,
+    stream: bool,
+    timeout_s: float,
+    semaphore: asyncio.Semaphore | None,
+) -> RequestResult:
     """One request, sent once `semaphore` admits it (times count from then); failures are recorded."""
     result = RequestResult(prompt_len=len(input_ids))
     if semaphore is not None:

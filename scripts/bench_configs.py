@@ -44,8 +44,10 @@ class Run:
 
 def warmup(url: str, input_len: int) -> None:
     """One short request, so the first timed request does not pay for lazy initialisation."""
-    payload = {"input_ids": [bench_serving.MIN_TOKEN_ID] * input_len,
-               "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
+    payload = {
+        "input_ids": [bench_serving.MIN_TOKEN_ID] * input_len,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+    }
     response = http_call(f"{url}/generate", timeout_s=300, json_body=payload)
     if response.status != 200:
         raise RuntimeError(f"the warmup request failed: HTTP {response.status}: {response.text[:300]}")
@@ -54,8 +56,14 @@ def warmup(url: str, input_len: int) -> None:
 def measure(config: str, flags: Sequence[str], round_index: int, args: argparse.Namespace) -> Run:
     """`args`: the common arguments (add_common_args) plus `server_args`, the flags every
     configuration shares (a configuration's own flags come after them and win)."""
-    server_args = [*args.server_args, "--dtype", args.dtype, "--max-total-tokens", str(args.max_total_tokens),
-                   *flags]
+    server_args = [
+        *args.server_args,
+        "--dtype",
+        args.dtype,
+        "--max-total-tokens",
+        str(args.max_total_tokens),
+        *flags,
+    ]
     if args.model_path is not None:
         server_args += ["--model-path", args.model_path]
     if args.tokenizer_path is not None:
@@ -64,16 +72,32 @@ def measure(config: str, flags: Sequence[str], round_index: int, args: argparse.
     with ServerProcess(server_args, args.startup_timeout) as server:
         warmup(server.url, args.input_len)
         bench_args = bench_serving.parse_args(
-            ["--base-url", server.url, "--num-prompts", str(args.num_prompts),
-             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-             "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
-             "--request-timeout", str(args.request_timeout)])
+            [
+                "--base-url",
+                server.url,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--max-concurrency",
+                str(args.max_concurrency),
+                "--seed",
+                str(args.seed),
+                "--request-timeout",
+                str(args.request_timeout),
+            ]
+        )
         metrics, _ = asyncio.run(bench_serving.benchmark(bench_args))
     itl = metrics.itl_ms.mean if metrics.itl_ms is not None else None
     run = Run(config, round_index, metrics.output_throughput, itl, metrics.completed, metrics.failed)
-    print(f"{config}: {run.output_throughput:.2f} tok/s, mean ITL {_ms(itl)}, "
-          f"{run.completed} completed, {run.failed} failed", flush=True)
-    for error in metrics.errors[:bench_serving.SHOWN_ERRORS]:
+    print(
+        f"{config}: {run.output_throughput:.2f} tok/s, mean ITL {_ms(itl)}, "
+        f"{run.completed} completed, {run.failed} failed",
+        flush=True,
+    )
+    for error in metrics.errors[: bench_serving.SHOWN_ERRORS]:
         print(f"  {error}", flush=True)
     return run
 
@@ -93,10 +117,15 @@ def summarize(runs: list[Run], configs: Mapping[str, Sequence[str]]) -> list[dic
         if not mine:
             raise ValueError(f"no runs of {config!r}")
         itls = [r.mean_itl_ms for r in mine if r.mean_itl_ms is not None]
-        rows.append({"config": config, "flags": list(flags),
-                     "output_throughput": statistics.median(r.output_throughput for r in mine),
-                     "mean_itl_ms": statistics.median(itls) if itls else None,
-                     "runs": [asdict(r) for r in mine]})
+        rows.append(
+            {
+                "config": config,
+                "flags": list(flags),
+                "output_throughput": statistics.median(r.output_throughput for r in mine),
+                "mean_itl_ms": statistics.median(itls) if itls else None,
+                "runs": [asdict(r) for r in mine],
+            }
+        )
     baseline = rows[0]["output_throughput"]
     for row in rows:
         row["ratio"] = row["output_throughput"] / baseline if baseline > 0 else None
@@ -114,17 +143,30 @@ def format_table(rows: list[dict[str, Any]], ratio_line: str) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        lines.append(f"{row['config']:<{width}}{row['output_throughput']:>14.2f}{_ms(row['mean_itl_ms']):>14}"
-                     f"{ratio:>20}")
-    lines += [ratio_line.format(config=row["config"], baseline=rows[0]["config"],
-                                ratio="n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x")
-              for row in rows[1:]]
+        lines.append(
+            f"{row['config']:<{width}}{row['output_throughput']:>14.2f}{_ms(row['mean_itl_ms']):>14}"
+            f"{ratio:>20}"
+        )
+    lines += [
+        ratio_line.format(
+            config=row["config"],
+            baseline=rows[0]["config"],
+            ratio="n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x",
+        )
+        for row in rows[1:]
+    ]
     return "\n".join(lines)
 
 
 # ---- CLI ----
-def add_common_args(parser: argparse.ArgumentParser, *, num_prompts: int, input_len: int, output_len: int,
-                    max_concurrency: int) -> None:
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    max_concurrency: int,
+) -> None:
     parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--tokenizer-path", default=None, help="default: --model-path")
     parser.add_argument("--dtype", default="bfloat16", choices=("auto", "bfloat16", "float16", "float32"))
@@ -140,9 +182,18 @@ def add_common_args(parser: argparse.ArgumentParser, *, num_prompts: int, input_
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
-def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: Sequence[str] = ()) -> None:
-    for name in ("max_total_tokens", "num_prompts", "input_len", "output_len", "max_concurrency", "rounds",
-                 *positive):
+def check_common_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, positive: Sequence[str] = ()
+) -> None:
+    for name in (
+        "max_total_tokens",
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "max_concurrency",
+        "rounds",
+        *positive,
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("startup_timeout", "request_timeout"):
@@ -150,7 +201,9 @@ def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
             parser.error(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
 
 
-def compare(args: argparse.Namespace, configs: Mapping[str, Sequence[str]], ratio_line: str, name: str) -> int:
+def compare(
+    args: argparse.Namespace, configs: Mapping[str, Sequence[str]], ratio_line: str, name: str
+) -> int:
     """Runs every configuration --rounds times, prints the table; the exit status."""
     runs: list[Run] = []
     try:

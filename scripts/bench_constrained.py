@@ -31,8 +31,15 @@ from srt.server_process import ServerProcess  # noqa: E402
 MODES: dict[str, dict[str, Any]] = {
     "unconstrained": {},
     "regex": {"regex": r"[a-z ,.]+"},
-    "json_schema": {"json_schema": json.dumps({"type": "object", "properties": {
-        "story": {"type": "string", "minLength": 4096}}, "required": ["story"]})},
+    "json_schema": {
+        "json_schema": json.dumps(
+            {
+                "type": "object",
+                "properties": {"story": {"type": "string", "minLength": 4096}},
+                "required": ["story"],
+            }
+        )
+    },
 }
 BATCHES = (1, 32)
 PROMPT_LEN = 32
@@ -42,8 +49,9 @@ def timed_batch(server: ServerProcess, batch: int, new_tokens: int, grammar: dic
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(PROMPT_LEN)] for i in range(batch)]
     params = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "temperature": 0, **grammar}
     start = time.perf_counter()
-    answer = http_call(f"{server.url}/generate", timeout_s=1800, json_body={"input_ids": prompts,
-                                                                            "sampling_params": params})
+    answer = http_call(
+        f"{server.url}/generate", timeout_s=1800, json_body={"input_ids": prompts, "sampling_params": params}
+    )
     elapsed = time.perf_counter() - start
     if answer.status != 200:
         raise RuntimeError(f"/generate answered {answer.status}: {answer.body[:500]!r}")
@@ -51,7 +59,9 @@ def timed_batch(server: ServerProcess, batch: int, new_tokens: int, grammar: dic
     for out in outs:
         reason = out["meta_info"]["finish_reason"]
         if reason["type"] != "length" or out["meta_info"]["completion_tokens"] != new_tokens:
-            raise RuntimeError(f"a request ended early ({reason}); the measurement needs all {new_tokens} tokens")
+            raise RuntimeError(
+                f"a request ended early ({reason}); the measurement needs all {new_tokens} tokens"
+            )
     return elapsed
 
 
@@ -62,8 +72,7 @@ def decode_throughput(server: ServerProcess, batch: int, output_len: int, gramma
 
 
 def format_table(results: dict[tuple[int, str], list[float]]) -> str:
-    lines = [f"{'batch':>5}  {'mode':<14} {'decode tok/s':>12}  {'vs unconstrained':>16}",
-             "-" * 52]
+    lines = [f"{'batch':>5}  {'mode':<14} {'decode tok/s':>12}  {'vs unconstrained':>16}", "-" * 52]
     for batch in BATCHES:
         base = statistics.median(results[(batch, "unconstrained")])
         for mode in MODES:
@@ -73,7 +82,9 @@ def format_table(results: dict[tuple[int, str], list[float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=32)
@@ -84,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_len < 2:
         parser.error("--output-len must be >= 2")
     server_args = (["--model-path", args.model_path] if args.model_path else []) + [
-        "--max-running-requests", str(max(BATCHES)), *args.server_args]
+        "--max-running-requests",
+        str(max(BATCHES)),
+        *args.server_args,
+    ]
     server = ServerProcess(server_args, startup_timeout_s=600)
     results: dict[tuple[int, str], list[float]] = {(b, m): [] for b in BATCHES for m in MODES}
     try:

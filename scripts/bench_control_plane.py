@@ -82,8 +82,11 @@ class RankTiming:
 
 
 def parse_metrics(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def rank_name(rank: int, tp_size: int, pp_size: int) -> str:
@@ -102,9 +105,18 @@ def rank_timings(before: Samples, after: Samples, steps: int, tp_size: int, pp_s
         key = (name, (("rank", str(rank)),))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    return [RankTiming(rank, rank_name(rank, tp_size, pp_size), steps, round(gained("srt:forward_steps_total", rank)),
-                       gained("srt:step_broadcast_seconds_total", rank), gained("srt:step_schedule_seconds_total", rank),
-                       gained("srt:step_forward_seconds_total", rank)) for rank in ranks]
+    return [
+        RankTiming(
+            rank,
+            rank_name(rank, tp_size, pp_size),
+            steps,
+            round(gained("srt:forward_steps_total", rank)),
+            gained("srt:step_broadcast_seconds_total", rank),
+            gained("srt:step_schedule_seconds_total", rank),
+            gained("srt:step_forward_seconds_total", rank),
+        )
+        for rank in ranks
+    ]
 
 
 def verdict(ok: bool) -> str:
@@ -116,16 +128,22 @@ def size(n: float) -> str:
 
 
 def format_timing_table(rows: list[RankTiming], title: str) -> str:
-    header = (f"{'rank':>4}  {'process':<16}{'timed steps':>12}{'broadcast ms/step':>19}{'schedule ms/step':>18}"
-              f"{'forward ms/step':>17}{'control plane %':>17}{'target':>8}")
+    header = (
+        f"{'rank':>4}  {'process':<16}{'timed steps':>12}{'broadcast ms/step':>19}{'schedule ms/step':>18}"
+        f"{'forward ms/step':>17}{'control plane %':>17}{'target':>8}"
+    )
     lines = [f" {title} ".center(len(header), "="), header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.rank:>4}  {r.name:<16}{r.steps:>12}{r.ms_per_step(r.broadcast_s):>19.3f}"
-                     f"{r.ms_per_step(r.schedule_s):>18.3f}{r.ms_per_step(r.forward_s):>17.3f}"
-                     f"{r.control_plane_pct:>17.2f}{verdict(r.control_plane_pct <= CONTROL_PLANE_TARGET_PCT):>8}")
+        lines.append(
+            f"{r.rank:>4}  {r.name:<16}{r.steps:>12}{r.ms_per_step(r.broadcast_s):>19.3f}"
+            f"{r.ms_per_step(r.schedule_s):>18.3f}{r.ms_per_step(r.forward_s):>17.3f}"
+            f"{r.control_plane_pct:>17.2f}{verdict(r.control_plane_pct <= CONTROL_PLANE_TARGET_PCT):>8}"
+        )
     worst = max(r.control_plane_pct for r in rows)
-    lines.append(f"control plane (broadcast + scheduling): at most {worst:.2f}% of a busy step "
-                 f"(target <= {CONTROL_PLANE_TARGET_PCT:g}%): {verdict(worst <= CONTROL_PLANE_TARGET_PCT)}")
+    lines.append(
+        f"control plane (broadcast + scheduling): at most {worst:.2f}% of a busy step "
+        f"(target <= {CONTROL_PLANE_TARGET_PCT:g}%): {verdict(worst <= CONTROL_PLANE_TARGET_PCT)}"
+    )
     return "\n".join(lines)
 
 
@@ -186,8 +204,10 @@ def format_idle_table(rows: list[ProcessCpu], wall: float) -> str:
     lines += [f"{r.name:<20}{r.pid:>8}{r.cpu_s:>10.3f}{r.pct_of_core:>15.2f}" for r in rows]
     total = sum(r.pct_of_core for r in rows)
     lines.append(f"{'total':<20}{'':>8}{sum(r.cpu_s for r in rows):>10.3f}{total:>15.2f}")
-    lines.append(f"idle server: {total:.2f}% of one core (target < {IDLE_CPU_TARGET_PCT:g}%): "
-                 f"{verdict(total < IDLE_CPU_TARGET_PCT)}")
+    lines.append(
+        f"idle server: {total:.2f}% of one core (target < {IDLE_CPU_TARGET_PCT:g}%): "
+        f"{verdict(total < IDLE_CPU_TARGET_PCT)}"
+    )
     return "\n".join(lines)
 
 
@@ -220,7 +240,9 @@ def format_memory_table(rows: list[ProcessMemory]) -> str:
     for r in rows:
         uss = "n/a" if r.uss is None else f"{r.uss / MB:.1f}"
         lines.append(f"{r.name:<20}{r.pid:>8}{r.rss / MB:>10.1f}{uss:>10}")
-    lines.append(f"{'total':<20}{'':>8}{sum(r.rss for r in rows) / MB:>10.1f}{sum(r.uss or 0 for r in rows) / MB:>10.1f}")
+    lines.append(
+        f"{'total':<20}{'':>8}{sum(r.rss for r in rows) / MB:>10.1f}{sum(r.uss or 0 for r in rows) / MB:>10.1f}"
+    )
     return "\n".join(lines)
 
 
@@ -253,43 +275,69 @@ class KvBudget:
         return self.kv_bytes <= self.budget + KV_SLACK * self.total_memory
 
 
-def kv_budget(info: dict[str, Any], state: dict[str, Any], available_before: int,
-              max_total_tokens_flag: int | None) -> KvBudget:
-    return KvBudget(float(info["mem_fraction_static"]), int(info["max_total_tokens"]), int(state["kv_cache_bytes"]),
-                    int(info["tp_size"]) * int(info["pp_size"]) // int(info["nnodes"]),
-                    int(psutil.virtual_memory().total), available_before, max_total_tokens_flag)
+def kv_budget(
+    info: dict[str, Any], state: dict[str, Any], available_before: int, max_total_tokens_flag: int | None
+) -> KvBudget:
+    return KvBudget(
+        float(info["mem_fraction_static"]),
+        int(info["max_total_tokens"]),
+        int(state["kv_cache_bytes"]),
+        int(info["tp_size"]) * int(info["pp_size"]) // int(info["nnodes"]),
+        int(psutil.virtual_memory().total),
+        available_before,
+        max_total_tokens_flag,
+    )
 
 
 def format_kv_detail(kv: KvBudget) -> str:
     f = kv.mem_fraction_static
     capped = f", capped by --max-total-tokens {kv.max_total_tokens_flag}" if kv.max_total_tokens_flag else ""
-    return "\n".join([
-        f"machine memory: total {size(kv.total_memory)}, available before the server started "
-        f"{size(kv.available_before)}",
-        f"kept free: total x (1 - {f:g}) = {size(kv.kept_free)}; KV budget: available - kept free = "
-        f"{size(kv.budget)} for {kv.ranks} rank(s) (mem_cache/budget.py)",
-        f"KV cache: {kv.tokens_per_rank} tokens x {kv.bytes_per_rank // max(kv.tokens_per_rank, 1)} B/token per rank "
-        f"x {kv.ranks} rank(s) = {size(kv.kv_bytes)}{capped} (allocated lazily: resident once written)",
-        f"KV cache honours --mem-fraction-static {f:g}: {verdict(kv.honoured)} "
-        f"(KV <= budget + {KV_SLACK:.0%} of total memory for other processes' churn)"])
+    return "\n".join(
+        [
+            f"machine memory: total {size(kv.total_memory)}, available before the server started "
+            f"{size(kv.available_before)}",
+            f"kept free: total x (1 - {f:g}) = {size(kv.kept_free)}; KV budget: available - kept free = "
+            f"{size(kv.budget)} for {kv.ranks} rank(s) (mem_cache/budget.py)",
+            f"KV cache: {kv.tokens_per_rank} tokens x {kv.bytes_per_rank // max(kv.tokens_per_rank, 1)} B/token per rank "
+            f"x {kv.ranks} rank(s) = {size(kv.kv_bytes)}{capped} (allocated lazily: resident once written)",
+            f"KV cache honours --mem-fraction-static {f:g}: {verdict(kv.honoured)} "
+            f"(KV <= budget + {KV_SLACK:.0%} of total memory for other processes' churn)",
+        ]
+    )
 
 
 def format_kv_table(rows: list[KvBudget]) -> str:
-    header = (f"{'mem-fraction-static':>20}{'KV tokens/rank':>16}{'KV MB (all ranks)':>19}{'budget MB':>11}"
-              f"{'KV / budget':>13}{'honoured':>10}")
+    header = (
+        f"{'mem-fraction-static':>20}{'KV tokens/rank':>16}{'KV MB (all ranks)':>19}{'budget MB':>11}"
+        f"{'KV / budget':>13}{'honoured':>10}"
+    )
     lines = [" KV cache vs --mem-fraction-static ".center(len(header), "="), header, "-" * len(header)]
     for kv in rows:
         share = f"{100 * kv.kv_bytes / kv.budget:.1f}%" if kv.budget else "n/a"
-        lines.append(f"{kv.mem_fraction_static:>20g}{kv.tokens_per_rank:>16}{kv.kv_bytes / MB:>19.1f}"
-                     f"{kv.budget / MB:>11.0f}{share:>13}{verdict(kv.honoured):>10}")
+        lines.append(
+            f"{kv.mem_fraction_static:>20g}{kv.tokens_per_rank:>16}{kv.kv_bytes / MB:>19.1f}"
+            f"{kv.budget / MB:>11.0f}{share:>13}{verdict(kv.honoured):>10}"
+        )
     return "\n".join(lines)
 
 
 # ---- runs ----
 def server_flags(args: argparse.Namespace, mem_fraction_static: float) -> list[str]:
-    flags = ["--tp-size", str(args.tp_size), "--pp-size", str(args.pp_size), "--enable-metrics", "--mem-fraction-static", str(mem_fraction_static)]
-    for flag, value in (("--model-path", args.model_path), ("--tokenizer-path", args.tokenizer_path),
-                        ("--dtype", args.dtype), ("--max-total-tokens", args.max_total_tokens)):
+    flags = [
+        "--tp-size",
+        str(args.tp_size),
+        "--pp-size",
+        str(args.pp_size),
+        "--enable-metrics",
+        "--mem-fraction-static",
+        str(mem_fraction_static),
+    ]
+    for flag, value in (
+        ("--model-path", args.model_path),
+        ("--tokenizer-path", args.tokenizer_path),
+        ("--dtype", args.dtype),
+        ("--max-total-tokens", args.max_total_tokens),
+    ):
         if value is not None:
             flags += [flag, str(value)]
     return flags
@@ -317,17 +365,42 @@ def full_run(args: argparse.Namespace, mem_fraction_static: float) -> dict[str, 
         steps_before = server_info(server.url)["internal_states"][0]["step_timing"]["steps"]
         before = scrape(server.url)
         bench_args = bench_serving.parse_args(
-            ["--base-url", server.url, "--num-prompts", str(args.num_prompts), "--random-input-len",
-             str(args.input_len), "--random-output-len", str(args.output_len), "--max-concurrency",
-             str(args.concurrency), "--seed", str(args.seed), "--request-timeout", str(args.request_timeout)])
+            [
+                "--base-url",
+                server.url,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--max-concurrency",
+                str(args.concurrency),
+                "--seed",
+                str(args.seed),
+                "--request-timeout",
+                str(args.request_timeout),
+            ]
+        )
         serving, _ = asyncio.run(bench_serving.benchmark(bench_args))
         after = scrape(server.url)
         info = server_info(server.url)
         state = info["internal_states"][0]
-        timings = rank_timings(before, after, int(state["step_timing"]["steps"] - steps_before),
-                               int(info["tp_size"]), int(info["pp_size"]))
-        print(format_timing_table(timings, f"step timing at TP={info['tp_size']} PP={info['pp_size']}, {serving.completed} requests, "
-                                           f"input {args.input_len}, output {args.output_len}"), flush=True)
+        timings = rank_timings(
+            before,
+            after,
+            int(state["step_timing"]["steps"] - steps_before),
+            int(info["tp_size"]),
+            int(info["pp_size"]),
+        )
+        print(
+            format_timing_table(
+                timings,
+                f"step timing at TP={info['tp_size']} PP={info['pp_size']}, {serving.completed} requests, "
+                f"input {args.input_len}, output {args.output_len}",
+            ),
+            flush=True,
+        )
         procs = process_tree(server.proc.pid)
         time.sleep(SETTLE_S)
         idle, wall = idle_cpu(procs, args.idle_seconds)
@@ -336,10 +409,16 @@ def full_run(args: argparse.Namespace, mem_fraction_static: float) -> dict[str, 
         print(format_memory_table(memory), flush=True)
         kv = kv_budget(info, state, available, args.max_total_tokens)
         print(format_kv_detail(kv), flush=True)
-    return {"completed": serving.completed, "failed": serving.failed,
-            "output_throughput": serving.output_throughput, "step_timing": [asdict(t) for t in timings],
-            "idle_window_s": wall, "idle_cpu": [asdict(r) for r in idle], "memory": [asdict(r) for r in memory],
-            "kv": kv}
+    return {
+        "completed": serving.completed,
+        "failed": serving.failed,
+        "output_throughput": serving.output_throughput,
+        "step_timing": [asdict(t) for t in timings],
+        "idle_window_s": wall,
+        "idle_cpu": [asdict(r) for r in idle],
+        "memory": [asdict(r) for r in memory],
+        "kv": kv,
+    }
 
 
 def kv_run(args: argparse.Namespace, mem_fraction_static: float) -> KvBudget:
@@ -352,22 +431,43 @@ def kv_run(args: argparse.Namespace, mem_fraction_static: float) -> KvBudget:
 
 # ---- command line ----
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--tokenizer-path", default=None, help="default: --model-path")
-    parser.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=3,
-                        help="default: %(default)s (the bundled SmolLM2 has 9 heads: 2 does not divide them)")
+    parser.add_argument(
+        "--tp-size",
+        "--tp",
+        dest="tp_size",
+        type=int,
+        default=3,
+        help="default: %(default)s (the bundled SmolLM2 has 9 heads: 2 does not divide them)",
+    )
     parser.add_argument("--pp-size", "--pp", dest="pp_size", type=int, default=1, help="default: %(default)s")
-    parser.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
-                        help="default: the server's")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="default: the server's",
+    )
     parser.add_argument("--num-prompts", type=int, default=16, help="default: %(default)s")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most; default: %(default)s")
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="requests in flight at most; default: %(default)s"
+    )
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens; default: %(default)s")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens; default: %(default)s")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="idle window; default: %(default)s")
-    parser.add_argument("--mem-fraction-static", type=float, nargs="+", default=[0.8],
-                        help="the first runs everything; each further value only reads the KV size; default: 0.8")
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="cap on the KV cache; default: none")
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        nargs="+",
+        default=[0.8],
+        help="the first runs everything; each further value only reads the KV size; default: 0.8",
+    )
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=None, help="cap on the KV cache; default: none"
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds per server start")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -397,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_kv_table(budgets), flush=True)
     if args.json is not None:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        report["kv"] = [{**asdict(kv), "kv_bytes": kv.kv_bytes, "budget": kv.budget, "honoured": kv.honoured}
-                        for kv in budgets]
+        report["kv"] = [
+            {**asdict(kv), "kv_bytes": kv.kv_bytes, "budget": kv.budget, "honoured": kv.honoured}
+            for kv in budgets
+        ]
         args.json.write_text(json.dumps({"config": config, **report}, indent=2))
     return 0 if report["completed"] > 0 else 1
 

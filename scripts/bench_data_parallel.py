@@ -53,10 +53,28 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", worker_url, "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--worker-urls",
+                worker_url,
+                "--policy",
+                "cache_aware",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -83,7 +101,9 @@ def vocab_size(args: argparse.Namespace) -> int:
     return int(load_hf_config(resolve_model_path(args.model_path)).vocab_size)
 
 
-def measure(config: str, flags: tuple[str, ...], round_index: int, args: argparse.Namespace, vocab: int) -> Run:
+def measure(
+    config: str, flags: tuple[str, ...], round_index: int, args: argparse.Namespace, vocab: int
+) -> Run:
     server_args = ["--dtype", args.dtype, "--max-total-tokens", str(args.max_total_tokens), *flags]
     for flag, value in (("--model-path", args.model_path), ("--tokenizer-path", args.tokenizer_path)):
         if value is not None:
@@ -95,18 +115,38 @@ def measure(config: str, flags: tuple[str, ...], round_index: int, args: argpars
         try:
             warmup(url, args.input_len)
             bench_args = bench_serving.parse_args(
-                ["--base-url", url, "--backend", "srt", "--vocab-size", str(vocab),
-                 "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-                 "--random-output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
-                 "--seed", str(args.seed), "--request-timeout", str(args.request_timeout)])
+                [
+                    "--base-url",
+                    url,
+                    "--backend",
+                    "srt",
+                    "--vocab-size",
+                    str(vocab),
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--random-input-len",
+                    str(args.input_len),
+                    "--random-output-len",
+                    str(args.output_len),
+                    "--max-concurrency",
+                    str(args.max_concurrency),
+                    "--seed",
+                    str(args.seed),
+                    "--request-timeout",
+                    str(args.request_timeout),
+                ]
+            )
             metrics, _ = asyncio.run(bench_serving.benchmark(bench_args))
         finally:
             if router is not None:
                 router.close()
     itl = metrics.itl_ms.mean if metrics.itl_ms is not None else None
     run = Run(config, round_index, metrics.output_throughput, itl, metrics.completed, metrics.failed)
-    print(f"{config}: {run.output_throughput:.2f} tok/s, mean ITL {itl if itl is None else round(itl, 2)} ms, "
-          f"{run.completed} completed, {run.failed} failed", flush=True)
+    print(
+        f"{config}: {run.output_throughput:.2f} tok/s, mean ITL {itl if itl is None else round(itl, 2)} ms, "
+        f"{run.completed} completed, {run.failed} failed",
+        flush=True,
+    )
     return run
 
 

@@ -45,7 +45,12 @@ RATIO_LINE = "throughput cost of {config}: {ratio} of {baseline}"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, num_prompts=32, input_len=64, output_len=32, max_concurrency=16)
-    parser.add_argument("--tp", type=int, default=3, help="TP size (default 3: the default SmolLM2 has 9 heads, so 2 does not divide)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=3,
+        help="TP size (default 3: the default SmolLM2 has 9 heads, so 2 does not divide)",
+    )
     args = parser.parse_args(argv)
     check_common_args(parser, args, positive=("tp",))
     args.server_args = ["--tp", str(args.tp)]

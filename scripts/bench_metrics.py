@@ -68,10 +68,14 @@ class LevelResult:
         return "unlimited" if self.concurrency is None else str(self.concurrency)
 
     def to_json(self) -> dict[str, Any]:
-        return {"concurrency": self.concurrency, **asdict(self.metrics),
-                "input_lens": [r.prompt_len for r in self.results],
-                "output_lens": [r.output_len for r in self.results],
-                "ttfts_s": [r.ttft for r in self.results], "latencies_s": [r.latency for r in self.results]}
+        return {
+            "concurrency": self.concurrency,
+            **asdict(self.metrics),
+            "input_lens": [r.prompt_len for r in self.results],
+            "output_lens": [r.output_len for r in self.results],
+            "ttfts_s": [r.ttft for r in self.results],
+            "latencies_s": [r.latency for r in self.results],
+        }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -116,25 +120,40 @@ def compute_metrics(results: list[RequestResult], duration_s: float) -> BenchMet
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [itl for r in ok for itl in inter_token_latencies(r.chunk_times, r.chunk_tokens)]
     return BenchMetrics(
-        completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
-        total_input_tokens=input_tokens, total_output_tokens=output_tokens,
-        request_throughput=len(ok) / duration_s, input_throughput=input_tokens / duration_s,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration_s,
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput=len(ok) / duration_s,
+        input_throughput=input_tokens / duration_s,
         output_throughput=output_tokens / duration_s,
-        ttft_ms=latency_stats(ttfts), itl_ms=latency_stats(itls), e2e_ms=latency_stats([r.latency for r in ok]),
-        errors=[r.error for r in results if not r.success])
+        ttft_ms=latency_stats(ttfts),
+        itl_ms=latency_stats(itls),
+        e2e_ms=latency_stats([r.latency for r in ok]),
+        errors=[r.error for r in results if not r.success],
+    )
 
 
 def format_report(m: BenchMetrics) -> str:
-    rows = [("Successful requests:", f"{m.completed}"), ("Failed requests:", f"{m.failed}"),
-            ("Benchmark duration (s):", f"{m.duration_s:.2f}"),
-            ("Total input tokens:", f"{m.total_input_tokens}"), ("Total generated tokens:", f"{m.total_output_tokens}"),
-            ("Request throughput (req/s):", f"{m.request_throughput:.2f}"),
-            ("Input token throughput (tok/s):", f"{m.input_throughput:.2f}"),
-            ("Output token throughput (tok/s):", f"{m.output_throughput:.2f}")]
+    rows = [
+        ("Successful requests:", f"{m.completed}"),
+        ("Failed requests:", f"{m.failed}"),
+        ("Benchmark duration (s):", f"{m.duration_s:.2f}"),
+        ("Total input tokens:", f"{m.total_input_tokens}"),
+        ("Total generated tokens:", f"{m.total_output_tokens}"),
+        ("Request throughput (req/s):", f"{m.request_throughput:.2f}"),
+        ("Input token throughput (tok/s):", f"{m.input_throughput:.2f}"),
+        ("Output token throughput (tok/s):", f"{m.output_throughput:.2f}"),
+    ]
     lines = [" Serving Benchmark Result ".center(60, "=")] + [f"{k:<44}{v:>16}" for k, v in rows]
     lines += [" Latency (ms) ".center(60, "-"), f"{'':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
     for name, stats in (("TTFT", m.ttft_ms), ("ITL", m.itl_ms), ("E2E latency", m.e2e_ms)):
-        cells = [f"{v:>10.2f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99)] if stats else [f"{'n/a':>10}"] * 4
+        cells = (
+            [f"{v:>10.2f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99)]
+            if stats
+            else [f"{'n/a':>10}"] * 4
+        )
         lines.append(f"{name:<20}{''.join(cells)}")
     lines.append("=" * 60)
     if m.errors:
@@ -143,8 +162,19 @@ def format_report(m: BenchMetrics) -> str:
     return "\n".join(lines)
 
 
-SWEEP_COLUMNS = ("concurrency", "completed", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99",
-                 "ITL p50", "ITL p99", "E2E p50", "E2E p99")
+SWEEP_COLUMNS = (
+    "concurrency",
+    "completed",
+    "failed",
+    "req/s",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "ITL p50",
+    "ITL p99",
+    "E2E p50",
+    "E2E p99",
+)
 
 
 def _ms(stats: LatencyStats | None, name: str) -> str:
@@ -158,9 +188,19 @@ def format_sweep_table(levels: list[LevelResult], title: str) -> str:
     lines = [f" {title} ".center(len(header), "="), header, "-" * len(header)]
     for level in levels:
         m = level.metrics
-        cells = [level.label, str(m.completed), str(m.failed), f"{m.request_throughput:.2f}",
-                 f"{m.output_throughput:.2f}", _ms(m.ttft_ms, "p50"), _ms(m.ttft_ms, "p99"),
-                 _ms(m.itl_ms, "p50"), _ms(m.itl_ms, "p99"), _ms(m.e2e_ms, "p50"), _ms(m.e2e_ms, "p99")]
+        cells = [
+            level.label,
+            str(m.completed),
+            str(m.failed),
+            f"{m.request_throughput:.2f}",
+            f"{m.output_throughput:.2f}",
+            _ms(m.ttft_ms, "p50"),
+            _ms(m.ttft_ms, "p99"),
+            _ms(m.itl_ms, "p50"),
+            _ms(m.itl_ms, "p99"),
+            _ms(m.e2e_ms, "p50"),
+            _ms(m.e2e_ms, "p99"),
+        ]
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     lines.append("latencies in ms (TTFT: time to first token; ITL: inter-token; E2E: end to end)")
     return "\n".join(lines)

@@ -94,8 +94,12 @@ class BatchResult:
         return self.batch_size / self.decode_step_s
 
     def to_json(self) -> dict[str, float]:
-        return {**asdict(self), "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
-                "decode_ms_per_step": self.decode_step_s * 1e3}
+        return {
+            **asdict(self),
+            "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s,
+            "decode_ms_per_step": self.decode_step_s * 1e3,
+        }
 
 
 def make_prompts(batch_size: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -116,11 +120,19 @@ def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
     if any(row is None for row in rows):
         raise RuntimeError(f"batch {bs} exceeds the {pool.size} request slots")
     rows_ok = [int(row) for row in rows if row is not None]
-    greedy = SamplingBatchInfo.from_lists(temperatures=[0.0] * bs, top_ps=[1.0] * bs, top_ks=[-1] * bs,
-                                          min_ps=[0.0] * bs, seeds=[0] * bs, output_positions=[0] * bs,
-                                          device=device)
+    greedy = SamplingBatchInfo.from_lists(
+        temperatures=[0.0] * bs,
+        top_ps=[1.0] * bs,
+        top_ks=[-1] * bs,
+        min_ps=[0.0] * bs,
+        seeds=[0] * bs,
+        output_positions=[0] * bs,
+        device=device,
+    )
 
-    def step(mode: ForwardMode, input_ids: list[int], prefix_len: int, seq_len: int) -> tuple[float, list[int]]:
+    def step(
+        mode: ForwardMode, input_ids: list[int], prefix_len: int, seq_len: int
+    ) -> tuple[float, list[int]]:
         prefix_lens, seq_lens = [prefix_len] * bs, [seq_len] * bs
         out_cache_loc = allocator.alloc_extend(pool.req_to_token, rows_ok, prefix_lens, seq_lens)
         if out_cache_loc is None:
@@ -155,6 +167,7 @@ def srt_timer(runner: ModelRunner, spec: BenchSpec, bs: int) -> Callable[[], Tim
 
 def switched(timer: Callable[[], Timing], one_arithmetic: bool) -> Callable[[], Timing]:
     """`timer` with the process's linear-layer choice for its runner (two runners share a process)."""
+
     def once() -> Timing:
         set_one_arithmetic(one_arithmetic)
         return timer()
@@ -171,19 +184,27 @@ def measure(timers: list[Callable[[], Timing]], spec: BenchSpec, bs: int) -> lis
     for _ in range(spec.runs):
         for timer, runs in zip(timers, timings):
             runs.append(timer())
-    return [BatchResult(bs, spec.input_len, min(p for p, _ in runs), min(d for _, d in runs)) for runs in timings]
+    return [
+        BatchResult(bs, spec.input_len, min(p for p, _ in runs), min(d for _, d in runs)) for runs in timings
+    ]
 
 
 def bench_srt(runner: ModelRunner, spec: BenchSpec) -> list[BatchResult]:
     return [measure([srt_timer(runner, spec, bs)], spec, bs)[0] for bs in spec.batch_sizes]
 
 
-def _bench_rank_main(rank: int, tp_size: int, init_method: str, config: RunnerConfig, spec: BenchSpec,
-                     conn: Connection | None) -> None:
+def _bench_rank_main(
+    rank: int, tp_size: int, init_method: str, config: RunnerConfig, spec: BenchSpec, conn: Connection | None
+) -> None:
     torch.set_num_threads(threads_per_rank(tp_size))
     try:
-        state = init_distributed(tp_size=tp_size, pp_size=1, world_rank=rank, init_method=init_method,
-                                 device=torch.device(config.device))
+        state = init_distributed(
+            tp_size=tp_size,
+            pp_size=1,
+            world_rank=rank,
+            init_method=init_method,
+            device=torch.device(config.device),
+        )
         reply: tuple[str, Any] = ("ok", bench_srt(ModelRunner(config, state), spec))
     except Exception:
         reply = ("error", f"rank {rank}: {traceback.format_exc()}")
@@ -192,14 +213,23 @@ def _bench_rank_main(rank: int, tp_size: int, init_method: str, config: RunnerCo
     destroy_distributed()
 
 
-def bench_srt_tp(config: RunnerConfig, spec: BenchSpec, tp_size: int, timeout_s: float = 3600.0,
-                 ) -> list[BatchResult]:
+def bench_srt_tp(
+    config: RunnerConfig,
+    spec: BenchSpec,
+    tp_size: int,
+    timeout_s: float = 3600.0,
+) -> list[BatchResult]:
     ctx = mp.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     parent_conn, child_conn = ctx.Pipe()
-    procs = [ctx.Process(target=_bench_rank_main, daemon=True,
-                         args=(rank, tp_size, init_method, config, spec, child_conn if rank == 0 else None))
-             for rank in range(tp_size)]
+    procs = [
+        ctx.Process(
+            target=_bench_rank_main,
+            daemon=True,
+            args=(rank, tp_size, init_method, config, spec, child_conn if rank == 0 else None),
+        )
+        for rank in range(tp_size)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -242,9 +272,18 @@ def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Tim
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, use_cache=True,
-                             min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
-                             temperature=None, top_p=None, top_k=None)
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            use_cache=True,
+            min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens,
+            pad_token_id=pad_token_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
         generate_s = time.perf_counter() - start
         assert out.shape == (bs, spec.input_len + new_tokens), out.shape
         return prefill_s, max(generate_s - prefill_s, 1e-9) / spec.output_len
@@ -259,9 +298,18 @@ def load_llama_cpp(gguf: str, context: int, threads: int) -> Any:
     try:
         from llama_cpp import Llama
     except ImportError as error:
-        raise SystemExit(f"--compare-llama-cpp needs llama-cpp-python ({error}): pip install llama-cpp-python") from None
-    return Llama(model_path=gguf, n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads,
-                 n_threads_batch=threads, verbose=False)
+        raise SystemExit(
+            f"--compare-llama-cpp needs llama-cpp-python ({error}): pip install llama-cpp-python"
+        ) from None
+    return Llama(
+        model_path=gguf,
+        n_ctx=context,
+        n_batch=context,
+        n_ubatch=context,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
 
 
 def llama_cpp_timer(llm: Any, spec: BenchSpec) -> Callable[[], Timing]:
@@ -305,8 +353,9 @@ def bandwidth_timer(num_bytes: int = PROBE_BYTES) -> Callable[[], Timing]:
     return once
 
 
-def _matmul_rate(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
-                 runs: int) -> float:
+def _matmul_rate(
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor, b: torch.Tensor, runs: int
+) -> float:
     """(Multiply-add counted as two) operations per second of `matmul(a, b)` for square a and b,
     after one untimed call (best run)."""
     matmul(a, b)
@@ -322,8 +371,11 @@ PROBE_SIZES = (256, 512, 1024, 2048)
 PROBE_RUN_S = 0.25  # a probe grows to the largest size whose one call stays under this
 
 
-def _probe_rate(make: Callable[[int], torch.Tensor], matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                runs: int) -> float:
+def _probe_rate(
+    make: Callable[[int], torch.Tensor],
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    runs: int,
+) -> float:
     """The rate at the largest of PROBE_SIZES (up to 2048) whose call took under PROBE_RUN_S at the
     size before: a CPU where torch has no fast kernel for the dtype (bf16 without AVX-512 BF16 or
     AMX is far slower than fp32: docs/performance.md) is measured in seconds instead of minutes."""
@@ -353,11 +405,14 @@ def int8_matmul_ops(runs: int = 5) -> float | None:
         return None
 
 
-def compute_bound_line(num_params: int, rate: float, prefill_tok_s: float, probe: str = "bf16 matmul",
-                       unit: str = "GFLOP/s") -> str:
+def compute_bound_line(
+    num_params: int, rate: float, prefill_tok_s: float, probe: str = "bf16 matmul", unit: str = "GFLOP/s"
+) -> str:
     bound = rate / (2 * num_params)
-    return (f"prefill compute bound: {bound:.0f} tok/s ({2 * num_params / 1e6:.0f} MFLOP/token at "
-            f"{rate / 1e9:.0f} {unit} measured {probe}); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it")
+    return (
+        f"prefill compute bound: {bound:.0f} tok/s ({2 * num_params / 1e6:.0f} MFLOP/token at "
+        f"{rate / 1e9:.0f} {unit} measured {probe}); srt prefill at {prefill_tok_s / bound * 100:.0f}% of it"
+    )
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
@@ -378,9 +433,11 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 
 def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> str:
     floor_s = weight_bytes / bandwidth
-    return (f"weight-bandwidth floor (batch 1 decode): {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
-            f"({weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s, the read bandwidth measured between srt's runs); "
-            f"srt batch-1 decode at {floor_s / decode_step_s * 100:.0f}% of it")
+    return (
+        f"weight-bandwidth floor (batch 1 decode): {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
+        f"({weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s, the read bandwidth measured between srt's runs); "
+        f"srt batch-1 decode at {floor_s / decode_step_s * 100:.0f}% of it"
+    )
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -389,14 +446,23 @@ def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> 
 def format_table(title: str, results: list[BatchResult], step_stat: str) -> str:
     header = f"{'batch size':>10} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {f'decode ms/step ({step_stat})':>23}"
     lines = [title, header, "-" * len(header)]
-    lines += [f"{r.batch_size:>10} | {r.prefill_tok_s:>13.1f} | {r.decode_tok_s:>12.1f} | "
-              f"{r.decode_step_s * 1e3:>23.2f}" for r in results]
+    lines += [
+        f"{r.batch_size:>10} | {r.prefill_tok_s:>13.1f} | {r.decode_tok_s:>12.1f} | "
+        f"{r.decode_step_s * 1e3:>23.2f}"
+        for r in results
+    ]
     return "\n".join(lines)
 
 
 def ratios(srt: list[BatchResult], hf: list[BatchResult]) -> list[dict[str, float]]:
-    return [{"batch_size": s.batch_size, "prefill": s.prefill_tok_s / h.prefill_tok_s,
-             "decode": s.decode_tok_s / h.decode_tok_s} for s, h in zip(srt, hf)]
+    return [
+        {
+            "batch_size": s.batch_size,
+            "prefill": s.prefill_tok_s / h.prefill_tok_s,
+            "decode": s.decode_tok_s / h.decode_tok_s,
+        }
+        for s, h in zip(srt, hf)
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -407,16 +473,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--model-path", default=None, help="HF directory or .gguf; default: bundled SmolLM2")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                        help="srt's weights (and activations) in int8, as launch_server --quantization")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="srt's weights (and activations) in int8, as launch_server --quantization",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per batch size")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per batch size; the best counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-transformers", action="store_true")
-    parser.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
-                        help="also time llama.cpp at batch 1 (default GGUF: the bundled SmolLM2)")
-    parser.add_argument("--compare-deterministic", action="store_true",
-                        help="also time --enable-deterministic-inference, alternating with the default (tp 1)")
+    parser.add_argument(
+        "--compare-llama-cpp",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="GGUF",
+        help="also time llama.cpp at batch 1 (default GGUF: the bundled SmolLM2)",
+    )
+    parser.add_argument(
+        "--compare-deterministic",
+        action="store_true",
+        help="also time --enable-deterministic-inference, alternating with the default (tp 1)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "tp_size", "runs"):
@@ -439,14 +518,22 @@ def main(argv: list[str] | None = None) -> None:
     dtype_name = str(dtype).removeprefix("torch.")
     context_length = int(getattr(load_hf_config(model_dir), "max_position_embeddings", 0) or 4096)
     if args.input_len + args.output_len > context_length:
-        raise ValueError(f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
-                         f"model's context length ({context_length})")
-    spec = BenchSpec(tuple(args.batch_size), args.input_len, args.output_len, args.warmup, args.runs,
-                     args.seed)
+        raise ValueError(
+            f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
+            f"model's context length ({context_length})"
+        )
+    spec = BenchSpec(
+        tuple(args.batch_size), args.input_len, args.output_len, args.warmup, args.runs, args.seed
+    )
     max_bs = max(spec.batch_sizes)
-    config = RunnerConfig(model_dir=model_dir, dtype=dtype, max_running_requests=max_bs,
-                          max_total_tokens=max_bs * (args.input_len + args.output_len),
-                          local_world_size=args.tp_size, quantization=args.quantization)
+    config = RunnerConfig(
+        model_dir=model_dir,
+        dtype=dtype,
+        max_running_requests=max_bs,
+        max_total_tokens=max_bs * (args.input_len + args.output_len),
+        local_world_size=args.tp_size,
+        quantization=args.quantization,
+    )
     hf: list[BatchResult] = []
     llama: list[BatchResult] = []
     det: list[BatchResult] = []
@@ -462,8 +549,11 @@ def main(argv: list[str] | None = None) -> None:
         runner = ModelRunner(config)
         weight_bytes = streamed_weight_bytes(runner.model)
         # A prompt token runs every layer; the LM head only the last token of each prompt.
-        num_params = sum(p.numel() for name, p in runner.model.named_parameters()
-                         if "embed_tokens" not in name and "lm_head" not in name)
+        num_params = sum(
+            p.numel()
+            for name, p in runner.model.named_parameters()
+            if "embed_tokens" not in name and "lm_head" not in name
+        )
         hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
         det_runner = ModelRunner(replace(config, deterministic=True)) if args.compare_deterministic else None
         srt = []
@@ -492,15 +582,23 @@ def main(argv: list[str] | None = None) -> None:
         if llm is not None and 1 in spec.batch_sizes:
             llama = [measure([llama_cpp_timer(llm, spec)], spec, 1)[0]]
 
-    print(f"model {model_dir}, dtype {dtype_name}{', ' + args.quantization if args.quantization else ''}, input {args.input_len}, output {args.output_len}, "
-          f"torch threads {torch.get_num_threads() if args.tp_size == 1 else threads_per_rank(args.tp_size)}"
-          f"{'' if args.tp_size == 1 else ' per rank'}; best of {args.runs} runs after {args.warmup} warmup")
+    print(
+        f"model {model_dir}, dtype {dtype_name}{', ' + args.quantization if args.quantization else ''}, input {args.input_len}, output {args.output_len}, "
+        f"torch threads {torch.get_num_threads() if args.tp_size == 1 else threads_per_rank(args.tp_size)}"
+        f"{'' if args.tp_size == 1 else ' per rank'}; best of {args.runs} runs after {args.warmup} warmup"
+    )
     print(format_table(f"srt (tp={args.tp_size})", srt, "median"))
-    report: dict[str, Any] = {"model_dir": str(model_dir), "dtype": dtype_name, "quantization": args.quantization,
-                              "tp_size": args.tp_size,
-                              "input_len": args.input_len, "output_len": args.output_len,
-                              "warmup": args.warmup, "runs": args.runs,
-                              "srt": [r.to_json() for r in srt]}
+    report: dict[str, Any] = {
+        "model_dir": str(model_dir),
+        "dtype": dtype_name,
+        "quantization": args.quantization,
+        "tp_size": args.tp_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "warmup": args.warmup,
+        "runs": args.runs,
+        "srt": [r.to_json() for r in srt],
+    }
     batch_1 = next((r for r in srt if r.batch_size == 1), None)
     if weight_bytes and batch_1 is not None:
         print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s))
@@ -522,8 +620,10 @@ def main(argv: list[str] | None = None) -> None:
         report["deterministic"] = [r.to_json() for r in det]
         report["ratios_deterministic"] = ratios(det, srt)
         for ratio in report["ratios_deterministic"]:
-            print(f"deterministic / default (batch {ratio['batch_size']}): prefill {ratio['prefill']:.2f}x, "
-                  f"decode {ratio['decode']:.2f}x")
+            print(
+                f"deterministic / default (batch {ratio['batch_size']}): prefill {ratio['prefill']:.2f}x, "
+                f"decode {ratio['decode']:.2f}x"
+            )
     if args.compare_transformers:
         print(format_table("transformers generate", hf, "mean"))
         report["transformers"] = [r.to_json() for r in hf]

@@ -8,7 +8,11 @@ from pathlib import Path
 
 from bench_metrics import LatencyStats, LevelResult
 
-LATENCY_SERIES = (("TTFT", "ttft_ms", "tab:blue"), ("ITL", "itl_ms", "tab:orange"), ("E2E", "e2e_ms", "tab:green"))
+LATENCY_SERIES = (
+    ("TTFT", "ttft_ms", "tab:blue"),
+    ("ITL", "itl_ms", "tab:orange"),
+    ("E2E", "e2e_ms", "tab:green"),
+)
 
 
 def plot_sweep(levels: list[LevelResult], path: Path, title: str, unlimited_x: int) -> None:
@@ -24,11 +28,13 @@ def plot_sweep(levels: list[LevelResult], path: Path, title: str, unlimited_x: i
 
     xs = [level.concurrency if level.concurrency is not None else unlimited_x for level in levels]
     figure, (throughput_ax, latency_ax) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-    tokens_line = throughput_ax.plot(xs, [lv.metrics.output_throughput for lv in levels], "o-", color="tab:blue",
-                                     label="output tok/s")
+    tokens_line = throughput_ax.plot(
+        xs, [lv.metrics.output_throughput for lv in levels], "o-", color="tab:blue", label="output tok/s"
+    )
     requests_ax = throughput_ax.twinx()
-    requests_line = requests_ax.plot(xs, [lv.metrics.request_throughput for lv in levels], "s--",
-                                     color="tab:red", label="requests/s")
+    requests_line = requests_ax.plot(
+        xs, [lv.metrics.request_throughput for lv in levels], "s--", color="tab:red", label="requests/s"
+    )
     throughput_ax.set_ylabel("output tokens / s")
     requests_ax.set_ylabel("requests / s")
     throughput_ax.set_title("Throughput")
@@ -37,8 +43,12 @@ def plot_sweep(levels: list[LevelResult], path: Path, title: str, unlimited_x: i
         stats: list[LatencyStats | None] = [getattr(lv.metrics, attr) for lv in levels]
         points = [(x, s) for x, s in zip(xs, stats) if s is not None]
         if points:  # a run without streaming has no TTFT or ITL
-            latency_ax.plot([x for x, _ in points], [s.p50 for _, s in points], "o-", color=color, label=f"{name} p50")
-            latency_ax.plot([x for x, _ in points], [s.p99 for _, s in points], "o:", color=color, label=f"{name} p99")
+            latency_ax.plot(
+                [x for x, _ in points], [s.p50 for _, s in points], "o-", color=color, label=f"{name} p50"
+            )
+            latency_ax.plot(
+                [x for x, _ in points], [s.p99 for _, s in points], "o:", color=color, label=f"{name} p99"
+            )
     latency_ax.set_yscale("log")
     latency_ax.yaxis.set_major_formatter(LogFormatter())  # 40 rather than 4x10^1
     latency_ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))

@@ -47,8 +47,11 @@ class StreamClock(threading.Thread):
         self.error: str | None = None
 
     def run(self) -> None:
-        body: dict[str, Any] = {"input_ids": self.prompt, "stream": True,
-                "sampling_params": {"max_new_tokens": self.output_len, "temperature": 0, "ignore_eos": True}}
+        body: dict[str, Any] = {
+            "input_ids": self.prompt,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": self.output_len, "temperature": 0, "ignore_eos": True},
+        }
         try:
             with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
                 for line in r.iter_lines(decode_unicode=True):
@@ -68,8 +71,20 @@ class StreamClock(threading.Thread):
 
 def start_server(args: argparse.Namespace, log: Any) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), "--tp", str(args.tp), "--dtype",
-           args.dtype, "--restart-on-failure", str(args.kills), *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "srt.launch_server",
+        "--port",
+        str(port),
+        "--tp",
+        str(args.tp),
+        "--dtype",
+        args.dtype,
+        "--restart-on-failure",
+        str(args.kills),
+        *args.extra,
+    ]
     for flag, value in (("--model-path", args.model_path), ("--tokenizer-path", args.tokenizer_path)):
         if value:
             cmd += [flag, value]
@@ -104,7 +119,9 @@ def recovery_began(url: str, timeout: float = 60.0) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path")
     parser.add_argument("--tokenizer-path")
     parser.add_argument("--tp", type=int, default=1)
@@ -124,7 +141,9 @@ def main() -> int:
             print(f"bench_recovery: {error}; log in {log.name}", file=sys.stderr)
             return 1
         try:
-            streams = [StreamClock(url, list(range(5 + i, 40 + i)), args.output_len) for i in range(args.streams)]
+            streams = [
+                StreamClock(url, list(range(5 + i, 40 + i)), args.output_len) for i in range(args.streams)
+            ]
             for s in streams:
                 s.start()
             for kill in range(1, args.kills + 1):
@@ -136,13 +155,22 @@ def main() -> int:
                 began = recovery_began(url)  # tokens after this come from the restarted engine
                 while any(s.is_alive() and not any(t > began for t in s.token_times) for s in streams):
                     time.sleep(0.01)
-                resumed = [next(t for t in s.token_times if t > began) - killed for s in streams
-                           if any(t > began for t in s.token_times)]
+                resumed = [
+                    next(t for t in s.token_times if t > began) - killed
+                    for s in streams
+                    if any(t > began for t in s.token_times)
+                ]
                 if len(resumed) < len(streams):
                     print(f"bench_recovery: a stream did not resume after kill {kill}", file=sys.stderr)
                     return 1
-                rows.append({"kill": kill, "min_s": min(resumed), "median_s": statistics.median(resumed),
-                             "max_s": max(resumed)})
+                rows.append(
+                    {
+                        "kill": kill,
+                        "min_s": min(resumed),
+                        "median_s": statistics.median(resumed),
+                        "max_s": max(resumed),
+                    }
+                )
             for s in streams:
                 s.join(600)
             failed = [s.error for s in streams if s.error is not None]
@@ -153,9 +181,11 @@ def main() -> int:
         server_times = re.findall(rb"engine restarted in ([0-9.]+) s", log.read())
     for row, server_s in zip(rows, server_times):
         row["server_restart_s"] = float(server_s)
-        print(f"kill {row['kill']}: first resumed token after {row['min_s']:.2f} s (min) / {row['median_s']:.2f} s "
-              f"(median) / {row['max_s']:.2f} s (max) over {args.streams} streams; server: engine restarted in "
-              f"{row['server_restart_s']:.1f} s")
+        print(
+            f"kill {row['kill']}: first resumed token after {row['min_s']:.2f} s (min) / {row['median_s']:.2f} s "
+            f"(median) / {row['max_s']:.2f} s (max) over {args.streams} streams; server: engine restarted in "
+            f"{row['server_restart_s']:.1f} s"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     if failed:

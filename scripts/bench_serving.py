@@ -90,8 +90,9 @@ def make_workload(args: argparse.Namespace, vocab_size: int, rng: random.Random)
 
 
 # ---- runs ----
-async def run_level(target: Target, workload: Workload, concurrency: int | None, stream: bool,
-                    timeout_s: float) -> LevelResult:
+async def run_level(
+    target: Target, workload: Workload, concurrency: int | None, stream: bool, timeout_s: float
+) -> LevelResult:
     """The workload with at most `concurrency` requests in flight (None: no limit)."""
     semaphore = asyncio.Semaphore(concurrency) if concurrency else None
     async with open_session(timeout_s, limit=concurrency) as client:
@@ -99,7 +100,9 @@ async def run_level(target: Target, workload: Workload, concurrency: int | None,
         tasks = []
         for ids, out_len, offset in zip(workload.prompts, workload.output_lens, workload.offsets):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(run_one(client, target, ids, out_len, stream, timeout_s, semaphore)))
+            tasks.append(
+                asyncio.create_task(run_one(client, target, ids, out_len, stream, timeout_s, semaphore))
+            )
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return LevelResult(concurrency, compute_metrics(results, duration), results)
@@ -121,8 +124,11 @@ async def prepare(args: argparse.Namespace) -> tuple[Target, int]:
         target, server_vocab = await resolve_target(client, args.base_url, args.backend, args.model)
     vocab_size = args.vocab_size or server_vocab
     if vocab_size is None:
-        print(f"the server does not report its vocabulary size; drawing ids below {DEFAULT_VOCAB_SIZE} "
-              "(pass --vocab-size)", flush=True)
+        print(
+            f"the server does not report its vocabulary size; drawing ids below {DEFAULT_VOCAB_SIZE} "
+            "(pass --vocab-size)",
+            flush=True,
+        )
         vocab_size = DEFAULT_VOCAB_SIZE
     return target, vocab_size
 
@@ -130,15 +136,21 @@ async def prepare(args: argparse.Namespace) -> tuple[Target, int]:
 async def sweep(args: argparse.Namespace) -> tuple[Target, int, list[LevelResult]]:
     target, vocab_size = await prepare(args)
     warm_rng = random.Random(f"warmup {args.seed}")  # its own stream: the levels' prompts do not depend on it
-    await warmup(target, random_prompts([args.random_input_len] * args.warmup_requests, vocab_size, warm_rng),
-                 args.request_timeout)
+    await warmup(
+        target,
+        random_prompts([args.random_input_len] * args.warmup_requests, vocab_size, warm_rng),
+        args.request_timeout,
+    )
     rng = random.Random(args.seed)
     levels = []
     for concurrency in args.concurrency:
         workload = make_workload(args, vocab_size, rng)  # fresh prompts: no prefix-cache hits across levels
-        print(f"{args.num_prompts} prompts, vocab {vocab_size}, backend {target.backend} ({target.url}), "
-              f"request rate {args.request_rate}, max concurrency {concurrency or 'unlimited'}, "
-              f"stream {not args.disable_stream}", flush=True)
+        print(
+            f"{args.num_prompts} prompts, vocab {vocab_size}, backend {target.backend} ({target.url}), "
+            f"request rate {args.request_rate}, max concurrency {concurrency or 'unlimited'}, "
+            f"stream {not args.disable_stream}",
+            flush=True,
+        )
         level = await run_level(target, workload, concurrency, not args.disable_stream, args.request_timeout)
         print(format_report(level.metrics), flush=True)
         levels.append(level)
@@ -155,28 +167,67 @@ async def benchmark(args: argparse.Namespace) -> tuple[BenchMetrics, dict[str, A
 
 # ---- command line ----
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="default: %(default)s")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="srt: /generate; openai: /v1/completions; auto (default): srt when the server is srt")
-    parser.add_argument("--model", default=None, help="model name in OpenAI requests; default: the first of /v1/models")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="prompt ids are drawn below this; default: the server's /server_info, else 32000")
-    parser.add_argument("--num-prompts", type=int, default=100, help="requests per concurrency level; default: %(default)s")
-    parser.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens; default: %(default)s")
-    parser.add_argument("--random-output-len", type=int, default=128, help="output tokens; default: %(default)s")
-    parser.add_argument("--random-range-ratio", type=float, default=1.0,
-                        help="lengths are uniform in [len * ratio, len]; 1.0 (default) = fixed")
-    parser.add_argument("--concurrency", "--max-concurrency", type=int, nargs="+", default=None,
-                        help="levels of the sweep: at most this many requests in flight; default: no limit")
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf (default): all at once")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="srt: /generate; openai: /v1/completions; auto (default): srt when the server is srt",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model name in OpenAI requests; default: the first of /v1/models"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt ids are drawn below this; default: the server's /server_info, else 32000",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests per concurrency level; default: %(default)s"
+    )
+    parser.add_argument(
+        "--random-input-len", type=int, default=1024, help="prompt tokens; default: %(default)s"
+    )
+    parser.add_argument(
+        "--random-output-len", type=int, default=128, help="output tokens; default: %(default)s"
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths are uniform in [len * ratio, len]; 1.0 (default) = fixed",
+    )
+    parser.add_argument(
+        "--concurrency",
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="levels of the sweep: at most this many requests in flight; default: no limit",
+    )
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf (default): all at once"
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
-    parser.add_argument("--warmup-requests", type=int, default=1, help="untimed short requests before the sweep; default: %(default)s")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s")
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="untimed short requests before the sweep; default: %(default)s",
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s"
+    )
     parser.add_argument("--disable-stream", action="store_true", help="no TTFT / ITL then")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the sweep here (needs matplotlib)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="write a PNG of the sweep here (needs matplotlib)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "random_input_len", "random_output_len"):
@@ -199,12 +250,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_json(path: Path, args: argparse.Namespace, target: Target, vocab_size: int,
-               levels: list[LevelResult]) -> None:
-    config = {k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
-              for k, v in vars(args).items()}
-    report = {"config": config, "backend": target.backend, "url": target.url, "model": target.model,
-              "vocab_size": vocab_size, "levels": [level.to_json() for level in levels]}
+def write_json(
+    path: Path, args: argparse.Namespace, target: Target, vocab_size: int, levels: list[LevelResult]
+) -> None:
+    config = {
+        k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
+        for k, v in vars(args).items()
+    }
+    report = {
+        "config": config,
+        "backend": target.backend,
+        "url": target.url,
+        "model": target.model,
+        "vocab_size": vocab_size,
+        "levels": [level.to_json() for level in levels],
+    }
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -218,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:
         print(f"bench_serving: {error}", file=sys.stderr)
         return 1
-    title = (f"{target.backend} backend, {args.num_prompts} prompts, input {args.random_input_len}, "
-             f"output {args.random_output_len}")
+    title = (
+        f"{target.backend} backend, {args.num_prompts} prompts, input {args.random_input_len}, "
+        f"output {args.random_output_len}"
+    )
     print(format_sweep_table(levels, title), flush=True)
     if args.plot is not None:
         from bench_plot import plot_sweep

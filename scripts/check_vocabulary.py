@@ -26,13 +26,26 @@ from srt.vocabulary import CHAT, COMPLETION, GENERATE, SAMPLING, SOURCES  # noqa
 SCHEMAS = {
     "GenerateReqInput": (GENERATE, "srt/managers/io_struct.py", ("GenerateReqInput",)),
     "SamplingParams": (SAMPLING, "srt/sampling/sampling_params.py", ("SamplingParams",)),
-    "CompletionRequest": (COMPLETION, "srt/entrypoints/openai/protocol.py", ("CompletionRequest", "PDRoutingFields")),
-    "ChatCompletionRequest": (CHAT, "srt/entrypoints/openai/protocol.py",
-                              ("ChatCompletionRequest", "PDRoutingFields")),
+    "CompletionRequest": (
+        COMPLETION,
+        "srt/entrypoints/openai/protocol.py",
+        ("CompletionRequest", "PDRoutingFields"),
+    ),
+    "ChatCompletionRequest": (
+        CHAT,
+        "srt/entrypoints/openai/protocol.py",
+        ("ChatCompletionRequest", "PDRoutingFields"),
+    ),
 }
 # SamplingParams fields SGLang fills in itself (not API input)
-INTERNAL = {"stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len", "is_normalized",
-            "ebnf_full_assistant"}
+INTERNAL = {
+    "stop_strs",
+    "stop_regex_strs",
+    "stop_str_max_len",
+    "stop_regex_max_len",
+    "is_normalized",
+    "ebnf_full_assistant",
+}
 
 
 def fields_of(path: Path, classes: tuple[str, ...]) -> set[str]:
@@ -41,8 +54,11 @@ def fields_of(path: Path, classes: tuple[str, ...]) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name in classes:
             for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
-                        and not item.target.id.startswith("_"):
+                if (
+                    isinstance(item, ast.AnnAssign)
+                    and isinstance(item.target, ast.Name)
+                    and not item.target.id.startswith("_")
+                ):
                     names.add(item.target.id)
     return names - INTERNAL
 
@@ -61,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         theirs = fields_of(path, classes)
         missing, gone = sorted(theirs - set(vocabulary)), sorted(set(vocabulary) - theirs)
         missing_any |= bool(missing)
-        print(f"{schema}: {len(theirs)} fields in sglang; missing from srt's list: {', '.join(missing) or 'none'}; "
-              f"in srt's list only: {', '.join(gone) or 'none'}")
+        print(
+            f"{schema}: {len(theirs)} fields in sglang; missing from srt's list: {', '.join(missing) or 'none'}; "
+            f"in srt's list only: {', '.join(gone) or 'none'}"
+        )
     return 1 if missing_any else 0
 
 

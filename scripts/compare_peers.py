@@ -93,8 +93,10 @@ def format_level(concurrency: int, systems: dict[str, LevelResult], description:
     lines = [f" {concurrency} concurrent: {description} ".center(len(header), "="), header]
     for label, _, value, _ in METRICS:
         cells = [value(level.metrics) for level in systems.values()]
-        lines.append(f"{label:<28}" + "".join(f"  {'n/a' if v is None else f'{v:.2f}':>{w}}"
-                                              for v, w in zip(cells, widths)))
+        lines.append(
+            f"{label:<28}"
+            + "".join(f"  {'n/a' if v is None else f'{v:.2f}':>{w}}" for v, w in zip(cells, widths))
+        )
     return "\n".join(lines)
 
 
@@ -112,8 +114,10 @@ def ratio_lines(concurrency: int, srt: BenchMetrics, peer_name: str, peer: Bench
 
 def round_ratios(pairs: list[tuple[BenchMetrics, BenchMetrics]]) -> dict[str, list[float | None]]:
     """Per metric, the ratio of each round's (srt, peer) figures, in round order."""
-    return {name: [ratio(value(srt), value(peer), better) for srt, peer in pairs]
-            for _, name, value, better in METRICS}
+    return {
+        name: [ratio(value(srt), value(peer), better) for srt, peer in pairs]
+        for _, name, value, better in METRICS
+    }
 
 
 def median_ratio(values: list[float | None]) -> float | None:
@@ -123,18 +127,24 @@ def median_ratio(values: list[float | None]) -> float | None:
     return statistics.median(v for v in values if v is not None)
 
 
-def median_ratio_lines(concurrency: int, peer_name: str, pairs: list[tuple[BenchMetrics, BenchMetrics]]) -> list[str]:
-    return [f"ratio vs {peer_name} ({name}, {concurrency} concurrent): {_x(median_ratio(values))} "
-            f"(median of {len(values)} rounds: {', '.join(_x(v) for v in values)})"
-            for name, values in round_ratios(pairs).items()]
+def median_ratio_lines(
+    concurrency: int, peer_name: str, pairs: list[tuple[BenchMetrics, BenchMetrics]]
+) -> list[str]:
+    return [
+        f"ratio vs {peer_name} ({name}, {concurrency} concurrent): {_x(median_ratio(values))} "
+        f"(median of {len(values)} rounds: {', '.join(_x(v) for v in values)})"
+        for name, values in round_ratios(pairs).items()
+    ]
 
 
 # ---- the two sides ----
 def make_workloads(args: argparse.Namespace, vocab_size: int, round_index: int = 0) -> dict[int, Workload]:
     rng = random.Random(args.seed + 1_000_003 * round_index)
     n = args.num_prompts
-    return {c: Workload(random_prompts([args.input_len] * n, vocab_size, rng), [args.output_len] * n, [0.0] * n)
-            for c in args.concurrency}
+    return {
+        c: Workload(random_prompts([args.input_len] * n, vocab_size, rng), [args.output_len] * n, [0.0] * n)
+        for c in args.concurrency
+    }
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -146,7 +156,9 @@ def server_args(args: argparse.Namespace) -> list[str]:
     return flags + shlex.split(args.server_args)
 
 
-async def measure_server(url: str, args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
+async def measure_server(
+    url: str, args: argparse.Namespace, workloads: dict[int, Workload]
+) -> list[LevelResult]:
     async with open_session(60.0) as client:
         target, _ = await resolve_target(client, url, args.backend)
     first_prompt = next(iter(workloads.values())).prompts[0]
@@ -167,7 +179,9 @@ def run_srt(args: argparse.Namespace, workloads: dict[int, Workload]) -> list[Le
         return asyncio.run(measure_server(url, args, workloads))
 
 
-def run_peer(model: Any, mode: str, args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
+def run_peer(
+    model: Any, mode: str, args: argparse.Namespace, workloads: dict[int, Workload]
+) -> list[LevelResult]:
     def once(prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[list[Any], float]:
         if mode == "generate":
             return peers.run_generate(model, prompts, output_len, concurrency)
@@ -195,27 +209,72 @@ def transformers_model_dir(args: argparse.Namespace) -> Path:
 
 # ---- command line ----
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None, help="HF directory or .gguf; default: the bundled SmolLM2")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-path", default=None, help="HF directory or .gguf; default: the bundled SmolLM2"
+    )
     parser.add_argument("--tokenizer-path", default=None, help="for the srt server; default: the model's")
     parser.add_argument("--url", default=None, help="measure this running server instead of starting one")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="the server's API, as bench_serving.py's; default: %(default)s")
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level; default: %(default)s")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="the server's API, as bench_serving.py's; default: %(default)s",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=32, help="requests per concurrency level; default: %(default)s"
+    )
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens; default: %(default)s")
-    parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request; default: %(default)s")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[32], help="requests in flight, one level each; default: %(default)s")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="of srt and transformers alike; default: %(default)s")
-    parser.add_argument("--tp-size", type=int, default=1, help="the srt server's tensor-parallel size; default: %(default)s")
-    parser.add_argument("--server-args", default="", help='more launch_server flags as one string: --server-args="--max-running-requests 64"')
-    parser.add_argument("--peers", nargs="*", choices=peers.MODES, default=list(peers.MODES),
-                        help="transformers modes to run; default: both (continuous is skipped when not installed)")
+    parser.add_argument(
+        "--output-len", type=int, default=64, help="generated tokens per request; default: %(default)s"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="requests in flight, one level each; default: %(default)s",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="of srt and transformers alike; default: %(default)s",
+    )
+    parser.add_argument(
+        "--tp-size", type=int, default=1, help="the srt server's tensor-parallel size; default: %(default)s"
+    )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help='more launch_server flags as one string: --server-args="--max-running-requests 64"',
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=peers.MODES,
+        default=list(peers.MODES),
+        help="transformers modes to run; default: both (continuous is skipped when not installed)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the server to start; default: %(default)s")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure srt and the peers this many times over, each round on fresh prompts; "
-                             "ratios are then the median of the rounds' ratios; default: %(default)s")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the server to start; default: %(default)s",
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request; default: %(default)s"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure srt and the peers this many times over, each round on fresh prompts; "
+        "ratios are then the median of the rounds' ratios; default: %(default)s",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures and ratios here")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "input_len", "output_len", "tp_size", "rounds"):
@@ -240,11 +299,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     context = int(getattr(config, "max_position_embeddings", 0) or 0)
     if context and args.input_len + args.output_len > context:
-        print(f"compare_peers: --input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
-              f"model's context length ({context})", file=sys.stderr)
+        print(
+            f"compare_peers: --input-len + --output-len ({args.input_len + args.output_len}) exceeds the "
+            f"model's context length ({context})",
+            file=sys.stderr,
+        )
         return 1
-    description = (f"{args.num_prompts} prompts, {args.input_len} input / {args.output_len} output tokens, "
-                   f"greedy, {args.dtype}")
+    description = (
+        f"{args.num_prompts} prompts, {args.input_len} input / {args.output_len} output tokens, "
+        f"greedy, {args.dtype}"
+    )
     print(f"model {model_dir}; {description}; levels {args.concurrency}; rounds {args.rounds}", flush=True)
     rounds: list[dict[str, list[LevelResult]]] = []
     model = None
@@ -261,16 +325,22 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.peers:
             if mode == "continuous" and not peers.has_continuous_batching(model):
                 if r == 0:
-                    print("transformers continuous batching is not in this transformers version: skipped", flush=True)
+                    print(
+                        "transformers continuous batching is not in this transformers version: skipped",
+                        flush=True,
+                    )
                 continue
             systems[PEER_NAMES[mode]] = run_peer(model, mode, args, workloads)
         rounds.append(systems)
-    print(f"torch threads {torch.get_num_threads()} for transformers; "
-          "ratios above 1 mean srt is better (srt / peer for throughput, peer / srt for latency)")
+    print(
+        f"torch threads {torch.get_num_threads()} for transformers; "
+        "ratios above 1 mean srt is better (srt / peer for throughput, peer / srt for latency)"
+    )
     print_report(args, rounds, description)
     report = json_report(args, model_dir, rounds)
-    failed = {name: sum(level.metrics.failed for systems in rounds for level in systems[name])
-              for name in rounds[0]}
+    failed = {
+        name: sum(level.metrics.failed for systems in rounds for level in systems[name]) for name in rounds[0]
+    }
     for name, count in failed.items():
         if count:
             errors = [e for systems in rounds for level in systems[name] for e in level.metrics.errors]
@@ -280,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(failed.values()) else 0
 
 
-def print_report(args: argparse.Namespace, rounds: list[dict[str, list[LevelResult]]], description: str) -> None:
+def print_report(
+    args: argparse.Namespace, rounds: list[dict[str, list[LevelResult]]], description: str
+) -> None:
     """Per level: each round's table and ratio lines; with more than one round, the median lines."""
     for i, concurrency in enumerate(args.concurrency):
         for r, systems in enumerate(rounds):
@@ -290,7 +362,9 @@ def print_report(args: argparse.Namespace, rounds: list[dict[str, list[LevelResu
             for name, level in at_level.items():
                 if name != "srt":
                     lines = ratio_lines(concurrency, at_level["srt"].metrics, name, level.metrics)
-                    print("\n".join(lines if len(rounds) == 1 else [f"round {r + 1}: {line}" for line in lines]))
+                    print(
+                        "\n".join(lines if len(rounds) == 1 else [f"round {r + 1}: {line}" for line in lines])
+                    )
         if len(rounds) > 1:
             for name in rounds[0]:
                 if name != "srt":
@@ -298,21 +372,35 @@ def print_report(args: argparse.Namespace, rounds: list[dict[str, list[LevelResu
                     print("\n".join(median_ratio_lines(concurrency, name, pairs)))
 
 
-def json_report(args: argparse.Namespace, model_dir: Path, rounds: list[dict[str, list[LevelResult]]]) -> dict[str, Any]:
+def json_report(
+    args: argparse.Namespace, model_dir: Path, rounds: list[dict[str, list[LevelResult]]]
+) -> dict[str, Any]:
     """Per level: every system's figures in each round (`rounds`; the first round's also at the top, as
     before --rounds), the median ratios (`ratios`) and each round's (`round_ratios`)."""
-    report: dict[str, Any] = {"model_dir": str(model_dir), "config": {k: str(v) if isinstance(v, Path) else v
-                                                                      for k, v in vars(args).items()},
-                              "levels": []}
+    report: dict[str, Any] = {
+        "model_dir": str(model_dir),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "levels": [],
+    }
     peer_names = [name for name in rounds[0] if name != "srt"]
     for i, concurrency in enumerate(args.concurrency):
-        per_round = {name: round_ratios([(systems["srt"][i].metrics, systems[name][i].metrics) for systems in rounds])
-                     for name in peer_names}
-        report["levels"].append({
-            "concurrency": concurrency, **{name: levels[i].to_json() for name, levels in rounds[0].items()},
-            "rounds": [{name: levels[i].to_json() for name, levels in systems.items()} for systems in rounds],
-            "ratios": {name: {m: median_ratio(v) for m, v in per_round[name].items()} for name in peer_names},
-            "round_ratios": per_round})
+        per_round = {
+            name: round_ratios([(systems["srt"][i].metrics, systems[name][i].metrics) for systems in rounds])
+            for name in peer_names
+        }
+        report["levels"].append(
+            {
+                "concurrency": concurrency,
+                **{name: levels[i].to_json() for name, levels in rounds[0].items()},
+                "rounds": [
+                    {name: levels[i].to_json() for name, levels in systems.items()} for systems in rounds
+                ],
+                "ratios": {
+                    name: {m: median_ratio(v) for m, v in per_round[name].items()} for name in peer_names
+                },
+                "round_ratios": per_round,
+            }
+        )
     return report
 
 

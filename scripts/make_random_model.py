@@ -26,8 +26,9 @@ if str(ROOT) not in sys.path:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def make_random_model(out: Path, num_heads: int = 6, num_kv_heads: int = 2, seed: int = 0,
-                      num_layers: int | None = None) -> Path:
+def make_random_model(
+    out: Path, num_heads: int = 6, num_kv_heads: int = 2, seed: int = 0, num_layers: int | None = None
+) -> Path:
     """Writes the checkpoint and SmolLM2's tokenizer to `out`; returns `out`."""
     import transformers
 
@@ -36,15 +37,26 @@ def make_random_model(out: Path, num_heads: int = 6, num_kv_heads: int = 2, seed
     smollm2 = resolve_model_path(None)
     base = load_hf_config(smollm2)
     if base.hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"hidden size {base.hidden_size} must divide by --num-heads {num_heads}, and "
-                         f"--num-heads by --num-kv-heads {num_kv_heads}")
+        raise ValueError(
+            f"hidden size {base.hidden_size} must divide by --num-heads {num_heads}, and "
+            f"--num-heads by --num-kv-heads {num_kv_heads}"
+        )
     config = transformers.LlamaConfig(
-        hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
-        num_hidden_layers=num_layers or base.num_hidden_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=base.hidden_size // num_heads, vocab_size=base.vocab_size,
-        max_position_embeddings=base.max_position_embeddings, rms_norm_eps=base.rms_norm_eps,
-        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=base.bos_token_id,
-        eos_token_id=base.eos_token_id, pad_token_id=base.pad_token_id)
+        hidden_size=base.hidden_size,
+        intermediate_size=base.intermediate_size,
+        num_hidden_layers=num_layers or base.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=base.hidden_size // num_heads,
+        vocab_size=base.vocab_size,
+        max_position_embeddings=base.max_position_embeddings,
+        rms_norm_eps=base.rms_norm_eps,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +68,9 @@ def make_random_model(out: Path, num_heads: int = 6, num_kv_heads: int = 2, seed
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", type=Path, help="directory to write")
     parser.add_argument("--num-heads", type=int, default=6, help="default: %(default)s")
     parser.add_argument("--num-kv-heads", type=int, default=2, help="default: %(default)s")

@@ -36,12 +36,20 @@ class Traffic:
     def __init__(self, url: str, concurrency: int, seed: int) -> None:
         self.url = url
         self.stop = threading.Event()
-        self.counts = {"completed": 0, "dropped_streams": 0, "bad_requests": 0, "errors": 0, "prompt_tokens": 0}
+        self.counts = {
+            "completed": 0,
+            "dropped_streams": 0,
+            "bad_requests": 0,
+            "errors": 0,
+            "prompt_tokens": 0,
+        }
         self.lock = threading.Lock()
         rng = random.Random(seed)
         self.prefixes = [[rng.randrange(*VOCAB_RANGE) for _ in range(rng.randint(64, 256))] for _ in range(4)]
-        self.threads = [threading.Thread(target=self._client, args=(seed * 1000 + i,), daemon=True)
-                        for i in range(concurrency)]
+        self.threads = [
+            threading.Thread(target=self._client, args=(seed * 1000 + i,), daemon=True)
+            for i in range(concurrency)
+        ]
 
     def start(self) -> None:
         for thread in self.threads:
@@ -68,16 +76,24 @@ class Traffic:
             kind = rng.random()
             try:
                 if kind < 0.1:
-                    r = requests.post(self.url + "/generate", timeout=60, json={
-                        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": -1}})
+                    r = requests.post(
+                        self.url + "/generate",
+                        timeout=60,
+                        json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": -1}},
+                    )
                     self._count("bad_requests" if r.status_code == 400 else "errors")
                 elif kind < 0.3:
                     self._dropped_stream(rng)
                 else:
                     ids = self._prompt(rng)
-                    r = requests.post(self.url + "/generate", timeout=600, json={
-                        "input_ids": ids, "sampling_params": {"max_new_tokens": rng.randint(8, 64),
-                                                              "temperature": 0.7}})
+                    r = requests.post(
+                        self.url + "/generate",
+                        timeout=600,
+                        json={
+                            "input_ids": ids,
+                            "sampling_params": {"max_new_tokens": rng.randint(8, 64), "temperature": 0.7},
+                        },
+                    )
                     if r.status_code == 200:
                         self._count("completed")
                         self._count("prompt_tokens", len(ids))
@@ -88,8 +104,12 @@ class Traffic:
 
     def _dropped_stream(self, rng: random.Random) -> None:
         ids = self._prompt(rng)
-        with requests.post(self.url + "/generate", stream=True, timeout=600, json={
-                "input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 256}}) as r:
+        with requests.post(
+            self.url + "/generate",
+            stream=True,
+            timeout=600,
+            json={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 256}},
+        ) as r:
             if r.status_code != 200:
                 self._count("errors")
                 return
@@ -105,17 +125,26 @@ class Traffic:
 def sample(url: str, t0: float) -> dict[str, Any]:
     info = requests.get(url + "/server_info", timeout=60).json()
     state = info["internal_states"][0]
-    return {"t_s": round(time.monotonic() - t0), "rss": {p["name"]: p["rss_bytes"] for p in info["memory"]["processes"]},
-            "cached_pages": state["cached_pages"], "free_pages": state["free_pages"],
-            "num_pages": state["num_pages"], "available_bytes": info["memory"]["host_available_bytes"]}
+    return {
+        "t_s": round(time.monotonic() - t0),
+        "rss": {p["name"]: p["rss_bytes"] for p in info["memory"]["processes"]},
+        "cached_pages": state["cached_pages"],
+        "free_pages": state["free_pages"],
+        "num_pages": state["num_pages"],
+        "available_bytes": info["memory"]["host_available_bytes"],
+    }
 
 
 def print_sample(s: dict[str, Any], header: bool) -> None:
     names = list(s["rss"])
     if header:
         print("t (s)  " + "  ".join(f"{n + ' MB':>16}" for n in names) + "  cached/free KV pages", flush=True)
-    print(f"{s['t_s']:>5}  " + "  ".join(f"{s['rss'][n] / MB:>16.0f}" for n in names)
-          + f"  {s['cached_pages']}/{s['free_pages']}", flush=True)
+    print(
+        f"{s['t_s']:>5}  "
+        + "  ".join(f"{s['rss'][n] / MB:>16.0f}" for n in names)
+        + f"  {s['cached_pages']}/{s['free_pages']}",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -141,7 +170,9 @@ def main() -> int:
         traffic.start()
         end = t0 + args.minutes * 60
         while time.monotonic() < end:
-            time.sleep(max(0.0, min(args.interval - (time.monotonic() - t0) % args.interval, end - time.monotonic())))
+            time.sleep(
+                max(0.0, min(args.interval - (time.monotonic() - t0) % args.interval, end - time.monotonic()))
+            )
             samples.append(sample(server.url, t0))
             print_sample(samples[-1], header=False)
         traffic.finish()
@@ -149,8 +180,17 @@ def main() -> int:
         print_sample(samples[-1], header=False)
         print("traffic:", json.dumps(traffic.counts), flush=True)
         if args.json_out is not None:
-            args.json_out.write_text(json.dumps({"server_args": args.server_args, "budget_line": budget[-1:],
-                                                 "counts": traffic.counts, "samples": samples}, indent=1))
+            args.json_out.write_text(
+                json.dumps(
+                    {
+                        "server_args": args.server_args,
+                        "budget_line": budget[-1:],
+                        "counts": traffic.counts,
+                        "samples": samples,
+                    },
+                    indent=1,
+                )
+            )
     return 0
 
 

@@ -34,7 +34,9 @@ def has_continuous_batching(model: Any) -> bool:
     """Whether the installed transformers has continuous batching with the API used here."""
     import transformers
 
-    return hasattr(transformers, "ContinuousBatchingConfig") and hasattr(model, "continuous_batching_context_manager")
+    return hasattr(transformers, "ContinuousBatchingConfig") and hasattr(
+        model, "continuous_batching_context_manager"
+    )
 
 
 def pad_token_id(model: Any) -> int:
@@ -80,55 +82,92 @@ def generate_batch(model: Any, prompts: list[list[int]], output_len: int) -> lis
     ids, mask = left_pad(prompts, pad_id)
     streamer = _step_streamer()
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, do_sample=False, min_new_tokens=output_len,
-                         max_new_tokens=output_len, pad_token_id=pad_id, streamer=streamer,
-                         temperature=None, top_p=None, top_k=None)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        min_new_tokens=output_len,
+        max_new_tokens=output_len,
+        pad_token_id=pad_id,
+        streamer=streamer,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     latency = time.perf_counter() - start
     if out.shape[1] != ids.shape[1] + output_len or len(streamer.times) != output_len:
-        raise RuntimeError(f"generate made {out.shape[1] - ids.shape[1]} tokens in {len(streamer.times)} steps, "
-                           f"not {output_len}")
+        raise RuntimeError(
+            f"generate made {out.shape[1] - ids.shape[1]} tokens in {len(streamer.times)} steps, "
+            f"not {output_len}"
+        )
     chunk_times = [t - start for t in streamer.times]
-    return [RequestResult(prompt_len=len(p), output_len=output_len, success=True, latency=latency,
-                          chunk_times=list(chunk_times), chunk_tokens=[1] * output_len) for p in prompts]
+    return [
+        RequestResult(
+            prompt_len=len(p),
+            output_len=output_len,
+            success=True,
+            latency=latency,
+            chunk_times=list(chunk_times),
+            chunk_tokens=[1] * output_len,
+        )
+        for p in prompts
+    ]
 
 
-def run_generate(model: Any, prompts: list[list[int]], output_len: int, concurrency: int,
-                 ) -> tuple[list[RequestResult], float]:
+def run_generate(
+    model: Any,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+) -> tuple[list[RequestResult], float]:
     """Batches of `concurrency` prompts, one after the other; (per-request results, wall seconds)."""
     start = time.perf_counter()
     results = []
     for first in range(0, len(prompts), concurrency):
-        results += generate_batch(model, prompts[first:first + concurrency], output_len)
+        results += generate_batch(model, prompts[first : first + concurrency], output_len)
     return results, time.perf_counter() - start
 
 
 @torch.inference_mode()
-def run_continuous(model: Any, prompts: list[list[int]], output_len: int, concurrency: int,
-                   timeout_s: float) -> tuple[list[RequestResult], float]:
+def run_continuous(
+    model: Any, prompts: list[list[int]], output_len: int, concurrency: int, timeout_s: float
+) -> tuple[list[RequestResult], float]:
     """At most `concurrency` requests in transformers' continuous-batching manager at a time;
     (per-request results, wall seconds from the first request added to the last one finished).
     The manager's set-up and warmup run before the clock starts, as a server's start-up would.
     Raises RuntimeError when the manager stops, refuses a request, or finishes none for `timeout_s`."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    generation_config = GenerationConfig(do_sample=False, max_new_tokens=output_len, eos_token_id=-1)  # -1: no EOS
+    generation_config = GenerationConfig(
+        do_sample=False, max_new_tokens=output_len, eos_token_id=-1
+    )  # -1: no EOS
     # Sized to the workload: on CPU its default cache takes 60% of RAM and costs many seconds to set up.
     longest = max(len(p) for p in prompts) + output_len
-    config = ContinuousBatchingConfig(max_requests_per_batch=concurrency,
-                                      num_blocks=concurrency * math.ceil(longest / PAGE_SIZE) + 1,
-                                      max_batch_tokens=max(concurrency, min(concurrency * longest, MAX_BATCH_TOKENS)),
-                                      page_size=PAGE_SIZE)
+    config = ContinuousBatchingConfig(
+        max_requests_per_batch=concurrency,
+        num_blocks=concurrency * math.ceil(longest / PAGE_SIZE) + 1,
+        max_batch_tokens=max(concurrency, min(concurrency * longest, MAX_BATCH_TOKENS)),
+        page_size=PAGE_SIZE,
+    )
     results = [RequestResult(prompt_len=len(p)) for p in prompts]
     sent_at: dict[str, float] = {}
-    with model.continuous_batching_context_manager(generation_config=generation_config,
-                                                   continuous_batching_config=config, block=True,
-                                                   timeout=30) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=config, block=True, timeout=30
+    ) as manager:
 
         def submit(index: int) -> None:
             request_id = f"bench-{index}"
             sent_at[request_id] = time.perf_counter()
-            if manager.add_request(prompts[index], request_id=request_id, max_new_tokens=output_len,
-                                   record_timestamps=True, eos_token_id=-1) is None:
+            if (
+                manager.add_request(
+                    prompts[index],
+                    request_id=request_id,
+                    max_new_tokens=output_len,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
+                is None
+            ):
                 raise RuntimeError(f"transformers' continuous batching refused request {index}")
 
         start = time.perf_counter()
@@ -140,8 +179,10 @@ def run_continuous(model: Any, prompts: list[list[int]], output_len: int, concur
             out = manager.get_result(timeout=1.0)
             if out is None:
                 if not manager.is_running() or time.perf_counter() > deadline:
-                    raise RuntimeError(f"transformers' continuous batching stopped, or finished nothing for "
-                                       f"{timeout_s} s, after {done} of {len(prompts)} requests")
+                    raise RuntimeError(
+                        f"transformers' continuous batching stopped, or finished nothing for "
+                        f"{timeout_s} s, after {done} of {len(prompts)} requests"
+                    )
                 continue
             if not out.is_finished():
                 continue
@@ -165,6 +206,8 @@ def _record(result: RequestResult, out: Any, sent: float, output_len: int) -> No
     if out.error is not None:
         result.error = f"transformers: {out.error}"
     elif result.output_len != output_len or len(stamps) != output_len:
-        result.error = f"transformers made {result.output_len} tokens ({len(stamps)} timestamps), not {output_len}"
+        result.error = (
+            f"transformers made {result.output_len} tokens ({len(stamps)} timestamps), not {output_len}"
+        )
     else:
         result.success = True

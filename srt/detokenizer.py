@@ -77,8 +77,9 @@ class DetokenizerManager:
         for i, spec in enumerate(specs):
             groups.setdefault((spec.skip_special_tokens, spec.spaces_between_special_tokens), []).append(i)
         for (skip, spaces), rows in groups.items():
-            decoded = self.tokenizer.batch_decode([ids_batch[i] for i in rows], skip_special_tokens=skip,
-                                                  spaces_between_special_tokens=spaces)
+            decoded = self.tokenizer.batch_decode(
+                [ids_batch[i] for i in rows], skip_special_tokens=skip, spaces_between_special_tokens=spaces
+            )
             for i, text in zip(rows, decoded):
                 texts[i] = str(text)
         return texts
@@ -91,7 +92,9 @@ class DetokenizerManager:
             if state is None:
                 resume = out.resumes[i] if i < len(out.resumes) else None
                 spec = spec or DecodeSpec()
-                state = self.states[rid] = self._resumed(resume, spec) if resume is not None else DecodeState(spec=spec)
+                state = self.states[rid] = (
+                    self._resumed(resume, spec) if resume is not None else DecodeState(spec=spec)
+                )
             elif spec is not None:
                 state.spec = spec
             finished = out.finished_reasons[i]
@@ -100,13 +103,13 @@ class DetokenizerManager:
             state.output_ids.extend(new_ids)
             states.append(state)
         specs = [s.spec for s in states]
-        surrounding = self._decode([s.output_ids[s.prefix_offset:s.read_offset] for s in states], specs)
-        window = self._decode([s.output_ids[s.prefix_offset:] for s in states], specs)
+        surrounding = self._decode([s.output_ids[s.prefix_offset : s.read_offset] for s in states], specs)
+        window = self._decode([s.output_ids[s.prefix_offset :] for s in states], specs)
 
         texts = []
         for i, state in enumerate(states):
             finished = out.finished_reasons[i]
-            piece = window[i][len(surrounding[i]):]
+            piece = window[i][len(surrounding[i]) :]
             if finished is not None or (piece and not piece.endswith(REPLACEMENT_CHAR)):
                 state.text += piece
                 state.prefix_offset = state.read_offset
@@ -114,10 +117,17 @@ class DetokenizerManager:
             texts.append(self._emit(state, finished))
             if finished is not None:
                 del self.states[out.rids[i]]
-        return BatchStrOut(rids=list(out.rids), texts=texts, new_token_ids=[list(ids) for ids in out.new_token_ids],
-                           finished_reasons=list(out.finished_reasons), prompt_tokens=list(out.prompt_tokens),
-                           completion_tokens=list(out.completion_tokens), cached_tokens=list(out.cached_tokens),
-                           output_logprobs=out.output_logprobs, input_logprobs=out.input_logprobs)
+        return BatchStrOut(
+            rids=list(out.rids),
+            texts=texts,
+            new_token_ids=[list(ids) for ids in out.new_token_ids],
+            finished_reasons=list(out.finished_reasons),
+            prompt_tokens=list(out.prompt_tokens),
+            completion_tokens=list(out.completion_tokens),
+            cached_tokens=list(out.cached_tokens),
+            output_logprobs=out.output_logprobs,
+            input_logprobs=out.input_logprobs,
+        )
 
     def _resumed(self, resume: ResumeState, spec: DecodeSpec) -> DecodeState:
         """The state a request would have after its delivered ids: their text (without an
@@ -129,8 +139,14 @@ class DetokenizerManager:
         while read_offset > 0 and text.endswith(REPLACEMENT_CHAR) and len(ids) - read_offset < 4:
             read_offset -= 1  # a UTF-8 character spans at most 4 byte tokens
             text = self._decode([ids[:read_offset]], [spec])[0]
-        return DecodeState(output_ids=ids, prefix_offset=max(read_offset - RESUME_SURROUNDING, 0),
-                           read_offset=read_offset, text=text, sent_len=min(resume.text_len, len(text)), spec=spec)
+        return DecodeState(
+            output_ids=ids,
+            prefix_offset=max(read_offset - RESUME_SURROUNDING, 0),
+            read_offset=read_offset,
+            text=text,
+            sent_len=min(resume.text_len, len(text)),
+            spec=spec,
+        )
 
     @staticmethod
     def _emit(state: DecodeState, finished: FinishReason | None) -> str:
@@ -149,18 +165,25 @@ class DetokenizerManager:
             if span is not None:
                 end = span[1] if spec.no_stop_trim else span[0]
         end = max(end, state.sent_len)
-        piece = state.text[state.sent_len:end]
+        piece = state.text[state.sent_len : end]
         state.sent_len = end
         return piece
 
 
 def _trims_stop_token(finished: FinishReason | None, spec: DecodeSpec, new_ids: list[int]) -> bool:
-    return (finished is not None and finished.type == "stop" and isinstance(finished.matched, int)
-            and not spec.no_stop_trim and bool(new_ids) and new_ids[-1] == finished.matched)
+    return (
+        finished is not None
+        and finished.type == "stop"
+        and isinstance(finished.matched, int)
+        and not spec.no_stop_trim
+        and bool(new_ids)
+        and new_ids[-1] == finished.matched
+    )
 
 
-def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str,
-                            ready_conn: Connection) -> None:
+def run_detokenizer_process(
+    server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str, ready_conn: Connection
+) -> None:
     """Process entry (the launcher sets the title, logging and parent-death wiring). Reports
     ("ready", {}) or ("error", traceback) on `ready_conn`, then serves until killed or until its
     parent (the main process) is gone."""

@@ -40,6 +40,7 @@ from srt.utils import free_port, rank_cpus, resolve_dtype
 
 logger = logging.getLogger("srt.engine")
 
+
 @dataclass
 class GenerateOutput:
     output_ids: list[int]
@@ -86,15 +87,20 @@ class _Outputs:
             reason, prompt_tokens = self.finished[rid]
             if reason.type == "abort":
                 raise RuntimeError(f"prompt {i} ({prompt_tokens} tokens) was aborted: {reason.message}")
-        return [GenerateOutput(self.ids[rid], self.finished[rid][0].type, self.finished[rid][1]) for rid in self.rids]
+        return [
+            GenerateOutput(self.ids[rid], self.finished[rid][0].type, self.finished[rid][1])
+            for rid in self.rids
+        ]
 
 
 def _tokenizer_loader(path: str) -> Callable[[], Any]:
     """The Scheduler's stop-string checks load the tokenizer on first need, as a server's ranks do."""
+
     def load() -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
+
     return load
 
 
@@ -104,11 +110,23 @@ class Engine:
     model_path None means the bundled SmolLM2-135M-Instruct.
     """
 
-    def __init__(self, model_path: str | None = None, *, tp_size: int = 1, dtype: str = "auto",
-                 device: str = "cpu", page_size: int = 1, max_total_tokens: int | None = None,
-                 mem_fraction_static: float | None = None, max_running_requests: int = 256, random_seed: int = 0,
-                 max_prefill_tokens: int = 4096, context_length: int | None = None,
-                 start_timeout_s: float = 300.0, quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        tp_size: int = 1,
+        dtype: str = "auto",
+        device: str = "cpu",
+        page_size: int = 1,
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float | None = None,
+        max_running_requests: int = 256,
+        random_seed: int = 0,
+        max_prefill_tokens: int = 4096,
+        context_length: int | None = None,
+        start_timeout_s: float = 300.0,
+        quantization: str | None = None,
+    ) -> None:
 
         self.model_dir = resolve_model_path(model_path)
         self.tp_size = tp_size
@@ -120,13 +138,22 @@ class Engine:
         # cache, so a call's outputs do not depend on the calls before it; a prompt may take the
         # whole prefill budget (longer ones are chunked).
         self.args = ServerArgs(
-            model_path=str(self.model_dir), tp_size=tp_size, device=device,
+            model_path=str(self.model_dir),
+            tp_size=tp_size,
+            device=device,
             dtype="auto" if dtype == "auto" else str(torch_dtype).removeprefix("torch."),
-            page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+            page_size=page_size,
+            max_total_tokens=max_total_tokens,
+            mem_fraction_static=mem_fraction_static,
             cpu_kvcache_space=None,  # not $VLLM_CPU_KVCACHE_SPACE: the engine's budget comes from its arguments
-            max_running_requests=max_running_requests, random_seed=random_seed,
-            max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=max_prefill_tokens,
-            context_length=context_length, quantization=quantization, disable_radix_cache=True)
+            max_running_requests=max_running_requests,
+            random_seed=random_seed,
+            max_prefill_tokens=max_prefill_tokens,
+            chunked_prefill_size=max_prefill_tokens,
+            context_length=context_length,
+            quantization=quantization,
+            disable_radix_cache=True,
+        )
         self.config: RunnerConfig = runner_config(self.args, self.model_dir)
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
@@ -135,9 +162,15 @@ class Engine:
             self.runner = ModelRunner(self.config)
             self._inbox = _Inbox()
             self._outbox: list[Any] = []
-            self.scheduler = Scheduler(self.args, single_process_state(), self.runner, self._inbox,
-                                       self._outbox.append, eos_token_ids(self.model_dir, self.runner.hf_config),
-                                       _tokenizer_loader(str(self.model_dir)))
+            self.scheduler = Scheduler(
+                self.args,
+                single_process_state(),
+                self.runner,
+                self._inbox,
+                self._outbox.append,
+                eos_token_ids(self.model_dir, self.runner.hf_config),
+                _tokenizer_loader(str(self.model_dir)),
+            )
             self.context_length = self.runner.context_length
             return
         self._start_ranks(start_timeout_s)
@@ -158,9 +191,11 @@ class Engine:
         ranks = local_ranks(self.tp_size, 1, device_type=torch.device(self.args.device).type)
         for rank, (threads, cpus) in zip(ranks, rank_cpus(len(ranks), self.args.cpu_threads), strict=True):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, daemon=True,
-                               args=(threads, cpus, self.args, self._port_args,
-                                     str(self.model_dir), rank, writer))
+            proc = ctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(threads, cpus, self.args, self._port_args, str(self.model_dir), rank, writer),
+            )
             proc.start()
             writer.close()  # the rank holds the other end: its exit ends the pipe
             self._procs.append(proc)
@@ -213,8 +248,11 @@ class Engine:
                 self.shutdown()
                 raise RuntimeError(f"tensor-parallel ranks did not start within {timeout_s} s")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[GenerateOutput]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
         if params is None:
             params = SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -225,13 +263,21 @@ class Engine:
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
             if len(prompt) + sp.max_new_tokens > self.context_length:
-                raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                                 f"exceeds the context length ({self.context_length})")
+                raise ValueError(
+                    f"prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+                    f"exceeds the context length ({self.context_length})"
+                )
         first = self._requests_seen
         self._requests_seen += len(prompts)
-        reqs = [TokenizedGenerateReq(f"engine-{first + i}", list(prompt), sp,
-                                     sp.seed if sp.seed is not None else self.random_seed * 1_000_003 + first + i)
-                for i, (prompt, sp) in enumerate(zip(prompts, plist))]
+        reqs = [
+            TokenizedGenerateReq(
+                f"engine-{first + i}",
+                list(prompt),
+                sp,
+                sp.seed if sp.seed is not None else self.random_seed * 1_000_003 + first + i,
+            )
+            for i, (prompt, sp) in enumerate(zip(prompts, plist))
+        ]
         outputs = _Outputs(reqs)
         if self.scheduler is not None:
             self._inbox.messages += reqs
@@ -268,7 +314,9 @@ class Engine:
             self._requests.close(linger=0)
             self._outputs.close(linger=0)
             self._zmq.term()
-            shutil.rmtree(Path(self._port_args.tokenizer_ipc.removeprefix("ipc://")).parent, ignore_errors=True)
+            shutil.rmtree(
+                Path(self._port_args.tokenizer_ipc.removeprefix("ipc://")).parent, ignore_errors=True
+            )
 
     def __enter__(self) -> Engine:
         return self
@@ -278,13 +326,16 @@ class Engine:
 
 
 POLL_S = 0.2  # how often a waiting Engine checks that its ranks are alive
-SPAWN_HINT = ("; if it says that a new process started before the current one finished bootstrapping: ranks "
-              "start by multiprocessing's spawn, which imports the main module again, so a script must create an "
-              "Engine with tp_size > 1 under `if __name__ == \"__main__\":`")
+SPAWN_HINT = (
+    "; if it says that a new process started before the current one finished bootstrapping: ranks "
+    "start by multiprocessing's spawn, which imports the main module again, so a script must create an "
+    'Engine with tp_size > 1 under `if __name__ == "__main__":`'
+)
 
 
 def _describe(dead: list[tuple[int, int]]) -> str:
     """'rank 1 exited by signal SIGKILL, rank 0 exited with code 1'"""
+
     def reason(code: int) -> str:
         if code >= 0:
             return f"with code {code}"
@@ -292,6 +343,7 @@ def _describe(dead: list[tuple[int, int]]) -> str:
             return f"by signal {signal.Signals(-code).name}"
         except ValueError:
             return f"by signal {-code}"
+
     return ", ".join(f"rank {rank} exited {reason(code)}" for rank, code in dead)
 
 

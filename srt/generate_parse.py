@@ -64,9 +64,16 @@ def _bool(obj: dict[str, Any], name: str) -> bool:
 
 
 class GenerateParser:
-    def __init__(self, tokenizer: Any, vocab_size: int, context_length: int, max_total_tokens: int | None,
-                 resolve_seed: Callable[[SamplingParams], int], priority_scheduling: bool = False,
-                 grammars: LazyGrammarBackend | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        context_length: int,
+        max_total_tokens: int | None,
+        resolve_seed: Callable[[SamplingParams], int],
+        priority_scheduling: bool = False,
+        grammars: LazyGrammarBackend | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -84,11 +91,17 @@ class GenerateParser:
             raise RequestError(str(error), error.param) from None
         if (obj.get("text") is None) == (obj.get("input_ids") is None):
             both = obj.get("text") is not None
-            raise RequestError("give either text or input_ids, not both" if both else
-                               "a prompt is required: give text or input_ids", "input_ids" if both else "text")
+            raise RequestError(
+                "give either text or input_ids, not both"
+                if both
+                else "a prompt is required: give text or input_ids",
+                "input_ids" if both else "text",
+            )
         stream = _bool(obj, "stream")
         prompt_key = "text" if obj.get("text") is not None else "input_ids"
-        prompts, is_batch = self._tokenize(obj["text"]) if prompt_key == "text" else self._check_ids(obj["input_ids"])
+        prompts, is_batch = (
+            self._tokenize(obj["text"]) if prompt_key == "text" else self._check_ids(obj["input_ids"])
+        )
         params, n = self._sampling_params(obj.get("sampling_params"), len(prompts), is_batch)
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             self._check_length(ids, sp, f"{prompt_key}[{i}]: " if is_batch else "", prompt_key)
@@ -98,18 +111,31 @@ class GenerateParser:
         # n > 1: copy j of prompt i is request i * n + j, seeded from the prompt's seed
         expand = [(i, j) for i in range(len(prompts)) for j in range(n)]
         rids = self._rids(obj.get("rid"), len(prompts), is_batch, busy_rids, n)
-        reqs = [TokenizedGenerateReq(rid=rid, input_ids=prompts[i], sampling_params=params[i],
-                                     seed=derived_seed(seeds[i], j), stream=stream, return_logprob=logprobs[i][0],
-                                     top_logprobs_num=logprobs[i][1], logprob_start_len=logprobs[i][2],
-                                     priority=priorities[i])
-                for rid, (i, j) in zip(rids, expand)]
+        reqs = [
+            TokenizedGenerateReq(
+                rid=rid,
+                input_ids=prompts[i],
+                sampling_params=params[i],
+                seed=derived_seed(seeds[i], j),
+                stream=stream,
+                return_logprob=logprobs[i][0],
+                top_logprobs_num=logprobs[i][1],
+                logprob_start_len=logprobs[i][2],
+                priority=priorities[i],
+            )
+            for rid, (i, j) in zip(rids, expand)
+        ]
         log_metrics = obj.get("log_metrics")
         if log_metrics is not None and not isinstance(log_metrics, bool):
             raise RequestError(f"log_metrics must be a boolean, got {log_metrics!r}", "log_metrics")
-        return GenerateCall(reqs=reqs, is_batch=is_batch or n > 1, stream=stream,
-                            return_text_in_logprobs=_bool(obj, "return_text_in_logprobs"),
-                            return_prompt_token_ids=_bool(obj, "return_prompt_token_ids"),
-                            log_metrics=log_metrics is not False)
+        return GenerateCall(
+            reqs=reqs,
+            is_batch=is_batch or n > 1,
+            stream=stream,
+            return_text_in_logprobs=_bool(obj, "return_text_in_logprobs"),
+            return_prompt_token_ids=_bool(obj, "return_prompt_token_ids"),
+            log_metrics=log_metrics is not False,
+        )
 
     def _priorities(self, obj: dict[str, Any], n: int, is_batch: bool) -> list[int | None]:
         values = self._per_item(obj, "priority", None, n, is_batch)
@@ -119,25 +145,35 @@ class GenerateParser:
             if not _is_int(value) or abs(value) >= 2**63:
                 raise RequestError(f"priority must be an integer, got {value!r}", "priority")
             if not self.priority_scheduling:
-                raise RequestError("priority needs a server started with --enable-priority-scheduling "
-                                   "(SGLang's flag)", "priority")
+                raise RequestError(
+                    "priority needs a server started with --enable-priority-scheduling (SGLang's flag)",
+                    "priority",
+                )
         return values
 
     def _check_length(self, ids: list[int], sp: SamplingParams, where: str, prompt_key: str) -> None:
         total = len(ids) + sp.max_new_tokens
         param = "max_new_tokens" if len(ids) < self.context_length else prompt_key
         if total > self.context_length:
-            raise RequestError(f"{where}the prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                               f"{total} exceeds the context length ({self.context_length})", param)
+            raise RequestError(
+                f"{where}the prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
+                f"{total} exceeds the context length ({self.context_length})",
+                param,
+            )
         if self.max_total_tokens is not None and total > self.max_total_tokens:
-            raise RequestError(f"{where}the prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
-                               f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)", param)
+            raise RequestError(
+                f"{where}the prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = "
+                f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)",
+                param,
+            )
 
     def _tokenize(self, text: Any) -> tuple[list[list[int]], bool]:
         is_batch = isinstance(text, list)
         texts = text if is_batch else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a non-empty string or a non-empty list of non-empty strings", "text")
+            raise RequestError(
+                "text must be a non-empty string or a non-empty list of non-empty strings", "text"
+            )
         for i, t in enumerate(texts):
             where = f"text[{i}]" if is_batch else "text"
             if not t:
@@ -145,7 +181,9 @@ class GenerateParser:
             try:
                 t.encode("utf-8")
             except UnicodeEncodeError:
-                raise RequestError(f"{where} contains an unpaired surrogate (not valid Unicode)", "text") from None
+                raise RequestError(
+                    f"{where} contains an unpaired surrogate (not valid Unicode)", "text"
+                ) from None
         prompts = [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
         for i, ids in enumerate(prompts):
             where = f"text[{i}]" if is_batch else "text"
@@ -153,14 +191,18 @@ class GenerateParser:
                 raise RequestError(f"{where} tokenizes to no tokens", "text")
             outside = [t for t in ids if not 0 <= t < self.vocab_size]
             if outside:  # a rank would index past its embedding and crash
-                raise RequestError(f"{where} tokenizes to id {outside[0]}, outside the model's vocabulary of "
-                                   f"{self.vocab_size}: the tokenizer does not match the model", "text")
+                raise RequestError(
+                    f"{where} tokenizes to id {outside[0]}, outside the model's vocabulary of "
+                    f"{self.vocab_size}: the tokenizer does not match the model",
+                    "text",
+                )
         return prompts, is_batch
 
     def _check_ids(self, input_ids: Any) -> tuple[list[list[int]], bool]:
         if not isinstance(input_ids, list) or not input_ids:
-            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)",
-                               "input_ids")
+            raise RequestError(
+                "input_ids must be a non-empty list of token ids (or a list of such lists)", "input_ids"
+            )
         is_batch = isinstance(input_ids[0], list)
         rows = input_ids if is_batch else [input_ids]
         for i, row in enumerate(rows):
@@ -171,24 +213,28 @@ class GenerateParser:
                 raise RequestError(f"{where} is empty", "input_ids")
             for token in row:
                 if not _is_token_id(token, self.vocab_size):
-                    raise RequestError(f"{where} holds {token!r}, not a token id in [0, {self.vocab_size})",
-                                       "input_ids")
+                    raise RequestError(
+                        f"{where} holds {token!r}, not a token id in [0, {self.vocab_size})", "input_ids"
+                    )
         return [list(row) for row in rows], is_batch
 
     def _sampling_params(self, raw: Any, n: int, is_batch: bool) -> tuple[list[SamplingParams], int]:
         """One SamplingParams per prompt, and `n` (copies per prompt: the same in every entry, as SGLang)."""
         if is_batch and isinstance(raw, list):
             if len(raw) != n:
-                raise RequestError(f"sampling_params has {len(raw)} entries for a batch of {n}", "sampling_params")
+                raise RequestError(
+                    f"sampling_params has {len(raw)} entries for a batch of {n}", "sampling_params"
+                )
             raws = raw
         else:
             raws = [raw] * n
         out, copies = [], set()
         for one in raws:
-            for key, value in (one.items() if isinstance(one, dict) else ()):
+            for key, value in one.items() if isinstance(one, dict) else ():
                 if isinstance(value, int) and abs(value) >= 2**63:  # JSON ints are unbounded; floats are not
-                    raise RequestError(f"{key} is out of range: {value!r:.30}",
-                                       key if key in SAMPLING else "sampling_params")
+                    raise RequestError(
+                        f"{key} is out of range: {value!r:.30}", key if key in SAMPLING else "sampling_params"
+                    )
             try:
                 params = SamplingParams.from_dict(one)
                 params.validate(self.vocab_size)
@@ -228,7 +274,11 @@ class GenerateParser:
         if raw is None:
             return [uuid.uuid4().hex for _ in range(prompts * n)]
         rids = raw if is_batch else [raw]
-        if not isinstance(rids, list) or len(rids) != prompts or not all(isinstance(r, str) and r for r in rids):
+        if (
+            not isinstance(rids, list)
+            or len(rids) != prompts
+            or not all(isinstance(r, str) and r for r in rids)
+        ):
             shape = f"a list of {prompts} non-empty strings" if is_batch else "a non-empty string"
             raise RequestError(f"rid must be {shape}, got {raw!r}", "rid")
         if n > 1:
@@ -240,8 +290,9 @@ class GenerateParser:
             raise RequestError(f"rid {busy[0]!r} is already in flight", "rid")
         return list(rids)
 
-    def _logprob_options(self, obj: dict[str, Any], prompts: list[list[int]],
-                         is_batch: bool) -> list[tuple[bool, int, int]]:
+    def _logprob_options(
+        self, obj: dict[str, Any], prompts: list[list[int]], is_batch: bool
+    ) -> list[tuple[bool, int, int]]:
         """(return_logprob, top_logprobs_num, logprob_start_len) per prompt. The last two matter
         only with return_logprob, as in SGLang."""
         n = len(prompts)
@@ -253,12 +304,19 @@ class GenerateParser:
             if not isinstance(want, bool):
                 raise RequestError(f"return_logprob{where} must be a boolean, got {want!r}", "return_logprob")
             if not _is_int(top) or not 0 <= top <= self.vocab_size:
-                raise RequestError(f"top_logprobs_num{where} must be an integer in [0, {self.vocab_size}], "
-                                   f"got {top!r}", "top_logprobs_num")
+                raise RequestError(
+                    f"top_logprobs_num{where} must be an integer in [0, {self.vocab_size}], got {top!r}",
+                    "top_logprobs_num",
+                )
             if not _is_int(start) or not -1 <= start < len(ids):
-                raise RequestError(f"logprob_start_len{where} must be -1 (output tokens only) or a prompt position "
-                                   f"in [0, {len(ids)}), got {start!r}", "logprob_start_len")
-        return [(want, top if want else 0, start if want else -1) for want, top, start in zip(wants, tops, starts)]
+                raise RequestError(
+                    f"logprob_start_len{where} must be -1 (output tokens only) or a prompt position "
+                    f"in [0, {len(ids)}), got {start!r}",
+                    "logprob_start_len",
+                )
+        return [
+            (want, top if want else 0, start if want else -1) for want, top, start in zip(wants, tops, starts)
+        ]
 
     @staticmethod
     def _per_item(obj: dict[str, Any], name: str, default: Any, n: int, is_batch: bool) -> list[Any]:

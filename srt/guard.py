@@ -32,31 +32,47 @@ def _bearer_matches(header: str | None, key: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
 
 
-def auth_refusal(path: str, method: str, authorization: str | None, api_key: str | None,
-                 admin_api_key: str | None) -> str | None:
+def auth_refusal(
+    path: str, method: str, authorization: str | None, api_key: str | None, admin_api_key: str | None
+) -> str | None:
     """Why the request may not pass (a 401), or None. Pure: the tests call it directly."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return None
     if path in ADMIN_PATHS and admin_api_key:
         return None if _bearer_matches(authorization, admin_api_key) else "this route needs the admin API key"
     if api_key and not _bearer_matches(authorization, api_key):
-        return "a valid API key is required (Authorization: Bearer <key>)" if authorization \
+        return (
+            "a valid API key is required (Authorization: Bearer <key>)"
+            if authorization
             else "an API key is required (Authorization: Bearer <key>)"
+        )
     return None
 
 
-async def _reply(send: Send, status: int, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+async def _reply(
+    send: Send, status: int, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     payload = orjson.dumps(body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})
 
 
 class RequestGuard:
     """ASGI middleware: the key check, then the body-size cap."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, admin_api_key: str | None, max_body_bytes: int
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.admin_api_key = admin_api_key
@@ -67,12 +83,23 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        refusal = auth_refusal(scope["path"], scope["method"], headers.get("authorization"), self.api_key,
-                               self.admin_api_key)
+        refusal = auth_refusal(
+            scope["path"], scope["method"], headers.get("authorization"), self.api_key, self.admin_api_key
+        )
         if refusal is not None:
-            await _reply(send, 401, {"error": {"message": refusal, "type": "invalid_request_error", "param": None,
-                                               "code": "invalid_api_key"}},
-                         [(b"www-authenticate", b"Bearer")])
+            await _reply(
+                send,
+                401,
+                {
+                    "error": {
+                        "message": refusal,
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                },
+                [(b"www-authenticate", b"Bearer")],
+            )
             return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -107,5 +134,11 @@ class BodyTooLarge(Exception):
 
 
 def too_large_body(cap: int) -> dict[str, Any]:
-    return {"error": {"message": f"the request body is over --max-request-bytes ({cap} bytes)",
-                      "type": "invalid_request_error", "param": None, "code": 413}}
+    return {
+        "error": {
+            "message": f"the request body is over --max-request-bytes ({cap} bytes)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 413,
+        }
+    }

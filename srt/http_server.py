@@ -83,15 +83,20 @@ def busy_response(message: str, body: Callable[[int, str], dict[str, Any]] = err
     return JSONResponse(body(503, message), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def unavailable_response(error: ServiceUnavailableError,
-                         body: Callable[[int, str], dict[str, Any]] = error_body) -> JSONResponse:
+def unavailable_response(
+    error: ServiceUnavailableError, body: Callable[[int, str], dict[str, Any]] = error_body
+) -> JSONResponse:
     """503; with Retry-After where the condition passes by itself."""
-    return busy_response(str(error), body) if error.retry_after else \
-        JSONResponse(body(503, str(error)), status_code=503)
+    return (
+        busy_response(str(error), body)
+        if error.retry_after
+        else JSONResponse(body(503, str(error)), status_code=503)
+    )
 
 
-async def peek_refusal(outputs: AsyncGenerator[dict[str, Any], None]
-                       ) -> tuple[AsyncGenerator[dict[str, Any], None], str | None]:
+async def peek_refusal(
+    outputs: AsyncGenerator[dict[str, Any], None],
+) -> tuple[AsyncGenerator[dict[str, Any], None], str | None]:
     """For a stream that may be refused (refusals_possible): wait for its first output, so that a
     refused request gets a real 503 instead of a 200 stream with an error event. Returns the outputs
     again (the first one included) and the refusal, if any."""
@@ -123,7 +128,9 @@ async def read_json_object(request: Request) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise RequestError(f"the request body is not valid UTF-8 (bad byte at offset {error.start})") from None
+        raise RequestError(
+            f"the request body is not valid UTF-8 (bad byte at offset {error.start})"
+        ) from None
     try:
         obj = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as error:
@@ -165,8 +172,12 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     app = FastAPI(title="srt", lifespan=lifespan)
     app.state.tokenizer_manager = tm  # for run_http_server's drain and the OpenAI routes
     args = tm.server_args
-    app.add_middleware(RequestGuard, api_key=args.api_key, admin_api_key=args.admin_api_key,
-                       max_body_bytes=args.max_request_bytes)
+    app.add_middleware(
+        RequestGuard,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_body_bytes=args.max_request_bytes,
+    )
 
     @app.exception_handler(BodyTooLarge)
     async def body_too_large(request: Request, error: BodyTooLarge) -> Response:
@@ -224,11 +235,20 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     async def model_info() -> Response:
         model_path = tm.model_info["model_path"]
         config = _model_config(model_path)
-        return JSONResponse({"model_path": model_path, "tokenizer_path": tm.tokenizer_path, "is_generation": True,
-                             "served_model_name": tm.server_args.model_name, "preferred_sampling_params": None,
-                             "weight_version": "default", "has_image_understanding": False,
-                             "has_audio_understanding": False, "model_type": config.get("model_type"),
-                             "architectures": config.get("architectures")})
+        return JSONResponse(
+            {
+                "model_path": model_path,
+                "tokenizer_path": tm.tokenizer_path,
+                "is_generation": True,
+                "served_model_name": tm.server_args.model_name,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": config.get("model_type"),
+                "architectures": config.get("architectures"),
+            }
+        )
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -293,7 +313,9 @@ class DrainingServer(uvicorn.Server):
     serving: a requested shutdown simply returns from run().
     """
 
-    def __init__(self, config: uvicorn.Config, tokenizer_manager: TokenizerManager, drain_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, tokenizer_manager: TokenizerManager, drain_timeout: float
+    ) -> None:
         super().__init__(config)
         self.tm = tokenizer_manager
         self.drain_timeout = max(0.0, drain_timeout)
@@ -312,8 +334,12 @@ class DrainingServer(uvicorn.Server):
         self.tm.begin_drain()
         in_flight = set(self.server_state.tasks)  # the requests running now; later ones get 503
         signals_at_start = self.signals_received
-        logger.info("%s: waiting up to %g s for %d request(s) in flight (signal again to stop at once)",
-                    SHUTTING_DOWN, self.drain_timeout, len(in_flight))
+        logger.info(
+            "%s: waiting up to %g s for %d request(s) in flight (signal again to stop at once)",
+            SHUTTING_DOWN,
+            self.drain_timeout,
+            len(in_flight),
+        )
         deadline = time.monotonic() + self.drain_timeout
         while True:
             in_flight = {task for task in in_flight if not task.done()}
@@ -336,8 +362,17 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") 
     without them), which cost the front end less CPU than asyncio + h11 (docs/performance.md);
     log_config=None: uvicorn's lines go
     through the process's own handler, labelled like every other line."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto", http="auto",
-                          timeout_keep_alive=5, timeout_graceful_shutdown=CLOSE_GRACE_S, log_config=None)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        loop="auto",
+        http="auto",
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=CLOSE_GRACE_S,
+        log_config=None,
+    )
 
 
 def run_http_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:

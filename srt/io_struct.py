@@ -119,8 +119,12 @@ class DecodeSpec:
 
     @classmethod
     def of(cls, params: SamplingParams) -> DecodeSpec:
-        return cls(tuple(params.stop), params.skip_special_tokens, params.spaces_between_special_tokens,
-                   params.no_stop_trim)
+        return cls(
+            tuple(params.stop),
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+            params.no_stop_trim,
+        )
 
 
 @dataclass

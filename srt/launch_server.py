@@ -63,7 +63,13 @@ logger = logging.getLogger("srt.launch_server")
 
 SCHEDULER_TARGET = "scheduler.entry:run_scheduler_process"
 DETOKENIZER_TARGET = "srt.detokenizer:run_detokenizer_process"
-MODEL_INFO_KEYS = ("context_length", "vocab_size", "max_total_tokens", "eos_token_ids", "max_running_requests")
+MODEL_INFO_KEYS = (
+    "context_length",
+    "vocab_size",
+    "max_total_tokens",
+    "eos_token_ids",
+    "max_running_requests",
+)
 MODEL_LOAD_BUDGET_S = 900.0  # start-up may take the rendezvous (--dist-timeout) plus this
 
 
@@ -91,9 +97,16 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
     """Raises ValueError (naming the flag) for anything the user must fix."""
     if server_args.node_rank == 0:
         check_port_free(server_args.host, server_args.port)
-    ranks = local_ranks(server_args.tp_size, server_args.pp_size, server_args.nnodes, server_args.node_rank,
-                        server_args.device)
-    rank_cpus(len(ranks), server_args.cpu_threads)  # a bad SGLANG_CPU_OMP_THREADS_BIND fails here, before any child
+    ranks = local_ranks(
+        server_args.tp_size,
+        server_args.pp_size,
+        server_args.nnodes,
+        server_args.node_rank,
+        server_args.device,
+    )
+    rank_cpus(
+        len(ranks), server_args.cpu_threads
+    )  # a bad SGLANG_CPU_OMP_THREADS_BIND fails here, before any child
     if server_args.device == "cuda":
         import torch
 
@@ -105,22 +118,44 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
     from model_executor.loader.weight_source import resolve_model_path  # lazy: imports torch
 
     model_dir = str(resolve_model_path(server_args.model_path))
-    return LaunchPlan(server_args, PortArgs.create(init_method), model_dir,
-                      server_args.tokenizer_path or model_dir, tuple(ranks), rendezvous)
+    return LaunchPlan(
+        server_args,
+        PortArgs.create(init_method),
+        model_dir,
+        server_args.tokenizer_path or model_dir,
+        tuple(ranks),
+        rendezvous,
+    )
 
 
-def child_specs(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
-                detokenizer_target: str = DETOKENIZER_TARGET) -> list[ChildSpec]:
+def child_specs(
+    plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET, detokenizer_target: str = DETOKENIZER_TARGET
+) -> list[ChildSpec]:
     args = plan.server_args
     threads = rank_cpus(len(plan.ranks), args.cpu_threads)
-    specs = [ChildSpec(name=rank.name, title=rank.title, target=scheduler_target, num_threads=num_threads,
-                       cpus=cpus, args=(args, plan.port_args, plan.model_dir, rank), log_level=args.log_level)
-             for rank, (num_threads, cpus) in zip(plan.ranks, threads, strict=True)]
+    specs = [
+        ChildSpec(
+            name=rank.name,
+            title=rank.title,
+            target=scheduler_target,
+            num_threads=num_threads,
+            cpus=cpus,
+            args=(args, plan.port_args, plan.model_dir, rank),
+            log_level=args.log_level,
+        )
+        for rank, (num_threads, cpus) in zip(plan.ranks, threads, strict=True)
+    ]
     if args.node_rank == 0:
         replica = dp_rank_label()
-        specs.append(ChildSpec(name="detokenizer", title="srt::detokenizer" + (f"_{replica}" if replica else ""),
-                               target=detokenizer_target,
-                               args=(args, plan.port_args, plan.tokenizer_path), log_level=args.log_level))
+        specs.append(
+            ChildSpec(
+                name="detokenizer",
+                title="srt::detokenizer" + (f"_{replica}" if replica else ""),
+                target=detokenizer_target,
+                args=(args, plan.port_args, plan.tokenizer_path),
+                log_level=args.log_level,
+            )
+        )
     return specs
 
 
@@ -178,8 +213,13 @@ def _exit_now(plan: LaunchPlan, code: int) -> None:
 def meet_other_nodes(plan: LaunchPlan) -> PeerWatch:
     """The rendezvous (on every node, even alone), then the watch on the other nodes."""
     args = plan.server_args
-    rendezvous = Rendezvous.join(plan.rendezvous, args.node_rank, args.nnodes,
-                                 launch_fingerprint(args, plan.model_dir), args.dist_timeout)
+    rendezvous = Rendezvous.join(
+        plan.rendezvous,
+        args.node_rank,
+        args.nnodes,
+        launch_fingerprint(args, plan.model_dir),
+        args.dist_timeout,
+    )
     os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients (launcher/rendezvous.py)
     return PeerWatch(rendezvous).start()
 
@@ -189,7 +229,9 @@ def route_outputs_across_nodes(plan: LaunchPlan, rendezvous: Rendezvous) -> Laun
     another node than the detokenizer: node 0's detokenizer then listens on TCP at the rendezvous
     host, and publishes where in the rendezvous store."""
     args = plan.server_args
-    output_node = node_of_world_rank(output_world_rank(args.tp_size, args.pp_size), args.world_size, args.nnodes)
+    output_node = node_of_world_rank(
+        output_world_rank(args.tp_size, args.pp_size), args.world_size, args.nnodes
+    )
     if output_node == 0:
         return plan
     if args.node_rank == 0:
@@ -203,8 +245,13 @@ def route_outputs_across_nodes(plan: LaunchPlan, rendezvous: Rendezvous) -> Laun
     return dataclasses.replace(plan, port_args=dataclasses.replace(plan.port_args, detokenizer_ipc=endpoint))
 
 
-def start_again(plan: LaunchPlan, port_args: PortArgs, children: list[ChildProcess], scheduler_target: str,
-                detokenizer_target: str) -> list[ChildProcess]:
+def start_again(
+    plan: LaunchPlan,
+    port_args: PortArgs,
+    children: list[ChildProcess],
+    scheduler_target: str,
+    detokenizer_target: str,
+) -> list[ChildProcess]:
     """An engine restart (srt/recovery.py, in the Supervisor's thread): every child again, on
     `port_args`; `children`, which the final teardown kills, holds the new ones from now on."""
     plan = dataclasses.replace(plan, port_args=port_args)
@@ -217,8 +264,9 @@ def start_again(plan: LaunchPlan, port_args: PortArgs, children: list[ChildProce
     return list(children)
 
 
-def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
-        detokenizer_target: str = DETOKENIZER_TARGET) -> int:
+def run(
+    plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET, detokenizer_target: str = DETOKENIZER_TARGET
+) -> int:
     """Start, serve (node 0) or supervise (node > 0), tear down. Returns the exit code."""
     args = plan.server_args
     become_subreaper()  # children of a dead child come to us, so teardown still finds them
@@ -237,20 +285,31 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
             children.append(spawn_child(spec))
         infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S, abort=peers.failures)
         logger.info("%d child processes ready", len(children))
-        restarter = EngineRestarter(args, plan.port_args, lambda port_args: start_again(
-            plan, port_args, children, scheduler_target, detokenizer_target), lambda: frontend.tm)
+        restarter = EngineRestarter(
+            args,
+            plan.port_args,
+            lambda port_args: start_again(plan, port_args, children, scheduler_target, detokenizer_target),
+            lambda: frontend.tm,
+        )
         watch = peers
-        supervisor = Supervisor(children, frontend.fail_all,
-                                exit_fn=lambda code: _exit_now(plan, 0 if watch.leader_stopped else code),
-                                explain=peers.explain, peer_failure=peers.failures,
-                                restart=restarter.restart if args.restart_on_failure else None)
+        supervisor = Supervisor(
+            children,
+            frontend.fail_all,
+            exit_fn=lambda code: _exit_now(plan, 0 if watch.leader_stopped else code),
+            explain=peers.explain,
+            peer_failure=peers.failures,
+            restart=restarter.restart if args.restart_on_failure else None,
+        )
         supervisor.start()
         if args.node_rank > 0:
             if args.enable_metrics:  # node 0's /metrics shows this node's ranks too
-                MetricsRelay(plan.rendezvous, args.node_rank,
-                             lambda: render_rank_metrics(metrics_dir(plan.port_args))).start()
+                MetricsRelay(
+                    plan.rendezvous, args.node_rank, lambda: render_rank_metrics(metrics_dir(plan.port_args))
+                ).start()
             threading.Event().wait()  # until a signal, or the Supervisor ends the process
-        remote = RemoteMetrics(plan.rendezvous, args.nnodes) if args.enable_metrics and args.nnodes > 1 else None
+        remote = (
+            RemoteMetrics(plan.rendezvous, args.nnodes) if args.enable_metrics and args.nnodes > 1 else None
+        )
         return serve(plan, merge_model_info(plan, infos), frontend, remote, children)
     except LaunchError as e:
         logger.error("launch failed: %s", e)
@@ -274,8 +333,13 @@ def run(plan: LaunchPlan, scheduler_target: str = SCHEDULER_TARGET,
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
 
 
-def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend,
-          remote_metrics: RemoteMetrics | None = None, children: list[ChildProcess] | None = None) -> int:
+def serve(
+    plan: LaunchPlan,
+    model_info: dict[str, Any],
+    frontend: Frontend,
+    remote_metrics: RemoteMetrics | None = None,
+    children: list[ChildProcess] | None = None,
+) -> int:
     from srt.http_server import create_app, run_http_server
     from srt.tokenizer_manager import TokenizerManager
 
@@ -285,8 +349,13 @@ def serve(plan: LaunchPlan, model_info: dict[str, Any], frontend: Frontend,
     frontend.tm.processes = lambda: [("main", os.getpid())] + [(child.name, child.pid) for child in kids]
     if remote_metrics is not None and frontend.tm.metrics is not None:
         frontend.tm.metrics.nodes.remote = remote_metrics.texts
-    server_info = {**args.to_dict(), **model_info, "model_dir": plan.model_dir,
-                   "tokenizer_path": plan.tokenizer_path, "version": code_version()}
+    server_info = {
+        **args.to_dict(),
+        **model_info,
+        "model_dir": plan.model_dir,
+        "tokenizer_path": plan.tokenizer_path,
+        "version": code_version(),
+    }
     app = create_app(frontend.tm, server_info)
     logger.info("serving on http://%s:%d", args.host, args.port)
     run_http_server(app, args.host, args.port, args.log_level)

@@ -22,8 +22,9 @@ Entry = list[Any]  # [logprob, token_id, text or None]
 
 
 class LogprobMeta:
-    def __init__(self, top_logprobs_num: int, logprob_start_len: int,
-                 decode: Callable[[list[int]], list[str]] | None) -> None:
+    def __init__(
+        self, top_logprobs_num: int, logprob_start_len: int, decode: Callable[[list[int]], list[str]] | None
+    ) -> None:
         self.with_top = top_logprobs_num > 0
         self.with_input = logprob_start_len >= 0
         self.decode = decode  # token ids -> one text per id; None: texts stay null

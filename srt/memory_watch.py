@@ -48,8 +48,10 @@ class MemoryWatch:
                 logger.info("host memory available again: %.2f GiB", available / GIB)
             self.pressure, self._last_release = None, None
             return False
-        self.pressure = (f"the host is short of memory: {available / GIB:.2f} GiB available, below "
-                         f"--min-available-memory {self.threshold / GIB:g} GiB; retry later")
+        self.pressure = (
+            f"the host is short of memory: {available / GIB:.2f} GiB available, below "
+            f"--min-available-memory {self.threshold / GIB:g} GiB; retry later"
+        )
         if self._last_release is not None and now - self._last_release < REPEAT_S:
             return False
         logger.warning("%s; asking the ranks to release their prefix cache", self.pressure)
@@ -79,10 +81,14 @@ class ProcessMemoryCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
-        rss = GaugeMetricFamily("srt:process_resident_memory_bytes", "Resident memory of a process of this node",
-                                labels=["process"])
+        rss = GaugeMetricFamily(
+            "srt:process_resident_memory_bytes",
+            "Resident memory of a process of this node",
+            labels=["process"],
+        )
         for entry in process_memory(self.processes()):
             rss.add_metric([str(entry["name"])], float(entry["rss_bytes"]))
         yield rss
-        yield GaugeMetricFamily("srt:host_available_memory_bytes", "Host RAM available (psutil)",
-                                value=float(available_memory()))
+        yield GaugeMetricFamily(
+            "srt:host_available_memory_bytes", "Host RAM available (psutil)", value=float(available_memory())
+        )

@@ -53,9 +53,21 @@ RECOVERY_BUCKETS = (1, 2, 4, 6, 8, 10, 15, 20, 30, 45, 60, 90, 120, 300)
 E2E_BUCKETS = (0.05, 0.1, 0.2, 0.4, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 120, 300, 600)
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # /health_generate's probes are not user traffic
 # srt: series that also appear under SGLang's name (sglang:<name>, with a model_name label)
-SGLANG_MIRRORED = ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "token_usage", "cache_hit_rate",
-                   "gen_throughput", "num_requests", "prompt_tokens", "generation_tokens", "cached_tokens",
-                   "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
+SGLANG_MIRRORED = (
+    "num_running_reqs",
+    "num_queue_reqs",
+    "num_used_tokens",
+    "token_usage",
+    "cache_hit_rate",
+    "gen_throughput",
+    "num_requests",
+    "prompt_tokens",
+    "generation_tokens",
+    "cached_tokens",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+)
 
 
 def metrics_dir(port_args: PortArgs) -> Path:
@@ -80,28 +92,49 @@ class RankMetrics:
     def __init__(self, rank: int, is_output_rank: bool) -> None:
         from prometheus_client import Counter, Gauge
 
-        self.forward_steps = Counter("srt:forward_steps", "Forward steps run by this rank", ["rank"]).labels(str(rank))
-        self.last_step_time = Gauge("srt:last_forward_step_timestamp_seconds",
-                                    "Unix time of this rank's last forward step", ["rank"],
-                                    multiprocess_mode="max").labels(str(rank))
-        parts = {"broadcast": "receiving and broadcasting requests", "schedule": "scheduling",
-                 "forward": "the forward pass and sampling"}
-        self.step_seconds = {part: Counter(f"srt:step_{part}_seconds", f"Seconds of this rank's busy steps in {doc}",
-                                           ["rank"]).labels(str(rank)) for part, doc in parts.items()}
-        self.token_sync_steps = Counter("srt:token_sync_steps", "Steps whose sampled ids were MIN-all-reduced over "
-                                        "TP (--sync-token-ids-across-tp, or a constrained request in the batch)",
-                                        ["rank"]).labels(str(rank))
+        self.forward_steps = Counter("srt:forward_steps", "Forward steps run by this rank", ["rank"]).labels(
+            str(rank)
+        )
+        self.last_step_time = Gauge(
+            "srt:last_forward_step_timestamp_seconds",
+            "Unix time of this rank's last forward step",
+            ["rank"],
+            multiprocess_mode="max",
+        ).labels(str(rank))
+        parts = {
+            "broadcast": "receiving and broadcasting requests",
+            "schedule": "scheduling",
+            "forward": "the forward pass and sampling",
+        }
+        self.step_seconds = {
+            part: Counter(
+                f"srt:step_{part}_seconds", f"Seconds of this rank's busy steps in {doc}", ["rank"]
+            ).labels(str(rank))
+            for part, doc in parts.items()
+        }
+        self.token_sync_steps = Counter(
+            "srt:token_sync_steps",
+            "Steps whose sampled ids were MIN-all-reduced over "
+            "TP (--sync-token-ids-across-tp, or a constrained request in the batch)",
+            ["rank"],
+        ).labels(str(rank))
         self.is_output_rank = is_output_rank
         if not is_output_rank:
             return
-        gauges = {"num_running_reqs": "Running requests", "num_queue_reqs": "Waiting requests",
-                  "num_used_tokens": "KV cache tokens held by requests",
-                  "token_usage": "Fraction of the KV cache held by requests",
-                  "cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens, since start",
-                  "gen_throughput": "Generated tokens per second, at the last decode stats log",
-                  "kv_free_pages": "KV pages free", "kv_cached_pages": "KV pages held by the prefix cache",
-                  "kv_used_pages": "KV pages allocated (prefix cache and running requests)"}
-        self.gauges = {name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent") for name, doc in gauges.items()}
+        gauges = {
+            "num_running_reqs": "Running requests",
+            "num_queue_reqs": "Waiting requests",
+            "num_used_tokens": "KV cache tokens held by requests",
+            "token_usage": "Fraction of the KV cache held by requests",
+            "cache_hit_rate": "Prompt tokens served from the prefix cache / prompt tokens, since start",
+            "gen_throughput": "Generated tokens per second, at the last decode stats log",
+            "kv_free_pages": "KV pages free",
+            "kv_cached_pages": "KV pages held by the prefix cache",
+            "kv_used_pages": "KV pages allocated (prefix cache and running requests)",
+        }
+        self.gauges = {
+            name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent") for name, doc in gauges.items()
+        }
 
     def step(self) -> None:
         self.forward_steps.inc()
@@ -145,12 +178,17 @@ class SGLangNames:
                 continue
             copy = Metric("sglang:" + family.name.removeprefix("srt:"), family.documentation, family.type)
             for sample in family.samples:
-                copy.add_sample("sglang:" + sample.name.removeprefix("srt:"),
-                                {**sample.labels, "model_name": self.model_name}, sample.value, sample.timestamp)
+                copy.add_sample(
+                    "sglang:" + sample.name.removeprefix("srt:"),
+                    {**sample.labels, "model_name": self.model_name},
+                    sample.value,
+                    sample.timestamp,
+                )
             yield copy
         if self.max_total_tokens is not None:
-            capacity = GaugeMetricFamily("sglang:max_total_num_tokens", "KV cache capacity in tokens",
-                                         labels=["model_name"])
+            capacity = GaugeMetricFamily(
+                "sglang:max_total_num_tokens", "KV cache capacity in tokens", labels=["model_name"]
+            )
             capacity.add_metric([self.model_name], self.max_total_tokens)
             yield capacity
 
@@ -177,7 +215,9 @@ class NodesCollector:
         from prometheus_client.multiprocess import MultiProcessCollector
         from prometheus_client.parser import text_string_to_metric_families
 
-        families = {family.name: family for family in MultiProcessCollector(None, path=str(self.dir)).collect()}
+        families = {
+            family.name: family for family in MultiProcessCollector(None, path=str(self.dir)).collect()
+        }
         for text in self.remote() if self.remote is not None else []:
             for family in text_string_to_metric_families(text):
                 mine = families.setdefault(family.name, family)
@@ -190,8 +230,9 @@ class FrontendMetrics:
     """The front end's series, and the rendering of /metrics (its own + the ranks' files + both
     under SGLang's names)."""
 
-    def __init__(self, rank_metrics_dir: Path, model_name: str = "default",
-                 max_total_tokens: int | None = None) -> None:
+    def __init__(
+        self, rank_metrics_dir: Path, model_name: str = "default", max_total_tokens: int | None = None
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
@@ -204,18 +245,36 @@ class FrontendMetrics:
         self.requests = Counter("srt:num_requests", "Finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("srt:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("srt:generation_tokens", "Generated tokens", registry=r)
-        self.cached_tokens = Counter("srt:cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
-        self.ttft = Histogram("srt:time_to_first_token_seconds", "Time to the first output token", buckets=TTFT_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("srt:inter_token_latency_seconds", "Time between output tokens", buckets=ITL_BUCKETS,
-                             registry=r)
-        self.e2e = Histogram("srt:e2e_request_latency_seconds", "Request latency, arrival to last token",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.restarts = Counter("srt:engine_restarts", "Engine restarts after a rank or the detokenizer died",
-                                registry=r)
-        self.replayed = Counter("srt:replayed_requests", "Requests resubmitted after an engine restart", registry=r)
-        self.recovery = Histogram("srt:recovery_seconds", "From a failure to the restarted engine's replays",
-                                  buckets=RECOVERY_BUCKETS, registry=r)
+        self.cached_tokens = Counter(
+            "srt:cached_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.ttft = Histogram(
+            "srt:time_to_first_token_seconds",
+            "Time to the first output token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "srt:inter_token_latency_seconds", "Time between output tokens", buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "srt:e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.restarts = Counter(
+            "srt:engine_restarts", "Engine restarts after a rank or the detokenizer died", registry=r
+        )
+        self.replayed = Counter(
+            "srt:replayed_requests", "Requests resubmitted after an engine restart", registry=r
+        )
+        self.recovery = Histogram(
+            "srt:recovery_seconds",
+            "From a failure to the restarted engine's replays",
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
 
     def on_restart(self, replayed: int, seconds: float) -> None:
         self.restarts.inc()
@@ -237,8 +296,15 @@ class FrontendMetrics:
         timing.last_token_time = now
         timing.completion_tokens = completion_tokens
 
-    def on_finish(self, rid: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                  cached_tokens: int, latency_s: float) -> None:
+    def on_finish(
+        self,
+        rid: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        latency_s: float,
+    ) -> None:
         if rid.startswith(HEALTH_CHECK_PREFIX):
             return
         self.requests.labels(finish_reason).inc()

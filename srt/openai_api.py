@@ -66,8 +66,12 @@ def _usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
     firsts = metas[::n]
     prompt = sum(meta["prompt_tokens"] for meta in firsts)
     completion = sum(meta["completion_tokens"] for meta in metas)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(meta["cached_tokens"] for meta in firsts)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(meta["cached_tokens"] for meta in firsts)},
+    }
 
 
 def _finish_reason(meta: dict[str, Any]) -> str | None:
@@ -77,7 +81,12 @@ def _finish_reason(meta: dict[str, Any]) -> str | None:
 
 def _envelope(call: OpenAICall, rid: str, created: int, model: str, chunk: bool) -> dict[str, Any]:
     name = call.object_name + (".chunk" if chunk and call.chat else "")
-    return {"id": ("chatcmpl-" if call.chat else "cmpl-") + rid, "object": name, "created": created, "model": model}
+    return {
+        "id": ("chatcmpl-" if call.chat else "cmpl-") + rid,
+        "object": name,
+        "created": created,
+        "model": model,
+    }
 
 
 @dataclass
@@ -114,11 +123,16 @@ def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) 
 
 def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool) -> dict[str, Any]:
     meta = out["meta_info"]
-    choice: dict[str, Any] = {"index": out.get("index", 0), "logprobs": _logprobs(call, meta, progress),
-                              "finish_reason": _finish_reason(meta)}
+    choice: dict[str, Any] = {
+        "index": out.get("index", 0),
+        "logprobs": _logprobs(call, meta, progress),
+        "finish_reason": _finish_reason(meta),
+    }
     reasoning = None
     if call.chat and call.reasoning is not None:  # the content part goes on as the whole output would
-        out, reasoning = _reasoning_part(call.reasoning, out, progress, chunk, choice["finish_reason"] is not None)
+        out, reasoning = _reasoning_part(
+            call.reasoning, out, progress, chunk, choice["finish_reason"] is not None
+        )
     if call.tools is not None:
         choice = _tool_choice_part(call, out, progress, chunk, choice)
     else:
@@ -128,8 +142,9 @@ def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chu
     return choice
 
 
-def _reasoning_part(split: ReasoningSplit, out: dict[str, Any], progress: ChoiceProgress, chunk: bool,
-                    finished: bool) -> tuple[dict[str, Any], str | None]:
+def _reasoning_part(
+    split: ReasoningSplit, out: dict[str, Any], progress: ChoiceProgress, chunk: bool, finished: bool
+) -> tuple[dict[str, Any], str | None]:
     """(the output with only its content as text, the reasoning_content to send: all of it in a
     whole reply; in a stream what is new, or with stream_reasoning false all of it once it ended)."""
     reasoning, content, done = split.split(out["text"], finished)
@@ -138,14 +153,15 @@ def _reasoning_part(split: ReasoningSplit, out: dict[str, Any], progress: Choice
         return out, reasoning or None
     if not split.stream_reasoning and not done:
         return out, None
-    new = reasoning[len(progress.reasoning):] if reasoning.startswith(progress.reasoning) else ""
+    new = reasoning[len(progress.reasoning) :] if reasoning.startswith(progress.reasoning) else ""
     progress.reasoning = max(reasoning, progress.reasoning, key=len)
     return out, new or None
 
 
-def _content_part(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool,
-                  choice: dict[str, Any]) -> dict[str, Any]:
-    delta = out["text"][len(progress.text):]  # the text is cumulative; send what is new
+def _content_part(
+    call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool, choice: dict[str, Any]
+) -> dict[str, Any]:
+    delta = out["text"][len(progress.text) :]  # the text is cumulative; send what is new
     progress.text = out["text"]
     if call.echo is not None and progress.first:
         delta = call.echo[choice["index"] // call.n] + delta
@@ -159,22 +175,25 @@ def _content_part(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgres
     return choice
 
 
-def _tool_choice_part(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool,
-                      choice: dict[str, Any]) -> dict[str, Any]:
+def _tool_choice_part(
+    call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool, choice: dict[str, Any]
+) -> dict[str, Any]:
     """A chat choice whose output may hold tool calls: content streams only up to where a call
     could begin; the calls are parsed from the finished text (finish_reason tool_calls)."""
     assert call.tools is not None
     text, finished = out["text"], choice["finish_reason"] is not None
     message: dict[str, Any] = {"role": "assistant"} if progress.first or not chunk else {}
     if not finished:
-        safe = text[:call.tools.stream_safe_prefix(text)]
-        message["content"] = safe[len(progress.text):] if len(safe) > len(progress.text) else ""
+        safe = text[: call.tools.stream_safe_prefix(text)]
+        message["content"] = safe[len(progress.text) :] if len(safe) > len(progress.text) else ""
         progress.text = max(safe, progress.text, key=len)
         calls = call.tools.complete_calls(text) if chunk else []
     else:
         content, calls = call.tools.parse(text)
         rest = content or ""
-        message["content"] = (rest[len(progress.text):] if rest.startswith(progress.text) else "") if chunk else content
+        message["content"] = (
+            (rest[len(progress.text) :] if rest.startswith(progress.text) else "") if chunk else content
+        )
         if calls and choice["finish_reason"] == "stop":
             choice["finish_reason"] = "tool_calls"
         if chunk and not message["content"] and calls:
@@ -194,12 +213,16 @@ def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> d
     outs = sorted(outs, key=lambda out: out.get("index", 0))
     choices = [_choice(call, out, ChoiceProgress(), chunk=False) for out in outs]
     metas = [out["meta_info"] for out in outs]
-    return {**_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False), "choices": choices,
-            "usage": _usage(metas, call.n)}
+    return {
+        **_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False),
+        "choices": choices,
+        "usage": _usage(metas, call.n),
+    }
 
 
-async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None],
-                        model: str) -> AsyncIterator[bytes]:
+async def stream_chunks(
+    call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None], model: str
+) -> AsyncIterator[bytes]:
     created, chunk_id = int(time.time()), None
     progress: dict[int, ChoiceProgress] = {}
     last_metas: dict[int, dict[str, Any]] = {}
@@ -220,8 +243,13 @@ async def stream_chunks(call: OpenAICall, outputs: AsyncGenerator[dict[str, Any]
             yield sse(error_body(503, str(error)))
         else:
             if call.include_usage and chunk_id is not None:
-                yield sse({**_envelope(call, chunk_id, created, model, chunk=True), "choices": [],
-                           "usage": _usage([last_metas[i] for i in sorted(last_metas)], call.n)})
+                yield sse(
+                    {
+                        **_envelope(call, chunk_id, created, model, chunk=True),
+                        "choices": [],
+                        "usage": _usage([last_metas[i] for i in sorted(last_metas)], call.n),
+                    }
+                )
     yield b"data: [DONE]\n\n"
 
 
@@ -263,8 +291,20 @@ async def _serve(request: Request, chat: bool) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     tm = _manager(request)
-    return JSONResponse({"object": "list", "data": [{"id": _model_name(tm), "object": "model", "created": 0,
-                                                     "owned_by": "srt", "root": tm.model_info["model_path"]}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": _model_name(tm),
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "srt",
+                    "root": tm.model_info["model_path"],
+                }
+            ],
+        }
+    )
 
 
 @router.post("/v1/completions")

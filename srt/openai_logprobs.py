@@ -19,8 +19,9 @@ from typing import Any
 Entry = list[Any]  # [logprob, token_id, text]
 
 
-def completion_logprobs(tokens: list[Entry], tops: list[list[Entry] | None] | None,
-                        text_offset: int) -> tuple[dict[str, Any], int]:
+def completion_logprobs(
+    tokens: list[Entry], tops: list[list[Entry] | None] | None, text_offset: int
+) -> tuple[dict[str, Any], int]:
     """The legacy object for these tokens, with offsets from `text_offset`; also the offset after
     them (where the next chunk's tokens start)."""
     texts = [str(entry[2]) for entry in tokens]
@@ -36,8 +37,12 @@ def completion_logprobs(tokens: list[Entry], tops: list[list[Entry] | None] | No
         ranked = {str(alt[2]): alt[0] for alt in (tops[i] or [])} if tops is not None else {}
         ranked.setdefault(str(entry[2]), entry[0])
         top_logprobs.append(ranked)
-    return {"tokens": texts, "token_logprobs": [entry[0] for entry in tokens], "top_logprobs": top_logprobs,
-            "text_offset": offsets}, text_offset
+    return {
+        "tokens": texts,
+        "token_logprobs": [entry[0] for entry in tokens],
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }, text_offset
 
 
 def _chat_item(entry: Entry) -> dict[str, Any]:
@@ -46,6 +51,8 @@ def _chat_item(entry: Entry) -> dict[str, Any]:
 
 
 def chat_logprobs(tokens: list[Entry], tops: list[list[Entry] | None] | None) -> dict[str, Any]:
-    content = [{**_chat_item(entry), "top_logprobs": [_chat_item(alt) for alt in (tops[i] or [])] if tops else []}
-               for i, entry in enumerate(tokens)]
+    content = [
+        {**_chat_item(entry), "top_logprobs": [_chat_item(alt) for alt in (tops[i] or [])] if tops else []}
+        for i, entry in enumerate(tokens)
+    ]
     return {"content": content, "refusal": None}

@@ -19,15 +19,37 @@ if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
 
 # OpenAI and SGLang names that /generate's sampling_params know by the same name
-_PASSED_THROUGH = ("temperature", "top_p", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "stop_regex",
-                   "no_stop_trim", "skip_special_tokens")
+_PASSED_THROUGH = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "stop_token_ids",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop_regex",
+    "no_stop_trim",
+    "skip_special_tokens",
+)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 # apply_chat_template arguments srt sets itself: chat_template_kwargs may not override them
-_TEMPLATE_ARGS = {"conversation", "add_generation_prompt", "continue_final_message", "tokenize", "tools",
-                  "documents", "return_dict", "return_assistant_tokens_mask"}
+_TEMPLATE_ARGS = {
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "tools",
+    "documents",
+    "return_dict",
+    "return_assistant_tokens_mask",
+}
 
 
 @dataclass
@@ -69,12 +91,18 @@ def _check_vocabulary(body: dict[str, Any], vocabulary: dict[str, Field]) -> Non
         raise RequestError(str(error), error.param) from None
     stream_options = body.get("stream_options")
     if stream_options is not None:
-        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage", "continuous_usage_stats"}:
-            raise RequestError("stream_options must be an object with include_usage (and continuous_usage_stats)",
-                               "stream_options")
+        if not isinstance(stream_options, dict) or set(stream_options) - {
+            "include_usage",
+            "continuous_usage_stats",
+        }:
+            raise RequestError(
+                "stream_options must be an object with include_usage (and continuous_usage_stats)",
+                "stream_options",
+            )
         if stream_options.get("continuous_usage_stats"):
-            raise RequestError("stream_options.continuous_usage_stats=true is not supported by srt",
-                               "stream_options")
+            raise RequestError(
+                "stream_options.continuous_usage_stats=true is not supported by srt", "stream_options"
+            )
 
 
 def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None, n: int) -> dict[str, Any]:
@@ -103,25 +131,34 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     if kind == "text":
         return params
     if params:
-        raise RequestError(f"response_format and {next(iter(params))} are both set: give one", "response_format")
+        raise RequestError(
+            f"response_format and {next(iter(params))} are both set: give one", "response_format"
+        )
     if kind == "json_object":
         return {"json_schema": '{"type": "object"}'}
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
-            raise RequestError("response_format.json_schema must be an object with name and schema", "response_format")
+            raise RequestError(
+                "response_format.json_schema must be an object with name and schema", "response_format"
+            )
         schema = spec.get("schema", spec.get("schema_"))
         if not isinstance(schema, dict):
-            raise RequestError("response_format.json_schema.schema is required (a JSON schema object)",
-                               "response_format")
+            raise RequestError(
+                "response_format.json_schema.schema is required (a JSON schema object)", "response_format"
+            )
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise RequestError(f"response_format.json_schema.strict must be a boolean, got {spec['strict']!r}",
-                               "response_format")
+            raise RequestError(
+                f"response_format.json_schema.strict must be a boolean, got {spec['strict']!r}",
+                "response_format",
+            )
         return {"json_schema": orjson.dumps(schema).decode()}
     if kind == "structural_tag":
         return {"structural_tag": orjson.dumps(fmt).decode()}
-    raise RequestError(f"response_format.type must be text, json_object, json_schema or structural_tag, "
-                       f"got {kind!r}", "response_format")
+    raise RequestError(
+        f"response_format.type must be text, json_object, json_schema or structural_tag, got {kind!r}",
+        "response_format",
+    )
 
 
 def _grammar_names(body: dict[str, Any]) -> dict[str, str]:
@@ -142,7 +179,9 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
         raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
     include_usage = (body.get("stream_options") or {}).get("include_usage") or False
     if not isinstance(include_usage, bool):
-        raise RequestError(f"stream_options.include_usage must be a boolean, got {include_usage!r}", "stream_options")
+        raise RequestError(
+            f"stream_options.include_usage must be a boolean, got {include_usage!r}", "stream_options"
+        )
     return stream, include_usage
 
 
@@ -172,8 +211,10 @@ def _n(body: dict[str, Any]) -> int:
         raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
     best_of = body.get("best_of")
     if best_of is not None and (not _is_int(best_of) or best_of != n):
-        raise RequestError(f"best_of must equal n ({n}): srt returns every completion it generates, "
-                           f"got {best_of!r}", "best_of")
+        raise RequestError(
+            f"best_of must equal n ({n}): srt returns every completion it generates, got {best_of!r}",
+            "best_of",
+        )
     return int(n)
 
 
@@ -211,7 +252,9 @@ def _completion_prompts(prompt: Any) -> tuple[str, Any, int]:
             return "text", prompt, len(prompt)
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
             return "input_ids", prompt, len(prompt)
-    raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    raise RequestError(
+        "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt"
+    )
 
 
 def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
@@ -229,12 +272,26 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         echo_texts = [p if isinstance(p, str) else str(tm.tokenizer.decode(p)) for p in items]
         if logprobs:
             logprobs["logprob_start_len"] = 0  # the prompt's tokens are scored too
-    generate_body = {key: prompt, "stream": stream, **logprobs, **_request_fields(body),
-                     "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, n)}
-    renamed = {"text": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-               "return_logprob": "logprobs", "top_logprobs_num": "logprobs", "logprob_start_len": "echo",
-               **_grammar_names(body)}
-    return OpenAICall(False, generate_body, stream, include_usage, renamed, n, bool(logprobs), prompts, echo_texts)
+    generate_body = {
+        key: prompt,
+        "stream": stream,
+        **logprobs,
+        **_request_fields(body),
+        "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, n),
+    }
+    renamed = {
+        "text": "prompt",
+        "input_ids": "prompt",
+        "max_new_tokens": "max_tokens",
+        "min_new_tokens": "min_tokens",
+        "return_logprob": "logprobs",
+        "top_logprobs_num": "logprobs",
+        "logprob_start_len": "echo",
+        **_grammar_names(body),
+    }
+    return OpenAICall(
+        False, generate_body, stream, include_usage, renamed, n, bool(logprobs), prompts, echo_texts
+    )
 
 
 def _message_text(message: Any, i: int) -> dict[str, Any]:
@@ -242,12 +299,19 @@ def _message_text(message: Any, i: int) -> dict[str, Any]:
         raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text is supported
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
             raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
         content = "".join(p["text"] for p in content)
     if content is None:
-        if message["role"] != "assistant":  # an assistant turn may carry only tool calls; no other may be empty
-            raise RequestError(f"messages[{i}].content is required for a {message['role']} message", "messages")
+        if (
+            message["role"] != "assistant"
+        ):  # an assistant turn may carry only tool calls; no other may be empty
+            raise RequestError(
+                f"messages[{i}].content is required for a {message['role']} message", "messages"
+            )
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
@@ -257,11 +321,14 @@ def _message_text(message: Any, i: int) -> dict[str, Any]:
             out[key] = message[key]
     calls = message.get("tool_calls")
     if calls is not None:
-        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                  for c in calls):
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+        ):
             raise RequestError(f"messages[{i}].tool_calls must be a list of function calls", "messages")
-        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get(
-            "arguments"))}} for c in calls]
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get("arguments"))}}
+            for c in calls
+        ]
     return out
 
 
@@ -285,11 +352,13 @@ def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) 
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     continue_final = body.get("continue_final_message") or False
     if not isinstance(continue_final, bool):
-        raise RequestError(f"continue_final_message must be a boolean, got {continue_final!r}",
-                           "continue_final_message")
+        raise RequestError(
+            f"continue_final_message must be a boolean, got {continue_final!r}", "continue_final_message"
+        )
     if continue_final and conversation[-1]["role"] != "assistant":
-        raise RequestError("continue_final_message needs the last message to be the assistant's",
-                           "continue_final_message")
+        raise RequestError(
+            "continue_final_message needs the last message to be the assistant's", "continue_final_message"
+        )
     # continuing the final message: no generation prompt after it (as SGLang and transformers)
     return {**extra, "add_generation_prompt": not continue_final, "continue_final_message": continue_final}
 
@@ -312,8 +381,10 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     input_ids = list(tm.tokenizer(text, add_special_tokens=False)["input_ids"])
     capacity = min(tm.context_length, tm.max_total_tokens or tm.context_length)
     if len(input_ids) >= capacity:
-        raise RequestError(f"the messages take {len(input_ids)} tokens, leaving none of the {capacity} "
-                           "the server can hold", "messages")
+        raise RequestError(
+            f"the messages take {len(input_ids)} tokens, leaving none of the {capacity} the server can hold",
+            "messages",
+        )
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     stream, include_usage = _stream_flags(body)
     n, logprobs = _n(body), _logprob_fields(body, chat=True)
@@ -321,15 +392,36 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     schema = tools.json_schema() if tools is not None else None
     if schema is not None:
         if any(kind in sampling for kind in ("json_schema", "regex", "ebnf", "structural_tag")):
-            raise RequestError("tool_choice required or a named function constrains the output already: "
-                               "drop response_format", "tool_choice")
+            raise RequestError(
+                "tool_choice required or a named function constrains the output already: "
+                "drop response_format",
+                "tool_choice",
+            )
         sampling["json_schema"] = schema
-    generate_body = {"input_ids": input_ids, "stream": stream, **logprobs, **_request_fields(body),
-                     "sampling_params": sampling}
+    generate_body = {
+        "input_ids": input_ids,
+        "stream": stream,
+        **logprobs,
+        **_request_fields(body),
+        "sampling_params": sampling,
+    }
     renamed_grammar = {"json_schema": "tools"} if schema is not None else _grammar_names(body)
-    return OpenAICall(True, generate_body, stream, include_usage,
-                      {"input_ids": "messages", "text": "messages", "max_new_tokens": max_name,
-                       "min_new_tokens": "min_tokens", "return_logprob": "logprobs", "top_logprobs_num": "top_logprobs",
-                       **renamed_grammar},
-                      n, bool(logprobs), tools=tools if tools is not None and tools.parses else None,
-                      reasoning=_reasoning(body, tm.server_args.reasoning_parser))
+    return OpenAICall(
+        True,
+        generate_body,
+        stream,
+        include_usage,
+        {
+            "input_ids": "messages",
+            "text": "messages",
+            "max_new_tokens": max_name,
+            "min_new_tokens": "min_tokens",
+            "return_logprob": "logprobs",
+            "top_logprobs_num": "top_logprobs",
+            **renamed_grammar,
+        },
+        n,
+        bool(logprobs),
+        tools=tools if tools is not None and tools.parses else None,
+        reasoning=_reasoning(body, tm.server_args.reasoning_parser),
+    )

@@ -32,13 +32,13 @@ class ReasoningSplit:
         if not finished and THINK_START.startswith(body):
             return "", "", False  # nothing yet, or perhaps a <think> being written
         if body.startswith(THINK_START):
-            body = body[len(THINK_START):]
+            body = body[len(THINK_START) :]
         elif not _FORCED[self.parser]:
             return "", text, True  # not a reasoning output: all content
         end = body.find(THINK_END)
         if end >= 0:
-            return body[:end].strip(), body[end + len(THINK_END):].lstrip(), True
+            return body[:end].strip(), body[end + len(THINK_END) :].lstrip(), True
         if finished:
             return body.strip(), "", True  # cut short inside the reasoning: all of it is reasoning
         # a partial </think> at the end waits, and trailing whitespace too: the finished reasoning is stripped
-        return body[:stop_holdback_start(body, 0, [THINK_END])].strip(), "", False
+        return body[: stop_holdback_start(body, 0, [THINK_END])].strip(), "", False

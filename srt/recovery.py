@@ -50,8 +50,12 @@ logger = logging.getLogger("srt.recovery")
 LOOP_CALL_TIMEOUT_S = 10.0
 
 # Exit codes that say why a rank went (scheduler/watchdog.py, consensus/checker.py, fault injection).
-EXIT_CAUSES = {75: "its hard watchdog fired", 70: "the rank consensus checker found the ranks diverging",
-               13: "fault injection: crash", 1: "it raised an exception (its traceback is logged above)"}
+EXIT_CAUSES = {
+    75: "its hard watchdog fired",
+    70: "the rank consensus checker found the ranks diverging",
+    13: "fault injection: crash",
+    1: "it raised an exception (its traceback is logged above)",
+}
 
 
 def failure_cause(exitcode: int | None) -> str | None:
@@ -61,7 +65,9 @@ def failure_cause(exitcode: int | None) -> str | None:
 class RestartBudget:
     """At most `max_restarts` restarts within any `window_s` seconds."""
 
-    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_restarts: int, window_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.clock = clock
@@ -89,10 +95,14 @@ class EngineRestarter:
     and waits until all are ready (raising LaunchError otherwise); `frontend()` is the
     TokenizerManager once serving (None before)."""
 
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs,
-                 start_engine: Callable[[PortArgs], list[ChildProcess]],
-                 frontend: Callable[[], TokenizerManager | None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        start_engine: Callable[[PortArgs], list[ChildProcess]],
+        frontend: Callable[[], TokenizerManager | None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.port_args = port_args
         self.start_engine = start_engine
         self.frontend = frontend
@@ -101,7 +111,9 @@ class EngineRestarter:
         self._store: Any = None  # the TCPStore the current ranks met on (after a restart)
         self._lock = threading.Lock()
 
-    def restart(self, message: str, dead: ChildProcess, children: list[ChildProcess]) -> list[ChildProcess] | None:
+    def restart(
+        self, message: str, dead: ChildProcess, children: list[ChildProcess]
+    ) -> list[ChildProcess] | None:
         """`dead` (one of `children`) exited: restart the engine if the budget allows. Returns the
         new children, or None (after logging why) when the server must go down."""
         with self._lock:
@@ -115,8 +127,13 @@ class EngineRestarter:
 
             while True:
                 if not self.budget.take():
-                    logger.critical("%s; no restart left (%d within the last %g s, --restart-on-failure %d)",
-                                    what, self.budget.in_window(), self.budget.window_s, self.budget.max_restarts)
+                    logger.critical(
+                        "%s; no restart left (%d within the last %g s, --restart-on-failure %d)",
+                        what,
+                        self.budget.in_window(),
+                        self.budget.window_s,
+                        self.budget.max_restarts,
+                    )
                     return None
                 logger.critical("%s; restarting the engine (%s)", what, self.budget.describe())
                 try:
@@ -127,9 +144,15 @@ class EngineRestarter:
                 break
             replayed = self._on_loop(lambda tm: tm.resume()) or 0
             seconds = time.monotonic() - began
-            self._on_loop(lambda tm: tm.metrics.on_restart(replayed, seconds) if tm.metrics is not None else None)
-            logger.warning("engine restarted in %.1f s (start %d); replayed %d request(s) in flight",
-                           seconds, self.starts, replayed)
+            self._on_loop(
+                lambda tm: tm.metrics.on_restart(replayed, seconds) if tm.metrics is not None else None
+            )
+            logger.warning(
+                "engine restarted in %.1f s (start %d); replayed %d request(s) in flight",
+                seconds,
+                self.starts,
+                replayed,
+            )
             return children
 
     def _restart_once(self, reason: str, children: list[ChildProcess]) -> list[ChildProcess]:
@@ -150,7 +173,9 @@ class EngineRestarter:
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         os.environ[ENGINE_START_ENV] = str(self.starts)
         os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients
-        port_args = dataclasses.replace(self.port_args, dist_init_method=f"tcp://127.0.0.1:{self._store.port}")
+        port_args = dataclasses.replace(
+            self.port_args, dist_init_method=f"tcp://127.0.0.1:{self._store.port}"
+        )
         return self.start_engine(port_args)
 
     def _on_loop(self, fn: Callable[[TokenizerManager], Any]) -> Any:
@@ -224,8 +249,11 @@ class FrontendRecovery:
     def resume(self) -> int:
         """The new engine is up: replay every request in flight (with what its client already has),
         let the held-back ones through. Returns how many were replayed."""
-        replays = [state for state in self.rid_to_state.values() if state.sent is not None
-                   and state.finish_reason is None]
+        replays = [
+            state
+            for state in self.rid_to_state.values()
+            if state.sent is not None and state.finish_reason is None
+        ]
         for state in replays:
             state.replays += 1
             self._send_nowait(state.replay())

@@ -76,8 +76,14 @@ class ReqState:
         now = time.perf_counter()
         metrics.on_tokens(self.rid, self.timing, self.completion_tokens, now)
         if self.finish_reason is not None:
-            metrics.on_finish(self.rid, self.finish_reason.type, self.prompt_tokens, self.completion_tokens,
-                              self.cached_tokens, now - self.timing.created)
+            metrics.on_finish(
+                self.rid,
+                self.finish_reason.type,
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.cached_tokens,
+                now - self.timing.created,
+            )
 
     def replay(self) -> TokenizedGenerateReq:
         """The request again, continuing after the output the client already has."""
@@ -89,15 +95,22 @@ class ReqState:
     def to_output(self, incremental: bool = False) -> dict[str, Any]:
         """The output so far; `incremental` (--incremental-streaming-output): only what the previous
         incremental call did not return (meta_info's counts stay totals)."""
-        meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens,
-                "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
-                "e2e_latency": time.perf_counter() - self.timing.created}
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
+            "e2e_latency": time.perf_counter() - self.timing.created,
+        }
         ids_from, text_from = (self.streamed_ids, self.streamed_text) if incremental else (0, 0)
         if self.logprobs is not None:
             meta.update(self.logprobs.meta_info(ids_from))
-        out: dict[str, Any] = {"text": self.text[text_from:], "output_ids": self.output_ids[ids_from:],
-                               "meta_info": meta}
+        out: dict[str, Any] = {
+            "text": self.text[text_from:],
+            "output_ids": self.output_ids[ids_from:],
+            "meta_info": meta,
+        }
         if incremental:
             self.streamed_ids, self.streamed_text = len(self.output_ids), len(self.text)
         if self.index is not None:
@@ -114,8 +127,9 @@ class ControlCalls:
     def __init__(self) -> None:
         self._waiters: dict[str, asyncio.Future[ControlReply]] = {}
 
-    async def call(self, make: Callable[[str], Any], send: Callable[[Any], Awaitable[None]],
-                   timeout: float) -> ControlReply:
+    async def call(
+        self, make: Callable[[str], Any], send: Callable[[Any], Awaitable[None]], timeout: float
+    ) -> ControlReply:
         """Send make(request_id) and wait for its reply; ServiceUnavailableError after `timeout` s."""
         request_id = uuid.uuid4().hex
         future: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()

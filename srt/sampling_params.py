@@ -20,7 +20,9 @@ class GrammarSpec:
     """A request's grammar, what model_executor/constrained compiles."""
 
     kind: str  # one of GRAMMAR_KINDS
-    source: str  # the grammar as the client sent it (a JSON schema serialized, a regex, EBNF, a structural tag)
+    source: (
+        str  # the grammar as the client sent it (a JSON schema serialized, a regex, EBNF, a structural tag)
+    )
 
     def __post_init__(self) -> None:
         assert self.kind in GRAMMAR_KINDS, self.kind
@@ -37,7 +39,9 @@ def _is_number(value: Any) -> bool:
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    min_new_tokens: int = 0  # no stop (EOS, stop ids or strings) before this many tokens; EOS and stop ids masked
+    min_new_tokens: int = (
+        0  # no stop (EOS, stop ids or strings) before this many tokens; EOS and stop ids masked
+    )
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -80,7 +84,9 @@ class SamplingParams:
         if not isinstance(raw, dict):
             raise ValueError("sampling_params must be a JSON object")
         check_fields(raw, SAMPLING)
-        values = {k: v for k, v in raw.items() if v is not None and k != "n" and SAMPLING[k].kind == "implemented"}
+        values = {
+            k: v for k, v in raw.items() if v is not None and k != "n" and SAMPLING[k].kind == "implemented"
+        }
         seed, sampling_seed = values.pop("seed", None), values.pop("sampling_seed", None)
         if seed is not None and sampling_seed is not None and seed != sampling_seed:
             raise ValueError(f"sampling_seed ({sampling_seed!r}) and seed ({seed!r}) differ: give one")
@@ -90,8 +96,10 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens ({self.max_new_tokens})], "
-                             f"got {self.min_new_tokens!r}")
+            raise ValueError(
+                f"min_new_tokens must be an integer in [0, max_new_tokens ({self.max_new_tokens})], "
+                f"got {self.min_new_tokens!r}"
+            )
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -113,25 +121,34 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {self.stop_token_ids!r}")
-        if not isinstance(self.stop_regex, list) or not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise ValueError(
+                f"stop_token_ids must be token ids in [0, {vocab_size}), got {self.stop_token_ids!r}"
+            )
+        if not isinstance(self.stop_regex, list) or not all(
+            isinstance(s, str) and s for s in self.stop_regex
+        ):
             raise ValueError("stop_regex must be a non-empty string or a list of them")
         for pattern in self.stop_regex:
             try:
                 re.compile(pattern)
             except (re.error, RecursionError) as error:
-                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {error}") from None
+                raise ValueError(
+                    f"stop_regex {pattern!r} is not a valid regular expression: {error}"
+                ) from None
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
         for kind in given:
             if not isinstance(getattr(self, kind), str):
-                raise ValueError(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}"
-                                 + (" (serialize the schema: json.dumps)" if kind != "regex" else ""))
+                raise ValueError(
+                    f"{kind} must be a string, got {type(getattr(self, kind)).__name__}"
+                    + (" (serialize the schema: json.dumps)" if kind != "regex" else "")
+                )
         if len(given) > 1:
-            raise ValueError(f"{given[1]} and {given[0]} are both set: give at most one of "
-                             f"{', '.join(GRAMMAR_KINDS)}")
+            raise ValueError(
+                f"{given[1]} and {given[0]} are both set: give at most one of {', '.join(GRAMMAR_KINDS)}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.logit_bias, dict):
@@ -141,8 +158,10 @@ class SamplingParams:
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 raise ValueError(f"logit_bias keys must be token ids in {bound}, got {token!r}")
             if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                                 f"got {bias!r} for token {token}")
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias!r} for token {token}"
+                )
 
     def banned_ids(self, generated: int, eos_token_ids: Collection[int]) -> list[int]:
         """The ids the next token may not be, `generated` tokens in: before min_new_tokens, the

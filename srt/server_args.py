@@ -16,7 +16,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-ATTENTION_BACKENDS = ("auto", "cpu_kernels", "torch_native", "flashinfer")  # model_executor/attention/registry.py
+ATTENTION_BACKENDS = (
+    "auto",
+    "cpu_kernels",
+    "torch_native",
+    "flashinfer",
+)  # model_executor/attention/registry.py
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_executor/constrained)
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names srt has (srt/reasoning.py)
 TOOL_CALL_PARSERS = ("qwen25", "llama3")  # SGLang's names srt has (srt/tool_calls.py)
@@ -52,12 +57,16 @@ class ServerArgs:
     tokenizer_path: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    quantization: str | None = None  # QUANTIZATIONS: int8 weights and activations, or a GGUF's Q4_1 weights (CPU only)
+    quantization: str | None = (
+        None  # QUANTIZATIONS: int8 weights and activations, or a GGUF's Q4_1 weights (CPU only)
+    )
     host: str = "127.0.0.1"
     port: int = 30000
     tp_size: int = 1
     pp_size: int = 1
-    dp_size: int = 1  # replicas of the TP x PP group on this node, behind SGLang's router (launcher/data_parallel.py)
+    dp_size: int = (
+        1  # replicas of the TP x PP group on this node, behind SGLang's router (launcher/data_parallel.py)
+    )
     router_policy: str = "cache_aware"  # with --dp-size > 1
     pp_micro_batches: int | None = None  # batches in flight with --pp-size > 1 (None: pp_size)
     # torch intra-op threads per rank (None: the usable CPUs / this node's ranks, or with
@@ -67,11 +76,15 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: float = 300.0
-    mem_fraction_static: float | None = None  # None: 0.8 on CUDA; on CPU the KV space applies (mem_cache/budget.py)
+    mem_fraction_static: float | None = (
+        None  # None: 0.8 on CUDA; on CPU the KV space applies (mem_cache/budget.py)
+    )
     max_total_tokens: int | None = None
     # GiB of KV for this server's ranks on the host together (vLLM's CPU knob); None: 4, or as below
     cpu_kvcache_space: float | None = field(default_factory=lambda: _env_gib("VLLM_CPU_KVCACHE_SPACE"))
-    min_available_memory: float = 1.0  # GiB of host RAM available below which the front end sheds load; 0: off
+    min_available_memory: float = (
+        1.0  # GiB of host RAM available below which the front end sheds load; 0: off
+    )
     max_running_requests: int = 128
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int = 2048
@@ -96,7 +109,8 @@ class ServerArgs:
     soft_watchdog_timeout: float | None = None
     sync_token_ids_across_tp: bool = field(default_factory=lambda: _env_flag("SYNC_TOKEN_IDS_ACROSS_TP"))
     enable_rank_consensus_checker: bool = field(
-        default_factory=lambda: _env_flag("SRT_ENABLE_RANK_CONSENSUS_CHECKER"))
+        default_factory=lambda: _env_flag("SRT_ENABLE_RANK_CONSENSUS_CHECKER")
+    )
     shutdown_timeout: float = 30.0
     enable_metrics: bool = False
     decode_log_interval: int = 40
@@ -107,14 +121,21 @@ class ServerArgs:
     restart_window: float = 300.0
     # Secrets (srt/guard.py): never in to_dict (/server_info) nor to_cli; a --dp-size replica gets
     # them through its environment (SECRET_ENV), not its command line, which `ps` shows.
-    api_key: str | None = field(default_factory=lambda: os.environ.get(SECRET_ENV["api_key"]) or None, repr=False)
-    admin_api_key: str | None = field(default_factory=lambda: os.environ.get(SECRET_ENV["admin_api_key"]) or None,
-                                      repr=False)
+    api_key: str | None = field(
+        default_factory=lambda: os.environ.get(SECRET_ENV["api_key"]) or None, repr=False
+    )
+    admin_api_key: str | None = field(
+        default_factory=lambda: os.environ.get(SECRET_ENV["admin_api_key"]) or None, repr=False
+    )
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503 (SGLang's flag)
     max_request_bytes: int = 64 * 2**20  # a larger request body is a 413
     # Deadlines, decided by the front end alone and sent to every rank as aborts (tokenizer_manager)
-    req_waiting_timeout: float | None = field(default_factory=lambda: _env_timeout("SGLANG_REQ_WAITING_TIMEOUT"))
-    req_running_timeout: float | None = field(default_factory=lambda: _env_timeout("SGLANG_REQ_RUNNING_TIMEOUT"))
+    req_waiting_timeout: float | None = field(
+        default_factory=lambda: _env_timeout("SGLANG_REQ_WAITING_TIMEOUT")
+    )
+    req_running_timeout: float | None = field(
+        default_factory=lambda: _env_timeout("SGLANG_REQ_RUNNING_TIMEOUT")
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,11 +147,31 @@ class ServerArgs:
             if value is None or value <= 0:
                 raise ValueError(f"--{flag} must be positive, got {value}")
 
-        for flag in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests", "max_prefill_tokens",
-                     "chunked_prefill_size", "page_size", "stream_interval", "decode_log_interval"):
+        for flag in (
+            "tp_size",
+            "pp_size",
+            "dp_size",
+            "nnodes",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "chunked_prefill_size",
+            "page_size",
+            "stream_interval",
+            "decode_log_interval",
+        ):
             positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in ("max_total_tokens", "context_length", "cpu_threads", "soft_watchdog_timeout", "pp_micro_batches",
-                     "max_queued_requests", "max_request_bytes", "constrained_json_max_whitespace_cnt", "req_waiting_timeout", "req_running_timeout"):
+        for flag in (
+            "max_total_tokens",
+            "context_length",
+            "cpu_threads",
+            "soft_watchdog_timeout",
+            "pp_micro_batches",
+            "max_queued_requests",
+            "max_request_bytes",
+            "constrained_json_max_whitespace_cnt",
+            "req_waiting_timeout",
+            "req_running_timeout",
+        ):
             positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
         positive("watchdog-timeout", self.watchdog_timeout)
         positive("dist-timeout", self.dist_timeout)
@@ -140,8 +181,10 @@ class ServerArgs:
         if self.restart_on_failure and self.nnodes > 1:
             raise ValueError("--restart-on-failure needs --nnodes 1 (a restart across nodes is not built)")
         if self.enable_deterministic_inference and self.quantization == "gguf":
-            raise ValueError("--enable-deterministic-inference cannot hold with --quantization gguf: its decode "
-                             "steps of up to 12 rows run on the file's 4-bit blocks, prefills on a bf16 copy")
+            raise ValueError(
+                "--enable-deterministic-inference cannot hold with --quantization gguf: its decode "
+                "steps of up to 12 rows run on the file's 4-bit blocks, prefills on a bf16 copy"
+            )
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -150,43 +193,63 @@ class ServerArgs:
             if not self.cpu_kvcache_space > 0:
                 raise ValueError(f"--cpu-kvcache-space must be positive (GiB), got {self.cpu_kvcache_space}")
         if not self.min_available_memory >= 0:
-            raise ValueError(f"--min-available-memory must be >= 0 (GiB; 0 turns it off), got "
-                             f"{self.min_available_memory}")
+            raise ValueError(
+                f"--min-available-memory must be >= 0 (GiB; 0 turns it off), got {self.min_available_memory}"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside [0, --nnodes {self.nnodes})")
         if (self.tp_size * self.pp_size) % self.nnodes != 0:
-            raise ValueError(f"--tp-size x --pp-size ({self.tp_size} x {self.pp_size}) is not divisible by "
-                             f"--nnodes {self.nnodes}")
-        if self.dp_size > 1 and os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "").strip():  # srt.utils.CPU_BIND_ENV
-            raise ValueError("SGLANG_CPU_OMP_THREADS_BIND pins the ranks of one replica; with --dp-size > 1 the replicas "
-                             "already split the cores between them (unset it, or use --cpu-threads)")
+            raise ValueError(
+                f"--tp-size x --pp-size ({self.tp_size} x {self.pp_size}) is not divisible by "
+                f"--nnodes {self.nnodes}"
+            )
+        if (
+            self.dp_size > 1 and os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "").strip()
+        ):  # srt.utils.CPU_BIND_ENV
+            raise ValueError(
+                "SGLANG_CPU_OMP_THREADS_BIND pins the ranks of one replica; with --dp-size > 1 the replicas "
+                "already split the cores between them (unset it, or use --cpu-threads)"
+            )
         if self.dp_size > 1 and self.nnodes > 1:
-            raise ValueError("--dp-size runs its replicas on this node; across machines start launch_server on each "
-                             "host and sglang-router with --worker-urls (README, Data parallelism)")
+            raise ValueError(
+                "--dp-size runs its replicas on this node; across machines start launch_server on each "
+                "host and sglang-router with --worker-urls (README, Data parallelism)"
+            )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
-        for flag, value, allowed in (("dtype", self.dtype, DTYPES), ("device", self.device, DEVICES),
-                                     ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
-                                     ("log-level", self.log_level, LOG_LEVELS),
-                                     ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
-                                     ("grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS),
-                                     ("router-policy", self.router_policy, ROUTER_POLICIES)):
+        for flag, value, allowed in (
+            ("dtype", self.dtype, DTYPES),
+            ("device", self.device, DEVICES),
+            ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
+            ("log-level", self.log_level, LOG_LEVELS),
+            ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+            ("grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS),
+            ("router-policy", self.router_policy, ROUTER_POLICIES),
+        ):
             if value not in allowed:
                 raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
-                             f"got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; "
-                             f"got {self.reasoning_parser!r}")
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.quantization is not None:
             if self.quantization not in QUANTIZATIONS:
-                raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+                raise ValueError(
+                    f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+                )
             if self.device != "cpu" or self.dtype not in ("auto", "bfloat16"):
-                raise ValueError(f"--quantization {self.quantization} needs --device cpu and --dtype bfloat16 "
-                                 f"(or auto); got --device {self.device} --dtype {self.dtype}")
+                raise ValueError(
+                    f"--quantization {self.quantization} needs --device cpu and --dtype bfloat16 "
+                    f"(or auto); got --device {self.device} --dtype {self.dtype}"
+                )
 
     # ---- derived ----
     @property
@@ -201,7 +264,9 @@ class ServerArgs:
     def deterministic(self) -> bool:
         """Whether the ranks run one arithmetic for prefill and decode: asked for, or needed by
         --restart-on-failure's replays (which re-prefill tokens first decoded); never with gguf."""
-        return self.enable_deterministic_inference or (self.restart_on_failure > 0 and self.quantization != "gguf")
+        return self.enable_deterministic_inference or (
+            self.restart_on_failure > 0 and self.quantization != "gguf"
+        )
 
     @property
     def model_name(self) -> str:
@@ -223,7 +288,9 @@ class ServerArgs:
         if self.uses_cpu_kvcache_space:
             share["cpu_kvcache_space"] = (self.cpu_kvcache_space or DEFAULT_CPU_KVCACHE_SPACE_GIB) / replicas
         if self.mem_fraction_static is not None or self.device != "cpu":
-            share["mem_fraction_static"] = (self.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC) / replicas
+            share["mem_fraction_static"] = (
+                self.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+            ) / replicas
         return share
 
     def to_dict(self) -> dict[str, Any]:
@@ -264,105 +331,212 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = ServerArgs.__dataclass_fields__
         a = parser.add_argument
-        a("--model-path", "--model", default=None,
-          help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+        a(
+            "--model-path",
+            "--model",
+            default=None,
+            help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+        )
         a("--tokenizer-path", default=None, help="defaults to --model-path")
         a("--dtype", default=d["dtype"].default, choices=DTYPES)
         a("--device", default=d["device"].default, choices=DEVICES)
-        a("--quantization", default=None, choices=QUANTIZATIONS,
-          help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) on "
-               "AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for decode "
-               "batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy for more "
-               "rows); CPU only")
+        a(
+            "--quantization",
+            default=None,
+            choices=QUANTIZATIONS,
+            help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) on "
+            "AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for decode "
+            "batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy for more "
+            "rows); CPU only",
+        )
         a("--host", default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
         a("--pp-size", "--pp", dest="pp_size", type=int, default=1)
-        a("--dp-size", "--dp", dest="dp_size", type=int, default=1,
-          help="independent replicas of the TP x PP group on this node, the cores divided between them, behind "
-               "SGLang's router on --port (needs the router extra: pip install -e '.[router]')")
-        a("--router-policy", default=d["router_policy"].default, choices=ROUTER_POLICIES,
-          help="sglang-router's policy with --dp-size > 1")
-        a("--pp-micro-batches", type=int, default=None,
-          help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)")
-        a("--cpu-threads", type=int, default=None,
-          help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
-               "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)")
+        a(
+            "--dp-size",
+            "--dp",
+            dest="dp_size",
+            type=int,
+            default=1,
+            help="independent replicas of the TP x PP group on this node, the cores divided between them, behind "
+            "SGLang's router on --port (needs the router extra: pip install -e '.[router]')",
+        )
+        a(
+            "--router-policy",
+            default=d["router_policy"].default,
+            choices=ROUTER_POLICIES,
+            help="sglang-router's policy with --dp-size > 1",
+        )
+        a(
+            "--pp-micro-batches",
+            type=int,
+            default=None,
+            help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)",
+        )
+        a(
+            "--cpu-threads",
+            type=int,
+            default=None,
+            help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
+            "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)",
+        )
         a("--nnodes", type=int, default=1)
         a("--node-rank", type=int, default=0)
         a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// ")
         a("--dist-timeout", type=float, default=d["dist_timeout"].default)
-        a("--mem-fraction-static", type=float, default=None,
-          help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
-               "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space")
-        a("--max-total-tokens", type=int, default=None,
-          help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space")
-        a("--cpu-kvcache-space", type=float, default=None,
-          help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
-               "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)")
-        a("--min-available-memory", type=float, default=d["min_available_memory"].default,
-          help="GiB: while the host has less RAM available, new requests get 503 and the prefix cache is "
-               "evicted and given back to the OS (0: off)")
+        a(
+            "--mem-fraction-static",
+            type=float,
+            default=None,
+            help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
+            "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space",
+        )
+        a(
+            "--max-total-tokens",
+            type=int,
+            default=None,
+            help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space",
+        )
+        a(
+            "--cpu-kvcache-space",
+            type=float,
+            default=None,
+            help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
+            "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)",
+        )
+        a(
+            "--min-available-memory",
+            type=float,
+            default=d["min_available_memory"].default,
+            help="GiB: while the host has less RAM available, new requests get 503 and the prefix cache is "
+            "evicted and given back to the OS (0: off)",
+        )
         a("--max-running-requests", type=int, default=d["max_running_requests"].default)
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
         a("--page-size", type=int, default=d["page_size"].default)
         a("--schedule-policy", default=d["schedule_policy"].default, choices=SCHEDULE_POLICIES)
-        a("--enable-priority-scheduling", action="store_true",
-          help="order the waiting queue by each request's `priority` (larger first; requests without one last), "
-               "then by --schedule-policy; without it a request that sets priority gets a 400")
-        a("--schedule-low-priority-values-first", action="store_true",
-          help="with --enable-priority-scheduling: smaller priority values go first")
+        a(
+            "--enable-priority-scheduling",
+            action="store_true",
+            help="order the waiting queue by each request's `priority` (larger first; requests without one last), "
+            "then by --schedule-policy; without it a request that sets priority gets a 400",
+        )
+        a(
+            "--schedule-low-priority-values-first",
+            action="store_true",
+            help="with --enable-priority-scheduling: smaller priority values go first",
+        )
         a("--disable-radix-cache", action="store_true")
         a("--random-seed", type=int, default=d["random_seed"].default)
         a("--context-length", type=int, default=None)
         a("--served-model-name", default=None)
         a("--log-level", default=d["log_level"].default, choices=LOG_LEVELS)
         a("--stream-interval", type=int, default=d["stream_interval"].default)
-        a("--incremental-streaming-output", action="store_true",
-          help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
-               "since the previous chunk (default: everything so far)")
+        a(
+            "--incremental-streaming-output",
+            action="store_true",
+            help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
+            "since the previous chunk (default: everything so far)",
+        )
         a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
-        a("--grammar-backend", default=d["grammar_backend"].default, choices=GRAMMAR_BACKENDS,
-          help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)")
-        a("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-          help="the model's tool-call format, parsed into tool_calls for tool_choice auto")
-        a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-          help="the model's <think> format: chat replies carry it as reasoning_content, apart from content")
-        a("--constrained-json-disable-any-whitespace", action="store_true",
-          help="JSON-constrained outputs take the compact form (no whitespace between tokens)")
-        a("--constrained-json-max-whitespace-cnt", type=int, default=None,
-          help="at most this many consecutive whitespace characters in JSON-constrained outputs")
+        a(
+            "--grammar-backend",
+            default=d["grammar_backend"].default,
+            choices=GRAMMAR_BACKENDS,
+            help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
+        )
+        a(
+            "--tool-call-parser",
+            default=None,
+            choices=TOOL_CALL_PARSERS,
+            help="the model's tool-call format, parsed into tool_calls for tool_choice auto",
+        )
+        a(
+            "--reasoning-parser",
+            default=None,
+            choices=REASONING_PARSERS,
+            help="the model's <think> format: chat replies carry it as reasoning_content, apart from content",
+        )
+        a(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
+            help="JSON-constrained outputs take the compact form (no whitespace between tokens)",
+        )
+        a(
+            "--constrained-json-max-whitespace-cnt",
+            type=int,
+            default=None,
+            help="at most this many consecutive whitespace characters in JSON-constrained outputs",
+        )
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default)
         a("--soft-watchdog-timeout", type=float, default=None)
         a("--sync-token-ids-across-tp", action="store_true", default=None)
         a("--enable-rank-consensus-checker", action="store_true", default=None)
         a("--shutdown-timeout", type=float, default=d["shutdown_timeout"].default)
         a("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
-        a("--decode-log-interval", type=int, default=d["decode_log_interval"].default,
-          help="log a decode stats line every this many decode steps")
-        a("--restart-on-failure", type=int, default=d["restart_on_failure"].default,
-          help="when a rank or the detokenizer dies, restart the engine and replay the requests in flight, "
-               "up to this many times within --restart-window (0: the server goes down)")
-        a("--enable-deterministic-inference", action="store_true",
-          help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: prefill "
-               "runs each token with decode's arithmetic (on by itself with --restart-on-failure)")
-        a("--restart-window", type=float, default=d["restart_window"].default,
-          help="seconds over which --restart-on-failure counts restarts")
-        a("--api-key", default=None,
-          help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' (or SRT_API_KEY)")
-        a("--admin-api-key", default=None,
-          help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)")
-        a("--max-queued-requests", type=int, default=None,
-          help="a request that finds this many waiting gets 503 with Retry-After at once")
-        a("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
-          help="a request body over this many bytes gets 413")
-        a("--req-waiting-timeout", type=float, default=None,
-          help="a request without its first token after this many seconds is aborted with 503 "
-               "(default: SGLang's SGLANG_REQ_WAITING_TIMEOUT, else off)")
-        a("--req-running-timeout", type=float, default=None,
-          help="a request still generating this many seconds after its first token is aborted with 503 "
-               "(default: SGLang's SGLANG_REQ_RUNNING_TIMEOUT, else off)")
+        a(
+            "--decode-log-interval",
+            type=int,
+            default=d["decode_log_interval"].default,
+            help="log a decode stats line every this many decode steps",
+        )
+        a(
+            "--restart-on-failure",
+            type=int,
+            default=d["restart_on_failure"].default,
+            help="when a rank or the detokenizer dies, restart the engine and replay the requests in flight, "
+            "up to this many times within --restart-window (0: the server goes down)",
+        )
+        a(
+            "--enable-deterministic-inference",
+            action="store_true",
+            help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: prefill "
+            "runs each token with decode's arithmetic (on by itself with --restart-on-failure)",
+        )
+        a(
+            "--restart-window",
+            type=float,
+            default=d["restart_window"].default,
+            help="seconds over which --restart-on-failure counts restarts",
+        )
+        a(
+            "--api-key",
+            default=None,
+            help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' (or SRT_API_KEY)",
+        )
+        a(
+            "--admin-api-key",
+            default=None,
+            help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)",
+        )
+        a(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="a request that finds this many waiting gets 503 with Retry-After at once",
+        )
+        a(
+            "--max-request-bytes",
+            type=int,
+            default=d["max_request_bytes"].default,
+            help="a request body over this many bytes gets 413",
+        )
+        a(
+            "--req-waiting-timeout",
+            type=float,
+            default=None,
+            help="a request without its first token after this many seconds is aborted with 503 "
+            "(default: SGLang's SGLANG_REQ_WAITING_TIMEOUT, else off)",
+        )
+        a(
+            "--req-running-timeout",
+            type=float,
+            default=None,
+            help="a request still generating this many seconds after its first token is aborted with 503 "
+            "(default: SGLang's SGLANG_REQ_RUNNING_TIMEOUT, else off)",
+        )
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -371,8 +545,10 @@ class ServerArgs:
         ns = vars(parser.parse_args(argv))
         ns = {k: v for k, v in ns.items() if v is not None or k in ("model_path",)}
         if ns.get("cpu_kvcache_space") is not None and ns.get("device") != "cpu":
-            raise ValueError("--cpu-kvcache-space sizes the KV cache on --device cpu; on CUDA use "
-                             "--mem-fraction-static or --max-total-tokens")
+            raise ValueError(
+                "--cpu-kvcache-space sizes the KV cache on --device cpu; on CUDA use "
+                "--mem-fraction-static or --max-total-tokens"
+            )
         return cls(**ns)
 
 
@@ -388,5 +564,9 @@ class PortArgs:
     @classmethod
     def create(cls, dist_init_method: str) -> PortArgs:
         root = tempfile.mkdtemp(prefix="srt-ipc-")
-        return cls(tokenizer_ipc=f"ipc://{root}/tokenizer", detokenizer_ipc=f"ipc://{root}/detokenizer",
-                   tokenizer_manager_ipc=f"ipc://{root}/tokenizer_manager", dist_init_method=dist_init_method)
+        return cls(
+            tokenizer_ipc=f"ipc://{root}/tokenizer",
+            detokenizer_ipc=f"ipc://{root}/detokenizer",
+            tokenizer_manager_ipc=f"ipc://{root}/tokenizer_manager",
+            dist_init_method=dist_init_method,
+        )

@@ -20,7 +20,9 @@ import psutil
 
 from srt.utils import free_port
 
-ROOT = Path(__file__).resolve().parent.parent  # the checkout: the child imports this srt, not an installed one
+ROOT = (
+    Path(__file__).resolve().parent.parent
+)  # the checkout: the child imports this srt, not an installed one
 
 
 def kill_all(procs: list[psutil.Process]) -> None:
@@ -47,8 +49,15 @@ class ServerProcess:
     `close` sends SIGTERM and waits `stop_timeout_s` for the graceful drain before SIGKILL; with 0 it
     SIGKILLs the tree at once."""
 
-    def __init__(self, args: Sequence[str], startup_timeout_s: float = 180.0, *, env: dict[str, str] | None = None,
-                 log_dir: Path | None = None, stop_timeout_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        startup_timeout_s: float = 180.0,
+        *,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+        stop_timeout_s: float = 15.0,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stop_timeout_s = stop_timeout_s
@@ -58,14 +67,29 @@ class ServerProcess:
             self.log_path = log_dir / f"srt-server-{self.port}.log"
             self.log = open(self.log_path, "wb")  # noqa: SIM115
         else:
-            self.log = tempfile.NamedTemporaryFile(prefix=f"srt-server-{self.port}-", suffix=".log",  # noqa: SIM115
-                                                   delete=False)
+            self.log = tempfile.NamedTemporaryFile(
+                prefix=f"srt-server-{self.port}-",
+                suffix=".log",  # noqa: SIM115
+                delete=False,
+            )
             self.log_path = Path(self.log.name)
         python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--host", "127.0.0.1",
-                                      "--port", str(self.port), *args], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": python_path, **(env or {})})
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "srt.launch_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": python_path, **(env or {})},
+        )
         try:
             self._wait_healthy(startup_timeout_s)
         except BaseException:

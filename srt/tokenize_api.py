@@ -44,7 +44,9 @@ def tokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         lists = [list(tm.tokenizer.encode(p, add_special_tokens=special)) for p in prompt]
         return {"tokens": lists, "count": [len(ids) for ids in lists], "max_model_len": tm.context_length}
-    raise RequestError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}"[:200], "prompt")
+    raise RequestError(
+        f"prompt must be a string or a non-empty list of strings, got {prompt!r}"[:200], "prompt"
+    )
 
 
 def detokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
@@ -52,17 +54,22 @@ def detokenize(tm: TokenizerManager, body: dict[str, Any]) -> dict[str, Any]:
     tokens, skip = body.get("tokens"), _flag(body, "skip_special_tokens")
 
     def ids_ok(ids: Any) -> bool:
-        return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tm.vocab_size
-                                             for t in ids)
+        return isinstance(ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tm.vocab_size for t in ids
+        )
 
     if isinstance(tokens, list) and ids_ok(tokens):
         return {"text": tm.tokenizer.decode(tokens, skip_special_tokens=skip)}
     if isinstance(tokens, list) and tokens and all(ids_ok(ids) for ids in tokens):
         return {"text": [tm.tokenizer.decode(ids, skip_special_tokens=skip) for ids in tokens]}
-    raise RequestError(f"tokens must be a list of token ids in [0, {tm.vocab_size}) or a list of such lists", "tokens")
+    raise RequestError(
+        f"tokens must be a list of token ids in [0, {tm.vocab_size}) or a list of such lists", "tokens"
+    )
 
 
-async def _answer(request: Request, handler: Callable[[TokenizerManager, dict[str, Any]], dict[str, Any]]) -> Response:
+async def _answer(
+    request: Request, handler: Callable[[TokenizerManager, dict[str, Any]], dict[str, Any]]
+) -> Response:
     try:
         return JSONResponse(handler(request.app.state.tokenizer_manager, await read_json_object(request)))
     except ValueError as error:

@@ -66,8 +66,9 @@ DISCONNECT_CHECK_S = 0.5
 
 
 class TokenizerManager(FrontendRecovery):
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str,
-                 model_info: dict[str, Any]) -> None:
+    def __init__(
+        self, server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str, model_info: dict[str, Any]
+    ) -> None:
         self.server_args = server_args
         self.port_args = port_args
         self.tokenizer_path = tokenizer_path
@@ -76,12 +77,27 @@ class TokenizerManager(FrontendRecovery):
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
-        grammars = LazyGrammarBackend(server_args.grammar_backend, lambda: self.tokenizer, self.vocab_size,
-                                      model_info.get("eos_token_ids") or (), JsonOptions.of(server_args))
-        self.parser = GenerateParser(self.tokenizer, self.vocab_size, self.context_length, self.max_total_tokens,
-                                     self._seed, server_args.enable_priority_scheduling, grammars)
-        self.metrics = FrontendMetrics(metrics_dir(port_args), server_args.model_name, self.max_total_tokens) \
-            if server_args.enable_metrics else None
+        grammars = LazyGrammarBackend(
+            server_args.grammar_backend,
+            lambda: self.tokenizer,
+            self.vocab_size,
+            model_info.get("eos_token_ids") or (),
+            JsonOptions.of(server_args),
+        )
+        self.parser = GenerateParser(
+            self.tokenizer,
+            self.vocab_size,
+            self.context_length,
+            self.max_total_tokens,
+            self._seed,
+            server_args.enable_priority_scheduling,
+            grammars,
+        )
+        self.metrics = (
+            FrontendMetrics(metrics_dir(port_args), server_args.model_name, self.max_total_tokens)
+            if server_args.enable_metrics
+            else None
+        )
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
         self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on
@@ -208,8 +224,10 @@ class TokenizerManager(FrontendRecovery):
         if self.memory_watch.pressure is not None:
             raise ServiceUnavailableError(self.memory_watch.pressure, retry_after=True)
         if self.recovering is not None and self.held_back >= self.max_held_back:
-            raise ServiceUnavailableError(f"recovering: {self.recovering}; {self.held_back} requests are "
-                                          "waiting already", retry_after=True)
+            raise ServiceUnavailableError(
+                f"recovering: {self.recovering}; {self.held_back} requests are waiting already",
+                retry_after=True,
+            )
         return self.parser.parse(obj, self.rid_to_state)
 
     def _check_rids_free(self, rids: list[str]) -> None:
@@ -221,7 +239,9 @@ class TokenizerManager(FrontendRecovery):
         if params.seed is not None:
             return params.seed
         # Deterministic per server seed and request order; every rank gets the resolved value.
-        mixed = (self.server_args.random_seed * 0x9E3779B97F4A7C15 + next(self._seed_counter) * 0xBF58476D1CE4E5B9)
+        mixed = (
+            self.server_args.random_seed * 0x9E3779B97F4A7C15 + next(self._seed_counter) * 0xBF58476D1CE4E5B9
+        )
         return (mixed ^ (mixed >> 31)) & (2**63 - 1)
 
     def decode_tokens(self, token_ids: list[int]) -> list[str]:
@@ -229,8 +249,9 @@ class TokenizerManager(FrontendRecovery):
         return [str(t) for t in self.tokenizer.batch_decode([[i] for i in token_ids])]
 
     # ---- generation ----
-    async def generate(self, call: GenerateCall, request: Request | None = None,
-                       incremental: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate(
+        self, call: GenerateCall, request: Request | None = None, incremental: bool = False
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Send the call's requests and yield outputs (see the module doc; `incremental`: a stream's
         chunks carry only what is new since the previous one). Raises ServiceUnavailableError
         after fail_all; returns early when the client disconnects."""
@@ -238,12 +259,20 @@ class TokenizerManager(FrontendRecovery):
         self._check_rids_free([req.rid for req in call.reqs])  # the rid may have been taken since parsing
         wake = asyncio.Event()
         decode = self.decode_tokens if call.return_text_in_logprobs else None
-        states = [ReqState(req.rid, len(req.input_ids), wake, i if call.is_batch else None,
-                           LogprobMeta(req.top_logprobs_num, req.logprob_start_len, decode)
-                           if req.return_logprob else None,
-                           prompt_token_ids=list(req.input_ids) if call.return_prompt_token_ids else None,
-                           log_metrics=call.log_metrics)
-                  for i, req in enumerate(call.reqs)]
+        states = [
+            ReqState(
+                req.rid,
+                len(req.input_ids),
+                wake,
+                i if call.is_batch else None,
+                LogprobMeta(req.top_logprobs_num, req.logprob_start_len, decode)
+                if req.return_logprob
+                else None,
+                prompt_token_ids=list(req.input_ids) if call.return_prompt_token_ids else None,
+                log_metrics=call.log_metrics,
+            )
+            for i, req in enumerate(call.reqs)
+        ]
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
             for req, state in zip(call.reqs, states):
@@ -312,8 +341,13 @@ class TokenizerManager(FrontendRecovery):
 
     async def health_generate(self, timeout: float = 20.0) -> None:
         """A 1-token greedy generation through every rank; ServiceUnavailableError unless it ends in time."""
-        call = self.parse_generate({"text": "ping", "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
-                                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        call = self.parse_generate(
+            {
+                "text": "ping",
+                "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            }
+        )
         outputs = self.generate(call)
         try:
             out = await asyncio.wait_for(outputs.__anext__(), timeout)
@@ -329,8 +363,12 @@ class TokenizerManager(FrontendRecovery):
 
     def memory_report(self) -> dict[str, Any]:
         """/server_info's "memory": each process's resident bytes and the host's available memory."""
-        return {"processes": process_memory(self.processes()), "host_available_bytes": available_memory(),
-                "min_available_memory_bytes": self.memory_watch.threshold, "pressure": self.memory_watch.pressure}
+        return {
+            "processes": process_memory(self.processes()),
+            "host_available_bytes": available_memory(),
+            "min_available_memory_bytes": self.memory_watch.threshold,
+            "pressure": self.memory_watch.pressure,
+        }
 
     # ---- control ----
     async def flush_cache(self, timeout: float = 10.0) -> ControlReply:

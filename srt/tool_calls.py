@@ -29,8 +29,11 @@ class ToolCall:
 
     def to_json(self, index: int | None = None) -> dict[str, Any]:
         """OpenAI's tool call object; a stream's deltas also carry the call's index."""
-        out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}
+        out = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return out if index is None else {"index": index, **out}
 
 
@@ -58,10 +61,16 @@ class ToolPlan:
         parallel_tool_calls)."""
         if not self.constrained:
             return None
-        items = [_call_schema(t) for t in self.tools if self.choice == "required" or
-                 t["function"]["name"] == self.function]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        items = [
+            _call_schema(t)
+            for t in self.tools
+            if self.choice == "required" or t["function"]["name"] == self.function
+        ]
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": items[0] if len(items) == 1 else {"anyOf": items},
+        }
         if not self.parallel:
             schema["maxItems"] = 1
         return json.dumps(schema)
@@ -85,8 +94,11 @@ class ToolPlan:
             start = text.find("<tool_call>")
             if start < 0:
                 return []
-            return [c for c in (_one_call(m.group(1)) for m in _QWEN_CLOSED_CALL.finditer(text, start))
-                    if c is not None]
+            return [
+                c
+                for c in (_one_call(m.group(1)) for m in _QWEN_CLOSED_CALL.finditer(text, start))
+                if c is not None
+            ]
         return []  # llama3: a call ends where the output does, or at a ";" the grammar does not promise
 
     def stream_safe_prefix(self, text: str) -> int:
@@ -105,9 +117,15 @@ class ToolPlan:
 
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
-    return {"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                             "parameters": function.get("parameters") or {"type": "object"}},
-            "required": ["name", "parameters"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [function["name"]]},
+            "parameters": function.get("parameters") or {"type": "object"},
+        },
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
 
 
 def _arguments(value: Any) -> str:
@@ -219,7 +237,11 @@ def plan_tools(body: dict[str, Any], parser: str | None) -> ToolPlan | None:
     names = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+        ):
             raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
         name = function.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
@@ -240,15 +262,21 @@ def plan_tools(body: dict[str, Any], parser: str | None) -> ToolPlan | None:
         named = choice.get("function") if choice.get("type") == "function" else None
         function = named.get("name") if isinstance(named, dict) else None
         if not isinstance(function, str):
-            raise RequestError("tool_choice must be none, auto, required or "
-                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+            raise RequestError(
+                "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice",
+            )
         if function not in names:
             raise RequestError(f"tool_choice names {function!r}, which is not in tools", "tool_choice")
         choice = "function"
     elif choice not in ("none", "auto", "required"):
-        raise RequestError(f"tool_choice must be none, auto, required or a named function, got {choice!r}",
-                           "tool_choice")
+        raise RequestError(
+            f"tool_choice must be none, auto, required or a named function, got {choice!r}", "tool_choice"
+        )
     if choice == "auto" and parser is None:
-        raise RequestError("tool_choice auto needs a server started with --tool-call-parser "
-                           f"({' or '.join(TOOL_CALL_PARSERS)}); use required or a named function", "tool_choice")
+        raise RequestError(
+            "tool_choice auto needs a server started with --tool-call-parser "
+            f"({' or '.join(TOOL_CALL_PARSERS)}); use required or a named function",
+            "tool_choice",
+        )
     return ToolPlan(tools, choice, function, parallel is not False, parser, names)

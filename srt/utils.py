@@ -17,8 +17,15 @@ CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: one CPU range per rank
 ENGINE_START_ENV = "SRT_ENGINE_START"  # 0 for the first start, n after the n-th restart (srt/recovery.py)
 
 # --dtype names (and the short forms the offline Engine takes) -> torch attribute names
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
-          "float32": "float32", "float": "float32", "fp32": "float32"}
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+}
 
 
 def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
@@ -74,15 +81,18 @@ def parse_cpu_binding(value: str) -> list[frozenset[int]]:
             except ValueError:
                 lo, hi = 0, -1
             if lo < 0 or hi < lo:
-                raise ValueError(f"{CPU_BIND_ENV}={value!r}: cannot read {item.strip()!r} as a CPU or a range "
-                                 f"of CPUs (the format is one list per rank, '|'-separated, e.g. 0-1|2-3)")
+                raise ValueError(
+                    f"{CPU_BIND_ENV}={value!r}: cannot read {item.strip()!r} as a CPU or a range "
+                    f"of CPUs (the format is one list per rank, '|'-separated, e.g. 0-1|2-3)"
+                )
             cpus.update(range(lo, hi + 1))
         groups.append(frozenset(cpus))
     return groups
 
 
-def rank_cpus(local_ranks: int, cpu_threads: int | None = None,
-              environ: Mapping[str, str] = os.environ) -> list[tuple[int, frozenset[int] | None]]:
+def rank_cpus(
+    local_ranks: int, cpu_threads: int | None = None, environ: Mapping[str, str] = os.environ
+) -> list[tuple[int, frozenset[int] | None]]:
     """(torch threads, CPUs to pin to or None) for each of this node's `local_ranks` ranks, in
     order. --cpu-threads N gives every rank N threads; SGLANG_CPU_OMP_THREADS_BIND pins each rank
     to its range and, without --cpu-threads, gives it one thread per CPU of that range; neither:
@@ -94,15 +104,18 @@ def rank_cpus(local_ranks: int, cpu_threads: int | None = None,
         return [(threads, None)] * local_ranks
     groups = parse_cpu_binding(value)
     if len(groups) != local_ranks:
-        raise ValueError(f"{CPU_BIND_ENV}={value!r} has {len(groups)} CPU range(s) for the {local_ranks} rank(s) "
-                         f"on this node; give one per rank, '|'-separated")
+        raise ValueError(
+            f"{CPU_BIND_ENV}={value!r} has {len(groups)} CPU range(s) for the {local_ranks} rank(s) "
+            f"on this node; give one per rank, '|'-separated"
+        )
     try:
         allowed: set[int] | None = set(os.sched_getaffinity(0))
     except AttributeError:
         allowed = None
     for group in groups:
         if allowed is not None and not group <= allowed:
-            raise ValueError(f"{CPU_BIND_ENV}={value!r} names CPU(s) {sorted(group - allowed)} this process "
-                             f"may not run on (it may use {sorted(allowed)})")
+            raise ValueError(
+                f"{CPU_BIND_ENV}={value!r} names CPU(s) {sorted(group - allowed)} this process "
+                f"may not run on (it may use {sorted(allowed)})"
+            )
     return [(cpu_threads if cpu_threads is not None else len(group), group) for group in groups]
-

@@ -42,12 +42,18 @@ def ready_then_raise(ready_conn: Connection) -> None:
 
 # ---- fake server targets (same signatures as the real scheduler / detokenizer) ----
 
-FAKE_MODEL_INFO = {"context_length": 2048, "vocab_size": 1000, "max_total_tokens": 4096,
-                   "eos_token_ids": [2], "max_running_requests": 8}
+FAKE_MODEL_INFO = {
+    "context_length": 2048,
+    "vocab_size": 1000,
+    "max_total_tokens": 4096,
+    "eos_token_ids": [2],
+    "max_running_requests": 8,
+}
 
 
-def fake_scheduler(server_args: Any, port_args: Any, model_dir: str, rank_info: Any,
-                   ready_conn: Connection) -> None:
+def fake_scheduler(
+    server_args: Any, port_args: Any, model_dir: str, rank_info: Any, ready_conn: Connection
+) -> None:
     """Behaviour from SRT_TEST_FAKE: "raise:<world rank>" fails that rank at start-up;
     "die:<world rank>" makes it exit 7 a moment after it is ready. Writes its pid to
     $SRT_TEST_PID_DIR/<title> so a test can check it is gone."""
@@ -82,10 +88,18 @@ def spawning_parent(parent_death_signal: str) -> None:
     from launcher.child import ChildSpec
     from launcher.process import spawn_child, wait_ready
 
-    children = [spawn_child(ChildSpec(name=f"scheduler TP{i}", title=f"srt::scheduler_TP{i}",
-                                      target="launcher_targets:ready_then_sleep", args=({},),
-                                      parent_death_signal=parent_death_signal == "1"))
-                for i in range(2)]
+    children = [
+        spawn_child(
+            ChildSpec(
+                name=f"scheduler TP{i}",
+                title=f"srt::scheduler_TP{i}",
+                target="launcher_targets:ready_then_sleep",
+                args=({},),
+                parent_death_signal=parent_death_signal == "1",
+            )
+        )
+        for i in range(2)
+    ]
     wait_ready(children, timeout=60)
     print(json.dumps([c.pid for c in children]), flush=True)
     time.sleep(600)
@@ -136,8 +150,10 @@ def install_fake_frontend() -> None:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
 
     sys.modules["srt.tokenizer_manager"] = types.SimpleNamespace(TokenizerManager=TokenizerManager)  # type: ignore
-    sys.modules["srt.http_server"] = types.SimpleNamespace(create_app=create_app,  # type: ignore
-                                                           run_http_server=run_http_server)
+    sys.modules["srt.http_server"] = types.SimpleNamespace(
+        create_app=create_app,  # type: ignore
+        run_http_server=run_http_server,
+    )
 
 
 def fake_node(argv: list[str]) -> int:
@@ -149,8 +165,9 @@ def fake_node(argv: list[str]) -> int:
     install_fake_frontend()
     server_args = ServerArgs.from_cli(argv)
     configure_logging(server_args.log_level, "main")
-    return run(plan_launch(server_args), "launcher_targets:fake_scheduler",
-               "launcher_targets:fake_detokenizer")
+    return run(
+        plan_launch(server_args), "launcher_targets:fake_scheduler", "launcher_targets:fake_detokenizer"
+    )
 
 
 if __name__ == "__main__":

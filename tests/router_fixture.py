@@ -18,19 +18,46 @@ from srt.utils import free_port
 
 
 class Router:
-    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", startup_timeout: float = 90.0,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        policy: str = "cache_aware",
+        startup_timeout: float = 90.0,
+        api_key: str | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.log_path = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"sglang-router-{self.port}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), "--health-check-interval-secs", "1",
-             "--health-failure-threshold", "1", "--log-level", "warn", *(["--api-key", api_key] if api_key else [])],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--worker-urls",
+                *worker_urls,
+                "--policy",
+                policy,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--health-check-interval-secs",
+                "1",
+                "--health-failure-threshold",
+                "1",
+                "--log-level",
+                "warn",
+                *(["--api-key", api_key] if api_key else []),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -33,15 +33,25 @@ class Harness:
         self.runner = ModelRunner(runner_config(self.args, model_dir))
         self.receiver = FakeReceiver()
         self.outputs: list[Any] = []
-        args = (self.args, single_process_state(), self.runner, self.receiver, self.outputs.append, set(),
-                lambda: None)
-        self.scheduler = PipelineScheduler(*args, micro_batches=micro_batches) if micro_batches \
-            else Scheduler(*args)  # type: ignore[arg-type]
+        args = (
+            self.args,
+            single_process_state(),
+            self.runner,
+            self.receiver,
+            self.outputs.append,
+            set(),
+            lambda: None,
+        )
+        self.scheduler = (
+            PipelineScheduler(*args, micro_batches=micro_batches) if micro_batches else Scheduler(*args)
+        )  # type: ignore[arg-type]
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
         self.meta: dict[str, dict[str, int]] = {}
 
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, seed: int = 0, stream: bool = False) -> None:
+    def submit(
+        self, rid: str, input_ids: list[int], params: SamplingParams, seed: int = 0, stream: bool = False
+    ) -> None:
         self.receiver.inbox.append(TokenizedGenerateReq(rid, input_ids, params, seed, stream))
 
     def send(self, msg: Any) -> None:
@@ -60,8 +70,11 @@ class Harness:
             if isinstance(out, BatchTokenIDOut):
                 for i, rid in enumerate(out.rids):
                     self.tokens.setdefault(rid, []).extend(out.new_token_ids[i])
-                    self.meta[rid] = {"prompt_tokens": out.prompt_tokens[i], "cached_tokens": out.cached_tokens[i],
-                                      "completion_tokens": out.completion_tokens[i]}
+                    self.meta[rid] = {
+                        "prompt_tokens": out.prompt_tokens[i],
+                        "cached_tokens": out.cached_tokens[i],
+                        "completion_tokens": out.completion_tokens[i],
+                    }
                     if out.finished_reasons[i] is not None:
                         self.finished[rid] = out.finished_reasons[i]
         self.outputs.clear()

@@ -14,8 +14,13 @@ from srt.server_process import ServerProcess
 
 class Server(ServerProcess):
     def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
-        super().__init__(args, startup_timeout, env=env, log_dir=Path(os.environ.get("PYTEST_TMPDIR", "/tmp")),
-                         stop_timeout_s=0)
+        super().__init__(
+            args,
+            startup_timeout,
+            env=env,
+            log_dir=Path(os.environ.get("PYTEST_TMPDIR", "/tmp")),
+            stop_timeout_s=0,
+        )
 
     def generate(self, payload: dict[str, Any], timeout: float = 120.0) -> requests.Response:
         return requests.post(self.url + "/generate", json=payload, timeout=timeout)

@@ -21,17 +21,46 @@ pytest.importorskip("sglang_router", reason="the test extra installs sglang-rout
 def test_one_round_prints_both_configs(tmp_path: Path, smollm2_dir: Path) -> None:
     model = make_tiny_model("llama_smollm2_vocab", tmp_path / "llama")
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model-path", str(model), "--tokenizer-path", str(smollm2_dir),
-                           "--dtype", "float32", "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
-                           "--max-concurrency", "3", "--rounds", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-path",
+            str(model),
+            "--tokenizer-path",
+            str(smollm2_dir),
+            "--dtype",
+            "float32",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "16",
+            "--output-len",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "throughput of 2 replicas:" in proc.stdout and "of 1 replica, both through sglang-router" in proc.stdout
+    assert (
+        "throughput of 2 replicas:" in proc.stdout
+        and "of 1 replica, both through sglang-router" in proc.stdout
+    )
     rows = json.loads(out.read_text())["results"]
     assert [r["config"] for r in rows] == ["1 replica", "2 replicas"]
     assert all(run["completed"] == 6 and run["failed"] == 0 for r in rows for run in r["runs"])
 
 
 def test_bad_arguments_are_usage_errors() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "--rounds must be >= 1" in proc.stderr

@@ -16,32 +16,67 @@ from model_executor.kernels import build
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.py"
 
 
-def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_bench_one_batch_reports_tables_ratios_and_json(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     out_json = tmp_path / "out.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1", "2",
-         "--input-len", "8", "--output-len", "4", "--compare-transformers", "--compare-deterministic",
-         "--json", str(out_json)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-path",
+            str(tiny_model_dirs["llama"]),
+            "--batch-size",
+            "1",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--compare-transformers",
+            "--compare-deterministic",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "srt (tp=1)" in out and "transformers generate" in out and "srt --enable-deterministic-inference" in out
+    assert (
+        "srt (tp=1)" in out
+        and "transformers generate" in out
+        and "srt --enable-deterministic-inference" in out
+    )
     assert len(re.findall(r"batch size \| prefill tok/s \| decode tok/s \| +decode ms/step", out)) == 3, out
     for bs in (1, 2):
         assert re.search(rf"^\s+{bs} \|\s+[\d.]+ \|\s+[\d.]+ \|\s+[\d.]+$", out, re.MULTILINE), out
         for phase in ("prefill", "decode"):
-            assert re.search(rf"^ratio vs transformers \(batch {bs} {phase}\): \d+\.\d\dx$", out, re.MULTILINE), out
-        assert re.search(rf"^deterministic / default \(batch {bs}\): prefill \d+\.\d\dx, decode \d+\.\d\dx$", out,
-                         re.MULTILINE), out
+            assert re.search(
+                rf"^ratio vs transformers \(batch {bs} {phase}\): \d+\.\d\dx$", out, re.MULTILINE
+            ), out
+        assert re.search(
+            rf"^deterministic / default \(batch {bs}\): prefill \d+\.\d\dx, decode \d+\.\d\dx$",
+            out,
+            re.MULTILINE,
+        ), out
 
-    floor = re.search(r"^weight-bandwidth floor \(batch 1 decode\): ([\d.]+) ms/step = \d+ steps/s \((\d+) MB of "
-                      r"weights at ([\d.]+) GB/s, the read bandwidth measured between srt's runs\); srt batch-1 decode at "
-                      r"\d+% of it$", out,
-                      re.MULTILINE)
+    floor = re.search(
+        r"^weight-bandwidth floor \(batch 1 decode\): ([\d.]+) ms/step = \d+ steps/s \((\d+) MB of "
+        r"weights at ([\d.]+) GB/s, the read bandwidth measured between srt's runs\); srt batch-1 decode at "
+        r"\d+% of it$",
+        out,
+        re.MULTILINE,
+    )
     assert floor is not None, out
-    assert re.search(r"^prefill compute bound: \d+ tok/s \(\d+ MFLOP/token at \d+ GFLOP/s measured bf16 matmul\); "
-                     r"srt prefill at \d+% of it$", out, re.MULTILINE), out
+    assert re.search(
+        r"^prefill compute bound: \d+ tok/s \(\d+ MFLOP/token at \d+ GFLOP/s measured bf16 matmul\); "
+        r"srt prefill at \d+% of it$",
+        out,
+        re.MULTILINE,
+    ), out
 
     report = json.loads(out_json.read_text())
     assert (report["input_len"], report["output_len"], report["dtype"]) == (8, 4, "bfloat16")
@@ -56,8 +91,9 @@ def test_bench_one_batch_reports_tables_ratios_and_json(tiny_model_dirs: dict[st
 
 
 def test_bench_one_batch_rejects_bad_lengths() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--output-len", "0"], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--output-len", "0"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "--output-len must be >= 1, got 0" in proc.stderr
 
 
@@ -65,10 +101,29 @@ def test_bench_one_batch_against_llama_cpp(tiny_model_dirs: dict[str, Path], tmp
     """With llama-cpp-python installed: its batch-1 row and ratios on the bundled GGUF; without it,
     a message naming the package to install."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1",
-         "--input-len", "8", "--output-len", "4", "--runs", "1", "--warmup", "0", "--compare-llama-cpp",
-         "--json", "out.json"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-path",
+            str(tiny_model_dirs["llama"]),
+            "--batch-size",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--compare-llama-cpp",
+            "--json",
+            "out.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     if importlib.util.find_spec("llama_cpp") is None:
         assert proc.returncode != 0 and "pip install llama-cpp-python" in proc.stderr, proc.stderr
@@ -92,6 +147,7 @@ def test_bandwidth_probe_runs_between_the_timed_runs() -> None:
         def once() -> tuple[float, float]:
             calls.append(name)
             return seconds, seconds
+
         return once
 
     probe = bench.bandwidth_timer(num_bytes=1 << 20)
@@ -102,21 +158,47 @@ def test_bandwidth_probe_runs_between_the_timed_runs() -> None:
     assert results[1].prefill_s == 0.25
 
 
-def test_int8_prefill_is_held_to_the_int8_matmul_rate(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_int8_prefill_is_held_to_the_int8_matmul_rate(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     """With --quantization w8a8_int8 the linears multiply in int8, so the compute bound the prefill is
     held to comes from torch's int8 matmul, not the bf16 one (which int8 can exceed)."""
     if not build.int8_available():
         pytest.skip("neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused")
     out_json = tmp_path / "out.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-path", str(tiny_model_dirs["llama"]), "--batch-size", "1",
-         "--input-len", "8", "--output-len", "4", "--runs", "1", "--warmup", "1", "--quantization", "w8a8_int8",
-         "--json", str(out_json)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-path",
+            str(tiny_model_dirs["llama"]),
+            "--batch-size",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--runs",
+            "1",
+            "--warmup",
+            "1",
+            "--quantization",
+            "w8a8_int8",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    bound = re.search(r"^prefill compute bound: (\d+) tok/s \(\d+ MFLOP/token at (\d+) GOP/s measured int8 matmul\); "
-                      r"srt prefill at \d+% of it$", proc.stdout, re.MULTILINE)
+    bound = re.search(
+        r"^prefill compute bound: (\d+) tok/s \(\d+ MFLOP/token at (\d+) GOP/s measured int8 matmul\); "
+        r"srt prefill at \d+% of it$",
+        proc.stdout,
+        re.MULTILINE,
+    )
     assert bound is not None, proc.stdout
     report = json.loads(out_json.read_text())
     assert report["quantization"] == "w8a8_int8" and report["int8_matmul_ops"] > 1e9

@@ -66,10 +66,17 @@ def test_itl_splits_a_coalesced_chunk_over_its_tokens() -> None:
 
 
 def test_compute_metrics_counts_only_successes_in_throughput() -> None:
-    ok1 = metrics.RequestResult(prompt_len=16, output_len=4, success=True, latency=0.4,
-                                chunk_times=[0.1, 0.2, 0.4], chunk_tokens=[1, 1, 2])
-    ok2 = metrics.RequestResult(prompt_len=8, output_len=2, success=True, latency=0.3,
-                                chunk_times=[0.2, 0.3], chunk_tokens=[1, 1])
+    ok1 = metrics.RequestResult(
+        prompt_len=16,
+        output_len=4,
+        success=True,
+        latency=0.4,
+        chunk_times=[0.1, 0.2, 0.4],
+        chunk_tokens=[1, 1, 2],
+    )
+    ok2 = metrics.RequestResult(
+        prompt_len=8, output_len=2, success=True, latency=0.3, chunk_times=[0.2, 0.3], chunk_tokens=[1, 1]
+    )
     failed = metrics.RequestResult(prompt_len=100, output_len=1, error="HTTP 400: too long")
     m = metrics.compute_metrics([ok1, failed, ok2], duration_s=2.0)
     assert (m.completed, m.failed) == (2, 1)
@@ -90,26 +97,70 @@ def test_compute_metrics_counts_only_successes_in_throughput() -> None:
 
 
 def test_non_streamed_results_report_no_ttft_or_itl() -> None:
-    m = metrics.compute_metrics([metrics.RequestResult(prompt_len=4, output_len=3, success=True, latency=0.5)], 1.0)
+    m = metrics.compute_metrics(
+        [metrics.RequestResult(prompt_len=4, output_len=3, success=True, latency=0.5)], 1.0
+    )
     assert m.ttft_ms is None and m.itl_ms is None and m.e2e_ms.mean == pytest.approx(500.0)
     assert re.search(r"^TTFT\s+n/a\s+n/a\s+n/a\s+n/a$", metrics.format_report(m), re.MULTILINE)
 
 
 def test_sweep_table_has_one_row_per_level() -> None:
-    streamed = metrics.RequestResult(prompt_len=4, output_len=2, success=True, latency=0.3,
-                                     chunk_times=[0.1, 0.3], chunk_tokens=[1, 1])
+    streamed = metrics.RequestResult(
+        prompt_len=4, output_len=2, success=True, latency=0.3, chunk_times=[0.1, 0.3], chunk_tokens=[1, 1]
+    )
     plain = metrics.RequestResult(prompt_len=4, output_len=2, success=True, latency=0.5)
-    levels = [metrics.LevelResult(1, metrics.compute_metrics([streamed], 1.0), [streamed]),
-              metrics.LevelResult(None, metrics.compute_metrics([plain], 0.5), [plain])]
+    levels = [
+        metrics.LevelResult(1, metrics.compute_metrics([streamed], 1.0), [streamed]),
+        metrics.LevelResult(None, metrics.compute_metrics([plain], 0.5), [plain]),
+    ]
     table = metrics.format_sweep_table(levels, "title")
     rows = table.splitlines()
     assert "title" in rows[0] and rows[1].split() == [
-        "concurrency", "completed", "failed", "req/s", "out", "tok/s", "TTFT", "p50", "TTFT", "p99",
-        "ITL", "p50", "ITL", "p99", "E2E", "p50", "E2E", "p99"]
-    assert rows[3].split() == ["1", "1", "0", "1.00", "2.00", "100.00", "100.00", "200.00", "200.00",
-                               "300.00", "300.00"]
-    assert rows[4].split() == ["unlimited", "1", "0", "2.00", "4.00", "n/a", "n/a", "n/a", "n/a",
-                               "500.00", "500.00"]
+        "concurrency",
+        "completed",
+        "failed",
+        "req/s",
+        "out",
+        "tok/s",
+        "TTFT",
+        "p50",
+        "TTFT",
+        "p99",
+        "ITL",
+        "p50",
+        "ITL",
+        "p99",
+        "E2E",
+        "p50",
+        "E2E",
+        "p99",
+    ]
+    assert rows[3].split() == [
+        "1",
+        "1",
+        "0",
+        "1.00",
+        "2.00",
+        "100.00",
+        "100.00",
+        "200.00",
+        "200.00",
+        "300.00",
+        "300.00",
+    ]
+    assert rows[4].split() == [
+        "unlimited",
+        "1",
+        "0",
+        "2.00",
+        "4.00",
+        "n/a",
+        "n/a",
+        "n/a",
+        "n/a",
+        "500.00",
+        "500.00",
+    ]
 
 
 def test_workload_is_seeded_and_in_range() -> None:
@@ -132,6 +183,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def canned(handler: Handler, coro: Callable[[aiohttp.ClientSession, str], Awaitable[Any]]) -> Any:
     """`coro(client, base_url)` with the benchmark's own session, against a real HTTP server on
     127.0.0.1 where `handler` answers every request."""
+
     async def go() -> Any:
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", handler)
@@ -152,7 +204,7 @@ def sse_result(body: str, status: int = 200, backend: str = "srt", stream: bool 
         await response.prepare(request)
         data = body.encode()
         for i in range(0, len(data), 7):
-            await response.write(data[i:i + 7])
+            await response.write(data[i : i + 7])
             await asyncio.sleep(0.001)  # the client reads it piece by piece
         await response.write_eof()
         return response
@@ -175,9 +227,15 @@ def test_lines_are_split_across_pieces_and_unbounded() -> None:
         return [line async for line in bench_clients._lines(pieces(*chunks))]
 
     assert asyncio.run(lines(b"da", b"ta: 1\r\n\nda", b"ta: 2", b"\n", b"", b"tail")) == [
-        b"data: 1\r", b"", b"data: 2", b"tail"]
+        b"data: 1\r",
+        b"",
+        b"data: 2",
+        b"tail",
+    ]
     long_line = b"x" * (1 << 20)  # past aiohttp's own line limit
-    assert asyncio.run(lines(*[long_line[i:i + 4096] for i in range(0, len(long_line), 4096)], b"\n")) == [long_line]
+    assert asyncio.run(lines(*[long_line[i : i + 4096] for i in range(0, len(long_line), 4096)], b"\n")) == [
+        long_line
+    ]
     assert asyncio.run(lines()) == []
 
 
@@ -190,21 +248,34 @@ def chunk(ids: list[int], finish: str | None = None, total: int | None = None) -
 
 def test_srt_stream_parsing_records_chunks_and_failures() -> None:
     ok = sse_result(chunk([5]) + chunk([5, 6, 7], "length") + "data: [DONE]\n\n")
-    assert ok.success and ok.output_len == 3 and ok.chunk_tokens == [1, 2] and ok.latency >= ok.chunk_times[-1]
-    assert ok.sent == {"path": "/generate", "input_ids": [11, 12], "stream": True,
-                       "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
+    assert (
+        ok.success and ok.output_len == 3 and ok.chunk_tokens == [1, 2] and ok.latency >= ok.chunk_times[-1]
+    )
+    assert ok.sent == {
+        "path": "/generate",
+        "input_ids": [11, 12],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+    }
     # --incremental-streaming-output: each chunk has only its new ids; completion_tokens is the total
-    deltas = sse_result(chunk([5], total=1) + chunk([6, 7], total=3) + chunk([8], "length", total=4)
-                        + "data: [DONE]\n\n")
+    deltas = sse_result(
+        chunk([5], total=1) + chunk([6, 7], total=3) + chunk([8], "length", total=4) + "data: [DONE]\n\n"
+    )
     assert deltas.success and deltas.output_len == 4 and deltas.chunk_tokens == [1, 2, 1], deltas
-    mid_error = sse_result(chunk([5]) + 'data: {"error": {"message": "rank died", "code": 503}}\n\ndata: [DONE]\n\n')
+    mid_error = sse_result(
+        chunk([5]) + 'data: {"error": {"message": "rank died", "code": 503}}\n\ndata: [DONE]\n\n'
+    )
     assert not mid_error.success and mid_error.error == "stream error: rank died"
     truncated = sse_result(chunk([5]))
     assert not truncated.success and "without data: [DONE]" in truncated.error
     aborted = sse_result(chunk([5], "abort") + "data: [DONE]\n\n")
     assert not aborted.success and "finish_reason 'abort'" in aborted.error
     rejected = sse_result('{"error": {"message": "prompt too long"}}', status=400)
-    assert not rejected.success and rejected.error.startswith("HTTP 400:") and "prompt too long" in rejected.error
+    assert (
+        not rejected.success
+        and rejected.error.startswith("HTTP 400:")
+        and "prompt too long" in rejected.error
+    )
     garbled = sse_result("data: {not json\n\n")  # orjson's JSONDecodeError, or json's without orjson
     assert not garbled.success and garbled.error.startswith("JSONDecodeError:"), garbled.error
 
@@ -215,20 +286,40 @@ def completion_chunk(text: str, finish: str | None = None) -> str:
 
 def test_openai_stream_counts_chunks_and_takes_the_length_from_usage() -> None:
     usage = 'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}\n\n'
-    ok = sse_result(completion_chunk("a") + completion_chunk("") + completion_chunk("bc", "length") + usage
-                    + "data: [DONE]\n\n", backend="openai")
+    ok = sse_result(
+        completion_chunk("a")
+        + completion_chunk("")
+        + completion_chunk("bc", "length")
+        + usage
+        + "data: [DONE]\n\n",
+        backend="openai",
+    )
     assert ok.success and ok.output_len == 3 and ok.chunk_tokens == [1, 1, 1], ok
-    assert ok.sent == {"path": "/v1/completions", "model": "m", "prompt": [11, 12], "max_tokens": 2,
-                       "temperature": 0.0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}
-    no_usage = sse_result(completion_chunk("a") + completion_chunk("b", "stop") + "data: [DONE]\n\n", backend="openai")
+    assert ok.sent == {
+        "path": "/v1/completions",
+        "model": "m",
+        "prompt": [11, 12],
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    no_usage = sse_result(
+        completion_chunk("a") + completion_chunk("b", "stop") + "data: [DONE]\n\n", backend="openai"
+    )
     assert no_usage.success and no_usage.output_len == 2
     aborted = sse_result(completion_chunk("a", "abort") + "data: [DONE]\n\n", backend="openai")
     assert not aborted.success and "finish_reason 'abort'" in aborted.error
     error = sse_result('data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n', backend="openai")
     assert not error.success and error.error == "stream error: boom"
-    plain = sse_result(json.dumps({"choices": [{"text": "ab", "finish_reason": "length"}],
-                                   "usage": {"completion_tokens": 2}}), backend="openai", stream=False)
+    plain = sse_result(
+        json.dumps(
+            {"choices": [{"text": "ab", "finish_reason": "length"}], "usage": {"completion_tokens": 2}}
+        ),
+        backend="openai",
+        stream=False,
+    )
     assert plain.success and plain.output_len == 2 and plain.chunk_times == []
 
 
@@ -237,12 +328,15 @@ def test_auto_backend_is_srt_only_when_server_info_names_a_vocab_size() -> None:
         async def handler(request: web.Request) -> web.StreamResponse:
             body = routes.get(request.path)
             return web.Response(status=404, text="Not Found") if body is None else web.json_response(body)
+
         return handler
 
     def resolve(routes: dict[str, Any], **kwargs: Any) -> tuple[tuple[bench_clients.Target, int | None], str]:
         """resolve_target's answer, and the server's base URL."""
+
         async def run(client: aiohttp.ClientSession, base_url: str) -> Any:
             return await bench_clients.resolve_target(client, base_url, **kwargs), base_url
+
         return canned(server(routes), run)
 
     srt_routes = {"/server_info": {"vocab_size": 320}, "/v1/models": {"data": [{"id": "tiny"}]}}
@@ -252,7 +346,12 @@ def test_auto_backend_is_srt_only_when_server_info_names_a_vocab_size() -> None:
     assert answer == (bench_clients.Target("openai", base, "tiny"), 320)
     vllm_like = {"/v1/models": {"object": "list", "data": [{"id": "org/model"}]}}
     (target, vocab), base = resolve(vllm_like)
-    assert (target.backend, target.model, target.url, vocab) == ("openai", "org/model", f"{base}/v1/completions", None)
+    assert (target.backend, target.model, target.url, vocab) == (
+        "openai",
+        "org/model",
+        f"{base}/v1/completions",
+        None,
+    )
     assert resolve(vllm_like, model="other")[0][0].model == "other"
     with pytest.raises(ValueError, match="lists no model"):
         resolve({"/v1/models": {"data": []}})
@@ -268,8 +367,10 @@ def test_http_call_returns_every_status_and_raises_only_when_unreachable() -> No
         return web.json_response({"ok": True})
 
     async def calls(client: aiohttp.ClientSession, base_url: str) -> tuple[Any, Any]:
-        return (await asyncio.to_thread(bench_clients.http_call, f"{base_url}/missing", 5.0),
-                await asyncio.to_thread(bench_clients.http_call, f"{base_url}/generate", 5.0, {"input_ids": [1]}))
+        return (
+            await asyncio.to_thread(bench_clients.http_call, f"{base_url}/missing", 5.0),
+            await asyncio.to_thread(bench_clients.http_call, f"{base_url}/generate", 5.0, {"input_ids": [1]}),
+        )
 
     missing, posted = canned(handler, calls)
     assert (missing.status, missing.text) == (404, "no such route")
@@ -291,33 +392,61 @@ def test_unreachable_server_is_reported_not_raised(capsys: pytest.CaptureFixture
 
 
 def test_bad_arguments_are_usage_errors() -> None:
-    for argv, message in ((["--request-rate", "0"], "--request-rate must be > 0"),
-                          (["--concurrency", "4", "0"], "--concurrency values must be >= 1"),
-                          (["--backend", "grpc"], "invalid choice: 'grpc'")):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+    for argv, message in (
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--concurrency", "4", "0"], "--concurrency values must be >= 1"),
+        (["--backend", "grpc"], "invalid choice: 'grpc'"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 # ---- end to end: one server for the module ----
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> Iterator[Server]:
-    with Server("--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path", str(smollm2_dir),
-                "--max-total-tokens", "4096", startup_timeout=90) as server:
+    with Server(
+        "--model-path",
+        str(tiny_model_dirs["llama"]),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--max-total-tokens",
+        "4096",
+        startup_timeout=90,
+    ) as server:
         yield server
 
 
 def run_bench(server: Server, cwd: Path, *argv: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--base-url", server.url, "--num-prompts", "8", "--random-input-len", "16",
-         "--random-output-len", "8", "--request-timeout", "60", *argv],
-        capture_output=True, text=True, timeout=120, cwd=cwd)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "8",
+            "--request-timeout",
+            "60",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def sweep_rows(out: str) -> dict[str, list[str]]:
     """The sweep table's rows by concurrency label."""
-    table = out[out.index("concurrency  completed"):].splitlines()[2:]
+    table = out[out.index("concurrency  completed") :].splitlines()[2:]
     return {row.split()[0]: row.split()[1:] for row in table if re.match(r"^\s+(\d+|unlimited)\s", row)}
 
 
@@ -356,7 +485,9 @@ def test_openai_backend_against_the_servers_completions_route(server: Server, tm
     out = run_bench(server, tmp_path, "--backend", "openai", "--concurrency", "4", "--json", "out.json")
     assert "backend openai (" in out and "/v1/completions" in out, out
     assert re.search(r"^Successful requests:\s+8$", out, re.MULTILINE), out
-    assert re.search(r"^Total generated tokens:\s+64$", out, re.MULTILINE), out  # from usage.completion_tokens
+    assert re.search(r"^Total generated tokens:\s+64$", out, re.MULTILINE), (
+        out
+    )  # from usage.completion_tokens
     assert sweep_rows(out)["4"][:2] == ["8", "0"], out
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["backend"] == "openai" and report["model"], report  # named by /v1/models
@@ -367,8 +498,22 @@ def test_openai_backend_against_the_servers_completions_route(server: Server, tm
 
 @pytest.mark.timeout(120)
 def test_one_level_api_used_by_bench_guards(server: Server) -> None:
-    args = bench.parse_args(["--base-url", server.url, "--num-prompts", "4", "--random-input-len", "8",
-                             "--random-output-len", "4", "--max-concurrency", "2", "--request-timeout", "60"])
+    args = bench.parse_args(
+        [
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--request-timeout",
+            "60",
+        ]
+    )
     assert args.concurrency == [2]
     m, details = asyncio.run(bench.benchmark(args))
     assert (m.completed, m.failed, m.total_output_tokens) == (4, 0, 16)

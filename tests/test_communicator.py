@@ -20,8 +20,14 @@ def _rank(rank: int, init_method: str, out: Any) -> None:
     try:
         torch.set_num_threads(1)
         # tp=1, pp=2: the world and the PP group are ranks [0, 1]
-        state = init_distributed(tp_size=1, pp_size=2, world_rank=rank, init_method=init_method,
-                                 device=torch.device("cpu"), timeout_s=60)
+        state = init_distributed(
+            tp_size=1,
+            pp_size=2,
+            world_rank=rank,
+            init_method=init_method,
+            device=torch.device("cpu"),
+            timeout_s=60,
+        )
         broadcasts = 0
         real = dist.broadcast
 
@@ -37,16 +43,25 @@ def _rank(rank: int, init_method: str, out: Any) -> None:
         if rank == 0:  # the first stage: messages and hidden states on; ids come back
             for obj in OBJECTS:
                 link.send_object(obj, link.next)
-            link.send_stage_output(StageOutput(torch.full((3, 4), 1.5, dtype=torch.bfloat16),
-                                               torch.arange(12, dtype=torch.bfloat16).view(3, 4)))
+            link.send_stage_output(
+                StageOutput(
+                    torch.full((3, 4), 1.5, dtype=torch.bfloat16),
+                    torch.arange(12, dtype=torch.bfloat16).view(3, 4),
+                )
+            )
             ids = link.recv_ids(3).tolist()
             result = {"got": got, "broadcasts": broadcasts, "ids": ids}
         else:  # the last stage
             objects = [link.recv_object(link.prev) for _ in OBJECTS]
             stage = link.recv_stage_output(3, 4, torch.bfloat16, torch.device("cpu"))
             link.send_ids(torch.tensor([7, 8, 9]))
-            result = {"got": got, "broadcasts": broadcasts, "objects": objects,
-                      "hidden": stage.hidden.float().tolist(), "residual": stage.residual.float().tolist()}
+            result = {
+                "got": got,
+                "broadcasts": broadcasts,
+                "objects": objects,
+                "hidden": stage.hidden.float().tolist(),
+                "residual": stage.residual.float().tolist(),
+            }
         dist.barrier()
         destroy_distributed()
         out.put((rank, result))

@@ -75,7 +75,10 @@ def events() -> list[tuple[str, str]]:
 
 def test_digests_are_fixed_values_not_salted_hashes() -> None:
     # Golden values: a salted hash() or an address in a repr would change them per process.
-    assert event_digest("admit", canonical({"rid": "r7", "num_tokens": 8, "return": True})) == 4318864359100872945
+    assert (
+        event_digest("admit", canonical({"rid": "r7", "num_tokens": 8, "return": True}))
+        == 4318864359100872945
+    )
     assert window_digest(3, [1, -2]) == 1074696062374389040
 
 
@@ -102,7 +105,11 @@ def test_bare_decorator_records_call_order() -> None:
     s.schedule()
     s.admit("r1", 5)
     s.schedule()
-    assert [name for name, _ in events()] == ["FakeScheduler.schedule", "FakeScheduler.admit", "FakeScheduler.schedule"]
+    assert [name for name, _ in events()] == [
+        "FakeScheduler.schedule",
+        "FakeScheduler.admit",
+        "FakeScheduler.schedule",
+    ]
     assert [e.seq for e in LOG.window(0, 3)] == [0, 1, 2]
 
 
@@ -146,7 +153,9 @@ def test_disabled_path_records_nothing_and_costs_little() -> None:
     n = 20000
     direct = min(timeit.repeat(lambda: plain(1, b=2), number=n, repeat=5)) / n
     through = min(timeit.repeat(lambda: wrapped(1, b=2), number=n, repeat=5)) / n
-    assert through - direct < 3e-6, f"disabled @rank_consensus costs {(through - direct) * 1e6:.2f} us per call"
+    assert through - direct < 3e-6, (
+        f"disabled @rank_consensus costs {(through - direct) * 1e6:.2f} us per call"
+    )
     assert LOG.count == 0
 
 
@@ -181,7 +190,9 @@ def test_create_groups_rejects_a_bad_rank() -> None:
 
 def _agree_phase(rank: int, q: Any) -> None:
     """Identical events, background thread: several clean cycles, then a stop asked by rank 0 only."""
-    checker = consensus.enable(_GROUPS[0], interval_s=0.05, on_divergence=lambda m: q.put((rank, "divergence", m)))
+    checker = consensus.enable(
+        _GROUPS[0], interval_s=0.05, on_divergence=lambda m: q.put((rank, "divergence", m))
+    )
     s = FakeScheduler()
     for step in range(8):
         s.schedule()
@@ -201,12 +212,20 @@ def _agree_phase(rank: int, q: Any) -> None:
         while checker.running and time.monotonic() < deadline:
             time.sleep(0.01)
         stopped = not checker.running and consensus.disable(timeout_s=0.1)
-    q.put((rank, "agreed", {"total": total, "checked": checked, "held": held, "cycles": cycles, "stopped": stopped}))
+    q.put(
+        (
+            rank,
+            "agreed",
+            {"total": total, "checked": checked, "held": held, "cycles": cycles, "stopped": stopped},
+        )
+    )
 
 
 def _payload_divergence_phase(rank: int, q: Any) -> None:
     """Rank 1 admits r7 with a different token count; the background thread must notice."""
-    checker = consensus.enable(_GROUPS[0], interval_s=0.05, on_divergence=lambda m: q.put((rank, "divergence", m)))
+    checker = consensus.enable(
+        _GROUPS[0], interval_s=0.05, on_divergence=lambda m: q.put((rank, "divergence", m))
+    )
     s = FakeScheduler()
     for i in range(12):
         s.admit(f"r{i}", 9 if (rank == 1 and i == 7) else 8)
@@ -237,7 +256,9 @@ def _gate_phase(rank: int, q: Any) -> None:
 def _order_divergence_phase(rank: int, q: Any, release: Any) -> None:
     """Rank 1 runs a batch before scheduling at step 3. Only TP group {0, 1} checks (check_now);
     ranks 2 and 3 take part in no collective, so the TP group needs nobody else."""
-    checker = consensus.enable(_GROUPS[0], on_divergence=lambda m: q.put((rank, "divergence", m)), start=False)
+    checker = consensus.enable(
+        _GROUPS[0], on_divergence=lambda m: q.put((rank, "divergence", m)), start=False
+    )
     s = FakeScheduler()
     for step in range(5):
         calls = [s.schedule, lambda: s.run_batch(Plan(["r0"], Phase.DECODE))]
@@ -256,8 +277,13 @@ _GROUPS: list[consensus.ConsensusGroups] = []
 def _rank_main(rank: int, tp: int, pp: int, port: int, q: Any, release: Any) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=tp * pp, rank=rank,
-                                timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            world_size=tp * pp,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=30),
+        )
         _GROUPS.append(consensus.create_groups(tp, pp, rank, timeout_s=20))
         _agree_phase(rank, q)
         if pp == 1:
@@ -278,13 +304,18 @@ def _run_ranks(tp: int, pp: int, timeout_s: float = 60.0) -> dict[tuple[int, str
     ctx = mp.get_context("spawn")
     q, release = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, pp, port, q, release), daemon=True) for r in range(tp * pp)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, tp, pp, port, q, release), daemon=True)
+        for r in range(tp * pp)
+    ]
     for p in procs:
         p.start()
     results: dict[tuple[int, str], Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while sum(key[1] in ("done", "error") for key in results) < len(procs) and time.monotonic() < deadline:
+        while (
+            sum(key[1] in ("done", "error") for key in results) < len(procs) and time.monotonic() < deadline
+        ):
             try:
                 rank, kind, value = q.get(timeout=0.5)
             except queue.Empty:
@@ -300,7 +331,9 @@ def _run_ranks(tp: int, pp: int, timeout_s: float = 60.0) -> dict[tuple[int, str
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    assert all((r, "done") in results for r in range(len(procs))), f"ranks did not finish in time: {sorted(results)}"
+    assert all((r, "done") in results for r in range(len(procs))), (
+        f"ranks did not finish in time: {sorted(results)}"
+    )
     return results
 
 
@@ -325,8 +358,14 @@ def test_two_ranks_agree_then_detect_a_different_payload() -> None:
         assert ">> #7 FakeScheduler.admit {'rid':'r7','num_tokens':9,'return':True}" in message
     assert "world rank 0 (this rank)" in messages[0] and "world rank 1 (this rank)" in messages[1]
     for rank in (0, 1):  # the per-step gate stopped both before the step, and the thread named why
-        assert results[(rank, "gate")] == "TP ranks scheduled different batches (the rank consensus gate stopped the step)"
-        assert ">> #1 FakeScheduler.admit {'rid':'g1','num_tokens':5,'return':True}" in results[(rank, "gate divergence")]
+        assert (
+            results[(rank, "gate")]
+            == "TP ranks scheduled different batches (the rank consensus gate stopped the step)"
+        )
+        assert (
+            ">> #1 FakeScheduler.admit {'rid':'g1','num_tokens':5,'return':True}"
+            in results[(rank, "gate divergence")]
+        )
 
 
 def test_four_ranks_agree_then_one_tp_group_detects_a_different_call_order() -> None:
@@ -342,12 +381,14 @@ def test_four_ranks_agree_then_one_tp_group_detects_a_different_call_order() -> 
 
 
 def test_default_on_divergence_flushes_logs_and_exits_70() -> None:
-    code = ("import logging, sys\n"
-            "logging.basicConfig(stream=sys.stderr)\n"
-            "from consensus import exit_on_divergence\n"
-            "logging.getLogger('srt.consensus').critical('rank consensus divergence at #3')\n"
-            "exit_on_divergence('rank consensus divergence at #3')\n"
-            "raise SystemExit(0)\n")
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "from consensus import exit_on_divergence\n"
+        "logging.getLogger('srt.consensus').critical('rank consensus divergence at #3')\n"
+        "exit_on_divergence('rank consensus divergence at #3')\n"
+        "raise SystemExit(0)\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert proc.returncode == consensus.DIVERGENCE_EXIT_CODE == 70

@@ -26,33 +26,65 @@ from scheduler.grammar import advance, attach_matcher, fill_bitmask, rebuild_mat
 from scheduler.req import Req
 from srt.sampling_params import SamplingParams
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user", "guest"]},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"], "additionalProperties": False},
-}, "required": ["name", "age", "role", "address"], "additionalProperties": False}
-TAGS = {"type": "object", "properties": {
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
-    "ok": {"type": "boolean"},
-}, "required": ["tags", "ok"], "additionalProperties": False}
-SCORES = {"type": "array", "items": {"type": "object", "properties": {
-    "level": {"enum": ["low", "mid", "high"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["level", "score"], "additionalProperties": False}, "minItems": 2, "maxItems": 2}
-ARITHMETIC = r'''
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "address"],
+    "additionalProperties": False,
+}
+TAGS = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["tags", "ok"],
+    "additionalProperties": False,
+}
+SCORES = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "level": {"enum": ["low", "mid", "high"]},
+            "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["level", "score"],
+        "additionalProperties": False,
+    },
+    "minItems": 2,
+    "maxItems": 2,
+}
+ARITHMETIC = r"""
 root ::= expr
 expr ::= term (("+" | "-") term)*
 term ::= factor (("*" | "/") factor)*
 factor ::= [1-9] [0-9]? | "(" expr ")"
-'''
+"""
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with Server("--max-total-tokens", "4096", "--max-running-requests", "8",
-                "--constrained-json-disable-any-whitespace") as srv:
+    with Server(
+        "--max-total-tokens",
+        "4096",
+        "--max-running-requests",
+        "8",
+        "--constrained-json-disable-any-whitespace",
+    ) as srv:
         yield srv
 
 
@@ -70,9 +102,11 @@ def generate(server: Server, texts: list[str], params: list[dict[str, Any]]) -> 
 @pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_json_schema_outputs_validate(server: Server) -> None:
     schemas = [PERSON, TAGS, SCORES]
-    outs = generate(server, ["Describe a user of a website as JSON:", "Tag this photo of a beach:",
-                             "Rate two risks:"],
-                    [{"max_new_tokens": 96, "json_schema": json.dumps(s)} for s in schemas])
+    outs = generate(
+        server,
+        ["Describe a user of a website as JSON:", "Tag this photo of a beach:", "Rate two risks:"],
+        [{"max_new_tokens": 96, "json_schema": json.dumps(s)} for s in schemas],
+    )
     for schema, out in zip(schemas, outs):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         jsonschema.validate(json.loads(out["text"]), schema)
@@ -81,8 +115,11 @@ def test_json_schema_outputs_validate(server: Server) -> None:
 @pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_regex_outputs_full_match(server: Server) -> None:
     patterns = [r"(red|green|blue)-[0-9]{2}", r"[A-Z][a-z]{2,8} [0-9]{4}", r"\d{3}-\d{3}-\d{4}"]
-    outs = generate(server, ["Pick a colour code:", "A month and a year:", "Call me at"],
-                    [{"max_new_tokens": 24, "regex": p} for p in patterns])
+    outs = generate(
+        server,
+        ["Pick a colour code:", "A month and a year:", "Call me at"],
+        [{"max_new_tokens": 24, "regex": p} for p in patterns],
+    )
     for pattern, out in zip(patterns, outs):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
@@ -90,14 +127,19 @@ def test_regex_outputs_full_match(server: Server) -> None:
 
 @pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_ebnf_outputs_parse(server: Server) -> None:
-    outs = generate(server, ["Write an arithmetic expression:", "2 + 2 is the same as"],
-                    [{"max_new_tokens": 24, "ebnf": ARITHMETIC, "temperature": 0.8, "seed": 3}] * 2)
+    outs = generate(
+        server,
+        ["Write an arithmetic expression:", "2 + 2 is the same as"],
+        [{"max_new_tokens": 24, "ebnf": ARITHMETIC, "temperature": 0.8, "seed": 3}] * 2,
+    )
     for out in outs:
         text = out["text"]
         if out["meta_info"]["finish_reason"]["type"] == "length":
             continue  # a long expression cut short: nothing to parse; the next must
         tree = ast.parse(text, mode="eval")
-        assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.operator)) for n in ast.walk(tree)), text
+        assert all(
+            isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.operator)) for n in ast.walk(tree)
+        ), text
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs), outs
 
 
@@ -105,48 +147,64 @@ def test_ebnf_outputs_parse(server: Server) -> None:
 def test_openai_response_format_json_schema_chat_and_stream(client: openai.OpenAI) -> None:
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS, "strict": True}}
     messages: Any = [{"role": "user", "content": "Tag a photo of a cat as JSON."}]
-    reply = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=64,
-                                           response_format=fmt)
+    reply = client.chat.completions.create(
+        model="m", messages=messages, temperature=0, max_tokens=64, response_format=fmt
+    )
     assert reply.choices[0].finish_reason == "stop"
     content = reply.choices[0].message.content
     assert content is not None
     jsonschema.validate(json.loads(content), TAGS)
-    chunks = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=64,
-                                            response_format=fmt, stream=True)
+    chunks = client.chat.completions.create(
+        model="m", messages=messages, temperature=0, max_tokens=64, response_format=fmt, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == content
 
 
 @pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
 def test_openai_json_object_on_completions(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model="m", prompt="A JSON object describing a dog:", temperature=0,
-                                      max_tokens=48, extra_body={"response_format": {"type": "json_object"}})
+    reply = client.completions.create(
+        model="m",
+        prompt="A JSON object describing a dog:",
+        temperature=0,
+        max_tokens=48,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop", choice
     assert isinstance(json.loads(choice.text), dict)
 
 
-@pytest.mark.parametrize(("params", "param"), [
-    ({"regex": "([a-z"}, "regex"),
-    ({"json_schema": "{not json"}, "json_schema"),
-    ({"json_schema": json.dumps({"type": "nope"})}, "json_schema"),
-    ({"json_schema": {"type": "object"}}, "json_schema"),  # SGLang's field is the schema serialized
-    ({"ebnf": 'root ::= missing_rule'}, "ebnf"),
-    ({"structural_tag": '{"type": "structural_tag", "format": {"type": "what"}}'}, "structural_tag"),
-    ({"regex": "a+", "json_schema": '{"type": "object"}'}, "regex"),
-])
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"regex": "([a-z"}, "regex"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": json.dumps({"type": "nope"})}, "json_schema"),
+        ({"json_schema": {"type": "object"}}, "json_schema"),  # SGLang's field is the schema serialized
+        ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+        ({"structural_tag": '{"type": "structural_tag", "format": {"type": "what"}}'}, "structural_tag"),
+        ({"regex": "a+", "json_schema": '{"type": "object"}'}, "regex"),
+    ],
+)
 @pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
-def test_bad_grammars_are_400s_naming_the_parameter(server: Server, params: dict[str, Any], param: str) -> None:
+def test_bad_grammars_are_400s_naming_the_parameter(
+    server: Server, params: dict[str, Any], param: str
+) -> None:
     resp = server.generate({"text": "hello", "sampling_params": {"max_new_tokens": 4, **params}})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
 
 
 @pytest.mark.slow  # one server, ~40 s: the slow tier keeps the default run under 20 minutes
-def test_bad_response_formats_are_400s_and_the_server_keeps_serving(server: Server, client: openai.OpenAI) -> None:
+def test_bad_response_formats_are_400s_and_the_server_keeps_serving(
+    server: Server, client: openai.OpenAI
+) -> None:
     messages: Any = [{"role": "user", "content": "hi"}]
-    for fmt in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"}}):
+    for fmt in (
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"}},
+    ):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="m", messages=messages, max_tokens=4, response_format=fmt)  # type: ignore[arg-type]
         assert isinstance(info.value.body, dict) and info.value.body.get("param") == "response_format"
@@ -156,10 +214,13 @@ def test_bad_response_formats_are_400s_and_the_server_keeps_serving(server: Serv
 
 # ---- without a server ----
 
+
 def test_bitmask_masks_exactly_the_forbidden_tokens() -> None:
     logits = torch.randn(3, 70)
     bitmask = torch.full((3, 3), -1, dtype=torch.int32)
-    bitmask[1] = torch.tensor([1 << 5, 0, (1 << 3) | -(2**31)])  # tokens 5 and 67; bit 31 (95) is past the vocabulary
+    bitmask[1] = torch.tensor(
+        [1 << 5, 0, (1 << 3) | -(2**31)]
+    )  # tokens 5 and 67; bit 31 (95) is past the vocabulary
     bitmask[2] = 0  # forbids everything, but row 2 is not constrained
     out = logits.clone()
     apply_token_bitmask(out, bitmask, [1])
@@ -170,7 +231,7 @@ def test_bitmask_masks_exactly_the_forbidden_tokens() -> None:
 def test_the_backends_kernel_masks_as_the_sampler_does(grammars: LazyGrammarBackend) -> None:
     backend = grammars.get("regex")
     logits = torch.randn(5, 49152)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 1536), dtype=torch.int32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 1536), dtype=torch.int32)
     reference, kernel = logits.clone(), logits.clone()
     apply_token_bitmask(reference, bitmask, [0, 3, 4])
     backend.apply_bitmask_inplace(kernel, bitmask, [0, 3, 4])
@@ -184,8 +245,9 @@ def grammars(smollm2_dir: Path) -> LazyGrammarBackend:
     return LazyGrammarBackend("xgrammar", lambda: tokenizer, 49152, {tokenizer.eos_token_id})
 
 
-def test_a_retracted_or_replayed_matcher_is_rebuilt_from_the_delivered_tokens(grammars: LazyGrammarBackend,
-                                                                              smollm2_dir: Path) -> None:
+def test_a_retracted_or_replayed_matcher_is_rebuilt_from_the_delivered_tokens(
+    grammars: LazyGrammarBackend, smollm2_dir: Path
+) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     text = tokenizer("red-42", add_special_tokens=False)["input_ids"]
     params = SamplingParams(max_new_tokens=16, regex=r"(red|green)-[0-9]{2}")

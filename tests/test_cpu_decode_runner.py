@@ -24,8 +24,10 @@ from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.models.registry import get_model_class
 
 # Where the fused layer runs at all: srt_gemv's AVX-512 BF16 loop or weights packed for our kernels.
-needs_fused = pytest.mark.skipif(build.kernels() is None or not build.bf16_linear_available(),
-                                 reason="no fused decode layer on this CPU (no kernels or no AVX-512 BF16)")
+needs_fused = pytest.mark.skipif(
+    build.kernels() is None or not build.bf16_linear_available(),
+    reason="no fused decode layer on this CPU (no kernels or no AVX-512 BF16)",
+)
 
 
 def runner_for(model_dir: Path, **kw: object) -> ModelRunner:
@@ -37,8 +39,16 @@ def prefill(runner: ModelRunner, lens: list[int]) -> list[int]:
     pool = runner.req_to_token_pool
     rows = [int(pool.alloc()) for _ in lens]  # type: ignore[arg-type]
     loc = runner.allocator.alloc_extend(pool.req_to_token, rows, [0] * len(rows), lens)
-    runner.forward(make_forward_batch(ForwardMode.EXTEND, [3 + i % 300 for n in lens for i in range(n)], rows,
-                                      [0] * len(rows), lens, loc))
+    runner.forward(
+        make_forward_batch(
+            ForwardMode.EXTEND,
+            [3 + i % 300 for n in lens for i in range(n)],
+            rows,
+            [0] * len(rows),
+            lens,
+            loc,
+        )
+    )
     return rows
 
 
@@ -59,7 +69,8 @@ def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @needs_fused
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on q/k/v, which the fused layer adds
 def test_takes_a_bf16_decode_batch_on_one_rank_and_gives_the_layers_logits(
-        arch: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    arch: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     runner = runner_for(tiny_model_dirs[arch])
     assert isinstance(runner.attn_backend, CpuKernelsAttnBackend)  # the default on the CPU
     calls = count_fused_calls(monkeypatch)
@@ -78,12 +89,15 @@ def test_takes_a_bf16_decode_batch_on_one_rank_and_gives_the_layers_logits(
     assert (fused - layers).abs().max().item() < 0.02 * scale, (fused - layers).abs().max().item()
     for i in range(runner.model.kv_cache_layout()[0]):  # and it wrote the step's K/V the layers write
         for cache in runner.kv_pool.get_kv_buffer(i):
-            torch.testing.assert_close(cache[batch.out_cache_loc], cache[again.out_cache_loc], rtol=0.02, atol=0.02)
+            torch.testing.assert_close(
+                cache[batch.out_cache_loc], cache[again.out_cache_loc], rtol=0.02, atol=0.02
+            )
 
 
 @needs_fused
-def test_declines_prefill_and_runs_it_on_the_layers(tiny_model_dirs: dict[str, Path],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_declines_prefill_and_runs_it_on_the_layers(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     runner = runner_for(tiny_model_dirs["llama"])
     calls = count_fused_calls(monkeypatch)
     pool = runner.req_to_token_pool
@@ -96,8 +110,9 @@ def test_declines_prefill_and_runs_it_on_the_layers(tiny_model_dirs: dict[str, P
 
 
 @needs_fused
-def test_declines_a_decode_batch_above_its_limit(tiny_model_dirs: dict[str, Path],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_declines_a_decode_batch_above_its_limit(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The limit is packed_max_rows() with packed weights (AMX: 256 rows), else srt_gemv's 2: set to 2
     here either way, so a 3-request step is too large."""
     monkeypatch.setattr(cpu_decode_runner, "packed_max_rows", lambda: 2)
@@ -113,12 +128,15 @@ def test_declines_a_decode_batch_above_its_limit(tiny_model_dirs: dict[str, Path
 
 
 @needs_fused
-def test_declines_every_step_in_deterministic_mode(tiny_model_dirs: dict[str, Path],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_declines_every_step_in_deterministic_mode(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """There every step runs the layers a prefill runs (the fused layer's arithmetic is its own)."""
     try:
         runner = runner_for(tiny_model_dirs["llama"], deterministic=True)
-        assert isinstance(runner.attn_backend, CpuKernelsAttnBackend) and runner.attn_backend.decode_rows_extend
+        assert (
+            isinstance(runner.attn_backend, CpuKernelsAttnBackend) and runner.attn_backend.decode_rows_extend
+        )
         calls = count_fused_calls(monkeypatch)
         rows = prefill(runner, [3])
         batch = decode_step(runner, rows, [3])
@@ -129,14 +147,21 @@ def test_declines_every_step_in_deterministic_mode(tiny_model_dirs: dict[str, Pa
         set_one_arithmetic(False)
 
 
-@pytest.mark.parametrize(("arch", "dtype", "backend"), [
-    ("llama", torch.float32, "auto"),  # an fp32 pool: the kernels are bf16
-    ("qwen3", torch.bfloat16, "auto"),  # q/k norm: not the fused layer's block
-    ("llama", torch.bfloat16, "torch_native"),  # the fused layer's attention is our kernel's
-])
-def test_declines_what_the_fused_layer_does_not_compute(arch: str, dtype: torch.dtype, backend: str,
-                                                         tiny_model_dirs: dict[str, Path],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("arch", "dtype", "backend"),
+    [
+        ("llama", torch.float32, "auto"),  # an fp32 pool: the kernels are bf16
+        ("qwen3", torch.bfloat16, "auto"),  # q/k norm: not the fused layer's block
+        ("llama", torch.bfloat16, "torch_native"),  # the fused layer's attention is our kernel's
+    ],
+)
+def test_declines_what_the_fused_layer_does_not_compute(
+    arch: str,
+    dtype: torch.dtype,
+    backend: str,
+    tiny_model_dirs: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     runner = runner_for(tiny_model_dirs[arch], dtype=dtype, attention_backend=backend)
     calls = count_fused_calls(monkeypatch)
     rows = prefill(runner, [3])
@@ -155,8 +180,9 @@ def test_declines_tensor_and_pipeline_parallel_ranks(tiny_model_dirs: dict[str, 
     batch = decode_step(runner, rows, [3])
     assert runner.decode_runner.can_run(batch)
     for tp_size, pp_size in ((2, 1), (1, 2)):
-        other = CpuDecodeRunner(runner.model, runner.attn_backend, tp_size=tp_size, pp_size=pp_size,
-                                deterministic=False)
+        other = CpuDecodeRunner(
+            runner.model, runner.attn_backend, tp_size=tp_size, pp_size=pp_size, deterministic=False
+        )
         assert not other.can_run(batch)
     config = load_hf_config(model_dir)
     for pp_rank in range(2):  # a stage holds no whole decoder stack to run
@@ -165,8 +191,9 @@ def test_declines_tensor_and_pipeline_parallel_ranks(tiny_model_dirs: dict[str, 
         assert model.decoder_stack() is None
 
 
-def test_torch_native_runs_no_cpu_kernel_and_agrees_with_cpu_kernels(tiny_model_dirs: dict[str, Path],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_native_runs_no_cpu_kernel_and_agrees_with_cpu_kernels(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = tiny_model_dirs["llama"]
     lens = [3, 30, 7]
     kernels = runner_for(model_dir)
@@ -188,8 +215,12 @@ def test_the_backend_is_chosen_by_name(tiny_model_dirs: dict[str, Path]) -> None
     runner = runner_for(tiny_model_dirs["llama"])
     pool, req_to_token = runner.kv_pool, runner.req_to_token_pool.req_to_token
     cpu_device = torch.device("cpu")
-    assert type(create_attention_backend("auto", cpu_device, pool, req_to_token, False)) is CpuKernelsAttnBackend
-    assert type(create_attention_backend("torch_native", cpu_device, pool, req_to_token, False)) \
+    assert (
+        type(create_attention_backend("auto", cpu_device, pool, req_to_token, False)) is CpuKernelsAttnBackend
+    )
+    assert (
+        type(create_attention_backend("torch_native", cpu_device, pool, req_to_token, False))
         is TorchNativeAttnBackend
+    )
     with pytest.raises(ValueError, match="unknown --attention-backend 'sdpa'"):
         create_attention_backend("sdpa", cpu_device, pool, req_to_token, False)

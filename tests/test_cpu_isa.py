@@ -26,13 +26,20 @@ def test_an_unknown_isa_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
         build.kernel_isa()
 
 
-@pytest.mark.parametrize(("isa", "dropped"), [("auto", ()), ("AVX512_BF16", ("-mno-amx-tile",)),
-                                              ("avx512", ("-mno-amx-int8", "-mno-avx512bf16", "-mno-avx512vnni"))])
-def test_a_forced_isa_builds_without_what_that_cpu_lacks(isa: str, dropped: tuple[str, ...],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("isa", "dropped"),
+    [
+        ("auto", ()),
+        ("AVX512_BF16", ("-mno-amx-tile",)),
+        ("avx512", ("-mno-amx-int8", "-mno-avx512bf16", "-mno-avx512vnni")),
+    ],
+)
+def test_a_forced_isa_builds_without_what_that_cpu_lacks(
+    isa: str, dropped: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(build.ISA_ENV, isa)
     flags = build._cflags()
-    assert flags[:len(build.CFLAGS)] == build.CFLAGS and set(dropped) <= set(flags[len(build.CFLAGS):])
+    assert flags[: len(build.CFLAGS)] == build.CFLAGS and set(dropped) <= set(flags[len(build.CFLAGS) :])
     assert (len(flags) == len(build.CFLAGS)) == (isa == "auto")
 
 
@@ -52,12 +59,25 @@ def child(model_dir: str, out: str) -> None:
     engine.runner.req_to_token_pool.reset()
     params = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
     greedy = [o.output_ids for o in engine.generate(prompts, params)]
-    with Engine(model_dir, tp_size=2, dtype="bfloat16", max_total_tokens=1024) as tp2:  # spawned ranks inherit the ISA
+    with Engine(
+        model_dir, tp_size=2, dtype="bfloat16", max_total_tokens=1024
+    ) as tp2:  # spawned ranks inherit the ISA
         greedy_tp2 = [o.output_ids for o in tp2.generate(prompts, params)]
-    probes = {name: getattr(build, name)() for name in ("amx_available", "bf16_linear_available",
-                                                        "int8_available", "prefill_kernel_available")}
-    torch.save({"paths": build.describe_paths(), "probes": probes, "loaded": build.kernels() is not None,
-                "logits": logits, "greedy": greedy, "greedy_tp2": greedy_tp2}, out)
+    probes = {
+        name: getattr(build, name)()
+        for name in ("amx_available", "bf16_linear_available", "int8_available", "prefill_kernel_available")
+    }
+    torch.save(
+        {
+            "paths": build.describe_paths(),
+            "probes": probes,
+            "loaded": build.kernels() is not None,
+            "logits": logits,
+            "greedy": greedy,
+            "greedy_tp2": greedy_tp2,
+        },
+        out,
+    )
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -68,10 +88,17 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 def run_forced(isa: str, model_dir: Path, tmp_path: Path) -> dict:
     out = tmp_path / f"{isa}.pt"
-    env = {**os.environ, build.ISA_ENV: isa,
-           "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", f"import test_cpu_isa; test_cpu_isa.child({str(model_dir)!r}, {str(out)!r})"],
-                   env=env, check=True, timeout=600)
+    env = {
+        **os.environ,
+        build.ISA_ENV: isa,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run(
+        [sys.executable, "-c", f"import test_cpu_isa; test_cpu_isa.child({str(model_dir)!r}, {str(out)!r})"],
+        env=env,
+        check=True,
+        timeout=600,
+    )
     result: dict = torch.load(out)
     return result
 
@@ -94,11 +121,16 @@ def test_every_forced_kernel_path_keeps_parity_with_transformers(tmp_path: Path)
     assert not none["loaded"] and "SRT_CPU_KERNEL_ISA=none" in none["paths"]
     assert not any(none["probes"].values())
     assert avx512["loaded"] and not any(avx512["probes"].values()), avx512
-    assert "torch (this CPU has no AVX-512 BF16)" in avx512["paths"] and "refused (no VNNI)" in avx512["paths"]
+    assert (
+        "torch (this CPU has no AVX-512 BF16)" in avx512["paths"] and "refused (no VNNI)" in avx512["paths"]
+    )
     if build.bf16_linear_available():  # this CPU has AVX-512 BF16: so does the forced level below AMX
-        assert avx512_bf16["probes"] == {"amx_available": False, "bf16_linear_available": True,
-                                         "int8_available": build.int8_available(),
-                                         "prefill_kernel_available": True}, avx512_bf16
+        assert avx512_bf16["probes"] == {
+            "amx_available": False,
+            "bf16_linear_available": True,
+            "int8_available": build.int8_available(),
+            "prefill_kernel_available": True,
+        }, avx512_bf16
         assert "bf16 linears on AVX-512 BF16" in avx512_bf16["paths"]
     assert all("SRT_CPU_KERNEL_ISA=" in r["paths"] for r in results.values())
 

@@ -20,20 +20,30 @@ from model_executor.kernels import build, decode_layers, ops
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(build._compiler() is None or build.kernel_isa() == "none",
-                                reason="no C compiler, or SRT_CPU_KERNEL_ISA=none: the kernels are not built")
+pytestmark = pytest.mark.skipif(
+    build._compiler() is None or build.kernel_isa() == "none",
+    reason="no C compiler, or SRT_CPU_KERNEL_ISA=none: the kernels are not built",
+)
 
 
 def test_kernels_build_where_there_is_a_compiler() -> None:
     assert build.kernels() is not None  # a build error must fail here, not skip every test below
 
+
 def test_the_start_up_line_names_each_kernels_path_on_this_cpu() -> None:
     line = build.describe_paths()
     assert ("torch (this CPU has no AVX-512 BF16)" in line) != build.bf16_linear_available(), line
     assert ("refused (no VNNI)" in line) != build.int8_available(), line
-    assert ("plain loops: this CPU has no AVX-512" in line) == ("avx512f" not in build._cpu_flags().split()), line
-    off = subprocess.run([sys.executable, "-c", "from model_executor.kernels import build; print(build.describe_paths())"],
-                         env={**os.environ, "SRT_CPU_KERNELS": "0"}, capture_output=True, text=True, check=True)
+    assert ("plain loops: this CPU has no AVX-512" in line) == (
+        "avx512f" not in build._cpu_flags().split()
+    ), line
+    off = subprocess.run(
+        [sys.executable, "-c", "from model_executor.kernels import build; print(build.describe_paths())"],
+        env={**os.environ, "SRT_CPU_KERNELS": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "every op runs on torch" in off.stdout, off
 
 
@@ -45,7 +55,9 @@ def test_every_kernel_is_declared_once_in_the_header_and_typed_from_it() -> None
     for source in build.SOURCES:
         text = source.read_text()
         assert '#include "srt_kernels.h"' in text and "typedef uint16_t bf16" not in text, source.name
-        assert not re.search(r"^(void|int64_t)\s+srt_\w+\([^)]*\);", text, re.M), f"{source.name} declares its own"
+        assert not re.search(r"^(void|int64_t)\s+srt_\w+\([^)]*\);", text, re.M), (
+            f"{source.name} declares its own"
+        )
         defined |= set(re.findall(r"^(?:void|int64_t)\s+(srt_\w+)\(", text, re.M))
     assert defined == set(declared)
     assert len(declared["srt_decode_layer"][1]) == 44  # the 44-argument fused layer, read from the header
@@ -57,18 +69,29 @@ def test_every_kernel_is_declared_once_in_the_header_and_typed_from_it() -> None
         lib.srt_silu_mul(0, 0, 4)
 
 
-@pytest.mark.parametrize("header", ["void srt_f(bf16 x);", "double srt_f(void);", "void srt_f(int64_t);",
-                                    "void srt_f(int64_t n)", "int64_t srt_f(void); void srt_f(void);"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "void srt_f(bf16 x);",
+        "double srt_f(void);",
+        "void srt_f(int64_t);",
+        "void srt_f(int64_t n)",
+        "int64_t srt_f(void); void srt_f(void);",
+    ],
+)
 def test_a_header_ctypes_cannot_read_fails_loudly(header: str) -> None:
     with pytest.raises(ValueError, match="srt_kernels.h"):
         build.signatures(header)
 
 
-@pytest.mark.parametrize("definition", [
-    "void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows) {}",  # a parameter fewer than declared
-    "void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, float d) {}",  # a kind other than declared
-    "void srt_undeclared(void) {}",  # exported without a declaration in the header
-])
+@pytest.mark.parametrize(
+    "definition",
+    [
+        "void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows) {}",  # a parameter fewer than declared
+        "void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, float d) {}",  # a kind other than declared
+        "void srt_undeclared(void) {}",  # exported without a declaration in the header
+    ],
+)
 def test_a_definition_that_disagrees_with_the_header_does_not_build(definition: str, tmp_path: Path) -> None:
     cc = build._compiler()
     assert cc is not None
@@ -76,8 +99,10 @@ def test_a_definition_that_disagrees_with_the_header_does_not_build(definition: 
     source.write_text(f'#include "{build.HEADER}"\n{definition}\n')
     with pytest.raises(RuntimeError, match="failed"):
         build.compile_shared_object(cc, [source], tmp_path / "wrong.so")
-    source.write_text(f'#include "{build.HEADER}"\nvoid srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, '
-                      'int64_t d) {}\n')
+    source.write_text(
+        f'#include "{build.HEADER}"\nvoid srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, '
+        "int64_t d) {}\n"
+    )
     build.compile_shared_object(cc, [source], tmp_path / "right.so")  # the declared form builds
 
 
@@ -91,10 +116,28 @@ def test_ops_name_the_argument_they_refuse() -> None:
         ops.bf16_linear(x, torch.zeros(2, 2, 16, 16, 2, dtype=BF16), None, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="^positions must be torch.int64"):
         ops.rope(x.view(4, 1, 64), torch.zeros(4, dtype=torch.int32), x, x)
-    q, cache, slots = torch.zeros(2, 64, dtype=BF16), torch.zeros(8, 64, dtype=BF16), torch.zeros(2, dtype=torch.int64)
+    q, cache, slots = (
+        torch.zeros(2, 64, dtype=BF16),
+        torch.zeros(8, 64, dtype=BF16),
+        torch.zeros(2, dtype=torch.int64),
+    )
     with pytest.raises(ValueError, match="^seq_lens must be 2 contiguous int64 values"):
-        ops.decode_attention(q, q, q, cache, cache, slots, torch.zeros(2, 8, dtype=torch.int64), slots,
-                             slots.int(), 8, 1, 1, 64, 0.125)
+        ops.decode_attention(
+            q,
+            q,
+            q,
+            cache,
+            cache,
+            slots,
+            torch.zeros(2, 8, dtype=torch.int64),
+            slots,
+            slots.int(),
+            8,
+            1,
+            1,
+            64,
+            0.125,
+        )
     with pytest.raises(ValueError, match="^lens must sum to q's 4 rows; got 3"):
         ops.prefill_attention(x.view(4, 1, 64), x.view(4, 1, 64), x.view(4, 1, 64), [3], 0.125)
 
@@ -108,7 +151,7 @@ def rand(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
 
 def assert_bf16_close(got: torch.Tensor, want: torch.Tensor, ulps: float = 2.0) -> None:
     """Within a few bf16 rounding steps (2^-8 relative each) of the reference's magnitude."""
-    bound = ulps * 2.0 ** -8 * want.float().abs().max().item()
+    bound = ulps * 2.0**-8 * want.float().abs().max().item()
     diff = (got.float() - want.float()).abs().max().item()
     assert diff <= bound, f"max diff {diff} > {bound}"
 
@@ -164,30 +207,65 @@ def paged_case(lens: list[int], hq: int, hkv: int, d: int = 64) -> dict[str, tor
     rows = torch.arange(2, bs + 2)
     start = 0
     for row, n in zip(rows.tolist(), lens):
-        req_to_token[row, :n] = order[start:start + n]
+        req_to_token[row, :n] = order[start : start + n]
         start += n
     qkv = rand(bs, (hq + 2 * hkv) * d, seed=8)
     seq_lens = torch.tensor(lens, dtype=torch.int64)
-    return {"q": qkv[:, : hq * d], "k": qkv[:, hq * d:(hq + hkv) * d], "v": qkv[:, (hq + hkv) * d:],
-            "k_cache": rand(slots, hkv, d, seed=9), "v_cache": rand(slots, hkv, d, seed=10),
-            "req_to_token": req_to_token, "rows": rows, "seq_lens": seq_lens,
-            "out_loc": req_to_token[rows, seq_lens - 1].clone()}
+    return {
+        "q": qkv[:, : hq * d],
+        "k": qkv[:, hq * d : (hq + hkv) * d],
+        "v": qkv[:, (hq + hkv) * d :],
+        "k_cache": rand(slots, hkv, d, seed=9),
+        "v_cache": rand(slots, hkv, d, seed=10),
+        "req_to_token": req_to_token,
+        "rows": rows,
+        "seq_lens": seq_lens,
+        "out_loc": req_to_token[rows, seq_lens - 1].clone(),
+    }
 
 
 # Head sizes 64 and 128 with groups up to 8 take the AVX-512 BF16 path (vdpbf16ps scores, 16 tokens
 # reduced together), others the generic one; 8 or more requests make a task of all of a request's
 # kv heads, fewer a task per (request, kv head); on the fast path a request past 512 tokens is split
 # into about equal tasks (at most 512 tokens, a multiple of the threads) whose partial sums are combined.
-@pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
-    ([40], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([5, 6], 4, 4, 64), ([9, 3], 8, 1, 64),
-    ([33, 1, 16, 17, 2, 90, 5, 31, 64], 9, 3, 64), ([20, 47, 3, 8, 1, 15, 16, 32, 9], 8, 2, 128),
-    ([7, 19], 16, 1, 64), ([12, 5], 4, 2, 32), ([1500], 9, 3, 64), ([513, 40, 1030], 8, 2, 128),
-    ([600, 3, 512, 1, 70, 1025, 9, 33, 5], 9, 3, 64), ([700, 20], 4, 2, 32)])
-def test_decode_attention_writes_the_new_kv_and_matches_sdpa(lens: list[int], hq: int, hkv: int, d: int) -> None:
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d"),
+    [
+        ([40], 9, 3, 64),
+        ([1, 17, 130, 64], 9, 3, 64),
+        ([5, 6], 4, 4, 64),
+        ([9, 3], 8, 1, 64),
+        ([33, 1, 16, 17, 2, 90, 5, 31, 64], 9, 3, 64),
+        ([20, 47, 3, 8, 1, 15, 16, 32, 9], 8, 2, 128),
+        ([7, 19], 16, 1, 64),
+        ([12, 5], 4, 2, 32),
+        ([1500], 9, 3, 64),
+        ([513, 40, 1030], 8, 2, 128),
+        ([600, 3, 512, 1, 70, 1025, 9, 33, 5], 9, 3, 64),
+        ([700, 20], 4, 2, 32),
+    ],
+)
+def test_decode_attention_writes_the_new_kv_and_matches_sdpa(
+    lens: list[int], hq: int, hkv: int, d: int
+) -> None:
     c = paged_case(lens, hq, hkv, d)
-    scale = d ** -0.5
-    out = ops.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], c["req_to_token"],
-                               c["rows"], c["seq_lens"], max(lens), hq, hkv, d, scale)
+    scale = d**-0.5
+    out = ops.decode_attention(
+        c["q"],
+        c["k"],
+        c["v"],
+        c["k_cache"],
+        c["v_cache"],
+        c["out_loc"],
+        c["req_to_token"],
+        c["rows"],
+        c["seq_lens"],
+        max(lens),
+        hq,
+        hkv,
+        d,
+        scale,
+    )
     assert torch.equal(c["k_cache"][c["out_loc"]], c["k"].reshape(-1, hkv, d))
     assert torch.equal(c["v_cache"][c["out_loc"]], c["v"].reshape(-1, hkv, d))
     for b, n in enumerate(lens):
@@ -204,12 +282,38 @@ def test_decode_attention_gives_a_request_the_same_bits_alone_and_in_a_batch() -
     lens, hq, hkv, d = [1100, 20, 700, 513, 5, 64, 2048, 9, 300], 9, 3, 64
     c = paged_case(lens, hq, hkv, d)
     args = (c["k_cache"], c["v_cache"])
-    together = ops.decode_attention(c["q"], c["k"], c["v"], *args, c["out_loc"], c["req_to_token"], c["rows"],
-                                    c["seq_lens"], max(lens), hq, hkv, d, d ** -0.5)
+    together = ops.decode_attention(
+        c["q"],
+        c["k"],
+        c["v"],
+        *args,
+        c["out_loc"],
+        c["req_to_token"],
+        c["rows"],
+        c["seq_lens"],
+        max(lens),
+        hq,
+        hkv,
+        d,
+        d**-0.5,
+    )
     for b, n in enumerate(lens):
         one = slice(b, b + 1)
-        alone = ops.decode_attention(c["q"][one], c["k"][one], c["v"][one], *args, c["out_loc"][one],
-                                     c["req_to_token"], c["rows"][one], c["seq_lens"][one], n, hq, hkv, d, d ** -0.5)
+        alone = ops.decode_attention(
+            c["q"][one],
+            c["k"][one],
+            c["v"][one],
+            *args,
+            c["out_loc"][one],
+            c["req_to_token"],
+            c["rows"][one],
+            c["seq_lens"][one],
+            n,
+            hq,
+            hkv,
+            d,
+            d**-0.5,
+        )
         assert torch.equal(alone[0], together[b]), n
 
 
@@ -220,68 +324,96 @@ def test_decode_attention_splits_right_with_more_threads_than_512_token_parts() 
     threads = torch.get_num_threads()
     torch.set_num_threads(16)
     try:
-        out = ops.decode_attention(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"],
-                                   c["req_to_token"], c["rows"], c["seq_lens"], max(lens), hq, hkv, d, d ** -0.5)
+        out = ops.decode_attention(
+            c["q"],
+            c["k"],
+            c["v"],
+            c["k_cache"],
+            c["v_cache"],
+            c["out_loc"],
+            c["req_to_token"],
+            c["rows"],
+            c["seq_lens"],
+            max(lens),
+            hq,
+            hkv,
+            d,
+            d**-0.5,
+        )
     finally:
         torch.set_num_threads(threads)
     for b, n in enumerate(lens):
         slots = c["req_to_token"][c["rows"][b], :n]
         k, v = (c[name][slots].float().transpose(0, 1) for name in ("k_cache", "v_cache"))
-        want = F.scaled_dot_product_attention(c["q"][b].float().view(hq, 1, d), k, v, scale=d ** -0.5,
-                                              enable_gqa=True).reshape(-1)
+        want = F.scaled_dot_product_attention(
+            c["q"][b].float().view(hq, 1, d), k, v, scale=d**-0.5, enable_gqa=True
+        ).reshape(-1)
         assert_bf16_close(out[b], want)
 
 
 needs_prefill_kernel = pytest.mark.skipif(
-    build._compiler() is None or not ops.prefill_attention_applies(torch.zeros(1, 1, 64, dtype=BF16), 1, 1, 64),
-    reason="neither AMX nor AVX-512 BF16 here")
+    build._compiler() is None
+    or not ops.prefill_attention_applies(torch.zeros(1, 1, 64, dtype=BF16), 1, 1, 64),
+    reason="neither AMX nor AVX-512 BF16 here",
+)
 
 
 # Prompts packed one after another, ragged: partial 16-query blocks (AVX-512: 6-row tiles), a
 # prompt past one 128-query task (AVX-512: 64), one token alone; grouped query heads 1, 3, 8.
 @needs_prefill_kernel
-@pytest.mark.parametrize(("lens", "hq", "hkv", "d"), [
-    ([128, 128, 128], 9, 3, 64), ([1, 17, 130, 64], 9, 3, 64), ([300], 8, 1, 64), ([5, 16, 33, 257], 4, 4, 128),
-    ([40, 7], 16, 2, 128)])
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d"),
+    [
+        ([128, 128, 128], 9, 3, 64),
+        ([1, 17, 130, 64], 9, 3, 64),
+        ([300], 8, 1, 64),
+        ([5, 16, 33, 257], 4, 4, 128),
+        ([40, 7], 16, 2, 128),
+    ],
+)
 def test_prefill_attention_matches_causal_sdpa(lens: list[int], hq: int, hkv: int, d: int) -> None:
     n = sum(lens)
     qkv = rand(n, (hq + 2 * hkv) * d, seed=12)
-    q = qkv[:, :hq * d].view(n, hq, d)  # strided rows, as the columns of one qkv tensor
-    k, v = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d), qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    q = qkv[:, : hq * d].view(n, hq, d)  # strided rows, as the columns of one qkv tensor
+    k, v = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d), qkv[:, (hq + hkv) * d :].view(n, hkv, d)
     assert ops.prefill_attention_applies(q, hq, hkv, d)
-    out = ops.prefill_attention(q, k, v, lens, d ** -0.5)
+    out = ops.prefill_attention(q, k, v, lens, d**-0.5)
     start = 0
     for length in lens:
-        qi, ki, vi = (t[start:start + length].float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        want = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=d ** -0.5, enable_gqa=hq != hkv)
-        assert_bf16_close(out[start:start + length], want[0].transpose(0, 1).reshape(length, -1))
+        qi, ki, vi = (t[start : start + length].float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        want = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=d**-0.5, enable_gqa=hq != hkv)
+        assert_bf16_close(out[start : start + length], want[0].transpose(0, 1).reshape(length, -1))
         start += length
 
 
 # New tokens after cached prefixes (chunked prefill, prefix-cache hits): each request's keys are
 # its prefix then its new tokens, packed.
 @needs_prefill_kernel
-@pytest.mark.parametrize(("spec", "hq", "hkv", "d"), [
-    ([(0, 40), (17, 5), (128, 130), (3, 1)], 9, 3, 64), ([(300, 20), (1, 257)], 8, 2, 128)])
-def test_prefill_attention_after_cached_prefixes_matches_masked_sdpa(spec: list[tuple[int, int]], hq: int, hkv: int,
-                                                                     d: int) -> None:
+@pytest.mark.parametrize(
+    ("spec", "hq", "hkv", "d"),
+    [([(0, 40), (17, 5), (128, 130), (3, 1)], 9, 3, 64), ([(300, 20), (1, 257)], 8, 2, 128)],
+)
+def test_prefill_attention_after_cached_prefixes_matches_masked_sdpa(
+    spec: list[tuple[int, int]], hq: int, hkv: int, d: int
+) -> None:
     prefixes, lens = [p for p, _ in spec], [n for _, n in spec]
     q = rand(sum(lens), hq, d, seed=14)
     k, v = rand(sum(prefixes) + sum(lens), hkv, d, seed=15), rand(sum(prefixes) + sum(lens), hkv, d, seed=16)
-    out = ops.prefill_attention(q, k, v, lens, d ** -0.5, prefixes)
+    out = ops.prefill_attention(q, k, v, lens, d**-0.5, prefixes)
     qs = ks = 0
     for prefix, new in spec:
-        qi = q[qs:qs + new].float().transpose(0, 1).unsqueeze(0)
-        ki, vi = (t[ks:ks + prefix + new].float().transpose(0, 1).unsqueeze(0) for t in (k, v))
+        qi = q[qs : qs + new].float().transpose(0, 1).unsqueeze(0)
+        ki, vi = (t[ks : ks + prefix + new].float().transpose(0, 1).unsqueeze(0) for t in (k, v))
         mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(diagonal=prefix)
-        want = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=d ** -0.5, enable_gqa=hq != hkv)
-        assert_bf16_close(out[qs:qs + new], want[0].transpose(0, 1).reshape(new, -1))
+        want = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=d**-0.5, enable_gqa=hq != hkv)
+        assert_bf16_close(out[qs : qs + new], want[0].transpose(0, 1).reshape(new, -1))
         qs, ks = qs + new, ks + prefix + new
 
 
 @needs_prefill_kernel
-def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ragged prompts, prefilled fresh and then in two chunks (the second after its cached
     prefix): every layer's prefill attention is one kernel call, and the last tokens' logits are
     as close to fp32 transformers as with torch's SDPA."""
@@ -300,11 +432,22 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path:
             parts = [p[lo:hi] for p in prompts]
             prefix, seq = [min(lo, len(p)) for p in prompts], [len(p[:hi]) for p in prompts]
             live = [i for i, part in enumerate(parts) if part]
-            loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, [rows[i] for i in live],
-                                                [prefix[i] for i in live], [seq[i] for i in live])
-            logits = runner.forward(make_forward_batch(
-                ForwardMode.EXTEND, [t for i in live for t in parts[i]], [rows[i] for i in live],
-                [prefix[i] for i in live], [seq[i] for i in live], loc))
+            loc = runner.allocator.alloc_extend(
+                runner.req_to_token_pool.req_to_token,
+                [rows[i] for i in live],
+                [prefix[i] for i in live],
+                [seq[i] for i in live],
+            )
+            logits = runner.forward(
+                make_forward_batch(
+                    ForwardMode.EXTEND,
+                    [t for i in live for t in parts[i]],
+                    [rows[i] for i in live],
+                    [prefix[i] for i in live],
+                    [seq[i] for i in live],
+                    loc,
+                )
+            )
         assert logits is not None
         return logits
 
@@ -313,7 +456,10 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(tmp_path:
     monkeypatch.setattr(ops, "prefill_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     config = RunnerConfig(model_dir=model_dir, dtype=BF16, max_total_tokens=1024)
     layers = hf.config.num_hidden_layers
-    fresh, chunked = prefill(ModelRunner(config), 0), prefill(ModelRunner(config), 2)  # prompt 3 keeps 1 token
+    fresh, chunked = (
+        prefill(ModelRunner(config), 0),
+        prefill(ModelRunner(config), 2),
+    )  # prompt 3 keeps 1 token
     assert len(calls) == 3 * layers
     monkeypatch.setattr(ops, "prefill_attention_applies", lambda *a: False)
     fresh_sdpa, chunked_sdpa = prefill(ModelRunner(config), 0), prefill(ModelRunner(config), 2)
@@ -330,8 +476,11 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[li
     rows = [int(pool.alloc()) for _ in prompts]  # type: ignore[arg-type]
     lens = [len(p) for p in prompts]
     loc = allocator.alloc_extend(pool.req_to_token, rows, [0] * len(rows), lens)
-    runner.forward(make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(rows),
-                                      lens, loc))
+    runner.forward(
+        make_forward_batch(
+            ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(rows), lens, loc
+        )
+    )
     steps = []
     for step in range(len(forced[0])):
         prefix = [n + step for n in lens]
@@ -342,11 +491,13 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[li
     return torch.stack(steps)
 
 
-@pytest.mark.parametrize(("arch", "lens"), [("llama", (3, 30)), ("qwen2", (3, 30)), ("qwen3", (3, 30)),
-                                            ("llama", (3, 30, 7, 19, 1))])
-def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tuple[int, ...],
-                                                             tiny_model_dirs: dict[str, Path],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("arch", "lens"),
+    [("llama", (3, 30)), ("qwen2", (3, 30)), ("qwen3", (3, 30)), ("llama", (3, 30, 7, 19, 1))],
+)
+def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(
+    arch: str, lens: tuple[int, ...], tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ragged batches: 2 rows (fused with the gemv kernel or packed weights), 5 rows (fused only with
     packed weights: AMX or AVX-512 BF16)."""
     model_dir = tiny_model_dirs[arch]
@@ -363,11 +514,23 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     for name in ("rmsnorm", "silu_mul", "bf16_linear_silu", "rope", "decode_attention"):
         real = getattr(ops, name)
         key = "silu_mul" if name == "bf16_linear_silu" else name  # silu * up alone or in the gate_up product
-        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=key, **k: (
-            calls.__setitem__(_name, calls.get(_name, 0) + 1), _real(*a, **k))[1])
+        monkeypatch.setattr(
+            ops,
+            name,
+            lambda *a, _real=real, _name=key, **k: (
+                calls.__setitem__(_name, calls.get(_name, 0) + 1),
+                _real(*a, **k),
+            )[1],
+        )
     real_layers = decode_layers.DecodeLayers.forward
-    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda *a, **k: (
-        calls.__setitem__("decode_layers", calls.get("decode_layers", 0) + 1), real_layers(*a, **k))[1])
+    monkeypatch.setattr(
+        decode_layers.DecodeLayers,
+        "forward",
+        lambda *a, **k: (
+            calls.__setitem__("decode_layers", calls.get("decode_layers", 0) + 1),
+            real_layers(*a, **k),
+        )[1],
+    )
     with_kernels = decode_logits(fused, prompts, forced)
     layers = hf.config.num_hidden_layers
     if arch == "qwen3":  # q/k norm: the layer runs op by op, each op a kernel
@@ -389,13 +552,12 @@ def test_bf16_model_with_kernels_is_as_accurate_as_torch_ops(arch: str, lens: tu
     assert err_kernels <= 1.5 * err_torch + 1e-3, (err_kernels, err_torch)
 
 
-
 @pytest.mark.parametrize(("n", "hkv", "d"), [(1, 1, 64), (37, 3, 64), (4096, 2, 128)])
 def test_store_kv_writes_the_rows_index_copy_writes(n: int, hkv: int, d: int) -> None:
     """k and v as the extend path has them (column slices of one qkv output) into slots in any order."""
     qkv = rand(n, (4 + 2) * hkv * d, seed=n)
-    k = qkv[:, 4 * hkv * d:5 * hkv * d].reshape(n, hkv, d)
-    v = qkv[:, 5 * hkv * d:].reshape(n, hkv, d)
+    k = qkv[:, 4 * hkv * d : 5 * hkv * d].reshape(n, hkv, d)
+    v = qkv[:, 5 * hkv * d :].reshape(n, hkv, d)
     slots = n + 50
     loc = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:n]
     k_cache, v_cache = rand(slots, hkv, d, seed=2), rand(slots, hkv, d, seed=3)
@@ -405,7 +567,7 @@ def test_store_kv_writes_the_rows_index_copy_writes(n: int, hkv: int, d: int) ->
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert not ops.store_kv_applies(k, v, k_cache.float(), v_cache, loc)  # the pool's dtype decides
     assert not ops.store_kv_applies(k, v, k_cache, v_cache, loc.int())
-    assert not ops.store_kv_applies(qkv[:, :2 * hkv * d:2].reshape(n, hkv, d), v, k_cache, v_cache, loc)
+    assert not ops.store_kv_applies(qkv[:, : 2 * hkv * d : 2].reshape(n, hkv, d), v, k_cache, v_cache, loc)
 
 
 @pytest.mark.parametrize("shape", [(32, 49152), (3, 17), (2, 5), (1, 16)])

@@ -32,20 +32,27 @@ def test_packed_bf16_linear_matches_f_linear(m: int) -> None:
     x = torch.randn(m, 48, generator=g).bfloat16()
     packed = pack_weight(weight)
     assert packed is not None
-    torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-2, atol=1e-2
+    )
     assert pack_weight(weight.float()) is None  # fp32 stays on F.linear
 
 
 def test_bf16_runner_packs_every_linear(tiny_model_dirs: dict[str, Path]) -> None:
-    runner = ModelRunner(RunnerConfig(model_dir=tiny_model_dirs["llama"], dtype=torch.bfloat16, max_total_tokens=256))
+    runner = ModelRunner(
+        RunnerConfig(model_dir=tiny_model_dirs["llama"], dtype=torch.bfloat16, max_total_tokens=256)
+    )
     layers = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
     assert layers and all(m.packed_weight is not None for m in layers)
-    fp32 = ModelRunner(RunnerConfig(model_dir=tiny_model_dirs["llama"], dtype=torch.float32, max_total_tokens=256))
+    fp32 = ModelRunner(
+        RunnerConfig(model_dir=tiny_model_dirs["llama"], dtype=torch.float32, max_total_tokens=256)
+    )
     assert all(m.packed_weight is None for m in fp32.model.modules() if hasattr(m, "packed_weight"))
 
 
-needs_packed = pytest.mark.skipif(not build.bf16_linear_available(),
-                                  reason="neither AMX nor AVX-512 BF16 on this CPU")
+needs_packed = pytest.mark.skipif(
+    not build.bf16_linear_available(), reason="neither AMX nor AVX-512 BF16 on this CPU"
+)
 
 
 def kernel_case(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,8 +80,10 @@ def test_packed_linear_is_the_fp32_product_rounded_once(m: int) -> None:
     assert torch.equal(linear(x, weight, None, packed), ops.bf16_linear(x, packed, None))
 
 
-@pytest.mark.skipif(not build.bf16_linear_available() or build.amx_available(),
-                    reason="the AVX-512 BF16 kernel runs only where AMX does not")
+@pytest.mark.skipif(
+    not build.bf16_linear_available() or build.amx_available(),
+    reason="the AVX-512 BF16 kernel runs only where AMX does not",
+)
 def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
     """Without AMX a row's outputs do not depend on the rows beside it (each sum runs over k in one
     order whatever the row count and tiling): a request decodes the same tokens alone or in a
@@ -82,16 +91,22 @@ def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
     every tail of the 6-row tiles, in all three output forms."""
     weight, bias, x, packed = kernel_case(70, 1024, 576)
     d = 512  # as a gate_up weight: gate rows 0-511, up rows 512-1023
-    whole = (ops.bf16_linear(x, packed, bias), ops.bf16_linear(x, packed, bias, torch.float32),
-             ops.bf16_linear_silu(x, packed))
+    whole = (
+        ops.bf16_linear(x, packed, bias),
+        ops.bf16_linear(x, packed, bias, torch.float32),
+        ops.bf16_linear_silu(x, packed),
+    )
     assert whole[2].shape == (70, d)
     for rows in (1, 2, 5, 6, 7, 13, 64):
         for start in (0, 70 - rows):
-            part = x[start:start + rows]
-            got = (ops.bf16_linear(part, packed, bias), ops.bf16_linear(part, packed, bias, torch.float32),
-                   ops.bf16_linear_silu(part, packed))
+            part = x[start : start + rows]
+            got = (
+                ops.bf16_linear(part, packed, bias),
+                ops.bf16_linear(part, packed, bias, torch.float32),
+                ops.bf16_linear_silu(part, packed),
+            )
             for g, w in zip(got, whole):
-                assert torch.equal(g, w[start:start + rows]), (rows, start)
+                assert torch.equal(g, w[start : start + rows]), (rows, start)
 
 
 @needs_packed
@@ -104,8 +119,9 @@ def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
         got = linear(x, weight, b, packed, out_dtype=torch.float32)
         assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == (m, 160)
         assert torch.equal(got, linear(x, weight, b, packed).float())
-    assert torch.equal(ops.bf16_linear(x, packed, bias, out_dtype=torch.float32),
-                       ops.bf16_linear(x, packed, bias).float())
+    assert torch.equal(
+        ops.bf16_linear(x, packed, bias, out_dtype=torch.float32), ops.bf16_linear(x, packed, bias).float()
+    )
 
 
 @needs_packed
@@ -142,7 +158,9 @@ def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None
         assert packed_max_rows() == AMX_MAX_ROWS and linear_silu_mul(many, packed, None) is None
     else:
         fused_many = linear_silu_mul(many, packed, None)
-        assert fused_many is not None and torch.equal(fused_many, ops.silu_mul(linear(many, weight, None, packed)))
+        assert fused_many is not None and torch.equal(
+            fused_many, ops.silu_mul(linear(many, weight, None, packed))
+        )
     if build.int8_available():
         int8 = pack_weight(weight, "w8a8_int8")
         for rows in (x, many):  # int8: every row count

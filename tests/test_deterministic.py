@@ -29,19 +29,36 @@ OTHERS = [[1, 9906, 11, 1450, 4500, 29], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38,
 
 @pytest.fixture(scope="module")
 def runners(smollm2_dir: Path) -> dict[bool, ModelRunner]:
-    made = {on: ModelRunner(RunnerConfig(model_dir=smollm2_dir, dtype=torch.bfloat16, max_total_tokens=512,
-                                         max_running_requests=8, deterministic=on)) for on in (False, True)}
+    made = {
+        on: ModelRunner(
+            RunnerConfig(
+                model_dir=smollm2_dir,
+                dtype=torch.bfloat16,
+                max_total_tokens=512,
+                max_running_requests=8,
+                deterministic=on,
+            )
+        )
+        for on in (False, True)
+    }
     yield made
     set_one_arithmetic(False)
 
 
-def extend(runner: ModelRunner, rows: list[int], prefixes: list[int], parts: list[list[int]],
-           token_logits: bool = False) -> torch.Tensor:
+def extend(
+    runner: ModelRunner,
+    rows: list[int],
+    prefixes: list[int],
+    parts: list[list[int]],
+    token_logits: bool = False,
+) -> torch.Tensor:
     """One extend step; logits of every new token (token_logits) or of each request's last."""
     pool = runner.req_to_token_pool.req_to_token
     seqs = [p + len(t) for p, t in zip(prefixes, parts)]
     loc = runner.allocator.alloc_extend(pool, rows, prefixes, seqs)
-    batch = make_forward_batch(ForwardMode.EXTEND, [t for part in parts for t in part], rows, prefixes, seqs, loc)
+    batch = make_forward_batch(
+        ForwardMode.EXTEND, [t for part in parts for t in part], rows, prefixes, seqs, loc
+    )
     every = list(range(sum(len(t) for t in parts))) if token_logits else None
     last, tokens = runner.forward_with_token_logits(batch, every)
     return tokens if token_logits else last  # type: ignore[return-value]
@@ -56,8 +73,12 @@ def decode(runner: ModelRunner, rows: list[int], prefixes: list[int], ids: list[
 
 def kv_of(runner: ModelRunner, row: int, n: int) -> torch.Tensor:
     slots = runner.req_to_token_pool.req_to_token[row, :n]
-    return torch.stack([torch.cat([k[slots], v[slots]]) for k, v in
-                        (runner.kv_pool.get_kv_buffer(i) for i in range(runner.model.kv_cache_layout()[0]))])
+    return torch.stack(
+        [
+            torch.cat([k[slots], v[slots]])
+            for k, v in (runner.kv_pool.get_kv_buffer(i) for i in range(runner.model.kv_cache_layout()[0]))
+        ]
+    )
 
 
 def fresh(runner: ModelRunner, n: int) -> list[int]:
@@ -85,15 +106,15 @@ def ways(runner: ModelRunner) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     # prefilled at once: every token's logits from one extend
     (row,) = fresh(runner, 1)
     logits = extend(runner, [row], [0], [seq[:-1]], token_logits=True)
-    out["prefilled at once"] = (logits[len(PROMPT) - 1:], kv_of(runner, row, len(seq) - 1))
+    out["prefilled at once"] = (logits[len(PROMPT) - 1 :], kv_of(runner, row, len(seq) - 1))
     # prefilled in chunks of 7 behind the cached start (a chunked prefill, a prefix hit)
     (row,) = fresh(runner, 1)
     chunks, done = [], 0
     while done < len(seq) - 1:
-        part = seq[done:min(done + 7, len(seq) - 1)]
+        part = seq[done : min(done + 7, len(seq) - 1)]
         chunks.append(extend(runner, [row], [done], [part], token_logits=True))
         done += len(part)
-    out["prefilled in chunks"] = (torch.cat(chunks)[len(PROMPT) - 1:], kv_of(runner, row, len(seq) - 1))
+    out["prefilled in chunks"] = (torch.cat(chunks)[len(PROMPT) - 1 :], kv_of(runner, row, len(seq) - 1))
     return out
 
 
@@ -103,8 +124,9 @@ def test_prefill_and_decode_give_one_token_the_same_bits(runners: dict[bool, Mod
     want_logits, want_kv = got["decoded alone"]
     for name, (logits, kv) in got.items():
         assert torch.equal(kv, want_kv), f"{name}: K/V differ from decode's"
-        assert torch.equal(logits, want_logits), f"{name}: logits differ from decode's by " \
-            f"{(logits - want_logits).abs().max().item()}"
+        assert torch.equal(logits, want_logits), (
+            f"{name}: logits differ from decode's by {(logits - want_logits).abs().max().item()}"
+        )
 
 
 def test_without_the_mode_prefill_and_decode_differ(runners: dict[bool, ModelRunner]) -> None:
@@ -147,12 +169,14 @@ def test_one_prompt_gives_one_completion_in_any_batch(det_server: Server, seeded
     """SGLang's "single" mode: the prompt alone, then inside batches of 3 and 6 of other prompts
     (other lengths, so its rows, chunks and decode batches differ each time)."""
     assert "deterministic inference: every token on the decode kernel's arithmetic" in det_server.output()
-    fillers = [f"Write a short line about the number {i} and its {'square ' * (i % 3)}root." for i in range(5)]
+    fillers = [
+        f"Write a short line about the number {i} and its {'square ' * (i % 3)}root." for i in range(5)
+    ]
     alone = together(det_server, [body(QUESTION, seeded)])[0]
     assert len(alone["output_ids"]) == NEW_TOKENS
     for size in (3, 6):
         requests.post(det_server.url + "/flush_cache", timeout=30)
-        out = together(det_server, [body(f, seeded) for f in fillers[:size - 1]] + [body(QUESTION, seeded)])
+        out = together(det_server, [body(f, seeded) for f in fillers[: size - 1]] + [body(QUESTION, seeded)])
         assert out[-1]["output_ids"] == alone["output_ids"], f"batch of {size}"
         assert out[-1]["text"] == alone["text"]
 

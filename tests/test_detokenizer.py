@@ -22,20 +22,37 @@ def tokenizer(smollm2_dir: Path) -> object:
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
-def step(rid: str, ids: list[int], finished: FinishReason | None = None,
-         stop: list[str] | None = None, done: int = 0) -> BatchTokenIDOut:
-    return BatchTokenIDOut(rids=[rid], new_token_ids=[ids], finished_reasons=[finished], prompt_tokens=[5],
-                           completion_tokens=[done + len(ids)], cached_tokens=[0],
-                           decode_specs=[DecodeSpec(tuple(stop or ()))])
+def step(
+    rid: str,
+    ids: list[int],
+    finished: FinishReason | None = None,
+    stop: list[str] | None = None,
+    done: int = 0,
+) -> BatchTokenIDOut:
+    return BatchTokenIDOut(
+        rids=[rid],
+        new_token_ids=[ids],
+        finished_reasons=[finished],
+        prompt_tokens=[5],
+        completion_tokens=[done + len(ids)],
+        cached_tokens=[0],
+        decode_specs=[DecodeSpec(tuple(stop or ()))],
+    )
 
 
-def stream(manager: DetokenizerManager, rid: str, ids: list[int], chunk: int = 1,
-           last: FinishReason | None = None, stop: list[str] | None = None) -> list[str]:
+def stream(
+    manager: DetokenizerManager,
+    rid: str,
+    ids: list[int],
+    chunk: int = 1,
+    last: FinishReason | None = None,
+    stop: list[str] | None = None,
+) -> list[str]:
     pieces = []
     for start in range(0, len(ids), chunk):
         finished = (last or FinishReason("length")) if start + chunk >= len(ids) else None
-        out = manager.handle_batch_token_id_out(step(rid, ids[start:start + chunk], finished, stop, start))
-        assert out.rids == [rid] and out.new_token_ids == [ids[start:start + chunk]]
+        out = manager.handle_batch_token_id_out(step(rid, ids[start : start + chunk], finished, stop, start))
+        assert out.rids == [rid] and out.new_token_ids == [ids[start : start + chunk]]
         pieces.append(out.texts[0])
     return pieces
 
@@ -70,8 +87,9 @@ def test_interleaved_requests_keep_separate_state(tokenizer) -> None:
                 rids.append(rid)
                 new.append([ids[i]])
                 fin.append(FinishReason("length") if i == len(ids) - 1 else None)
-        out = manager.handle_batch_token_id_out(BatchTokenIDOut(rids, new, fin, [1] * len(rids), [i + 1] * len(rids),
-                                                                [0] * len(rids)))
+        out = manager.handle_batch_token_id_out(
+            BatchTokenIDOut(rids, new, fin, [1] * len(rids), [i + 1] * len(rids), [0] * len(rids))
+        )
         for rid, text in zip(out.rids, out.texts):
             assert "\ufffd" not in text
             texts[rid] += text
@@ -87,15 +105,18 @@ def scheduler_run(tokenizer, ids: list[int], stop: str) -> tuple[list[int], Fini
     raise AssertionError(f"{stop!r} never appears")
 
 
-@pytest.mark.parametrize("text, stop", [
-    ("The answer is forty-two, my friend.", "forty-two"),  # spans several tokens
-    ("The answer is forty-two, my friend.", "swer is fo"),  # starts and ends inside tokens
-    ("Count: 世界😀 end", "界😀"),  # multi-byte stop string split across byte tokens
-    ("Hello world order, then world peace.", "world peace"),  # an earlier partial match is released
-])
+@pytest.mark.parametrize(
+    "text, stop",
+    [
+        ("The answer is forty-two, my friend.", "forty-two"),  # spans several tokens
+        ("The answer is forty-two, my friend.", "swer is fo"),  # starts and ends inside tokens
+        ("Count: 世界😀 end", "界😀"),  # multi-byte stop string split across byte tokens
+        ("Hello world order, then world peace.", "world peace"),  # an earlier partial match is released
+    ],
+)
 def test_stop_string_is_never_streamed(tokenizer, text: str, stop: str) -> None:
     ids, reason = scheduler_run(tokenizer, tokenizer.encode(text), stop)
-    expected = text[:text.index(stop)]
+    expected = text[: text.index(stop)]
     for chunk in (1, 2):
         manager = DetokenizerManager(tokenizer)
         pieces = stream(manager, "r", ids, chunk, last=reason, stop=[stop, "never-seen"])
@@ -108,7 +129,9 @@ def test_stop_string_is_never_streamed(tokenizer, text: str, stop: str) -> None:
 
 def test_partial_stop_tail_is_released_when_not_stopped(tokenizer) -> None:
     ids = tokenizer.encode("Hello world order")
-    pieces = stream(DetokenizerManager(tokenizer), "r", ids, last=FinishReason("length"), stop=["world peace"])
+    pieces = stream(
+        DetokenizerManager(tokenizer), "r", ids, last=FinishReason("length"), stop=["world peace"]
+    )
     assert "".join(pieces) == "Hello world order"
 
 
@@ -125,17 +148,23 @@ def test_stop_holdback_start() -> None:
 def test_a_restarted_detokenizer_continues_a_resumed_text(tokenizer, text: str, stop: str | None) -> None:
     """After an engine restart, a fresh detokenizer seeded with what the client has emits the rest
     of the text exactly once, whatever token the old one died after (mid-character, mid-stop)."""
-    ids, reason = scheduler_run(tokenizer, tokenizer.encode(text), stop) if stop else (tokenizer.encode(text), None)
+    ids, reason = (
+        scheduler_run(tokenizer, tokenizer.encode(text), stop) if stop else (tokenizer.encode(text), None)
+    )
     stops = [stop] if stop else []
     expected = "".join(stream(DetokenizerManager(tokenizer), "r", ids, last=reason, stop=stops))
     for cut in range(1, len(ids)):
         old = DetokenizerManager(tokenizer)
-        sent = "".join(old.handle_batch_token_id_out(step("r", [i], None, stops, k)).texts[0]
-                       for k, i in enumerate(ids[:cut]))
+        sent = "".join(
+            old.handle_batch_token_id_out(step("r", [i], None, stops, k)).texts[0]
+            for k, i in enumerate(ids[:cut])
+        )
         new = DetokenizerManager(tokenizer)
         rest = ""
         for k in range(cut, len(ids)):
-            msg = step("r", [ids[k]], (reason or FinishReason("length")) if k == len(ids) - 1 else None, stops, k)
+            msg = step(
+                "r", [ids[k]], (reason or FinishReason("length")) if k == len(ids) - 1 else None, stops, k
+            )
             if k == cut:
                 msg.resumes = [ResumeState(ids[:cut], len(sent))]
             rest += new.handle_batch_token_id_out(msg).texts[0]
@@ -150,15 +179,22 @@ def test_abort_of_unknown_rid_is_an_empty_final_piece(tokenizer) -> None:
 
 
 def test_process_translates_and_forwards(tmp_path: Path, smollm2_dir: Path, tokenizer) -> None:
-    port_args = PortArgs(tokenizer_ipc=f"ipc://{tmp_path}/t", detokenizer_ipc=f"ipc://{tmp_path}/d",
-                         tokenizer_manager_ipc=f"ipc://{tmp_path}/tm", dist_init_method="tcp://127.0.0.1:1")
+    port_args = PortArgs(
+        tokenizer_ipc=f"ipc://{tmp_path}/t",
+        detokenizer_ipc=f"ipc://{tmp_path}/d",
+        tokenizer_manager_ipc=f"ipc://{tmp_path}/tm",
+        dist_init_method="tcp://127.0.0.1:1",
+    )
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.bind(port_args.tokenizer_manager_ipc)
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_detokenizer_process,
-                       args=(ServerArgs(), port_args, str(smollm2_dir), child_conn), daemon=True)
+    proc = ctx.Process(
+        target=run_detokenizer_process,
+        args=(ServerArgs(), port_args, str(smollm2_dir), child_conn),
+        daemon=True,
+    )
     proc.start()
     try:
         assert parent_conn.poll(120), "detokenizer did not report"
@@ -183,8 +219,11 @@ def test_process_reports_a_bad_tokenizer_path(tmp_path: Path) -> None:
     port_args = PortArgs.create("tcp://127.0.0.1:1")
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_detokenizer_process,
-                       args=(ServerArgs(), port_args, str(tmp_path / "missing"), child_conn), daemon=True)
+    proc = ctx.Process(
+        target=run_detokenizer_process,
+        args=(ServerArgs(), port_args, str(tmp_path / "missing"), child_conn),
+        daemon=True,
+    )
     proc.start()
     assert parent_conn.poll(120)
     kind, detail = parent_conn.recv()

@@ -75,7 +75,7 @@ class FakeBackend(threading.Thread):
             if msg.rid.startswith("hold-"):
                 self.held[msg.rid] = msg
                 return
-            output = (msg.input_ids * 3)[-3:][:max(1, msg.sampling_params.max_new_tokens)]
+            output = (msg.input_ids * 3)[-3:][: max(1, msg.sampling_params.max_new_tokens)]
             for k, token in enumerate(output):
                 finished = FinishReason("length") if k == len(output) - 1 else None
                 self.send_tokens(push, msg, [token], finished, k + 1)
@@ -86,10 +86,23 @@ class FakeBackend(threading.Thread):
             payload = {"fake_state": 1} if isinstance(msg, GetInternalStateReq) else {}
             push.send_pyobj(ControlReply(msg.request_id, True, payload))
 
-    def send_tokens(self, push: zmq.Socket, req: TokenizedGenerateReq, ids: list[int],
-                    finished: FinishReason | None, done: int) -> None:
-        out = BatchTokenIDOut([req.rid], [ids], [finished], [len(req.input_ids)], [done], [0],
-                              [DecodeSpec.of(req.sampling_params)])
+    def send_tokens(
+        self,
+        push: zmq.Socket,
+        req: TokenizedGenerateReq,
+        ids: list[int],
+        finished: FinishReason | None,
+        done: int,
+    ) -> None:
+        out = BatchTokenIDOut(
+            [req.rid],
+            [ids],
+            [finished],
+            [len(req.input_ids)],
+            [done],
+            [0],
+            [DecodeSpec.of(req.sampling_params)],
+        )
         push.send_pyobj(self.detokenizer.handle_batch_token_id_out(out))
 
     def wait_for(self, predicate: Any, timeout: float = 10.0) -> Any:
@@ -103,13 +116,25 @@ class FakeBackend(threading.Thread):
 
 
 class Server:
-    def __init__(self, tmp_path: Path, tokenizer_dir: Path, tokenizer: Any, server_args: ServerArgs | None = None) -> None:
-        self.port_args = PortArgs(tokenizer_ipc=f"ipc://{tmp_path}/t", detokenizer_ipc=f"ipc://{tmp_path}/d",
-                                  tokenizer_manager_ipc=f"ipc://{tmp_path}/tm", dist_init_method="tcp://127.0.0.1:1")
-        model_info = {"context_length": CONTEXT_LENGTH, "vocab_size": VOCAB_SIZE, "max_total_tokens": 1000,
-                      "eos_token_ids": [2], "model_path": "/models/fake"}
-        self.tm = TokenizerManager(server_args or ServerArgs(random_seed=7), self.port_args, str(tokenizer_dir),
-                                   model_info)
+    def __init__(
+        self, tmp_path: Path, tokenizer_dir: Path, tokenizer: Any, server_args: ServerArgs | None = None
+    ) -> None:
+        self.port_args = PortArgs(
+            tokenizer_ipc=f"ipc://{tmp_path}/t",
+            detokenizer_ipc=f"ipc://{tmp_path}/d",
+            tokenizer_manager_ipc=f"ipc://{tmp_path}/tm",
+            dist_init_method="tcp://127.0.0.1:1",
+        )
+        model_info = {
+            "context_length": CONTEXT_LENGTH,
+            "vocab_size": VOCAB_SIZE,
+            "max_total_tokens": 1000,
+            "eos_token_ids": [2],
+            "model_path": "/models/fake",
+        }
+        self.tm = TokenizerManager(
+            server_args or ServerArgs(random_seed=7), self.port_args, str(tokenizer_dir), model_info
+        )
         self.backend = FakeBackend(self.port_args, tokenizer)
         self.backend.start()
         with socket.socket() as probe:
@@ -125,11 +150,14 @@ class Server:
             assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
             time.sleep(0.02)
 
-    def post(self, path: str, body: Any = None, data: bytes | None = None, **kwargs: Any) -> requests.Response:
+    def post(
+        self, path: str, body: Any = None, data: bytes | None = None, **kwargs: Any
+    ) -> requests.Response:
         if data is None:
             data = json.dumps(body).encode()
-        return requests.post(self.url + path, data=data, headers={"Content-Type": "application/json"},
-                             timeout=30, **kwargs)
+        return requests.post(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}, timeout=30, **kwargs
+        )
 
     def close(self) -> None:
         self.uvicorn.should_exit = True
@@ -189,15 +217,50 @@ BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
     ("float id", {"input_ids": [1.5]}, "input_ids", "1.5"),
     ("bool id", {"input_ids": [True]}, "input_ids", "True"),
     ("context overflow", TOO_LONG, "max_new_tokens", f"({CONTEXT_LENGTH - 9})"),
-    ("max_new_tokens float", {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens", "1.5"),
-    ("max_new_tokens negative", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens", "-1"),
-    ("max_new_tokens string", {"text": "hi", "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens", "3"),
+    (
+        "max_new_tokens float",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 1.5}},
+        "max_new_tokens",
+        "1.5",
+    ),
+    (
+        "max_new_tokens negative",
+        {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+        "max_new_tokens",
+        "-1",
+    ),
+    (
+        "max_new_tokens string",
+        {"text": "hi", "sampling_params": {"max_new_tokens": "3"}},
+        "max_new_tokens",
+        "3",
+    ),
     ("temperature negative", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature", "-0.5"),
-    ("temperature NaN number", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "temperature", "nan"),
-    ("temperature NaN string", {"text": "hi", "sampling_params": {"temperature": "NaN"}}, "temperature", "NaN"),
-    ("temperature inf", b'{"text": "hi", "sampling_params": {"temperature": Infinity}}', "temperature", "inf"),
+    (
+        "temperature NaN number",
+        b'{"text": "hi", "sampling_params": {"temperature": NaN}}',
+        "temperature",
+        "nan",
+    ),
+    (
+        "temperature NaN string",
+        {"text": "hi", "sampling_params": {"temperature": "NaN"}},
+        "temperature",
+        "NaN",
+    ),
+    (
+        "temperature inf",
+        b'{"text": "hi", "sampling_params": {"temperature": Infinity}}',
+        "temperature",
+        "inf",
+    ),
     ("temperature 1e999", b'{"text": "hi", "sampling_params": {"temperature": 1e999}}', "temperature", "inf"),
-    ("temperature huge int", {"text": "hi", "sampling_params": {"temperature": 10**400}}, "temperature", "range"),
+    (
+        "temperature huge int",
+        {"text": "hi", "sampling_params": {"temperature": 10**400}},
+        "temperature",
+        "range",
+    ),
     ("top_p zero", {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p", "(0, 1]"),
     ("top_p over one", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p", "1.5"),
     ("top_p NaN", b'{"text": "hi", "sampling_params": {"top_p": NaN}}', "top_p", "nan"),
@@ -207,20 +270,53 @@ BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
     ("min_p over one", {"text": "hi", "sampling_params": {"min_p": 1.1}}, "min_p", "1.1"),
     ("empty stop string", {"text": "hi", "sampling_params": {"stop": ""}}, "stop", "empty"),
     ("empty stop in list", {"text": "hi", "sampling_params": {"stop": ["a", ""]}}, "stop", "empty"),
-    ("null stop_token_id", {"text": "hi", "sampling_params": {"stop_token_ids": [None]}}, "stop_token_ids", "None"),
-    ("stop_token_id over vocab", {"text": "hi", "sampling_params": {"stop_token_ids": [VOCAB_SIZE]}},
-     "stop_token_ids", str(VOCAB_SIZE)),
+    (
+        "null stop_token_id",
+        {"text": "hi", "sampling_params": {"stop_token_ids": [None]}},
+        "stop_token_ids",
+        "None",
+    ),
+    (
+        "stop_token_id over vocab",
+        {"text": "hi", "sampling_params": {"stop_token_ids": [VOCAB_SIZE]}},
+        "stop_token_ids",
+        str(VOCAB_SIZE),
+    ),
     ("unknown sampling param", {"text": "hi", "sampling_params": {"temprature": 1}}, "temprature", "unknown"),
     ("unknown field", {"text": "hi", "return_hiden_states": False}, "return_hiden_states", "unknown"),
-    ("unsupported field", {"text": "hi", "return_hidden_states": True}, "return_hidden_states", "not supported"),
-    ("unsupported sampling param", {"text": "hi", "sampling_params": {"beam_width": 4}}, "beam_width",
-     "not supported"),
-    ("bad stop_regex", {"text": "hi", "sampling_params": {"stop_regex": "a("}}, "stop_regex", "regular expression"),
-    ("logit_bias key", {"text": "hi", "sampling_params": {"logit_bias": {"x": 1}}}, "logit_bias", "token ids"),
+    (
+        "unsupported field",
+        {"text": "hi", "return_hidden_states": True},
+        "return_hidden_states",
+        "not supported",
+    ),
+    (
+        "unsupported sampling param",
+        {"text": "hi", "sampling_params": {"beam_width": 4}},
+        "beam_width",
+        "not supported",
+    ),
+    (
+        "bad stop_regex",
+        {"text": "hi", "sampling_params": {"stop_regex": "a("}},
+        "stop_regex",
+        "regular expression",
+    ),
+    (
+        "logit_bias key",
+        {"text": "hi", "sampling_params": {"logit_bias": {"x": 1}}},
+        "logit_bias",
+        "token ids",
+    ),
     ("logit_bias value", {"text": "hi", "sampling_params": {"logit_bias": {"1": 101}}}, "logit_bias", "101"),
     ("n zero", {"text": "hi", "sampling_params": {"n": 0}}, "n", "[1, 128]"),
     ("n differs in batch", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "n", "same"),
-    ("seeds differ", {"text": "hi", "sampling_params": {"seed": 1, "sampling_seed": 2}}, "sampling_seed", "differ"),
+    (
+        "seeds differ",
+        {"text": "hi", "sampling_params": {"seed": 1, "sampling_seed": 2}},
+        "sampling_seed",
+        "differ",
+    ),
     ("priority without the flag", {"text": "hi", "priority": 3}, "priority", "--enable-priority-scheduling"),
     ("log_metrics not bool", {"text": "hi", "log_metrics": 1}, "log_metrics", "boolean"),
     ("stream not bool", {"text": "hi", "stream": "yes"}, "stream", "stream"),
@@ -231,8 +327,9 @@ BAD_REQUESTS: list[tuple[str, Any, str | None, str]] = [
 
 
 @pytest.mark.parametrize("case, body, param, needle", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_input_is_400_naming_the_parameter(server: Server, tokenizer: Any, case: str, body: Any,
-                                               param: str | None, needle: str) -> None:
+def test_bad_input_is_400_naming_the_parameter(
+    server: Server, tokenizer: Any, case: str, body: Any, param: str | None, needle: str
+) -> None:
     before = len(server.backend.received)
     resp = server.post("/generate", data=body) if isinstance(body, bytes) else server.post("/generate", body)
     assert resp.status_code == 400, resp.text
@@ -252,15 +349,22 @@ def test_context_overflow_message_states_both_numbers(server: Server) -> None:
 
 
 def test_batch_requests_keep_order(server: Server, tokenizer: Any) -> None:
-    resp = server.post("/generate", {"input_ids": [[11, 12, 13, 14], [21, 22, 23]], "rid": ["b0", "b1"],
-                                     "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 2}]})
+    resp = server.post(
+        "/generate",
+        {
+            "input_ids": [[11, 12, 13, 14], [21, 22, 23]],
+            "rid": ["b0", "b1"],
+            "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 2}],
+        },
+    )
     assert resp.status_code == 200, resp.text
     outs = resp.json()
     assert [o["meta_info"]["id"] for o in outs] == ["b0", "b1"]
     assert [o["output_ids"] for o in outs] == [[12, 13, 14], [21, 22]]  # last 3 ids, cut to max_new_tokens
     texts = server.post("/generate", {"text": ["one two three four", "five six seven"]}).json()
-    assert [t["output_ids"] for t in texts] == [tokenizer(s)["input_ids"][-3:]
-                                              for s in ("one two three four", "five six seven")]
+    assert [t["output_ids"] for t in texts] == [
+        tokenizer(s)["input_ids"][-3:] for s in ("one two three four", "five six seven")
+    ]
 
 
 def test_streaming_sends_cumulative_chunks_then_done(server: Server, tokenizer: Any) -> None:
@@ -268,25 +372,32 @@ def test_streaming_sends_cumulative_chunks_then_done(server: Server, tokenizer: 
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
     events = [line for line in resp.iter_lines(decode_unicode=False) if line]
     assert all(e.startswith(b"data: ") for e in events) and events[-1] == b"data: [DONE]"
-    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     ids = tokenizer("Streaming ok 😀")["input_ids"][-3:]  # " ok", then the emoji in two byte tokens
     assert "\ufffd" in tokenizer.decode(ids[1:2]) and "\ufffd" not in tokenizer.decode(ids)
     assert chunks and chunks[-1]["output_ids"] == ids
-    assert chunks[-1]["text"] == tokenizer.decode(ids) and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert (
+        chunks[-1]["text"] == tokenizer.decode(ids)
+        and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    )
     for earlier, later in zip(chunks, chunks[1:]):
         assert later["text"].startswith(earlier["text"]) and earlier["meta_info"]["finish_reason"] is None
     assert all("\ufffd" not in c["text"] for c in chunks)
 
 
-def test_incremental_streaming_sends_disjoint_chunks(tmp_path: Path, smollm2_dir: Path, tokenizer: Any) -> None:
-    srv = Server(tmp_path, smollm2_dir, tokenizer, ServerArgs(random_seed=7, incremental_streaming_output=True))
+def test_incremental_streaming_sends_disjoint_chunks(
+    tmp_path: Path, smollm2_dir: Path, tokenizer: Any
+) -> None:
+    srv = Server(
+        tmp_path, smollm2_dir, tokenizer, ServerArgs(random_seed=7, incremental_streaming_output=True)
+    )
     try:
         text = "Streaming ok 😀"
         ids = tokenizer(text)["input_ids"][-3:]  # the fake backend's output: " ok", the emoji's two tokens
         resp = srv.post("/generate", {"text": text, "stream": True}, stream=True)
         events = [line for line in resp.iter_lines(decode_unicode=False) if line]
         assert events[-1] == b"data: [DONE]"
-        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
         # updates that arrive together go out as one chunk: disjoint pieces, whatever their number
         assert [i for c in chunks for i in c["output_ids"]] == ids, chunks
         assert "".join(c["text"] for c in chunks) == tokenizer.decode(ids)
@@ -303,7 +414,10 @@ def test_incremental_streaming_sends_disjoint_chunks(tmp_path: Path, smollm2_dir
 def test_incremental_output_slices_text_ids_and_output_logprobs() -> None:
     logprobs = LogprobMeta(top_logprobs_num=1, logprob_start_len=0, decode=None)
     state = ReqState("r", 2, asyncio.Event(), None, logprobs)
-    logprobs.add(TokenLogprobs([-0.5], [7], [([-0.5], [7])]), TokenLogprobs([None, -1.0], [1, 2], [None, ([-1.0], [2])]))
+    logprobs.add(
+        TokenLogprobs([-0.5], [7], [([-0.5], [7])]),
+        TokenLogprobs([None, -1.0], [1, 2], [None, ([-1.0], [2])]),
+    )
     state.text, state.output_ids = "a", [7]
     first = state.to_output(incremental=True)
     assert (first["text"], first["output_ids"]) == ("a", [7])
@@ -319,7 +433,10 @@ def test_incremental_output_slices_text_ids_and_output_logprobs() -> None:
     assert state.to_output(incremental=True)["output_ids"] == []  # nothing new
     cumulative = state.to_output()
     assert cumulative["text"] == "abc" and cumulative["output_ids"] == [7, 8, 9]
-    assert len(cumulative["meta_info"]["output_token_logprobs"]) == 3 and "input_token_logprobs" in cumulative["meta_info"]
+    assert (
+        len(cumulative["meta_info"]["output_token_logprobs"]) == 3
+        and "input_token_logprobs" in cumulative["meta_info"]
+    )
 
 
 def test_sse_events_are_utf8_json_and_the_server_runs_uvloop_and_httptools() -> None:
@@ -334,7 +451,9 @@ def test_sse_events_are_utf8_json_and_the_server_runs_uvloop_and_httptools() -> 
 
 def test_abort_request_route_ends_a_running_request(server: Server) -> None:
     result: dict[str, requests.Response] = {}
-    waiter = threading.Thread(target=lambda: result.update(r=server.post("/generate", {"text": "x", "rid": "hold-a"})))
+    waiter = threading.Thread(
+        target=lambda: result.update(r=server.post("/generate", {"text": "x", "rid": "hold-a"}))
+    )
     waiter.start()
     server.backend.wait_for(lambda m: isinstance(m, TokenizedGenerateReq) and m.rid == "hold-a")
     resp = server.post("/abort_request", {"rid": "hold-a"})
@@ -355,8 +474,11 @@ def test_client_disconnect_aborts(server: Server) -> None:
     host, port = server.url.removeprefix("http://").split(":")
     body = json.dumps({"text": "x", "rid": "hold-plain"}).encode()
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        conn.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         server.backend.wait_for(lambda m: isinstance(m, TokenizedGenerateReq) and m.rid == "hold-plain")
     server.backend.wait_for(lambda m: isinstance(m, AbortReq) and m.rid == "hold-plain")
     assert "hold-plain" not in server.tm.rid_to_state
@@ -366,9 +488,14 @@ def test_info_control_and_health_routes(server: Server) -> None:
     assert requests.get(server.url + "/health", timeout=10).json() == {}
     assert requests.get(server.url + "/health_generate", timeout=30).status_code == 200
     model_info = requests.get(server.url + "/model_info", timeout=10).json()
-    assert {k: model_info[k] for k in ("model_path", "tokenizer_path", "is_generation", "served_model_name")} == {
-        "model_path": "/models/fake", "tokenizer_path": server.tm.tokenizer_path, "is_generation": True,
-        "served_model_name": "SmolLM2-135M-Instruct"}  # ServerArgs without --model-path: the bundled model
+    assert {
+        k: model_info[k] for k in ("model_path", "tokenizer_path", "is_generation", "served_model_name")
+    } == {
+        "model_path": "/models/fake",
+        "tokenizer_path": server.tm.tokenizer_path,
+        "is_generation": True,
+        "served_model_name": "SmolLM2-135M-Instruct",
+    }  # ServerArgs without --model-path: the bundled model
     # SGLang's router and clients read these too (its GetModelInfo shape)
     assert {"model_type", "architectures", "weight_version", "preferred_sampling_params"} <= model_info.keys()
     info = requests.get(server.url + "/server_info", timeout=10).json()
@@ -376,7 +503,9 @@ def test_info_control_and_health_routes(server: Server) -> None:
     # SGLang's older route names answer the same
     old_names = requests.get(server.url + "/get_model_info", timeout=10).json()
     assert old_names["served_model_name"] == "SmolLM2-135M-Instruct"
-    assert requests.get(server.url + "/get_server_info", timeout=10).json()["internal_states"] == [{"fake_state": 1}]
+    assert requests.get(server.url + "/get_server_info", timeout=10).json()["internal_states"] == [
+        {"fake_state": 1}
+    ]
     assert server.post("/flush_cache", {}).json() == {"success": True}
 
 
@@ -413,11 +542,16 @@ def test_fail_all_ends_in_flight_and_refuses_new_requests(fresh_server: Server) 
         assert not t.is_alive()
     plain_resp = results["plain"]
     assert plain_resp.status_code == 503
-    assert plain_resp.json() == {"error": {"message": "scheduler rank 1 exited with code -9",
-                                           "type": "ServiceUnavailable", "code": 503}}
+    assert plain_resp.json() == {
+        "error": {
+            "message": "scheduler rank 1 exited with code -9",
+            "type": "ServiceUnavailable",
+            "code": 503,
+        }
+    }
     status, events = results["stream"]
     assert status == 200 and events[-1] == b"data: [DONE]"
-    assert json.loads(events[-2][len(b"data: "):])["error"]["code"] == 503
+    assert json.loads(events[-2][len(b"data: ") :])["error"]["code"] == 503
     assert requests.get(srv.url + "/health", timeout=10).status_code == 503
     new = srv.post("/generate", {"text": "hello"})
     assert new.status_code == 503 and "rank 1" in new.json()["error"]["message"]
@@ -427,10 +561,18 @@ def test_fail_all_ends_in_flight_and_refuses_new_requests(fresh_server: Server) 
 
 def test_seeds_are_request_given_or_derived_deterministically(tmp_path: Path, smollm2_dir: Path) -> None:
     def manager(seed: int) -> TokenizerManager:
-        return TokenizerManager(ServerArgs(random_seed=seed), PortArgs.create("tcp://127.0.0.1:1"),
-                                str(smollm2_dir), {"context_length": 256, "vocab_size": VOCAB_SIZE,
-                                                   "max_total_tokens": None, "eos_token_ids": [2],
-                                                   "model_path": "m"})
+        return TokenizerManager(
+            ServerArgs(random_seed=seed),
+            PortArgs.create("tcp://127.0.0.1:1"),
+            str(smollm2_dir),
+            {
+                "context_length": 256,
+                "vocab_size": VOCAB_SIZE,
+                "max_total_tokens": None,
+                "eos_token_ids": [2],
+                "model_path": "m",
+            },
+        )
 
     def seeds(tm: TokenizerManager) -> list[int]:
         return [req.seed for _ in range(2) for req in tm.parse_generate({"input_ids": [[1], [2]]}).reqs]
@@ -451,19 +593,36 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(server: Server, tokeni
     backend_saw = len(server.backend.received)
     for prefix in ("", "/v1"):
         assert server.post(prefix + "/tokenize", {"prompt": "Hello big world"}).json() == {
-            "tokens": ids, "count": len(ids), "max_model_len": CONTEXT_LENGTH}
-        batch = server.post(prefix + "/tokenize", {"prompt": ["Hello big world", "hi"], "add_special_tokens": False})
+            "tokens": ids,
+            "count": len(ids),
+            "max_model_len": CONTEXT_LENGTH,
+        }
+        batch = server.post(
+            prefix + "/tokenize", {"prompt": ["Hello big world", "hi"], "add_special_tokens": False}
+        )
         assert batch.json()["tokens"] == [plain, tokenizer("hi", add_special_tokens=False)["input_ids"]]
-        assert batch.json()["count"] == [len(plain), len(tokenizer("hi", add_special_tokens=False)["input_ids"])]
-        assert server.post(prefix + "/detokenize", {"tokens": plain}).json() == {"text": tokenizer.decode(plain)}
-        both = server.post(prefix + "/detokenize", {"tokens": [plain, [1, *plain]], "skip_special_tokens": False})
+        assert batch.json()["count"] == [
+            len(plain),
+            len(tokenizer("hi", add_special_tokens=False)["input_ids"]),
+        ]
+        assert server.post(prefix + "/detokenize", {"tokens": plain}).json() == {
+            "text": tokenizer.decode(plain)
+        }
+        both = server.post(
+            prefix + "/detokenize", {"tokens": [plain, [1, *plain]], "skip_special_tokens": False}
+        )
         assert both.json() == {"text": [tokenizer.decode(plain), tokenizer.decode([1, *plain])]}
-    for path, body, param in [("/tokenize", {"prompt": ""}, None), ("/tokenize", {"prompt": 5}, "prompt"),
-                              ("/tokenize", {"prompt": []}, "prompt"), ("/tokenize", {"text": "x"}, "text"),
-                              ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
-                              ("/detokenize", {"tokens": [VOCAB_SIZE]}, "tokens"),
-                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens"),
-                              ("/detokenize", {"tokens": [[1], ["a"]]}, "tokens")]:
+    for path, body, param in [
+        ("/tokenize", {"prompt": ""}, None),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": []}, "prompt"),
+        ("/tokenize", {"text": "x"}, "text"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+        ("/detokenize", {"tokens": [VOCAB_SIZE]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/detokenize", {"tokens": [[1], ["a"]]}, "tokens"),
+    ]:
         r = server.post(path, body)
         if param is None:  # an empty prompt is fine: no tokens (but the special ones)
             assert r.status_code == 200 and r.json()["count"] == len(tokenizer("")["input_ids"])

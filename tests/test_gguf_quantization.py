@@ -20,8 +20,10 @@ from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.server_args import ServerArgs
 
-needs_q4 = pytest.mark.skipif(build._compiler() is None or not build.q4_available(),
-                              reason="no AVX-512 BF16 here: --quantization gguf is refused")
+needs_q4 = pytest.mark.skipif(
+    build._compiler() is None or not build.q4_available(),
+    reason="no AVX-512 BF16 here: --quantization gguf is refused",
+)
 
 
 def q4_1_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,8 +76,14 @@ def q4_1_copy(model_dir: Path, target: Path) -> Path:
     as a GGUF Q4_1 file converts (llama.cpp keeps the output weight at 8 bits)."""
     shutil.copytree(model_dir, target)
     tensors = load_file(target / "model.safetensors")
-    tensors = {name: quantize_q4_1(t) if name.endswith("proj.weight") else
-               quantize_q8_0(t) if name == "lm_head.weight" else t for name, t in tensors.items()}
+    tensors = {
+        name: quantize_q4_1(t)
+        if name.endswith("proj.weight")
+        else quantize_q8_0(t)
+        if name == "lm_head.weight"
+        else t
+        for name, t in tensors.items()
+    }
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
 
@@ -108,16 +116,24 @@ def test_q4_pack_lays_out_scales_then_nibble_pairs() -> None:
     block = packed[1, 1]  # outputs 16..31, k 32..63
     assert torch.equal(block[:32].view(torch.float16), d[16:32, 1])
     assert torch.equal(block[32:64].view(torch.float16), m[16:32, 1])
-    chunk = block[64 + 32 * 3: 64 + 32 * 4]  # k 32 + 12 .. 32 + 15
+    chunk = block[64 + 32 * 3 : 64 + 32 * 4]  # k 32 + 12 .. 32 + 15
     j = 5
     assert chunk[2 * j] == q[16 + j, 44] | (q[16 + j, 46] << 4)
     assert chunk[2 * j + 1] == q[16 + j, 45] | (q[16 + j, 47] << 4)
 
 
 @needs_q4
-@pytest.mark.parametrize(("m", "n", "k", "with_bias"), [(1, 960, 576, False), (2, 64, 128, True),
-                                                        (3, 576, 1536, False), (8, 48, 96, True),
-                                                        (5, 96, 64, True), (12, 64, 128, False)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "with_bias"),
+    [
+        (1, 960, 576, False),
+        (2, 64, 128, True),
+        (3, 576, 1536, False),
+        (8, 48, 96, True),
+        (5, 96, 64, True),
+        (12, 64, 128, False),
+    ],
+)
 def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int, with_bias: bool) -> None:
     q, d, mins = q4_1_blocks(n, k, seed=m)
     weight = dequantize(q, d, mins)
@@ -130,7 +146,9 @@ def test_q4_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int,
     # fp32 sums of exact products; the output's bf16 rounding is what differs (2^-8 relative)
     assert ((out - want).abs() <= want.abs() * 2**-8 + 2e-3).all(), (out - want).abs().max()
     # and closer to it than the same product with the weights rounded to bf16 (as a bf16 checkpoint holds them)
-    rounded = (x.float() @ weight.bfloat16().float().T + (0 if bias is None else bias.float())).bfloat16().float()
+    rounded = (
+        (x.float() @ weight.bfloat16().float().T + (0 if bias is None else bias.float())).bfloat16().float()
+    )
     assert (out - want).norm() < (rounded - want).norm()
     if n % 32 == 0:
         gate, up = (x.float() @ weight.T).bfloat16().float().chunk(2, dim=-1)
@@ -144,8 +162,10 @@ def test_q8_recover_finds_the_blocks_and_nothing_else() -> None:
     weight = d.float().repeat_interleave(32, 1) * q.float()
     found = packing.q8_recover(weight)
     assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], d)
-    assert torch.equal(packing.q8_recover(quantize_q8_0(torch.randn(16, 64)))[0].abs().amax(-1),  # type: ignore[index]
-                       torch.full((16,), 127, dtype=torch.int8))
+    assert torch.equal(
+        packing.q8_recover(quantize_q8_0(torch.randn(16, 64)))[0].abs().amax(-1),  # type: ignore[index]
+        torch.full((16,), 127, dtype=torch.int8),
+    )
     zeros = torch.zeros(16, 32)
     assert torch.equal(packing.q8_recover(zeros)[0], zeros.to(torch.int8))  # type: ignore[index]
     nudged = weight.clone()
@@ -161,13 +181,15 @@ def test_q8_pack_lays_out_scales_then_biased_quads() -> None:
     assert packed.shape == (2, 2, packing.Q8_BLOCK_BYTES) and packed.dtype == torch.uint8
     block = packed[1, 1]  # outputs 16..31, k 32..63
     assert torch.equal(block[:32].view(torch.float16), d[16:32, 1])
-    chunk = block[32 + 64 * 3: 32 + 64 * 4]  # k 32 + 12 .. 32 + 15
+    chunk = block[32 + 64 * 3 : 32 + 64 * 4]  # k 32 + 12 .. 32 + 15
     j = 5
-    assert chunk[4 * j: 4 * j + 4].tolist() == [int(v) + 128 for v in q[16 + j, 44:48]]
+    assert chunk[4 * j : 4 * j + 4].tolist() == [int(v) + 128 for v in q[16 + j, 44:48]]
 
 
-needs_q8 = pytest.mark.skipif(build._compiler() is None or not build.q8_available(),
-                              reason="no AVX-512 BF16 and VNNI here: the LM head stays bf16")
+needs_q8 = pytest.mark.skipif(
+    build._compiler() is None or not build.q8_available(),
+    reason="no AVX-512 BF16 and VNNI here: the LM head stays bf16",
+)
 
 
 @needs_q8
@@ -190,8 +212,9 @@ def test_q8_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int)
 
 
 @needs_q4
-def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(
+    q4_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
@@ -199,12 +222,21 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
 
     runner = ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf"))
     layer = runner.model.model.layers[0]
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+    for linear in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
         assert isinstance(linear.packed_weight, packing.Q4Weight)
-    assert isinstance(runner.model.lm_head.packed_weight, packing.Q8Weight if build.q8_available() else torch.Tensor)
+    assert isinstance(
+        runner.model.lm_head.packed_weight, packing.Q8Weight if build.q8_available() else torch.Tensor
+    )
     calls: list[int] = []
     real_layer = decode_layers.DecodeLayers.forward
-    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1])
+    monkeypatch.setattr(
+        decode_layers.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1]
+    )
     fused = decode_logits(runner, prompts, forced)
     assert len(calls) == 6 and runner.decode_runner.layers().q4  # every decode step fused, on Q4_1 weights
 
@@ -212,8 +244,11 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(q4_llama: Path
     q4_calls: list[int] = []
     real_linear = ops.q4_linear
     monkeypatch.setattr(ops, "q4_linear", lambda *a: (q4_calls.append(1), real_linear(*a))[1])
-    plain = decode_logits(ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf")),
-                          prompts, forced)
+    plain = decode_logits(
+        ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf")),
+        prompts,
+        forced,
+    )
     assert q4_calls
     bf16 = decode_logits(ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512)), prompts, forced)
     scale = ref.abs().max().item()
@@ -235,8 +270,12 @@ def test_q8_lm_head_runs_up_to_q8_max_rows_then_the_bf16_copy(q4_llama: Path) ->
         hidden = torch.randn(rows, 64, generator=g).bfloat16()
         logits = head(hidden, out_dtype=torch.float32)
         on_q8 = rows <= ops.Q8_MAX_ROWS
-        assert torch.equal(logits, ops.q8_linear(hidden, packed.packed) if on_q8 else
-                           ops.bf16_linear(hidden, packed.bf16, None, torch.float32))
+        assert torch.equal(
+            logits,
+            ops.q8_linear(hidden, packed.packed)
+            if on_q8
+            else ops.bf16_linear(hidden, packed.bf16, None, torch.float32),
+        )
         err = (logits.double() - hidden.double() @ exact.T).abs().max().item()
         assert err < 1e-4 if on_q8 else err > 1e-4, (rows, err)  # exact weights, or the bf16 copy's
 
@@ -248,16 +287,27 @@ def test_q4_model_runs_larger_batches_on_the_bf16_copy(q4_llama: Path) -> None:
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in range(3, 5 + ops.Q4_MAX_ROWS)]
     forced = [torch.randint(3, 320, (3,), generator=g).tolist() for _ in prompts]
-    logits = [decode_logits(ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization=q)),
-                            prompts, forced) for q in ("gguf", None)]
+    logits = [
+        decode_logits(
+            ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization=q)),
+            prompts,
+            forced,
+        )
+        for q in ("gguf", None)
+    ]
     assert torch.equal(logits[0], logits[1])
 
 
 @needs_q4
 def test_gguf_refuses_weights_that_are_not_q4_1(tiny_model_dirs: dict[str, Path]) -> None:
-    with pytest.raises(ValueError, match=r"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; "
-                                         r"model.layers.0.self_attn.qkv_proj.weight \(128, 64\) is not Q4_1"):
-        ModelRunner(RunnerConfig(model_dir=tiny_model_dirs["llama"], max_total_tokens=512, quantization="gguf"))
+    with pytest.raises(
+        ValueError,
+        match=r"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; "
+        r"model.layers.0.self_attn.qkv_proj.weight \(128, 64\) is not Q4_1",
+    ):
+        ModelRunner(
+            RunnerConfig(model_dir=tiny_model_dirs["llama"], max_total_tokens=512, quantization="gguf")
+        )
 
 
 @needs_q4
@@ -274,7 +324,9 @@ def test_gguf_smollm2_decodes_as_close_to_fp32_as_bf16_does(smollm2_dir: Path) -
         ref = hf(torch.tensor([ids])).logits[0, 33:, None]
     errors, agreement = {}, {}
     for quantization in (None, "gguf"):
-        runner = ModelRunner(RunnerConfig(model_dir=smollm2_dir, max_total_tokens=256, quantization=quantization))
+        runner = ModelRunner(
+            RunnerConfig(model_dir=smollm2_dir, max_total_tokens=256, quantization=quantization)
+        )
         if quantization == "gguf" and build.q8_available():  # the file's token embedding is Q8_0
             assert isinstance(runner.model.lm_head.packed_weight, packing.Q8Weight)
         logits = decode_logits(runner, prompt, forced)
@@ -295,10 +347,22 @@ def test_gguf_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) ->
 
 @needs_q4
 def test_server_serves_on_q4_1_weights(q4_llama: Path, smollm2_dir: Path) -> None:
-    with Server("--model-path", str(q4_llama), "--tokenizer-path", str(smollm2_dir), "--quantization", "gguf",
-                "--max-total-tokens", "2048") as server:
-        response = server.generate({"input_ids": [5, 17, 42, 7],
-                                    "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    with Server(
+        "--model-path",
+        str(q4_llama),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--quantization",
+        "gguf",
+        "--max-total-tokens",
+        "2048",
+    ) as server:
+        response = server.generate(
+            {
+                "input_ids": [5, 17, 42, 7],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            }
+        )
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
         head = ", the LM head Q8_0" if build.q8_available() else ""
@@ -309,5 +373,7 @@ def test_tiny_q4_copy_is_on_the_grid(q4_llama: Path) -> None:
     """The fixture itself: every projection is Q4_1, so the tests above exercise real blocks."""
     tensors = load_file(q4_llama / "model.safetensors")
     projections = [name for name in tensors if name.endswith("proj.weight")]
-    assert len(projections) == 14 and all(packing.q4_recover(tensors[name]) is not None for name in projections)
+    assert len(projections) == 14 and all(
+        packing.q4_recover(tensors[name]) is not None for name in projections
+    )
     assert json.loads((q4_llama / "config.json").read_text())["hidden_size"] == 64

@@ -22,17 +22,31 @@ from srt.server_process import ROOT
 from srt.utils import free_port
 
 MAX_NEW = 300  # long enough that the drain outlasts the probe for a 503 (the tiny model allows 512 positions)
-SHUTTING_DOWN_BODY = {"error": {"message": "server is shutting down", "type": "ServiceUnavailable", "code": 503}}
+SHUTTING_DOWN_BODY = {
+    "error": {"message": "server is shutting down", "type": "ServiceUnavailable", "code": 503}
+}
 
 
 def payload(ids: list[int], max_new: int, stream: bool = False) -> dict[str, Any]:
-    return {"input_ids": ids, "stream": stream,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    return {
+        "input_ids": ids,
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
 
 
 def server_args(model_dir: Path, tokenizer_dir: Path, *extra: str) -> list[str]:
-    return ["--model-path", str(model_dir), "--tokenizer-path", str(tokenizer_dir), "--dtype", "float32",
-            "--max-total-tokens", "16384", *extra]
+    return [
+        "--model-path",
+        str(model_dir),
+        "--tokenizer-path",
+        str(tokenizer_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "16384",
+        *extra,
+    ]
 
 
 class StreamClient(threading.Thread):
@@ -157,12 +171,21 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dirs: dict[str, Path]
         assert_all_gone(procs)
 
 
-@pytest.mark.parametrize(("extra_args", "signals", "reason"), [
-    (["--shutdown-timeout", "1"], [signal.SIGTERM], "--shutdown-timeout (1 s)"),
-    pytest.param([], [signal.SIGINT, signal.SIGINT], "a second shutdown signal", marks=pytest.mark.slow),
-], ids=["timeout", "second_signal"])
-def test_requests_still_running_get_503(long_context_llama: Path, smollm2_dir: Path, extra_args: list[str],
-                                        signals: list[signal.Signals], reason: str) -> None:
+@pytest.mark.parametrize(
+    ("extra_args", "signals", "reason"),
+    [
+        (["--shutdown-timeout", "1"], [signal.SIGTERM], "--shutdown-timeout (1 s)"),
+        pytest.param([], [signal.SIGINT, signal.SIGINT], "a second shutdown signal", marks=pytest.mark.slow),
+    ],
+    ids=["timeout", "second_signal"],
+)
+def test_requests_still_running_get_503(
+    long_context_llama: Path,
+    smollm2_dir: Path,
+    extra_args: list[str],
+    signals: list[signal.Signals],
+    reason: str,
+) -> None:
     with Server(*server_args(long_context_llama, smollm2_dir, *extra_args)) as server:
         procs = descendants(server)
         post = PostClient(server.url, payload([5, 6, 7], 5000))
@@ -194,9 +217,20 @@ def test_requests_still_running_get_503(long_context_llama: Path, smollm2_dir: P
 
 def test_sigterm_while_starting_up_exits_0(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--port", str(port),
-                             *server_args(tiny_model_dirs["llama"], smollm2_dir)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "srt.launch_server",
+            "--port",
+            str(port),
+            *server_args(tiny_model_dirs["llama"], smollm2_dir),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     procs: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60

@@ -22,13 +22,26 @@ from server_fixture import Server
 from srt.server_process import ROOT
 from srt.utils import free_port
 
-LONG = {"input_ids": list(range(5, 25)), "sampling_params": {"max_new_tokens": 5000, "temperature": 0,
-                                                            "ignore_eos": True}}
+LONG = {
+    "input_ids": list(range(5, 25)),
+    "sampling_params": {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True},
+}
 
 
 def server_args(long_context_llama: Path, smollm2_dir: Path, *extra: str) -> list[str]:
-    return ["--model-path", str(long_context_llama), "--tokenizer-path", str(smollm2_dir), "--tp", "2",
-            "--dtype", "float32", "--max-total-tokens", "8192", *extra]
+    return [
+        "--model-path",
+        str(long_context_llama),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--tp",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "8192",
+        *extra,
+    ]
 
 
 def rank_pid(server: Server, title: str) -> int:
@@ -40,7 +53,9 @@ def rank_pid(server: Server, title: str) -> int:
 
 def stream_until_end(server: Server, payload: dict[str, Any]) -> tuple[int, list[str]]:
     """Returns (status, SSE data lines); must end within the request timeout."""
-    with requests.post(server.url + "/generate", json={**payload, "stream": True}, stream=True, timeout=30) as r:
+    with requests.post(
+        server.url + "/generate", json={**payload, "stream": True}, stream=True, timeout=30
+    ) as r:
         return r.status_code, [ln for ln in r.iter_lines(decode_unicode=True) if ln]
 
 
@@ -74,8 +89,12 @@ def under_streaming_load(server: Server, n: int = 4) -> Iterator[Any]:
 
 
 # TP0 (the rank that reads the socket) is the slow tier's: the default run keeps one victim.
-@pytest.mark.parametrize("victim", ["srt::scheduler_TP1", pytest.param("srt::scheduler_TP0", marks=pytest.mark.slow)])
-def test_sigkill_a_rank_under_streaming_load(long_context_llama: Path, smollm2_dir: Path, victim: str) -> None:
+@pytest.mark.parametrize(
+    "victim", ["srt::scheduler_TP1", pytest.param("srt::scheduler_TP0", marks=pytest.mark.slow)]
+)
+def test_sigkill_a_rank_under_streaming_load(
+    long_context_llama: Path, smollm2_dir: Path, victim: str
+) -> None:
     with Server(*server_args(long_context_llama, smollm2_dir)) as server:
         remember_tree(server)
         for futures in under_streaming_load(server):
@@ -102,22 +121,33 @@ def test_sigkill_main_process_takes_children_down(long_context_llama: Path, smol
         assert not alive, [p.pid for p in alive]
 
 
-def launch_expect_failure(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "srt.launch_server", "--port", str(free_port()), *args], cwd=ROOT,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+def launch_expect_failure(
+    args: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--port", str(free_port()), *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_crash_during_startup_is_a_clear_error(long_context_llama: Path, smollm2_dir: Path) -> None:
     start = time.monotonic()
-    done = launch_expect_failure(server_args(long_context_llama, smollm2_dir), {"SRT_TEST_FAULT": "crash@1:0"}, 60)
+    done = launch_expect_failure(
+        server_args(long_context_llama, smollm2_dir), {"SRT_TEST_FAULT": "crash@1:0"}, 60
+    )
     assert done.returncode != 0
     assert "scheduler TP1" in done.stderr and "exited with code 13" in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - start < 30  # start-up itself takes most of this on 2 busy cores
 
 
 @pytest.mark.parametrize("fault", ["raise@1:5", pytest.param("raise@0:5", marks=pytest.mark.slow)])
-def test_exception_on_a_rank_takes_the_server_down(long_context_llama: Path, smollm2_dir: Path,
-                                                   fault: str) -> None:
+def test_exception_on_a_rank_takes_the_server_down(
+    long_context_llama: Path, smollm2_dir: Path, fault: str
+) -> None:
     with Server(*server_args(long_context_llama, smollm2_dir), env={"SRT_TEST_FAULT": fault}) as server:
         remember_tree(server)
         r = server.generate(LONG, timeout=20)
@@ -128,16 +158,23 @@ def test_exception_on_a_rank_takes_the_server_down(long_context_llama: Path, smo
         assert_tree_gone(server)
 
 
-def test_soft_watchdog_dumps_both_ranks_and_keeps_serving(long_context_llama: Path,
-                                                          smollm2_dir: Path) -> None:
-    with Server(*server_args(long_context_llama, smollm2_dir, "--soft-watchdog-timeout", "2"),
-                env={"SRT_TEST_FAULT": "stall@1:3"}) as server:
+def test_soft_watchdog_dumps_both_ranks_and_keeps_serving(
+    long_context_llama: Path, smollm2_dir: Path
+) -> None:
+    with Server(
+        *server_args(long_context_llama, smollm2_dir, "--soft-watchdog-timeout", "2"),
+        env={"SRT_TEST_FAULT": "stall@1:3"},
+    ) as server:
         with ThreadPoolExecutor(1) as pool:
             pool.submit(lambda: requests.post(server.url + "/generate", json=LONG, timeout=15))
             deadline = time.monotonic() + 40
             while time.monotonic() < deadline:
                 out = server.output()
-                if "scheduler_TP0] ERROR" in out and "scheduler_TP1] ERROR" in out and out.count("soft watchdog") >= 2:
+                if (
+                    "scheduler_TP0] ERROR" in out
+                    and "scheduler_TP1] ERROR" in out
+                    and out.count("soft watchdog") >= 2
+                ):
                     break
                 time.sleep(0.5)
             out = server.output()
@@ -149,9 +186,13 @@ def test_soft_watchdog_dumps_both_ranks_and_keeps_serving(long_context_llama: Pa
 
 
 @pytest.mark.parametrize("py_spy", ["py-spy", pytest.param("/nonexistent/py-spy", marks=pytest.mark.slow)])
-def test_hard_watchdog_takes_the_server_down(long_context_llama: Path, smollm2_dir: Path, py_spy: str) -> None:
-    with Server(*server_args(long_context_llama, smollm2_dir, "--watchdog-timeout", "3"),
-                env={"SRT_TEST_FAULT": "stall@1:3", "SRT_PY_SPY": py_spy}) as server:
+def test_hard_watchdog_takes_the_server_down(
+    long_context_llama: Path, smollm2_dir: Path, py_spy: str
+) -> None:
+    with Server(
+        *server_args(long_context_llama, smollm2_dir, "--watchdog-timeout", "3"),
+        env={"SRT_TEST_FAULT": "stall@1:3", "SRT_PY_SPY": py_spy},
+    ) as server:
         remember_tree(server)
         r = server.generate(LONG, timeout=30)
         assert r.status_code == 503
@@ -169,8 +210,15 @@ def run_diverged(server: Server) -> tuple[list[requests.Response], str]:
     remember_tree(server)
     start = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda i: server.generate({**LONG, "input_ids": LONG["input_ids"][i:]},  # type: ignore[index]
-                                                          timeout=30), range(4)))
+        results = list(
+            pool.map(
+                lambda i: server.generate(
+                    {**LONG, "input_ids": LONG["input_ids"][i:]},  # type: ignore[index]
+                    timeout=30,
+                ),
+                range(4),
+            )
+        )
     assert all(r.status_code in (200, 503) for r in results)
     assert wait_exit(server, 30) != 0
     assert time.monotonic() - start < 30
@@ -178,29 +226,45 @@ def run_diverged(server: Server) -> tuple[list[requests.Response], str]:
     return results, server.output()
 
 
-def test_diverge_batch_is_caught_by_the_consensus_checker(long_context_llama: Path,
-                                                          smollm2_dir: Path) -> None:
-    with Server(*server_args(long_context_llama, smollm2_dir, "--enable-rank-consensus-checker"),
-                env={"SRT_TEST_FAULT": "diverge_batch@1:1"}) as server:
+def test_diverge_batch_is_caught_by_the_consensus_checker(
+    long_context_llama: Path, smollm2_dir: Path
+) -> None:
+    with Server(
+        *server_args(long_context_llama, smollm2_dir, "--enable-rank-consensus-checker"),
+        env={"SRT_TEST_FAULT": "diverge_batch@1:1"},
+    ) as server:
         results, out = run_diverged(server)
-        assert any(r.status_code == 503 or r.json()["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
+        assert any(
+            r.status_code == 503 or r.json()["meta_info"]["finish_reason"]["type"] == "abort" for r in results
+        )
         for rank in ("scheduler_TP0", "scheduler_TP1"):
             assert any("divergence" in line and rank in line for line in out.splitlines()), out[-4000:]
 
 
-def test_diverging_pipeline_stages_stop_at_the_stage_gate(long_context_llama: Path, smollm2_dir: Path) -> None:
+def test_diverging_pipeline_stages_stop_at_the_stage_gate(
+    long_context_llama: Path, smollm2_dir: Path
+) -> None:
     """PP=2: stage 1 schedules one request fewer. Without the stage gate the stages exchanged
     hidden states of different shapes and gloo killed stage 0 with SIGABRT, naming nothing."""
-    args = server_args(long_context_llama, smollm2_dir, "--enable-rank-consensus-checker", "--tp", "1", "--pp-size", "2")
+    args = server_args(
+        long_context_llama, smollm2_dir, "--enable-rank-consensus-checker", "--tp", "1", "--pp-size", "2"
+    )
     with Server(*args, env={"SRT_TEST_FAULT": "diverge_batch@1:1"}) as server:
         _, out = run_diverged(server)
-        assert "pipeline stages scheduled different batches at forward step 1: stage 0 prefill of" in out, out[-4000:]
+        assert "pipeline stages scheduled different batches at forward step 1: stage 0 prefill of" in out, (
+            out[-4000:]
+        )
         assert "SIGABRT" not in out
 
 
 def greedy_outputs(server: Server, n: int = 4) -> list[list[int]]:
-    payloads = [{"input_ids": list(range(7 + i, 30 + 2 * i)),
-                 "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}} for i in range(n)]
+    payloads = [
+        {
+            "input_ids": list(range(7 + i, 30 + 2 * i)),
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(n)
+    ]
     with ThreadPoolExecutor(n) as pool:
         return [r.json()["output_ids"] for r in pool.map(server.generate, payloads)]
 
@@ -208,6 +272,8 @@ def greedy_outputs(server: Server, n: int = 4) -> list[list[int]]:
 def test_token_sync_repairs_a_diverging_token(long_context_llama: Path, smollm2_dir: Path) -> None:
     with Server(*server_args(long_context_llama, smollm2_dir)) as server:
         expected = greedy_outputs(server)
-    with Server(*server_args(long_context_llama, smollm2_dir, "--sync-token-ids-across-tp"),
-                env={"SRT_TEST_FAULT": "diverge_token@1:2"}) as server:
+    with Server(
+        *server_args(long_context_llama, smollm2_dir, "--sync-token-ids-across-tp"),
+        env={"SRT_TEST_FAULT": "diverge_token@1:2"},
+    ) as server:
         assert greedy_outputs(server) == expected

@@ -40,14 +40,20 @@ VOCAB = 320
 
 def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(200, 300, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(200, 300, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def generate_all(server: Server, batch: list[list[int]]) -> list[list[int]]:
     def one(ids: list[int]) -> list[int]:
-        r = server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
-                                                                   "ignore_eos": True}})
+        r = server.generate(
+            {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+            }
+        )
         assert r.status_code == 200, r.text
         return r.json()["output_ids"]  # type: ignore[no-any-return]
 
@@ -62,9 +68,25 @@ def wide_kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(wide_kv_model: Path, smollm2_dir: Path) -> Iterator[Server]:
-    with Server("--model-path", str(wide_kv_model), "--tokenizer-path", str(smollm2_dir), "--dtype", "float32",
-                "--tp", "2", "--cpu-kvcache-space", str(SPACE_GIB), "--max-running-requests", "8",
-                "--chunked-prefill-size", "512", "--max-prefill-tokens", "1024", "--enable-metrics") as server:
+    with Server(
+        "--model-path",
+        str(wide_kv_model),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--cpu-kvcache-space",
+        str(SPACE_GIB),
+        "--max-running-requests",
+        "8",
+        "--chunked-prefill-size",
+        "512",
+        "--max-prefill-tokens",
+        "1024",
+        "--enable-metrics",
+    ) as server:
         yield server
 
 
@@ -81,9 +103,13 @@ def rank_rss(server: Server) -> dict[str, int]:
 def test_startup_line_names_the_budget_and_its_flag(server: Server) -> None:
     lines = [ln for ln in server.output().splitlines() if "KV cache budget" in ln]
     assert len(lines) == 1, lines  # one line, from rank 0
-    assert (f"KV cache budget: 0.0625 GiB = {BUDGET_TOKENS} tokens per rank, 2 ranks on this host"
-            in lines[0]), lines[0]
-    assert "bound by --cpu-kvcache-space 0.125 GiB / 2 local ranks; change it with --cpu-kvcache-space" in lines[0]
+    assert (
+        f"KV cache budget: 0.0625 GiB = {BUDGET_TOKENS} tokens per rank, 2 ranks on this host" in lines[0]
+    ), lines[0]
+    assert (
+        "bound by --cpu-kvcache-space 0.125 GiB / 2 local ranks; change it with --cpu-kvcache-space"
+        in lines[0]
+    )
     assert server.internal_state()["max_total_tokens"] == BUDGET_TOKENS
 
 
@@ -106,7 +132,8 @@ def test_rss_stays_within_the_budget_and_outputs_are_unchanged(server: Server, w
         print(f"{name}: baseline {baseline[name] / MB:.0f} MB, after the traffic +{grown / MB:.0f} MB")
         assert grown <= BUDGET_BYTES_PER_RANK + MARGIN, (
             f"{name} grew {grown / MB:.0f} MB over {sum(map(len, traffic))} distinct tokens; budget "
-            f"{BUDGET_BYTES_PER_RANK / MB:.0f} MB + margin {MARGIN / MB:.0f} MB")
+            f"{BUDGET_BYTES_PER_RANK / MB:.0f} MB + margin {MARGIN / MB:.0f} MB"
+        )
 
     # /flush_cache gives the KV pages' memory back to the OS
     assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
@@ -126,10 +153,15 @@ def test_rss_stays_within_the_budget_and_outputs_are_unchanged(server: Server, w
 
 def test_metrics_report_kv_pages_and_every_process_rss(server: Server) -> None:
     text = requests.get(server.url + "/metrics", timeout=30).text
-    for series in ("srt:kv_free_pages", "srt:kv_cached_pages", "srt:kv_used_pages", "srt:host_available_memory_bytes",
-                   'srt:process_resident_memory_bytes{process="scheduler TP0"}',
-                   'srt:process_resident_memory_bytes{process="scheduler TP1"}',
-                   'srt:process_resident_memory_bytes{process="main"}'):
+    for series in (
+        "srt:kv_free_pages",
+        "srt:kv_cached_pages",
+        "srt:kv_used_pages",
+        "srt:host_available_memory_bytes",
+        'srt:process_resident_memory_bytes{process="scheduler TP0"}',
+        'srt:process_resident_memory_bytes{process="scheduler TP1"}',
+        'srt:process_resident_memory_bytes{process="main"}',
+    ):
         assert series in text, series
 
 
@@ -145,11 +177,20 @@ def test_memory_watch_decides_alone_and_repeats_while_short() -> None:
 
 
 @pytest.mark.slow  # its own server, ~20 s
-def test_host_short_of_memory_sheds_new_requests_and_releases_the_cache(tiny_model_dirs: dict[str, Path],
-                                                                         smollm2_dir: Path) -> None:
+def test_host_short_of_memory_sheds_new_requests_and_releases_the_cache(
+    tiny_model_dirs: dict[str, Path], smollm2_dir: Path
+) -> None:
     # A threshold no host meets: the front end is under pressure from its first reading.
-    with Server("--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path", str(smollm2_dir),
-                "--dtype", "float32", "--min-available-memory", "1000000") as server:
+    with Server(
+        "--model-path",
+        str(tiny_model_dirs["llama"]),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--min-available-memory",
+        "1000000",
+    ) as server:
         deadline = time.monotonic() + 30
         while "releasing KV memory" not in server.output() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -157,8 +198,11 @@ def test_host_short_of_memory_sheds_new_requests_and_releases_the_cache(tiny_mod
         r = server.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
         assert r.status_code == 503 and "--min-available-memory 1e+06 GiB" in r.text, r.text
         assert r.headers.get("Retry-After") == "1"  # the condition passes by itself: say when to retry
-        chat = requests.post(server.url + "/v1/chat/completions", timeout=30,
-                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        chat = requests.post(
+            server.url + "/v1/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert chat.status_code == 503 and chat.headers.get("Retry-After") == "1", chat.text
         assert chat.json()["error"]["type"] == "service_unavailable_error"
         info = requests.get(server.url + "/server_info", timeout=30).json()

@@ -18,7 +18,11 @@ from launcher.layout import (
 def test_single_node_tp() -> None:
     ranks = local_ranks(tp_size=4, pp_size=1)
     assert [(r.tp_rank, r.pp_rank, r.world_rank, r.local_index) for r in ranks] == [
-        (0, 0, 0, 0), (1, 0, 1, 1), (2, 0, 2, 2), (3, 0, 3, 3)]
+        (0, 0, 0, 0),
+        (1, 0, 1, 1),
+        (2, 0, 2, 2),
+        (3, 0, 3, 3),
+    ]
     assert [r.title for r in ranks] == [f"srt::scheduler_TP{t}" for t in range(4)]
     assert ranks[1].name == "scheduler TP1"
     assert [r.is_input_rank for r in ranks] == [True, False, False, False]
@@ -63,11 +67,14 @@ def test_rank_info_pickles() -> None:  # it crosses the spawn boundary
     assert pickle.loads(pickle.dumps(info)) == info
 
 
-@pytest.mark.parametrize("args,match", [
-    ((0, 1, 1, 0), "--tp-size must be positive"),
-    ((3, 1, 2, 0), "not divisible by --nnodes 2"),
-    ((2, 1, 2, 2), r"--node-rank 2 is outside \[0, --nnodes 2\)"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((0, 1, 1, 0), "--tp-size must be positive"),
+        ((3, 1, 2, 0), "not divisible by --nnodes 2"),
+        ((2, 1, 2, 2), r"--node-rank 2 is outside \[0, --nnodes 2\)"),
+    ],
+)
 def test_bad_layout_names_the_flag(args: tuple[int, int, int, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         local_ranks(*args)
@@ -75,8 +82,17 @@ def test_bad_layout_names_the_flag(args: tuple[int, int, int, int], match: str) 
 
 def test_rank_info_checks_its_invariants() -> None:
     with pytest.raises(AssertionError):
-        RankInfo(tp_rank=2, pp_rank=0, tp_size=2, pp_size=1, node_rank=0, nnodes=1, local_index=0,
-                 local_world_size=2, device_type="cpu")
+        RankInfo(
+            tp_rank=2,
+            pp_rank=0,
+            tp_size=2,
+            pp_size=1,
+            node_rank=0,
+            nnodes=1,
+            local_index=0,
+            local_world_size=2,
+            device_type="cpu",
+        )
 
 
 def test_resolve_init_method() -> None:
@@ -113,10 +129,13 @@ def test_cpu_threads_gives_every_rank_that_many_threads(monkeypatch: pytest.Monk
     assert rank_cpus(1, cpu_threads=8, environ={}) == [(8, None)]  # oversubscribing is the user's call
 
 
-@pytest.mark.parametrize(("value", "groups"), [
-    ("0-1|2-3", [{0, 1}, {2, 3}]), ("3|0", [{3}, {0}]), (" 0-1,3 | 2 ", [{0, 1, 3}, {2}]), ("1-1", [{1}])])
-def test_sglang_cpu_binding_pins_each_rank_to_its_range(value: str, groups: list[set[int]],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("value", "groups"),
+    [("0-1|2-3", [{0, 1}, {2, 3}]), ("3|0", [{3}, {0}]), (" 0-1,3 | 2 ", [{0, 1, 3}, {2}]), ("1-1", [{1}])],
+)
+def test_sglang_cpu_binding_pins_each_rank_to_its_range(
+    value: str, groups: list[set[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from srt.utils import parse_cpu_binding, rank_cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
@@ -126,12 +145,21 @@ def test_sglang_cpu_binding_pins_each_rank_to_its_range(value: str, groups: list
     assert rank_cpus(len(groups), cpu_threads=1, environ=env) == [(1, frozenset(g)) for g in groups]
 
 
-@pytest.mark.parametrize(("value", "ranks", "match"), [
-    ("0-1|", 2, "cannot read '' as a CPU"), ("a-b", 1, "cannot read 'a-b'"), ("3-1", 1, "cannot read '3-1'"),
-    ("-1", 1, "cannot read '-1'"), ("0-1|2-3", 1, "has 2 CPU range.s. for the 1 rank.s."),
-    ("0", 2, "has 1 CPU range.s. for the 2 rank.s."), ("0|9", 2, r"names CPU.s. \[9\] this process may not run on")])
-def test_a_bad_cpu_binding_names_the_variable(value: str, ranks: int, match: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("value", "ranks", "match"),
+    [
+        ("0-1|", 2, "cannot read '' as a CPU"),
+        ("a-b", 1, "cannot read 'a-b'"),
+        ("3-1", 1, "cannot read '3-1'"),
+        ("-1", 1, "cannot read '-1'"),
+        ("0-1|2-3", 1, "has 2 CPU range.s. for the 1 rank.s."),
+        ("0", 2, "has 1 CPU range.s. for the 2 rank.s."),
+        ("0|9", 2, r"names CPU.s. \[9\] this process may not run on"),
+    ],
+)
+def test_a_bad_cpu_binding_names_the_variable(
+    value: str, ranks: int, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from srt.utils import rank_cpus
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)

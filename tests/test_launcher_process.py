@@ -25,11 +25,18 @@ pytestmark = pytest.mark.timeout(60)
 TESTS = Path(__file__).resolve().parent
 
 
-def spec(name: str, target: str, *args: object, threads: int | None = None,
-         parent_death_signal: bool = True) -> ChildSpec:
+def spec(
+    name: str, target: str, *args: object, threads: int | None = None, parent_death_signal: bool = True
+) -> ChildSpec:
     title = "srt::" + name.replace("scheduler ", "scheduler_").replace(" ", "_")
-    return ChildSpec(name=name, title=title, target=f"launcher_targets:{target}", args=args, num_threads=threads,
-                     parent_death_signal=parent_death_signal)
+    return ChildSpec(
+        name=name,
+        title=title,
+        target=f"launcher_targets:{target}",
+        args=args,
+        num_threads=threads,
+        parent_death_signal=parent_death_signal,
+    )
 
 
 @pytest.fixture
@@ -57,7 +64,9 @@ def wait_until(predicate: object, timeout: float) -> bool:
 
 
 def test_ready_info_title_and_threads(spawned: list[ChildProcess]) -> None:
-    spawned += [spawn_child(spec(f"scheduler TP{i}", "ready_then_sleep", {"rank": i}, threads=1)) for i in range(2)]
+    spawned += [
+        spawn_child(spec(f"scheduler TP{i}", "ready_then_sleep", {"rank": i}, threads=1)) for i in range(2)
+    ]
     infos = wait_ready(spawned, timeout=30)
     assert infos["scheduler TP1"]["rank"] == 1 and infos["scheduler TP1"]["pid"] == spawned[1].pid
     assert infos["scheduler TP0"]["threads"] == 1
@@ -65,21 +74,29 @@ def test_ready_info_title_and_threads(spawned: list[ChildProcess]) -> None:
     assert "srt::scheduler_TP1" in cmdline
 
 
-def test_error_at_start_names_the_child_fast(spawned: list[ChildProcess],
-                                             caplog: pytest.LogCaptureFixture) -> None:
-    spawned += [spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
-                spawn_child(spec("scheduler TP1", "raise_at_start"))]
+def test_error_at_start_names_the_child_fast(
+    spawned: list[ChildProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    spawned += [
+        spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
+        spawn_child(spec("scheduler TP1", "raise_at_start")),
+    ]
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"scheduler TP1 \(pid \d+\) failed during start-up: "
-                                          r"RuntimeError: weights are missing"):
+    with pytest.raises(
+        LaunchError,
+        match=r"scheduler TP1 \(pid \d+\) failed during start-up: "
+        r"RuntimeError: weights are missing",
+    ):
         wait_ready(spawned, timeout=30)
     assert time.monotonic() - start < 15
     assert "Traceback" in caplog.text and "raise_at_start" in caplog.text  # the child's traceback is logged
 
 
 def test_exit_at_start_reports_the_code(spawned: list[ChildProcess]) -> None:
-    spawned += [spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
-                spawn_child(spec("scheduler TP1", "exit_at_start", 3))]
+    spawned += [
+        spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
+        spawn_child(spec("scheduler TP1", "exit_at_start", 3)),
+    ]
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"^scheduler TP1 \(pid \d+\) exited with code 3 during start-up$"):
         wait_ready(spawned, timeout=30)
@@ -87,17 +104,23 @@ def test_exit_at_start_reports_the_code(spawned: list[ChildProcess]) -> None:
 
 
 def test_killed_at_start_reports_the_signal(spawned: list[ChildProcess]) -> None:
-    spawned += [spawn_child(spec("scheduler TP0", "never_ready")),
-                spawn_child(spec("detokenizer", "ready_then_sleep", {}))]
+    spawned += [
+        spawn_child(spec("scheduler TP0", "never_ready")),
+        spawn_child(spec("detokenizer", "ready_then_sleep", {})),
+    ]
     wait_ready(spawned[1:], timeout=30)
     threading.Timer(0.5, os.kill, (spawned[0].pid, signal.SIGKILL)).start()
-    with pytest.raises(LaunchError, match=r"scheduler TP0 \(pid \d+\) was killed by signal SIGKILL during start-up"):
+    with pytest.raises(
+        LaunchError, match=r"scheduler TP0 \(pid \d+\) was killed by signal SIGKILL during start-up"
+    ):
         wait_ready(spawned, timeout=30)
 
 
 def test_start_timeout_names_the_stragglers(spawned: list[ChildProcess]) -> None:
-    spawned += [spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
-                spawn_child(spec("scheduler TP1", "never_ready"))]
+    spawned += [
+        spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
+        spawn_child(spec("scheduler TP1", "never_ready")),
+    ]
     with pytest.raises(LaunchError, match=r"^scheduler TP1 \(pid \d+\) not ready within 8 s$"):
         wait_ready(spawned, timeout=8)
 
@@ -114,8 +137,9 @@ class Recorder:
         self.exits.append(code)
 
 
-def test_supervisor_names_a_killed_child_and_takes_down_the_rest(spawned: list[ChildProcess],
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_supervisor_names_a_killed_child_and_takes_down_the_rest(
+    spawned: list[ChildProcess], caplog: pytest.LogCaptureFixture
+) -> None:
     spawned += [spawn_child(spec(f"scheduler TP{i}", "ready_then_sleep", {})) for i in range(3)]
     wait_ready(spawned, timeout=30)
     rec = Recorder()
@@ -124,7 +148,7 @@ def test_supervisor_names_a_killed_child_and_takes_down_the_rest(spawned: list[C
     killed_at = time.monotonic()
     os.kill(spawned[1].pid, signal.SIGKILL)
     assert supervisor.done.wait(10)
-    (failed_at, message), = rec.failures
+    ((failed_at, message),) = rec.failures
     assert failed_at - killed_at < 2.0
     assert message == f"scheduler TP1 (pid {spawned[1].pid}) was killed by signal SIGKILL"
     assert rec.exits == [1]
@@ -132,10 +156,13 @@ def test_supervisor_names_a_killed_child_and_takes_down_the_rest(spawned: list[C
     assert any(r.levelname == "CRITICAL" and "scheduler TP1" in r.getMessage() for r in caplog.records)
 
 
-def test_supervisor_reports_exit_code_and_traceback(spawned: list[ChildProcess],
-                                                    caplog: pytest.LogCaptureFixture) -> None:
-    spawned += [spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
-                spawn_child(spec("scheduler TP1", "ready_then_raise"))]
+def test_supervisor_reports_exit_code_and_traceback(
+    spawned: list[ChildProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    spawned += [
+        spawn_child(spec("scheduler TP0", "ready_then_sleep", {})),
+        spawn_child(spec("scheduler TP1", "ready_then_raise")),
+    ]
     wait_ready(spawned, timeout=30)
     rec = Recorder()
     supervisor = Supervisor(spawned, rec.on_failure, grace_s=0.0, exit_fn=rec.exit)
@@ -161,8 +188,12 @@ def test_supervisor_stop_is_quiet(spawned: list[ChildProcess]) -> None:
 @pytest.mark.parametrize("parent_death_signal", ["1", "0"], ids=["pdeathsig", "watcher-thread"])
 def test_children_die_with_their_parent(parent_death_signal: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    parent = subprocess.Popen([sys.executable, str(TESTS / "launcher_targets.py"), "parent", parent_death_signal],
-                              stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen(
+        [sys.executable, str(TESTS / "launcher_targets.py"), "parent", parent_death_signal],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert parent.stdout is not None
         pids = json.loads(parent.stdout.readline())

@@ -35,14 +35,30 @@ def gone(pid: int) -> bool:
 class Node:
     """`python tests/launcher_targets.py node ARGS...`: launch_server.run with fake targets."""
 
-    def __init__(self, tmp_path: Path, args: list[str], fake: str = "", die_after: float = 1.0,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        args: list[str],
+        fake: str = "",
+        die_after: float = 1.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.pid_dir = tmp_path / "pids"
         self.pid_dir.mkdir()
-        env = {**ENV, **(extra_env or {}), "SRT_TEST_FAKE": fake, "SRT_TEST_PID_DIR": str(self.pid_dir),
-               "SRT_TEST_DIE_AFTER": str(die_after)}
-        self.proc = subprocess.Popen([sys.executable, str(TESTS / "launcher_targets.py"), "node", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        env = {
+            **ENV,
+            **(extra_env or {}),
+            "SRT_TEST_FAKE": fake,
+            "SRT_TEST_PID_DIR": str(self.pid_dir),
+            "SRT_TEST_DIE_AFTER": str(die_after),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TESTS / "launcher_targets.py"), "node", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def child_pids(self) -> dict[str, int]:
         return {p.name: int(p.read_text()) for p in self.pid_dir.iterdir() if p.read_text()}
@@ -77,8 +93,14 @@ def wait_healthy(node: Node, port: int, timeout: float = 60) -> None:
 
 
 def test_bad_flag_is_a_usage_error() -> None:
-    result = subprocess.run([sys.executable, "-m", "srt.launch_server", "--tp-size", "0"], env=ENV,
-                            capture_output=True, text=True, timeout=60, cwd=TESTS.parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--tp-size", "0"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=TESTS.parent,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "launch_server: error: --tp-size must be positive, got 0"
 
@@ -88,19 +110,34 @@ def test_busy_port_fails_at_once_naming_it() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "srt.launch_server", "--port", str(port)], env=ENV,
-                                capture_output=True, text=True, timeout=60, cwd=TESTS.parent)
+        result = subprocess.run(
+            [sys.executable, "-m", "srt.launch_server", "--port", str(port)],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=TESTS.parent,
+        )
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("0-1|x", "launch_server: error: SGLANG_CPU_OMP_THREADS_BIND='0-1|x': cannot read 'x' as a CPU"),
-    ("0", "launch_server: error: SGLANG_CPU_OMP_THREADS_BIND='0' has 1 CPU range(s) for the 2 rank(s)")])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0-1|x", "launch_server: error: SGLANG_CPU_OMP_THREADS_BIND='0-1|x': cannot read 'x' as a CPU"),
+        ("0", "launch_server: error: SGLANG_CPU_OMP_THREADS_BIND='0' has 1 CPU range(s) for the 2 rank(s)"),
+    ],
+)
 def test_a_bad_cpu_binding_is_a_start_up_error_naming_the_variable(value: str, message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "srt.launch_server", "--tp-size", "2", "--port", str(free_port())],
-                            env={**ENV, "SGLANG_CPU_OMP_THREADS_BIND": value}, capture_output=True, text=True,
-                            timeout=60, cwd=TESTS.parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--tp-size", "2", "--port", str(free_port())],
+        env={**ENV, "SGLANG_CPU_OMP_THREADS_BIND": value},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=TESTS.parent,
+    )
     assert result.returncode == 2 and result.stderr.startswith(message), result.stderr
 
 
@@ -109,8 +146,11 @@ def test_each_rank_takes_cpu_threads_and_its_cpu_binding(tmp_path: Path, model_d
     its range (here both on the first CPU this process may use)."""
     cpu = min(os.sched_getaffinity(0))
     port = free_port()
-    node = Node(tmp_path, ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(port), "--cpu-threads", "3"],
-                extra_env={"SGLANG_CPU_OMP_THREADS_BIND": f"{cpu}|{cpu}"})
+    node = Node(
+        tmp_path,
+        ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(port), "--cpu-threads", "3"],
+        extra_env={"SGLANG_CPU_OMP_THREADS_BIND": f"{cpu}|{cpu}"},
+    )
     wait_healthy(node, port)
     pids = node.child_pids()
     for title in ("srt::scheduler_TP0", "srt::scheduler_TP1"):
@@ -123,8 +163,11 @@ def test_each_rank_takes_cpu_threads_and_its_cpu_binding(tmp_path: Path, model_d
 
 
 def test_start_up_failure_names_the_rank(tmp_path: Path, model_dir: Path) -> None:
-    node = Node(tmp_path, ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(free_port())],
-                fake="raise:1")
+    node = Node(
+        tmp_path,
+        ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(free_port())],
+        fake="raise:1",
+    )
     code, _, err = node.finish(timeout=90)
     assert code == 1
     assert "launch failed: scheduler TP1 (pid" in err and "RuntimeError: fake failure on scheduler TP1" in err
@@ -148,8 +191,12 @@ def test_serves_then_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> None:
 
 def test_rank_death_fails_requests_and_exits(tmp_path: Path, model_dir: Path) -> None:
     port = free_port()
-    node = Node(tmp_path, ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(port)],
-                fake="die:1", die_after=8)
+    node = Node(
+        tmp_path,
+        ["--model-path", str(model_dir), "--tp-size", "2", "--port", str(port)],
+        fake="die:1",
+        die_after=8,
+    )
     wait_healthy(node, port)
     pids = node.child_pids()
     code, out, err = node.finish(timeout=30)
@@ -158,4 +205,3 @@ def test_rank_death_fails_requests_and_exits(tmp_path: Path, model_dir: Path) ->
     assert json.loads(out.strip().splitlines()[-1]) == {"fail_all": message, "on_loop": True}
     assert f"CRITICAL launcher.supervisor: {message}" in err
     assert all(gone(pid) for pid in pids.values())
-

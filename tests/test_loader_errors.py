@@ -27,25 +27,34 @@ def runner(path: Path) -> ModelRunner:
 
 
 def test_missing_tensor(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    path = copy_model(tiny_model_dirs["llama"], tmp_path / "m",
-                      lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    path = copy_model(
+        tiny_model_dirs["llama"], tmp_path / "m", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
+    )
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight \(shards \['k'\]\)"):
         runner(path)
 
 
 def test_unused_tensor(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    path = copy_model(tiny_model_dirs["llama"], tmp_path / "m",
-                      lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}))
+    path = copy_model(
+        tiny_model_dirs["llama"],
+        tmp_path / "m",
+        lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}),
+    )
     with pytest.raises(ValueError, match=r"not used by the model: model\.layers\.0\.mystery\.weight"):
         runner(path)
 
 
 def test_wrong_shape(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     def shrink(t: dict[str, torch.Tensor]) -> None:
-        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][:, :100].contiguous()
+        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][
+            :, :100
+        ].contiguous()
 
     path = copy_model(tiny_model_dirs["llama"], tmp_path / "m", shrink)
-    with pytest.raises(ValueError, match=r"shape mismatch: checkpoint tensor 'model\.layers\.0\.mlp\.down_proj\.weight' of shape \(64, 100\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"shape mismatch: checkpoint tensor 'model\.layers\.0\.mlp\.down_proj\.weight' of shape \(64, 100\)",
+    ):
         runner(path)
 
 
@@ -54,7 +63,9 @@ def test_unknown_architecture(tiny_model_dirs: dict[str, Path], tmp_path: Path) 
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["FancyNewForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unknown model architecture \['FancyNewForCausalLM'\].*LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"unknown model architecture \['FancyNewForCausalLM'\].*LlamaForCausalLM"
+    ):
         runner(path)
 
 

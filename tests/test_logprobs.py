@@ -30,15 +30,28 @@ PROMPT = [(7 * i + 3) % 300 + 10 for i in range(40)]  # 40 tokens: three prefill
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> Iterator[Server]:
-    with Server("--model-path", str(tiny_model_dirs["llama"]), "--tokenizer-path", str(smollm2_dir), "--tp", "2",
-                "--dtype", "float32", "--max-total-tokens", "4096", "--chunked-prefill-size", "16") as server:
+    with Server(
+        "--model-path",
+        str(tiny_model_dirs["llama"]),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--tp",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "16",
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dirs: dict[str, Path]) -> Any:
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"],
-                                                             torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dirs["llama"], torch_dtype=torch.float32
+    ).eval()
 
 
 def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
@@ -70,25 +83,30 @@ def check_top(tops: list[list[list[Any]]], rows: torch.Tensor, k: int) -> None:
     got = torch.tensor([[entry[0] for entry in top] for top in tops])
     torch.testing.assert_close(got, values, atol=ATOL, rtol=0)
     for top, row in zip(tops, rows):  # each listed id has the listed logprob (ties may swap ids)
-        torch.testing.assert_close(torch.tensor([e[0] for e in top]), row[[e[1] for e in top]], atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor([e[0] for e in top]), row[[e[1] for e in top]], atol=ATOL, rtol=0
+        )
 
 
 def test_greedy_logprobs_match_transformers(server: Server, hf_model: Any) -> None:
-    out = generate(server, input_ids=PROMPT, return_logprob=True, top_logprobs_num=5, logprob_start_len=0,
-                   **greedy())
+    out = generate(
+        server, input_ids=PROMPT, return_logprob=True, top_logprobs_num=5, logprob_start_len=0, **greedy()
+    )
     meta, output_ids = out["meta_info"], out["output_ids"]
     reference = hf_logprobs(hf_model, PROMPT + output_ids)
     n = len(PROMPT)
-    assert output_ids == reference[n - 1:n - 1 + len(output_ids)].argmax(-1).tolist()  # the same greedy path
-    check_entries(meta["output_token_logprobs"], output_ids, reference[n - 1:n - 1 + len(output_ids)])
-    check_top(meta["output_top_logprobs"], reference[n - 1:n - 1 + len(output_ids)], 5)
+    assert (
+        output_ids == reference[n - 1 : n - 1 + len(output_ids)].argmax(-1).tolist()
+    )  # the same greedy path
+    check_entries(meta["output_token_logprobs"], output_ids, reference[n - 1 : n - 1 + len(output_ids)])
+    check_top(meta["output_top_logprobs"], reference[n - 1 : n - 1 + len(output_ids)], 5)
     # Greedy: the chosen token is the most likely one.
     assert [top[0][1] for top in meta["output_top_logprobs"]] == output_ids
     prompt_entries = meta["input_token_logprobs"]
     assert len(prompt_entries) == n and prompt_entries[0] == [None, PROMPT[0], None]
     assert meta["input_top_logprobs"][0] is None
-    check_entries(prompt_entries[1:], PROMPT[1:], reference[:n - 1])
-    check_top(meta["input_top_logprobs"][1:], reference[:n - 1], 5)
+    check_entries(prompt_entries[1:], PROMPT[1:], reference[: n - 1])
+    check_top(meta["input_top_logprobs"][1:], reference[: n - 1], 5)
 
 
 def test_logprob_start_len_recomputes_a_cached_prefix(server: Server, hf_model: Any) -> None:
@@ -101,26 +119,34 @@ def test_logprob_start_len_recomputes_a_cached_prefix(server: Server, hf_model: 
     assert 0 < meta["cached_tokens"] <= start - 1  # reused up to the first position it must score
     assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
     reference = hf_logprobs(hf_model, prompt + out["output_ids"])
-    check_entries(meta["input_token_logprobs"], prompt[start:], reference[start - 1:len(prompt) - 1])
+    check_entries(meta["input_token_logprobs"], prompt[start:], reference[start - 1 : len(prompt) - 1])
 
 
 def test_sampled_logprobs_ignore_temperature(server: Server, hf_model: Any) -> None:
-    body = {"input_ids": PROMPT[:12], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 10, "temperature": 1.7, "seed": 11, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT[:12],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 10, "temperature": 1.7, "seed": 11, "ignore_eos": True},
+    }
     out = generate(server, **body)
     n = 12
     reference = hf_logprobs(hf_model, PROMPT[:12] + out["output_ids"])
-    check_entries(out["meta_info"]["output_token_logprobs"], out["output_ids"], reference[n - 1:n - 1 + 10])
+    check_entries(out["meta_info"]["output_token_logprobs"], out["output_ids"], reference[n - 1 : n - 1 + 10])
 
 
 def test_streamed_logprobs_arrive_with_their_tokens(server: Server) -> None:
-    body = {"input_ids": PROMPT[:20], "return_logprob": True, "top_logprobs_num": 2, "stream": True,
-            **greedy(max_new=12)}
+    body = {
+        "input_ids": PROMPT[:20],
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "stream": True,
+        **greedy(max_new=12),
+    }
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
     assert len(chunks) >= 12  # one update per token (--stream-interval 1)
     for chunk in chunks:  # cumulative, like text and output_ids: one entry per token so far
         meta = chunk["meta_info"]
@@ -132,7 +158,9 @@ def test_streamed_logprobs_arrive_with_their_tokens(server: Server) -> None:
 
 
 def test_prompt_scored_without_generating(server: Server, hf_model: Any) -> None:
-    out = generate(server, input_ids=PROMPT[:30], return_logprob=True, logprob_start_len=0, **greedy(max_new=0))
+    out = generate(
+        server, input_ids=PROMPT[:30], return_logprob=True, logprob_start_len=0, **greedy(max_new=0)
+    )
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
     assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 0
@@ -142,23 +170,27 @@ def test_prompt_scored_without_generating(server: Server, hf_model: Any) -> None
 def test_requests_without_logprobs_are_unchanged(server: Server) -> None:
     prompts = [PROMPT[:9], PROMPT[5:27]]
     plain = [generate(server, input_ids=p, **greedy())["output_ids"] for p in prompts]
-    batch = server.generate({"input_ids": prompts, "return_logprob": [True, False], "return_text_in_logprobs": True,
-                             **greedy()}).json()
+    batch = server.generate(
+        {"input_ids": prompts, "return_logprob": [True, False], "return_text_in_logprobs": True, **greedy()}
+    ).json()
     assert [item["output_ids"] for item in batch] == plain
     entries = batch[0]["meta_info"]["output_token_logprobs"]
     assert [e[1] for e in entries] == plain[0] and all(isinstance(e[2], str) for e in entries)
     assert not any("logprobs" in key for key in batch[1]["meta_info"])
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"return_logprob": "yes"}, "return_logprob"),
-    ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
-    ({"return_logprob": True, "top_logprobs_num": 1.5}, "top_logprobs_num"),
-    ({"return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),  # the prompt has 5 tokens
-    ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
-    ({"return_logprob": [True, False]}, "return_logprob"),  # a list for a single prompt
-    ({"return_text_in_logprobs": 1}, "return_text_in_logprobs"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"return_logprob": "yes"}, "return_logprob"),
+        ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"return_logprob": True, "top_logprobs_num": 1.5}, "top_logprobs_num"),
+        ({"return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),  # the prompt has 5 tokens
+        ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+        ({"return_logprob": [True, False]}, "return_logprob"),  # a list for a single prompt
+        ({"return_text_in_logprobs": 1}, "return_text_in_logprobs"),
+    ],
+)
 def test_bad_logprob_options_get_400_naming_them(server: Server, extra: dict[str, Any], param: str) -> None:
     r = server.generate({"input_ids": PROMPT[:5], **greedy(max_new=2), **extra})
     assert r.status_code == 400, r.text
@@ -170,8 +202,11 @@ def scheduler_logprobs(model_dir: Path, prompts: list[list[int]], **server_args:
     h = Harness(model_dir, **server_args)
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        h.send(TokenizedGenerateReq(f"r{i}", prompt, params, seed=0, return_logprob=True, top_logprobs_num=2,
-                                    logprob_start_len=0))
+        h.send(
+            TokenizedGenerateReq(
+                f"r{i}", prompt, params, seed=0, return_logprob=True, top_logprobs_num=2, logprob_start_len=0
+            )
+        )
     result: dict[str, Any] = {f"r{i}": ([], [], None) for i in range(len(prompts))}
     retracted = False
     for _ in range(5000):
@@ -194,10 +229,14 @@ def scheduler_logprobs(model_dir: Path, prompts: list[list[int]], **server_args:
 
 def test_scheduler_logprobs_survive_retraction_chunking_and_paging(tiny_model_dirs: dict[str, Path]) -> None:
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (10,), generator=g)]
+    prompts = [
+        torch.randint(3, 300, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 40, (10,), generator=g)
+    ]
     roomy = scheduler_logprobs(tiny_model_dirs["llama"], prompts, max_total_tokens=8192)
-    tight = scheduler_logprobs(tiny_model_dirs["llama"], prompts, max_total_tokens=120, page_size=4,
-                               chunked_prefill_size=8)
+    tight = scheduler_logprobs(
+        tiny_model_dirs["llama"], prompts, max_total_tokens=120, page_size=4, chunked_prefill_size=8
+    )
     assert tight["retracted"] and not roomy["retracted"]
     for i, prompt in enumerate(prompts):
         (ids, values, prompt_lp), (t_ids, t_values, t_prompt_lp) = roomy[f"r{i}"], tight[f"r{i}"]
@@ -205,5 +244,6 @@ def test_scheduler_logprobs_survive_retraction_chunking_and_paging(tiny_model_di
         torch.testing.assert_close(torch.tensor(t_values), torch.tensor(values), atol=ATOL, rtol=0)
         assert prompt_lp is not None and t_prompt_lp is not None
         assert prompt_lp.token_ids == t_prompt_lp.token_ids == prompt and prompt_lp.values[0] is None
-        torch.testing.assert_close(torch.tensor(t_prompt_lp.values[1:]), torch.tensor(prompt_lp.values[1:]),
-                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(t_prompt_lp.values[1:]), torch.tensor(prompt_lp.values[1:]), atol=ATOL, rtol=0
+        )

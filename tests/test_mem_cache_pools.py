@@ -355,13 +355,23 @@ def test_profile_num_pages_too_small_names_flags_and_bytes() -> None:
 
 def test_cpu_budget_is_the_smaller_of_the_space_and_what_running_requests_can_hold() -> None:
     # SmolLM2-135M in bf16: 23040 B a token; a 24 GiB host with 20 GiB available
-    host: dict[str, Any] = dict(device="cpu", bytes_per_token=23040, page_size=1, free_memory=20 * GIB,
-                                total_memory=24 * GIB, max_running_requests=128, context_length=8192)
+    host: dict[str, Any] = dict(
+        device="cpu",
+        bytes_per_token=23040,
+        page_size=1,
+        free_memory=20 * GIB,
+        total_memory=24 * GIB,
+        max_running_requests=128,
+        context_length=8192,
+    )
     default = kv_budget(**host)
     assert default.num_tokens == 4 * GIB // 23040 == 186413  # not 0.8 of the host (about 660k tokens)
     assert default.flag == "--cpu-kvcache-space" and "4 GiB (the default)" in default.bound
     line = default.describe()
-    assert line.startswith("KV cache budget: 4 GiB = 186413 tokens") and "change it with --cpu-kvcache-space" in line
+    assert (
+        line.startswith("KV cache budget: 4 GiB = 186413 tokens")
+        and "change it with --cpu-kvcache-space" in line
+    )
     small = kv_budget(**host, cpu_kvcache_space=0.25)
     assert small.num_tokens == GIB // 4 // 23040 and "--cpu-kvcache-space 0.25 GiB" in small.bound
     few = kv_budget(**{**host, "max_running_requests": 4, "context_length": 2048})
@@ -374,8 +384,15 @@ def test_cpu_budget_is_the_smaller_of_the_space_and_what_running_requests_can_ho
 
 
 def test_cpu_budget_keeps_sglangs_flags_when_given() -> None:
-    host: dict[str, Any] = dict(device="cpu", bytes_per_token=1024, page_size=1, free_memory=20 * GIB,
-                                total_memory=24 * GIB, max_running_requests=128, context_length=8192)
+    host: dict[str, Any] = dict(
+        device="cpu",
+        bytes_per_token=1024,
+        page_size=1,
+        free_memory=20 * GIB,
+        total_memory=24 * GIB,
+        max_running_requests=128,
+        context_length=8192,
+    )
     fraction = kv_budget(**host, mem_fraction_static=0.9)  # 20 - 2.4 GiB, no space bound
     assert fraction.num_bytes == int(20 * GIB - int(24 * GIB * 0.1)) // 1024 * 1024
     assert fraction.flag == "--mem-fraction-static"
@@ -394,7 +411,9 @@ def test_cpu_budget_keeps_sglangs_flags_when_given() -> None:
 def test_dp_replicas_split_the_hosts_kv_space() -> None:
     assert ServerArgs(dp_size=2).replica_memory_share(2) == {"cpu_kvcache_space": 2.0}
     assert ServerArgs(dp_size=4, cpu_kvcache_space=1.0).replica_memory_share(4) == {"cpu_kvcache_space": 0.25}
-    assert ServerArgs(dp_size=2, mem_fraction_static=0.6).replica_memory_share(2) == {"mem_fraction_static": 0.3}
+    assert ServerArgs(dp_size=2, mem_fraction_static=0.6).replica_memory_share(2) == {
+        "mem_fraction_static": 0.3
+    }
     assert ServerArgs(dp_size=2, max_total_tokens=4096).replica_memory_share(2) == {}  # tokens per replica
 
 

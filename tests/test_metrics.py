@@ -26,17 +26,32 @@ PROMPT = [(11 * i + 5) % 300 + 10 for i in range(24)]
 
 @pytest.fixture(scope="module")
 def server(long_context_llama: Path, smollm2_dir: Path) -> Iterator[Server]:
-    with Server("--model-path", str(long_context_llama), "--tokenizer-path", str(smollm2_dir), "--tp", "2",
-                "--dtype", "float32", "--max-total-tokens", "4096", "--enable-metrics",
-                "--decode-log-interval", "3") as server:
+    with Server(
+        "--model-path",
+        str(long_context_llama),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--tp",
+        "2",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--enable-metrics",
+        "--decode-log-interval",
+        "3",
+    ) as server:
         yield server
 
 
 def scrape(server: Server) -> Samples:
     r = requests.get(server.url + "/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -44,8 +59,12 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def generate(server: Server, ids: list[int], max_new: int = 6, **params: Any) -> dict[str, Any]:
-    r = server.generate({"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                                               "ignore_eos": True, **params}})
+    r = server.generate(
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, **params},
+        }
+    )
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -67,8 +86,14 @@ def test_series_move_after_requests(server: Server) -> None:
     outs.append(generate(server, PROMPT, stop_token_ids=[stop_at]))
     assert outs[-1]["meta_info"]["finish_reason"]["type"] == "stop"
     # rank 1 publishes its last step's count a moment after rank 0 may report the queue empty
-    after = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0 and value(s, "srt:num_queue_reqs") == 0
-                     and value(s, "srt:forward_steps_total", rank="0") == value(s, "srt:forward_steps_total", rank="1"))
+    after = wait_for(
+        server,
+        lambda s: (
+            value(s, "srt:num_running_reqs") == 0
+            and value(s, "srt:num_queue_reqs") == 0
+            and value(s, "srt:forward_steps_total", rank="0") == value(s, "srt:forward_steps_total", rank="1")
+        ),
+    )
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -93,8 +118,11 @@ def test_series_move_after_requests(server: Server) -> None:
 
 
 def test_gauges_follow_a_running_request(server: Server) -> None:
-    body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 4000, "temperature": 0,
-                                                                        "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "rid": "long-one",
+        "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True},
+    }
     before = scrape(server)
     result: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: result.update(server.generate(body).json()))
@@ -105,8 +133,10 @@ def test_gauges_follow_a_running_request(server: Server) -> None:
     worker.join(30)
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     after = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0)
-    assert value(after, "srt:num_requests_total", finish_reason="abort") == \
-        value(before, "srt:num_requests_total", finish_reason="abort") + 1
+    assert (
+        value(after, "srt:num_requests_total", finish_reason="abort")
+        == value(before, "srt:num_requests_total", finish_reason="abort") + 1
+    )
 
 
 def test_the_series_under_sglangs_names(server: Server, long_context_llama: Path) -> None:
@@ -115,9 +145,18 @@ def test_the_series_under_sglangs_names(server: Server, long_context_llama: Path
     generate(server, PROMPT)
     samples = wait_for(server, lambda s: value(s, "srt:num_running_reqs") == 0)
     model = str(long_context_llama)  # --model-path as given names the model (no --served-model-name)
-    mirrored = [(name, labels) for name, labels in samples if name.startswith("srt:")
-                and name.removeprefix("srt:").removesuffix("_total").removesuffix("_count").removesuffix("_sum")
-                .removesuffix("_bucket").removesuffix("_created") in SGLANG_MIRRORED]
+    mirrored = [
+        (name, labels)
+        for name, labels in samples
+        if name.startswith("srt:")
+        and name.removeprefix("srt:")
+        .removesuffix("_total")
+        .removesuffix("_count")
+        .removesuffix("_sum")
+        .removesuffix("_bucket")
+        .removesuffix("_created")
+        in SGLANG_MIRRORED
+    ]
     assert len({name for name, _ in mirrored}) >= 20
     for name, labels in mirrored:
         twin = value(samples, "sglang:" + name.removeprefix("srt:"), **dict(labels), model_name=model)
@@ -127,12 +166,16 @@ def test_the_series_under_sglangs_names(server: Server, long_context_llama: Path
 
 
 LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (main|scheduler_TP\d+|detokenizer)\] [A-Z]+ ")
-DECODE_LINE = re.compile(r"\[\S+ \S+ scheduler_TP0\] INFO srt\.scheduler: Decode batch\. #running-req: (\d+), "
-                         r"#token: (\d+), token usage: (\d\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), "
-                         r"#queue-req: (\d+)$")
-PREFILL_LINE = re.compile(r"\[\S+ \S+ scheduler_TP0\] INFO srt\.scheduler: Prefill batch\. #new-seq: \d+, "
-                          r"#new-token: \d+, #cached-token: \d+, token usage: \d\.\d\d, #running-req: \d+, "
-                          r"#queue-req: \d+$")
+DECODE_LINE = re.compile(
+    r"\[\S+ \S+ scheduler_TP0\] INFO srt\.scheduler: Decode batch\. #running-req: (\d+), "
+    r"#token: (\d+), token usage: (\d\.\d\d), gen throughput \(token/s\): (\d+\.\d\d), "
+    r"#queue-req: (\d+)$"
+)
+PREFILL_LINE = re.compile(
+    r"\[\S+ \S+ scheduler_TP0\] INFO srt\.scheduler: Prefill batch\. #new-seq: \d+, "
+    r"#new-token: \d+, #cached-token: \d+, token usage: \d\.\d\d, #running-req: \d+, "
+    r"#queue-req: \d+$"
+)
 
 
 def test_stats_log_lines_come_from_the_output_rank(server: Server) -> None:
@@ -143,6 +186,9 @@ def test_stats_log_lines_come_from_the_output_rank(server: Server) -> None:
     assert any(map(PREFILL_LINE.search, lines))
     assert not [ln for ln in lines if "batch. #" in ln and "scheduler_TP0" not in ln]  # TP1 stays quiet
     # Every log line (uvicorn's included) names the process that wrote it.
-    unlabelled = [ln for ln in lines if re.search(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b", ln)
-                  and not LOG_LINE.match(ln)]
+    unlabelled = [
+        ln
+        for ln in lines
+        if re.search(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b", ln) and not LOG_LINE.match(ln)
+    ]
     assert not unlabelled, unlabelled[:5]

@@ -27,9 +27,12 @@ def prompts_for(vocab: int) -> list[list[int]]:
 def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     seq_lens = [len(p) for p in prompts]
-    loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), seq_lens)
-    batch = make_forward_batch(ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts),
-                               seq_lens, loc)
+    loc = runner.allocator.alloc_extend(
+        runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), seq_lens
+    )
+    batch = make_forward_batch(
+        ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts), seq_lens, loc
+    )
     return runner.forward(batch)
 
 
@@ -59,7 +62,12 @@ def test_tiny_model_matches_transformers(arch: str, tiny_model_dirs: dict[str, P
 
 def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    texts = ["The capital of France is", "def fibonacci(n):", "Hello", "Once upon a time, in a land far away, there"]
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Hello",
+        "Once upon a time, in a land far away, there",
+    ]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     check_model(smollm2_dir, prompts, atol=1e-3)
 
@@ -69,12 +77,21 @@ def test_fresh_prompts_of_one_length_match_transformers(arch: str, tiny_model_di
     """Same-length fresh prompts prefill as one batched causal attention call: logits and the
     continuations decoded from the KV it wrote are transformers' own."""
     g = torch.Generator().manual_seed(2)
-    check_model(tiny_model_dirs[arch], [torch.randint(3, 320, (12,), generator=g).tolist() for _ in range(3)],
-                atol=LOGIT_ATOL)
+    check_model(
+        tiny_model_dirs[arch],
+        [torch.randint(3, 320, (12,), generator=g).tolist() for _ in range(3)],
+        atol=LOGIT_ATOL,
+    )
 
 
-def hf_penalized_greedy(model: torch.nn.Module, prompt: list[int], steps: int, frequency: float, presence: float,
-                        repetition: float) -> list[int]:
+def hf_penalized_greedy(
+    model: torch.nn.Module,
+    prompt: list[int],
+    steps: int,
+    frequency: float,
+    presence: float,
+    repetition: float,
+) -> list[int]:
     """Greedy with transformers' RepetitionPenaltyLogitsProcessor on prompt + output, then OpenAI's
     frequency and presence penalties on the output (vLLM's order), full forwards each step."""
     repeat = transformers.RepetitionPenaltyLogitsProcessor(repetition)
@@ -89,14 +106,23 @@ def hf_penalized_greedy(model: torch.nn.Module, prompt: list[int], steps: int, f
     return out
 
 
-@pytest.mark.parametrize(("frequency", "presence", "repetition"), [(0.0, 0.0, 1.5), (0.8, 0.4, 1.0), (0.5, -0.3, 1.2)])
-def test_penalized_greedy_matches_transformers(frequency: float, presence: float, repetition: float,
-                                               tiny_model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize(
+    ("frequency", "presence", "repetition"), [(0.0, 0.0, 1.5), (0.8, 0.4, 1.0), (0.5, -0.3, 1.2)]
+)
+def test_penalized_greedy_matches_transformers(
+    frequency: float, presence: float, repetition: float, tiny_model_dirs: dict[str, Path]
+) -> None:
     model_dir = tiny_model_dirs["llama"]
     hf = hf_float32(model_dir)
     prompts = prompts_for(320)[:3]
-    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=frequency,
-                            presence_penalty=presence, repetition_penalty=repetition)
+    params = SamplingParams(
+        max_new_tokens=16,
+        temperature=0.0,
+        ignore_eos=True,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        repetition_penalty=repetition,
+    )
     with Engine(str(model_dir), dtype="float32", max_total_tokens=4096) as engine:
         outputs = engine.generate(prompts, params)
         plain = engine.generate(prompts, GREEDY)
@@ -105,7 +131,9 @@ def test_penalized_greedy_matches_transformers(frequency: float, presence: float
     assert [o.output_ids for o in outputs] != [o.output_ids[:16] for o in plain]  # the penalties did bite
 
 
-def test_min_new_tokens_holds_back_stops_as_a_masked_transformers_loop(tiny_model_dirs: dict[str, Path]) -> None:
+def test_min_new_tokens_holds_back_stops_as_a_masked_transformers_loop(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
     """A stop id the plain greedy run reaches at its third token: with min_new_tokens 8 it is masked
     for the first 8 tokens (the greedy choice among the rest, as transformers with that logit at
     -inf), and the request runs on until it is sampled after them or max_new_tokens."""
@@ -114,9 +142,13 @@ def test_min_new_tokens_holds_back_stops_as_a_masked_transformers_loop(tiny_mode
     prompt = prompts_for(320)[1]
     with Engine(str(model_dir), dtype="float32", max_total_tokens=4096) as engine:
         stop = engine.generate([prompt], GREEDY)[0].output_ids[2]
-        early = engine.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop]))[0]
-        held = engine.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop],
-                                                        min_new_tokens=8))[0]
+        early = engine.generate(
+            [prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop])
+        )[0]
+        held = engine.generate(
+            [prompt],
+            SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[stop], min_new_tokens=8),
+        )[0]
     assert early.finish_reason == "stop" and len(early.output_ids) <= 3
     want: list[int] = []
     with torch.no_grad():

@@ -45,14 +45,25 @@ class Node:
     """One node: `launch_server` (or, with fake=True, launch_server's flow on fake ranks and a
     fake front end), its output in a log file, killed with its process tree at the end."""
 
-    def __init__(self, tmp_path: Path, name: str, args: list[str], fake: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        args: list[str],
+        fake: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log_path = tmp_path / f"{name}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115
         entry = [str(TESTS / "launcher_targets.py"), "node"] if fake else ["-m", "srt.launch_server"]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, *entry, *args], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**ENV, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, *entry, *args],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**ENV, **(env or {})},
+        )
 
     def output(self) -> str:
         self.log.flush()
@@ -86,8 +97,19 @@ def nodes(tmp_path: Path) -> Iterator[list[Node]]:
 
 
 def two_node_args(dist_port: int, node_rank: int, *extra: str) -> list[str]:
-    return ["--nnodes", "2", "--node-rank", str(node_rank), "--tp-size", "2",
-            "--dist-init-addr", f"127.0.0.1:{dist_port}", "--port", str(free_port()), *extra]
+    return [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--tp-size",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{dist_port}",
+        "--port",
+        str(free_port()),
+        *extra,
+    ]
 
 
 def fake_node(nodes: list[Node], tmp_path: Path, name: str, args: list[str], fake: str = "") -> Node:
@@ -155,12 +177,20 @@ def test_fingerprint_names_only_what_differs(model_dir: Path, tmp_path: Path) ->
     copy.mkdir()
     (copy / "config.json").write_text("{}")
     a = launch_fingerprint(ServerArgs(tp_size=2, dtype="float32"), model_dir)
-    assert fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32", port=1234), copy), 0, 1) == []
+    assert (
+        fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32", port=1234), copy), 0, 1)
+        == []
+    )
     b = launch_fingerprint(ServerArgs(tp_size=4, dtype="float32", page_size=16), model_dir)
-    assert fingerprint_diff(a, b, 0, 1) == ["page_size (node 0: 1, node 1: 16)", "tp_size (node 0: 2, node 1: 4)"]
+    assert fingerprint_diff(a, b, 0, 1) == [
+        "page_size (node 0: 1, node 1: 16)",
+        "tp_size (node 0: 2, node 1: 4)",
+    ]
     (copy / "model.safetensors").write_bytes(b"x")
-    assert [d.split(" ")[0] for d in fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32"),
-                                                                            copy), 0, 1)] == ["model"]
+    assert [
+        d.split(" ")[0]
+        for d in fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32"), copy), 0, 1)
+    ] == ["model"]
 
 
 @pytest.fixture
@@ -180,16 +210,19 @@ def test_peer_watch_names_the_node_that_went_first(store_pair: tuple[Any, list[R
     time.sleep(3 * HEARTBEAT_S)
     assert watch0.explain("scheduler TP0 (pid 1) exited with code 1") is None  # node 1 still beats
     assert watch1.failures.poll(5 * HEARTBEAT_S) and watch1.failures.recv() == (
-        "node 0 went down (scheduler TP0 (pid 1) exited with code 1)")  # node 1's supervisor gets this
+        "node 0 went down (scheduler TP0 (pid 1) exited with code 1)"
+    )  # node 1's supervisor gets this
     assert watch1.explain("scheduler TP1 (pid 2) exited with code 1") == (  # or its rank dies first
-        "node 0 went down first (scheduler TP0 (pid 1) exited with code 1)")
+        "node 0 went down first (scheduler TP0 (pid 1) exited with code 1)"
+    )
 
 
 def test_peer_watch_names_a_silent_node(store_pair: tuple[Any, list[Rendezvous]]) -> None:
     _, (node0, _) = store_pair  # node 1 never beats: its launcher was killed
     start = time.monotonic()
     assert PeerWatch(node0).start().explain("scheduler TP0 (pid 1) exited with code 1") == (
-        f"node 1 is gone (no heartbeat for {LOST_AFTER_S:g} s)")
+        f"node 1 is gone (no heartbeat for {LOST_AFTER_S:g} s)"
+    )
     assert LOST_AFTER_S <= time.monotonic() - start < LOST_AFTER_S + 2
 
 
@@ -199,26 +232,46 @@ def test_peer_watch_names_node_0_when_its_store_is_gone() -> None:
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = server.port
     client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
-    watch1 = PeerWatch(Rendezvous(client, None, 1, 2, RendezvousAddress("127.0.0.1", port, "--dist-init-addr")))
+    watch1 = PeerWatch(
+        Rendezvous(client, None, 1, 2, RendezvousAddress("127.0.0.1", port, "--dist-init-addr"))
+    )
     del server  # node 0's launcher, which hosts the store, is gone
     assert watch1.start().explain("scheduler TP1 (pid 2) exited with code 1") == (
-        f"node 0 is gone (its rendezvous at --dist-init-addr 127.0.0.1:{port} no longer answers)")
+        f"node 0 is gone (its rendezvous at --dist-init-addr 127.0.0.1:{port} no longer answers)"
+    )
 
 
 # ---- start-up checks: before anything starts, or at the rendezvous ----
 
 
-@pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"], {},
-     "--tp-size x --pp-size (3 x 1) is not divisible by --nnodes 2"),
-    (["--nnodes", "2", "--node-rank", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:5000"], {},
-     "--node-rank 2 is outside [0, --nnodes 2)"),
-    (["--device", "cuda", "--tp", "64"], {}, "this node runs 64 ranks (--tp-size x --pp-size / --nnodes 1) but has"),
-    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "env://"], {"MASTER_ADDR": "", "MASTER_PORT": ""},
-     "--dist-init-addr env:// needs MASTER_ADDR and MASTER_PORT in the environment"),
-])
-def test_bad_layout_fails_before_anything_starts(argv: list[str], env: dict[str, str], message: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (
+            ["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"],
+            {},
+            "--tp-size x --pp-size (3 x 1) is not divisible by --nnodes 2",
+        ),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:5000"],
+            {},
+            "--node-rank 2 is outside [0, --nnodes 2)",
+        ),
+        (
+            ["--device", "cuda", "--tp", "64"],
+            {},
+            "this node runs 64 ranks (--tp-size x --pp-size / --nnodes 1) but has",
+        ),
+        (
+            ["--nnodes", "2", "--tp", "2", "--dist-init-addr", "env://"],
+            {"MASTER_ADDR": "", "MASTER_PORT": ""},
+            "--dist-init-addr env:// needs MASTER_ADDR and MASTER_PORT in the environment",
+        ),
+    ],
+)
+def test_bad_layout_fails_before_anything_starts(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """launch_server turns these ValueErrors into exit code 2 (tests/test_launcher_server.py)."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -230,35 +283,66 @@ def test_bad_layout_fails_before_anything_starts(argv: list[str], env: dict[str,
 @pytest.mark.timeout(90)
 def test_duplicate_node_rank_is_refused_at_once(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
     dist_port = free_port()
-    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
-    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)])
+    node0 = fake_node(
+        nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)]
+    )
+    node1 = fake_node(
+        nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)]
+    )
     wait_for_line(node1, "node 1 of 2 met the others")
-    again1 = fake_node(nodes, tmp_path, "again1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)])
-    again0 = fake_node(nodes, tmp_path, "again0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
+    again1 = fake_node(
+        nodes, tmp_path, "again1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)]
+    )
+    again0 = fake_node(
+        nodes, tmp_path, "again0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)]
+    )
     assert again1.wait(30) == 1 and again0.wait(30) == 1
-    assert f"--node-rank 1 is already taken by the node on host {HOST} (pid {node1.proc.pid})" in again1.output()
-    assert f"--node-rank 0 is already taken by the node on host {HOST} (pid {node0.proc.pid})" in again0.output()
+    assert (
+        f"--node-rank 1 is already taken by the node on host {HOST} (pid {node1.proc.pid})" in again1.output()
+    )
+    assert (
+        f"--node-rank 0 is already taken by the node on host {HOST} (pid {node0.proc.pid})" in again0.output()
+    )
     assert "which hosts the rendezvous at --dist-init-addr 127.0.0.1:" in again0.output()
     wait_healthy(node0, http_port(node0))  # the first two went on to serve, undisturbed
     assert node1.proc.poll() is None
 
 
 @pytest.mark.timeout(90)
-def test_nodes_started_differently_both_fail_naming_the_fields(nodes: list[Node], tmp_path: Path,
-                                                               model_dir: Path) -> None:
+def test_nodes_started_differently_both_fail_naming_the_fields(
+    nodes: list[Node], tmp_path: Path, model_dir: Path
+) -> None:
     other_model = tmp_path / "other"
     other_model.mkdir()
     (other_model / "config.json").write_text('{"num_hidden_layers": 3}')
     dist_port = free_port()
-    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), "--dtype", "float32",
-                                                 *two_node_args(dist_port, 0)])
-    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(other_model), "--dtype", "bfloat16",
-                                                 "--page-size", "16", *two_node_args(dist_port, 1)])
+    node0 = fake_node(
+        nodes,
+        tmp_path,
+        "node0",
+        ["--model-path", str(model_dir), "--dtype", "float32", *two_node_args(dist_port, 0)],
+    )
+    node1 = fake_node(
+        nodes,
+        tmp_path,
+        "node1",
+        [
+            "--model-path",
+            str(other_model),
+            "--dtype",
+            "bfloat16",
+            "--page-size",
+            "16",
+            *two_node_args(dist_port, 1),
+        ],
+    )
     assert node0.wait(60) == 1 and node1.wait(60) == 1
     for node in (node0, node1):
         out = node.output()
         assert "the nodes were started differently" in out, out[-2000:]
-        assert "dtype (node 0: float32, node 1: bfloat16)" in out and "page_size (node 0: 1, node 1: 16)" in out
+        assert (
+            "dtype (node 0: float32, node 1: bfloat16)" in out and "page_size (node 0: 1, node 1: 16)" in out
+        )
         assert "model (" in out and f"at {other_model}" in out
         assert "tp_size" not in out  # only what differs
         assert "child processes ready" not in out  # no rank started
@@ -269,10 +353,21 @@ def test_a_slow_node_still_hears_why_node_0_refused(monkeypatch: pytest.MonkeyPa
     """Node 0 judges as soon as node 1's fingerprint is in, then exits and takes the store with it:
     it waits (bounded) until node 1 has read the verdict, or node 1 saw only a closed connection."""
     port = free_port()
-    node0 = subprocess.Popen([sys.executable, "-c", (
-        "from launcher.layout import RendezvousAddress; from launcher.rendezvous import Rendezvous; "
-        f"Rendezvous.join(RendezvousAddress('127.0.0.1', {port}, '--dist-init-addr'), 0, 2, "
-        "{'dtype': 'float32'}, 20)")], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "from launcher.layout import RendezvousAddress; from launcher.rendezvous import Rendezvous; "
+                f"Rendezvous.join(RendezvousAddress('127.0.0.1', {port}, '--dist-init-addr'), 0, 2, "
+                "{'dtype': 'float32'}, 20)"
+            ),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     real_wait_for = Rendezvous._wait_for
     slowed: list[bool] = []
 
@@ -284,9 +379,12 @@ def test_a_slow_node_still_hears_why_node_0_refused(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(Rendezvous, "_wait_for", late_first_look)
     try:
-        with pytest.raises(RendezvousError, match=r"started differently.*dtype \(node 0: float32, node 1: bfloat16\)"):
-            Rendezvous.join(RendezvousAddress("127.0.0.1", port, "--dist-init-addr"), 1, 2,
-                            {"dtype": "bfloat16"}, 20)
+        with pytest.raises(
+            RendezvousError, match=r"started differently.*dtype \(node 0: float32, node 1: bfloat16\)"
+        ):
+            Rendezvous.join(
+                RendezvousAddress("127.0.0.1", port, "--dist-init-addr"), 1, 2, {"dtype": "bfloat16"}, 20
+            )
         _, err = node0.communicate(timeout=20)
         assert node0.returncode == 1 and "dtype (node 0: float32, node 1: bfloat16)" in err
     finally:
@@ -294,21 +392,32 @@ def test_a_slow_node_still_hears_why_node_0_refused(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.timeout(60)
-def test_unreachable_dist_init_addr_fails_within_dist_timeout(nodes: list[Node], tmp_path: Path,
-                                                              model_dir: Path) -> None:
+def test_unreachable_dist_init_addr_fails_within_dist_timeout(
+    nodes: list[Node], tmp_path: Path, model_dir: Path
+) -> None:
     dist_port = free_port()  # nobody listens there
-    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), "--dist-timeout", "3",
-                                                 *two_node_args(dist_port, 1)])
+    node1 = fake_node(
+        nodes,
+        tmp_path,
+        "node1",
+        ["--model-path", str(model_dir), "--dist-timeout", "3", *two_node_args(dist_port, 1)],
+    )
     assert node1.wait(40) == 1
-    assert (f"cannot reach the rendezvous at --dist-init-addr 127.0.0.1:{dist_port} within --dist-timeout 3 s"
-            in node1.output()), node1.output()[-2000:]
+    assert (
+        f"cannot reach the rendezvous at --dist-init-addr 127.0.0.1:{dist_port} within --dist-timeout 3 s"
+        in node1.output()
+    ), node1.output()[-2000:]
     assert time.monotonic() - node1.started < 3 + 25  # interpreter and imports on a busy machine: the rest
 
 
 @pytest.mark.timeout(60)
 def test_node_0_names_the_node_that_never_joined(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
-    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), "--dist-timeout", "3",
-                                                 *two_node_args(free_port(), 0)])
+    node0 = fake_node(
+        nodes,
+        tmp_path,
+        "node0",
+        ["--model-path", str(model_dir), "--dist-timeout", "3", *two_node_args(free_port(), 0)],
+    )
     assert node0.wait(40) == 1
     assert "node 1 did not join the rendezvous at --dist-init-addr 127.0.0.1:" in node0.output()
     assert "within --dist-timeout 3 s" in node0.output()
@@ -320,22 +429,33 @@ def test_busy_dist_init_port_fails_at_once(nodes: list[Node], tmp_path: Path, mo
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         dist_port = busy.getsockname()[1]
-        node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), "--dist-timeout", "300",
-                                                     *two_node_args(dist_port, 0)])
+        node0 = fake_node(
+            nodes,
+            tmp_path,
+            "node0",
+            ["--model-path", str(model_dir), "--dist-timeout", "300", *two_node_args(dist_port, 0)],
+        )
         assert node0.wait(40) == 1
-    assert (f"cannot host the rendezvous at --dist-init-addr 127.0.0.1:{dist_port}: port {dist_port} is already "
-            f"in use on this host" in node0.output()), node0.output()[-2000:]
+    assert (
+        f"cannot host the rendezvous at --dist-init-addr 127.0.0.1:{dist_port}: port {dist_port} is already "
+        f"in use on this host" in node0.output()
+    ), node0.output()[-2000:]
 
 
 # ---- lifetimes, on fake ranks ----
 
 
 @pytest.mark.timeout(90)
-def test_a_dead_rank_on_node_1_takes_both_nodes_down(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+def test_a_dead_rank_on_node_1_takes_both_nodes_down(
+    nodes: list[Node], tmp_path: Path, model_dir: Path
+) -> None:
     dist_port = free_port()
-    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
-    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)],
-                      fake="die:1")  # world rank 1 (node 1's only rank) exits 7 a second after it is ready
+    node0 = fake_node(
+        nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)]
+    )
+    node1 = fake_node(
+        nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)], fake="die:1"
+    )  # world rank 1 (node 1's only rank) exits 7 a second after it is ready
     assert node1.wait(60) == 1
     assert node0.wait(30) == 1
     dead = f"scheduler TP1 (pid {_pid_in(node1.output(), 'scheduler TP1 (pid ')}) exited with code 7"
@@ -345,14 +465,25 @@ def test_a_dead_rank_on_node_1_takes_both_nodes_down(nodes: list[Node], tmp_path
 
 
 @pytest.mark.timeout(90)
-def test_a_node_that_fails_to_start_stops_the_others(nodes: list[Node], tmp_path: Path, model_dir: Path) -> None:
+def test_a_node_that_fails_to_start_stops_the_others(
+    nodes: list[Node], tmp_path: Path, model_dir: Path
+) -> None:
     dist_port = free_port()
-    node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)])
-    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)],
-                      fake="raise:1")
+    node0 = fake_node(
+        nodes, tmp_path, "node0", ["--model-path", str(model_dir), *two_node_args(dist_port, 0)]
+    )
+    node1 = fake_node(
+        nodes,
+        tmp_path,
+        "node1",
+        ["--model-path", str(model_dir), *two_node_args(dist_port, 1)],
+        fake="raise:1",
+    )
     assert node1.wait(60) == 1 and node0.wait(30) == 1
     assert "RuntimeError: fake failure on scheduler TP1" in node1.output()
-    assert "node 1 went down (node 1 failed to start: scheduler TP1 (pid" in node0.output(), node0.output()[-2000:]
+    assert "node 1 went down (node 1 failed to start: scheduler TP1 (pid" in node0.output(), node0.output()[
+        -2000:
+    ]
 
 
 @pytest.mark.timeout(90)
@@ -361,7 +492,9 @@ def test_stopping_node_0_stops_node_1_cleanly(nodes: list[Node], tmp_path: Path,
     dist_port = free_port()
     args0 = two_node_args(dist_port, 0)
     node0 = fake_node(nodes, tmp_path, "node0", ["--model-path", str(model_dir), *args0])
-    node1 = fake_node(nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)])
+    node1 = fake_node(
+        nodes, tmp_path, "node1", ["--model-path", str(model_dir), *two_node_args(dist_port, 1)]
+    )
     wait_healthy(node0, int(args0[args0.index("--port") + 1]))
     deadline = time.monotonic() + 30
     while "child processes ready" not in node1.output() and time.monotonic() < deadline:
@@ -374,15 +507,24 @@ def test_stopping_node_0_stops_node_1_cleanly(nodes: list[Node], tmp_path: Path,
 
 def _pid_in(text: str, prefix: str) -> int:
     start = text.index(prefix) + len(prefix)
-    return int(text[start:text.index(")", start)])
+    return int(text[start : text.index(")", start)])
 
 
 # ---- the real server, TP=2 over two nodes ----
 
 
 def serve_args(model: Path, tokenizer: Path, layout: tuple[str, ...] = ("--tp", "2")) -> list[str]:
-    return ["--model-path", str(model), "--tokenizer-path", str(tokenizer), *layout, "--dtype", "float32",
-            "--max-total-tokens", "8192"]
+    return [
+        "--model-path",
+        str(model),
+        "--tokenizer-path",
+        str(tokenizer),
+        *layout,
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "8192",
+    ]
 
 
 def greedy_prompts() -> list[list[int]]:
@@ -390,14 +532,22 @@ def greedy_prompts() -> list[list[int]]:
 
 
 def greedy_outputs(server: Server) -> list[list[int]]:
-    payloads = [{"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
-                for ids in greedy_prompts()]
+    payloads = [
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+        for ids in greedy_prompts()
+    ]
     with ThreadPoolExecutor(4) as pool:
         return [r.json()["output_ids"] for r in pool.map(server.generate, payloads)]
 
 
-def start_two_nodes(nodes: list[Node], tmp_path: Path, model: Path, tokenizer: Path,
-                    env_rendezvous: bool = False, layout: tuple[str, ...] = ("--tp", "2")) -> tuple[Server, Node]:
+def start_two_nodes(
+    nodes: list[Node],
+    tmp_path: Path,
+    model: Path,
+    tokenizer: Path,
+    env_rendezvous: bool = False,
+    layout: tuple[str, ...] = ("--tp", "2"),
+) -> tuple[Server, Node]:
     """Node 1 in the background, then node 0 as a Server (healthy once both nodes serve).
     env_rendezvous: `--dist-init-addr env://` with MASTER_ADDR / MASTER_PORT, as torchrun or a
     LeaderWorkerSet would set them."""
@@ -405,14 +555,19 @@ def start_two_nodes(nodes: list[Node], tmp_path: Path, model: Path, tokenizer: P
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if env_rendezvous else {}
     addr = "env://" if env_rendezvous else f"127.0.0.1:{port}"
     dist = ["--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "120"]
-    node1 = Node(tmp_path, "node1", [*serve_args(model, tokenizer, layout), *dist, "--node-rank", "1"], env=env)
+    node1 = Node(
+        tmp_path, "node1", [*serve_args(model, tokenizer, layout), *dist, "--node-rank", "1"], env=env
+    )
     nodes.append(node1)
     return Server(*serve_args(model, tokenizer, layout), *dist, "--node-rank", "0", env=env), node1
 
 
 def stream(server: Server) -> tuple[int, list[str]]:
-    payload = {"input_ids": list(range(5, 25)), "stream": True,
-               "sampling_params": {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True}}
+    payload = {
+        "input_ids": list(range(5, 25)),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True},
+    }
     with requests.post(server.url + "/generate", json=payload, stream=True, timeout=60) as r:
         return r.status_code, [ln for ln in r.iter_lines(decode_unicode=True) if ln]
 
@@ -425,7 +580,8 @@ def assert_gone(procs: list[psutil.Process], timeout: float = 10) -> None:
 @pytest.mark.slow  # the default run: killing node 0 (PP over two real nodes) and a dead rank on node 1
 @pytest.mark.timeout(400)
 def test_two_nodes_serve_what_one_node_serves_and_go_down_with_node_1(
-        nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path) -> None:
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
     with Server(*serve_args(long_context_llama, smollm2_dir)) as single:
         expected = greedy_outputs(single)
     server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir)
@@ -447,13 +603,15 @@ def test_two_nodes_serve_what_one_node_serves_and_go_down_with_node_1(
 
 
 @pytest.mark.timeout(300)
-def test_killing_node_0_makes_node_1_exit(nodes: list[Node], tmp_path: Path, long_context_llama: Path,
-                                          smollm2_dir: Path) -> None:
+def test_killing_node_0_makes_node_1_exit(
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
     """Two pipeline stages, one per node, meeting through the environment's rendezvous."""
     hf = hf_float32(long_context_llama)
     expected = [hf_greedy(hf, ids, 16) for ids in greedy_prompts()]
-    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, env_rendezvous=True,
-                                    layout=("--pp", "2"))
+    server, node1 = start_two_nodes(
+        nodes, tmp_path, long_context_llama, smollm2_dir, env_rendezvous=True, layout=("--pp", "2")
+    )
     with server:
         assert greedy_outputs(server) == expected
         node1_tree = node1.tree()
@@ -468,21 +626,27 @@ def test_killing_node_0_makes_node_1_exit(nodes: list[Node], tmp_path: Path, lon
 
 
 @pytest.mark.timeout(300)
-def test_node_0_metrics_show_the_ranks_of_every_node(nodes: list[Node], tmp_path: Path, long_context_llama: Path,
-                                                     smollm2_dir: Path) -> None:
+def test_node_0_metrics_show_the_ranks_of_every_node(
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
     """TP=2 over two nodes with --enable-metrics: rank 1 runs on node 1, and node 0's /metrics
     has its series (relayed through the rendezvous store), stepping with rank 0's."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    server, _ = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir,
-                                layout=("--tp", "2", "--enable-metrics"))
+    server, _ = start_two_nodes(
+        nodes, tmp_path, long_context_llama, smollm2_dir, layout=("--tp", "2", "--enable-metrics")
+    )
     with server:
         assert greedy_outputs(server)
 
         def steps() -> dict[str, float]:
             text = requests.get(server.url + "/metrics", timeout=10).text
-            return {s.labels["rank"]: s.value for f in text_string_to_metric_families(text)
-                    for s in f.samples if s.name == "srt:forward_steps_total"}
+            return {
+                s.labels["rank"]: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "srt:forward_steps_total"
+            }
 
         deadline = time.monotonic() + 20
         while (found := steps()).get("1", 0) != found.get("0", -1) or not found.get("0"):

@@ -15,8 +15,10 @@ import requests
 from server_fixture import Server
 from transformers import AutoTokenizer
 
-MESSAGES: list[Any] = [{"role": "system", "content": "You are a helpful assistant."},
-                       {"role": "user", "content": "Write a long story about a dragon who learns to read."}]
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Write a long story about a dragon who learns to read."},
+]
 PROMPT = "The three most important inventions in history are"
 
 
@@ -51,37 +53,47 @@ def test_models_list_names_the_served_model(server: Server, client: openai.OpenA
     assert reply.model == "SmolLM2-135M-Instruct"
 
 
-def test_chat_completion_matches_generate_on_the_templated_prompt(server: Server, client: openai.OpenAI,
-                                                                  tokenizer: Any) -> None:
+def test_chat_completion_matches_generate_on_the_templated_prompt(
+    server: Server, client: openai.OpenAI, tokenizer: Any
+) -> None:
     reply = client.chat.completions.create(model="anything", messages=MESSAGES, temperature=0, max_tokens=8)
     choice = reply.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason == "length"
-    prompt_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
     assert reply.usage is not None
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt_ids), 8)
     assert reply.usage.total_tokens == len(prompt_ids) + 8
     assert choice.message.content == generate_text(server, input_ids=prompt_ids)["text"]
     # max_completion_tokens is the newer name for the same limit.
-    again = client.chat.completions.create(model="anything", messages=MESSAGES, temperature=0,
-                                           max_completion_tokens=8)
+    again = client.chat.completions.create(
+        model="anything", messages=MESSAGES, temperature=0, max_completion_tokens=8
+    )
     assert again.choices[0].message.content == choice.message.content
 
 
 def test_streamed_chat_adds_up_to_the_full_answer(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = {"model": "m", "messages": MESSAGES, "temperature": 0, "max_tokens": 12}
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     content_chunks, usage_chunk = chunks[:-1], chunks[-1]
     assert content_chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in content_chunks[1:])
-    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == full.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in content_chunks) == full.choices[0].message.content
+    )
     assert [c.choices[0].finish_reason for c in content_chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
     assert usage_chunk.choices == [] and usage_chunk.usage is not None and full.usage is not None
-    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == \
-        (full.usage.prompt_tokens, full.usage.completion_tokens)
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
     assert len({c.id for c in chunks}) == 1
     # Without include_usage no chunk carries usage.
     plain = list(client.chat.completions.create(**kwargs, stream=True))
@@ -93,48 +105,64 @@ def test_completions_match_generate(server: Server, client: openai.OpenAI, token
     reply = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=8)
     assert reply.choices[0].text == expected["text"] and reply.choices[0].finish_reason == "length"
     assert reply.usage is not None
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == \
-        (expected["meta_info"]["prompt_tokens"], 8, expected["meta_info"]["prompt_tokens"] + 8)
-    by_ids = client.completions.create(model="m", prompt=tokenizer(PROMPT)["input_ids"], temperature=0,
-                                       max_tokens=8)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        expected["meta_info"]["prompt_tokens"],
+        8,
+        expected["meta_info"]["prompt_tokens"] + 8,
+    )
+    by_ids = client.completions.create(
+        model="m", prompt=tokenizer(PROMPT)["input_ids"], temperature=0, max_tokens=8
+    )
     assert by_ids.choices[0].text == expected["text"]
     streamed = client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=8, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected["text"]
 
 
 def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model="m", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="m", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.usage is not None and reply.usage.completion_tokens == 16
     text = reply.choices[0].text
     stop = text.strip().split()[1]  # a word the greedy answer is known to contain
     cut = client.completions.create(model="m", prompt=PROMPT, temperature=0, stop=[stop])
-    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"max_tokens": 20000}, "max_tokens"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": 0}, "n"),
-    ({"n": 2.5}, "n"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
-    ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs --tool-call-parser
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),  # the last message is the user's
-    ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs"),
-])
-def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs: dict[str, Any],
-                                                   param: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_tokens": 20000}, "max_tokens"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs=true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 0}, "n"),
+        ({"n": 2.5}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+        ),  # auto needs --tool-call-parser
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"extra_body": {"continue_final_message": True}},
+            "continue_final_message",
+        ),  # the last message is the user's
+        ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs"),
+    ],
+)
+def test_bad_chat_parameters_get_a_400_naming_them(
+    client: openai.OpenAI, kwargs: dict[str, Any], param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=MESSAGES, **kwargs)
     body = info.value.body
@@ -144,20 +172,32 @@ def test_bad_chat_parameters_get_a_400_naming_them(client: openai.OpenAI, kwargs
 
 def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
-        ({"prompt": PROMPT, "logprobs": -1}, "logprobs"), ({"prompt": PROMPT, "n": 500}, "n"),
-        ({"prompt": PROMPT, "suffix": "and"}, "suffix"), ({"prompt": PROMPT, "best_of": 3}, "best_of"),
-        ({"prompt": PROMPT, "extra_body": {"bogus": 1}}, "bogus")]
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+        ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
+        ({"prompt": PROMPT, "n": 500}, "n"),
+        ({"prompt": PROMPT, "suffix": "and"}, "suffix"),
+        ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+        ({"prompt": PROMPT, "extra_body": {"bogus": 1}}, "bogus"),
+    ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="m", max_tokens=2, **kwargs)
         assert isinstance(info.value.body, dict) and info.value.body.get("param") == param, kwargs
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="m", messages=[])
-    with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.content is required for a user message"):
+    with pytest.raises(
+        openai.BadRequestError, match=r"messages\[1\]\.content is required for a user message"
+    ):
         client.chat.completions.create(model="m", messages=[MESSAGES[0], {"role": "user"}])  # type: ignore[list-item]
-    assert client.chat.completions.create(  # an assistant turn without content (it had only tool calls) is fine
-        model="m", max_tokens=2, messages=[*MESSAGES, {"role": "assistant"}, MESSAGES[1]]).choices[0].message.content
+    assert (
+        client.chat.completions.create(  # an assistant turn without content (it had only tool calls) is fine
+            model="m", max_tokens=2, messages=[*MESSAGES, {"role": "assistant"}, MESSAGES[1]]
+        )
+        .choices[0]
+        .message.content
+    )
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
 
 
@@ -168,25 +208,55 @@ def direct_ids(server: Server) -> list[int]:
 
 def test_penalties_pass_through_to_generate(server: Server, client: openai.OpenAI) -> None:
     penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5}
-    reply = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
-                                      extra_body={"repetition_penalty": 1.2}, **penalties)  # type: ignore[arg-type]
-    direct = server.generate({"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
-                                                                  "repetition_penalty": 1.2, **penalties}})
+    reply = client.completions.create(
+        model="m",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.2},
+        **penalties,
+    )  # type: ignore[arg-type]
+    direct = server.generate(
+        {
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "temperature": 0,
+                "repetition_penalty": 1.2,
+                **penalties,
+            },
+        }
+    )
     assert reply.choices[0].text == direct.json()["text"]
     plain = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0)
     assert plain.choices[0].text != reply.choices[0].text
-    first = direct_ids(server)[0]  # the plain greedy run's first token, as a stop id: min_tokens holds it back
-    early = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
-                                      extra_body={"stop_token_ids": [first]})
-    held = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0,
-                                     extra_body={"stop_token_ids": [first], "min_tokens": 5})
+    first = direct_ids(server)[
+        0
+    ]  # the plain greedy run's first token, as a stop id: min_tokens holds it back
+    early = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [first]}
+    )
+    held = client.completions.create(
+        model="m",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [first], "min_tokens": 5},
+    )
     assert early.usage is not None and early.usage.completion_tokens == 1
     assert held.usage is not None and held.usage.completion_tokens >= 5
 
 
 def generate_logprobs(server: Server, top: int, **prompt: Any) -> dict[str, Any]:
-    r = server.generate({**prompt, "return_logprob": True, "top_logprobs_num": top, "return_text_in_logprobs": True,
-                         "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    r = server.generate(
+        {
+            **prompt,
+            "return_logprob": True,
+            "top_logprobs_num": top,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        }
+    )
     assert r.status_code == 200, r.text
     return r.json()["meta_info"]  # type: ignore[no-any-return]
 
@@ -199,25 +269,41 @@ def test_completion_logprobs_match_generate_streamed_or_not(server: Server, clie
     assert logprobs.tokens == [e[2] for e in meta["output_token_logprobs"]]
     assert logprobs.token_logprobs == [e[0] for e in meta["output_token_logprobs"]]
     assert "".join(logprobs.tokens) == reply.choices[0].text
-    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
-    for chosen, value, top, ranked in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
-                                          meta["output_top_logprobs"]):
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    for chosen, value, top, ranked in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, meta["output_top_logprobs"]
+    ):
         assert top[chosen] == value  # the chosen token is always listed (up to logprobs + 1 entries)
         assert {e[2]: e[0] for e in ranked}.items() <= top.items() and len(top) <= 4
-    chunks = list(client.completions.create(model="m", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=3,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(
+            model="m", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=3, stream=True
+        )
+    )
     streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
     assert [t for lp in streamed for t in lp.tokens or []] == logprobs.tokens
     assert [v for lp in streamed for v in lp.token_logprobs or []] == logprobs.token_logprobs
     assert [o for lp in streamed for o in lp.text_offset or []] == logprobs.text_offset
 
 
-def test_chat_logprobs_match_generate_streamed_or_not(server: Server, client: openai.OpenAI, tokenizer: Any) -> None:
-    prompt_ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False)["input_ids"]
+def test_chat_logprobs_match_generate_streamed_or_not(
+    server: Server, client: openai.OpenAI, tokenizer: Any
+) -> None:
+    prompt_ids = tokenizer(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
     meta = generate_logprobs(server, 2, input_ids=prompt_ids)
-    kwargs: dict[str, Any] = {"model": "m", "messages": MESSAGES, "temperature": 0, "max_tokens": 6, "logprobs": True,
-                              "top_logprobs": 2}
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     reply = client.chat.completions.create(**kwargs)
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.content is not None
@@ -226,19 +312,32 @@ def test_chat_logprobs_match_generate_streamed_or_not(server: Server, client: op
     assert "".join(c.token for c in content) == reply.choices[0].message.content
     for item in content:
         assert item.bytes == list(item.token.encode("utf-8"))
-        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token  # greedy: the best one
+        assert (
+            len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token
+        )  # greedy: the best one
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
     streamed = [c.choices[0].logprobs for c in client.chat.completions.create(**kwargs, stream=True)]
-    assert [(c.token, c.logprob) for lp in streamed if lp is not None for c in lp.content or []] == \
-        [(c.token, c.logprob) for c in content]
+    assert [(c.token, c.logprob) for lp in streamed if lp is not None for c in lp.content or []] == [
+        (c.token, c.logprob) for c in content
+    ]
     # Without logprobs the choice has none.
-    assert client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None,
-                                             "max_tokens": 1}).choices[0].logprobs is None
+    assert (
+        client.chat.completions.create(**{**kwargs, "logprobs": False, "top_logprobs": None, "max_tokens": 1})
+        .choices[0]
+        .logprobs
+        is None
+    )
 
 
 def test_n_choices_are_seeded_and_streamed_by_index(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {"model": "m", "prompt": PROMPT, "temperature": 1.0, "max_tokens": 8, "seed": 5,
-                              "extra_body": {"ignore_eos": True}}
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "prompt": PROMPT,
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "seed": 5,
+        "extra_body": {"ignore_eos": True},
+    }
     reply = client.completions.create(**kwargs, n=2)
     assert [c.index for c in reply.choices] == [0, 1]
     texts = [c.text for c in reply.choices]

@@ -38,12 +38,15 @@ def test_layers_split_so_that_every_stage_reads_about_the_same_weights(smollm2_d
     assert partition_layers(30, 2, override="20,10", head_cost=head) == [20, 10]
 
 
-@pytest.mark.parametrize(("layers", "pp", "override", "message"), [
-    (2, 3, None, "--pp-size 3 exceeds the model's 2 layers"),
-    (30, 2, "20,11", "must give 2 positive layer counts summing to the model's 30 layers"),
-    (30, 2, "30,0", "must give 2 positive layer counts"),
-    (30, 2, "a,b", "must be comma-separated layer counts"),
-])
+@pytest.mark.parametrize(
+    ("layers", "pp", "override", "message"),
+    [
+        (2, 3, None, "--pp-size 3 exceeds the model's 2 layers"),
+        (30, 2, "20,11", "must give 2 positive layer counts summing to the model's 30 layers"),
+        (30, 2, "30,0", "must give 2 positive layer counts"),
+        (30, 2, "a,b", "must be comma-separated layer counts"),
+    ],
+)
 def test_bad_layer_splits_are_named(layers: int, pp: int, override: str | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         partition_layers(layers, pp, override)
@@ -77,15 +80,25 @@ def test_each_stage_loads_exactly_its_tensors(arch: str, tiny_model_dirs: dict[s
     hf = hf_float32(model_dir)
     torch.testing.assert_close(last.lm_head.weight, hf.lm_head.weight, rtol=0, atol=0)
     torch.testing.assert_close(first.model.embed_tokens.weight, hf.model.embed_tokens.weight, rtol=0, atol=0)
-    torch.testing.assert_close(last.model.local_layers[0].mlp.down_proj.weight, hf.model.layers[1].mlp.down_proj.weight,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        last.model.local_layers[0].mlp.down_proj.weight,
+        hf.model.layers[1].mlp.down_proj.weight,
+        rtol=0,
+        atol=0,
+    )
 
 
 def generate_all(server: Server, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Sends every prompt at once, so several micro-batches are in flight."""
+
     def one(ids: list[int]) -> list[int]:
-        r = server.generate({"input_ids": ids, "sampling_params": {
-            "max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}, timeout=300)
+        r = server.generate(
+            {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            },
+            timeout=300,
+        )
         assert r.status_code == 200, r.text
         return list(r.json()["output_ids"])
 
@@ -94,21 +107,45 @@ def generate_all(server: Server, prompts: list[list[int]], max_new_tokens: int) 
 
 
 def test_pp2_smollm2_matches_transformers(smollm2_dir: Path) -> None:
-    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 2287, 3314, 30, 1], [42] * 12, [2, 1050, 17, 8, 9] * 3]
+    prompts = [
+        [1, 504, 3458, 282, 4649, 314],
+        [1, 9690, 28, 2287, 3314, 30, 1],
+        [42] * 12,
+        [2, 1050, 17, 8, 9] * 3,
+    ]
     hf = hf_float32(smollm2_dir)
     expected = [hf_greedy(hf, p, 16) for p in prompts]
-    with Server("--model-path", str(smollm2_dir), "--dtype", "float32", "--pp-size", "2",
-                "--max-total-tokens", "4096", "--enable-rank-consensus-checker") as server:
+    with Server(
+        "--model-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--pp-size",
+        "2",
+        "--max-total-tokens",
+        "4096",
+        "--enable-rank-consensus-checker",
+    ) as server:
         assert generate_all(server, prompts, 16) == expected
         # A stream's logprobs: one per token, as without streaming (the last stage records a
         # token's logprob when it launches the step, before the token is appended).
-        body = {"input_ids": prompts[0], "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "input_ids": prompts[0],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        }
         want = server.generate(body).json()["meta_info"]["output_token_logprobs"]
-        with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
-            chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
-                      if line and line != "data: [DONE]"]
-        assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [len(c["output_ids"]) for c in chunks]
+        with requests.post(
+            server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120
+        ) as r:
+            chunks = [
+                json.loads(line[6:])
+                for line in r.iter_lines(decode_unicode=True)
+                if line and line != "data: [DONE]"
+            ]
+        assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [
+            len(c["output_ids"]) for c in chunks
+        ]
         assert chunks[-1]["meta_info"]["output_token_logprobs"] == want and len(want) == 12
         log = server.output()
     assert "pipeline stages own layers [19, 11] (stage 0: 0-18, stage 1: 19-29)" in log
@@ -122,8 +159,22 @@ def test_tp2_pp2_tiny_matches_transformers(tiny_model_dirs: dict[str, Path], smo
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 3, 25, 14, 6, 31)]
     hf = hf_float32(model_dir)
     expected = [hf_greedy(hf, p, 20) for p in prompts]
-    with Server("--model-path", str(model_dir), "--tokenizer-path", str(smollm2_dir), "--dtype", "float32",
-                "--tp-size", "2", "--pp-size", "2", "--max-total-tokens", "2048", "--chunked-prefill-size", "16",
-                "--enable-rank-consensus-checker") as server:
+    with Server(
+        "--model-path",
+        str(model_dir),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--tp-size",
+        "2",
+        "--pp-size",
+        "2",
+        "--max-total-tokens",
+        "2048",
+        "--chunked-prefill-size",
+        "16",
+        "--enable-rank-consensus-checker",
+    ) as server:
         assert generate_all(server, prompts, 20) == expected
         assert "divergence" not in server.output()

@@ -17,8 +17,10 @@ from model_executor.layers.cpu_linear import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.server_args import ServerArgs
 
-needs_int8 = pytest.mark.skipif(build._compiler() is None or not build.int8_available(),
-                                reason="neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused")
+needs_int8 = pytest.mark.skipif(
+    build._compiler() is None or not build.int8_available(),
+    reason="neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused",
+)
 
 
 def quantized_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -34,9 +36,16 @@ def quantized_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 @needs_int8
-@pytest.mark.parametrize(("m", "n", "k", "with_bias"), [(1, 960, 576, False), (5, 64, 128, True),
-                                                        (33, 3072, 576, False), (300, 576, 1536, True),
-                                                        (560, 64, 128, True)])  # a second chunk of 3 blocks
+@pytest.mark.parametrize(
+    ("m", "n", "k", "with_bias"),
+    [
+        (1, 960, 576, False),
+        (5, 64, 128, True),
+        (33, 3072, 576, False),
+        (300, 576, 1536, True),
+        (560, 64, 128, True),
+    ],
+)  # a second chunk of 3 blocks
 def test_int8_linear_is_the_quantized_product(m: int, n: int, k: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(m)
     weight = torch.randn(n, k, generator=g) * 0.05
@@ -57,27 +66,35 @@ def test_int8_linear_is_the_quantized_product(m: int, n: int, k: int, with_bias:
 
 @needs_int8
 def test_int8_model_decodes_close_to_fp32_with_and_without_the_fused_layer(
-        tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = tiny_model_dirs["llama"]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
     forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
     ref = hf_forced_logits(hf_float32(model_dir), prompts, forced)
 
-    bf16 = decode_logits(ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512)), prompts, forced)
+    bf16 = decode_logits(
+        ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512)), prompts, forced
+    )
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="w8a8_int8"))
     layer = runner.model.model.layers[0]
     assert isinstance(layer.mlp.down_proj.packed_weight, packing.Int8Weight)
     assert not isinstance(runner.model.lm_head.packed_weight, packing.Int8Weight)  # the LM head stays bf16
     fused_calls: list[int] = []
     real = decode_layers.DecodeLayers.forward
-    monkeypatch.setattr(decode_layers.DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(
+        decode_layers.DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1]
+    )
     fused = decode_logits(runner, prompts, forced)
     assert len(fused_calls) == 6  # every decode step in the fused layer, on int8 weights
 
     monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on the int8 kernel
-    plain = decode_logits(ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512,
-                                                   quantization="w8a8_int8")), prompts, forced)
+    plain = decode_logits(
+        ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="w8a8_int8")),
+        prompts,
+        forced,
+    )
     scale = ref.abs().max().item()
     err_bf16, err_fused, err_plain = ((x - ref).abs().max().item() / scale for x in (bf16, fused, plain))
     assert err_fused < 0.06 and err_plain < 0.06, (err_bf16, err_fused, err_plain)
@@ -94,9 +111,14 @@ def test_int8_smollm2_predicts_mostly_what_bf16_predicts(smollm2_dir: Path) -> N
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()[:3000]
     ids = tokenizer.encode(text)[:97]
     prompt, forced = [ids[:33]], [ids[33:]]
-    logits = {q: decode_logits(ModelRunner(RunnerConfig(model_dir=smollm2_dir, max_total_tokens=256,
-                                                        quantization=q)), prompt, forced)[:, 0]
-              for q in (None, "w8a8_int8")}
+    logits = {
+        q: decode_logits(
+            ModelRunner(RunnerConfig(model_dir=smollm2_dir, max_total_tokens=256, quantization=q)),
+            prompt,
+            forced,
+        )[:, 0]
+        for q in (None, "w8a8_int8")
+    }
     agree = (logits[None].argmax(-1) == logits["w8a8_int8"].argmax(-1)).float().mean().item()
     assert agree >= 0.75, agree
     assert not torch.equal(logits[None], logits["w8a8_int8"])
@@ -121,8 +143,9 @@ def test_quantization_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyP
 @needs_int8
 def test_server_serves_with_int8_weights() -> None:
     with Server("--quantization", "w8a8_int8", "--max-total-tokens", "2048") as server:
-        response = server.generate({"text": "The capital of France is",
-                                    "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        response = server.generate(
+            {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        )
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
         assert "packed 121 weights for the CPU kernels, 120 of them int8 (w8a8_int8)" in server.output()

@@ -25,8 +25,18 @@ THINKING = r"<think>[a-z]{4,10}( [a-z]{4,10}){1,3}</think>\n[A-Z]{3,8}"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[Server]:
     model = make_tiny_model("llama_smollm2_vocab", tmp_path_factory.mktemp("tiny") / "llama")
-    with Server("--model-path", str(model), "--tokenizer-path", str(smollm2_dir), "--dtype", "float32",
-                "--max-total-tokens", "4096", "--reasoning-parser", "deepseek-r1") as server:
+    with Server(
+        "--model-path",
+        str(model),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--reasoning-parser",
+        "deepseek-r1",
+    ) as server:
         yield server
 
 
@@ -36,16 +46,26 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def _ask(client: openai.OpenAI, **extra: Any) -> Any:
-    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Think, then answer."}],
-                                          temperature=0, max_tokens=64, extra_body={"regex": THINKING, **extra},
-                                          stream=extra.pop("stream", False))
+    return client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        temperature=0,
+        max_tokens=64,
+        extra_body={"regex": THINKING, **extra},
+        stream=extra.pop("stream", False),
+    )
 
 
 def _stream(client: openai.OpenAI, **extra: Any) -> tuple[list[str], str]:
     reasoning, content = [], ""
-    for chunk in client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Think, then answer."}],
-                                                temperature=0, max_tokens=64, stream=True,
-                                                extra_body={"regex": THINKING, **extra}):
+    for chunk in client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        temperature=0,
+        max_tokens=64,
+        stream=True,
+        extra_body={"regex": THINKING, **extra},
+    ):
         delta = chunk.choices[0].delta
         if getattr(delta, "reasoning_content", None):
             reasoning.append(delta.reasoning_content)
@@ -71,22 +91,34 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(client: openai.Op
 
 def test_bad_reasoning_fields_are_400s_naming_them(server: Server) -> None:
     for name in ("separate_reasoning", "stream_reasoning"):
-        reply = requests.post(server.url + "/v1/chat/completions", timeout=30,
-                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, name: "yes"})
+        reply = requests.post(
+            server.url + "/v1/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, name: "yes"},
+        )
         assert reply.status_code == 400 and reply.json()["error"]["param"] == name, reply.text
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
 
 
-@pytest.mark.parametrize("parser,text,reasoning,content", [
-    ("deepseek-r1", "<think>a b</think>\n\nanswer", "a b", "answer"),
-    ("deepseek-r1", "no start tag</think>answer", "no start tag", "answer"),  # R1 opens <think> in the prompt
-    ("deepseek-r1", "cut short inside", "cut short inside", ""),
-    ("qwen3", "<think>\nwhy\n</think>\n\nbecause", "why", "because"),
-    ("qwen3", "no thinking here", "", "no thinking here"),  # enable_thinking off
-    ("qwen3-thinking", "always</think>done", "always", "done"),
-])
-def test_the_split_streams_a_prefix_of_the_finished_split(parser: str, text: str, reasoning: str,
-                                                          content: str) -> None:
+@pytest.mark.parametrize(
+    "parser,text,reasoning,content",
+    [
+        ("deepseek-r1", "<think>a b</think>\n\nanswer", "a b", "answer"),
+        (
+            "deepseek-r1",
+            "no start tag</think>answer",
+            "no start tag",
+            "answer",
+        ),  # R1 opens <think> in the prompt
+        ("deepseek-r1", "cut short inside", "cut short inside", ""),
+        ("qwen3", "<think>\nwhy\n</think>\n\nbecause", "why", "because"),
+        ("qwen3", "no thinking here", "", "no thinking here"),  # enable_thinking off
+        ("qwen3-thinking", "always</think>done", "always", "done"),
+    ],
+)
+def test_the_split_streams_a_prefix_of_the_finished_split(
+    parser: str, text: str, reasoning: str, content: str
+) -> None:
     split = ReasoningSplit(parser)
     assert split.split(text, finished=True)[:2] == (reasoning, content)
     sent_reasoning, sent_content = "", ""
@@ -101,4 +133,6 @@ def test_the_split_streams_a_prefix_of_the_finished_split(parser: str, text: str
 def test_the_parser_flag_is_validated() -> None:
     with pytest.raises(ValueError, match="--reasoning-parser"):
         ServerArgs(model_path="m", reasoning_parser="gpt-5")
-    assert ServerArgs.from_cli(["--model-path", "m", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert (
+        ServerArgs.from_cli(["--model-path", "m", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    )

@@ -37,7 +37,9 @@ def payloads() -> list[dict[str, Any]]:
     out = []
     for i in range(8):
         params: dict[str, Any] = {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
-        params.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i})
+        params.update(
+            {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
+        )
         body: dict[str, Any] = {"input_ids": list(range(5 + 3 * i, 30 + 2 * i)), "sampling_params": params}
         if i == 0:
             body["return_logprob"] = True
@@ -49,7 +51,10 @@ def payloads() -> list[dict[str, Any]]:
 
 
 def test_faults_can_be_limited_to_one_engine_start() -> None:
-    assert parse_faults("raise@1:5/2,crash@0:0") == [parse_faults("raise@1:5/2")[0], parse_faults("crash@0:0")[0]]
+    assert parse_faults("raise@1:5/2,crash@0:0") == [
+        parse_faults("raise@1:5/2")[0],
+        parse_faults("crash@0:0")[0],
+    ]
     assert parse_faults("raise@1:5/2")[0].start == 2 and parse_faults("crash@0:0")[0].start is None
     assert FaultInjector(1, "raise@1:5/2", engine_start=2).active
     assert not FaultInjector(1, "raise@1:5/2", engine_start=0).active
@@ -78,11 +83,15 @@ def test_a_replay_continues_after_what_the_client_has() -> None:
 # ---------------------------------------------------------------- end to end
 
 
-def stream(server: Server, body: dict[str, Any], progress: list[int]) -> tuple[list[int], str, list[Any], Any]:
+def stream(
+    server: Server, body: dict[str, Any], progress: list[int]
+) -> tuple[list[int], str, list[Any], Any]:
     """Stream to the end; every update must extend the last one (nothing dropped or repeated)."""
     ids: list[int] = []
     text, meta, logprobs = "", None, []
-    with requests.post(server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=300) as r:
+    with requests.post(
+        server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=300
+    ) as r:
         assert r.status_code == 200, r.text
         for line in r.iter_lines(decode_unicode=True):
             if not line:
@@ -92,7 +101,7 @@ def stream(server: Server, body: dict[str, Any], progress: list[int]) -> tuple[l
                 break
             out = json.loads(line[6:])
             assert "error" not in out, out
-            assert out["output_ids"][:len(ids)] == ids and out["text"].startswith(text)
+            assert out["output_ids"][: len(ids)] == ids and out["text"].startswith(text)
             ids, text, meta = out["output_ids"], out["text"], out["meta_info"]
             logprobs = meta.get("output_token_logprobs", [])
             progress[0] = len(ids)
@@ -129,8 +138,9 @@ def wait_for(condition: Any, timeout: float, what: str, server: Server) -> None:
         time.sleep(0.05)
 
 
-def streams_through_a_kill(server: Server, bodies: list[dict[str, Any]], victim: str, after: int = 2,
-                           timeout: float = 400) -> list[Any]:
+def streams_through_a_kill(
+    server: Server, bodies: list[dict[str, Any]], victim: str, after: int = 2, timeout: float = 400
+) -> list[Any]:
     """Streams every body; once each has `after` tokens, SIGKILLs the process titled `victim`; waits
     for every stream to end (see `stream`)."""
     progress = [[0] for _ in bodies]
@@ -141,10 +151,20 @@ def streams_through_a_kill(server: Server, bodies: list[dict[str, Any]], victim:
         return [f.result(timeout=timeout) for f in futures]
 
 
-def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: Path, smollm2_dir: Path) -> None:
+def test_streams_survive_sigkill_raise_stall_and_divergence(
+    long_context_llama: Path, smollm2_dir: Path
+) -> None:
     faults = f"raise@1:{STEP}/1,stall@1:{STEP}/2,diverge_batch@1:1/3"
-    args = server_args(long_context_llama, smollm2_dir, "--restart-on-failure", "4", "--watchdog-timeout", "3",
-                       "--enable-rank-consensus-checker", "--enable-metrics")
+    args = server_args(
+        long_context_llama,
+        smollm2_dir,
+        "--restart-on-failure",
+        "4",
+        "--watchdog-timeout",
+        "3",
+        "--enable-rank-consensus-checker",
+        "--enable-metrics",
+    )
     with Server(*args, env={"SRT_TEST_FAULT": faults}) as server:
         bodies = payloads()
         with ThreadPoolExecutor(len(bodies)) as pool:  # the fault-free run (start 0 has no injected fault)
@@ -176,7 +196,7 @@ def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: 
         assert "hard watchdog fired" in out and "its hard watchdog fired" in out
         # The rank that admits one request fewer fails its next collective (gloo aborts on the shape
         # mismatch) or the checker reports the divergence first: either way the engine restarts.
-        fourth = out[out.index("engine restarted in", out.index("its hard watchdog fired")):]
+        fourth = out[out.index("engine restarted in", out.index("its hard watchdog fired")) :]
         assert "restarting the engine (restart 4 of at most 4" in fourth, fourth[-3000:]
         assert out.count("engine restarted in") == 4, out[-4000:]
         metrics = requests.get(server.url + "/metrics", timeout=10).text
@@ -187,7 +207,9 @@ def test_streams_survive_sigkill_raise_stall_and_divergence(long_context_llama: 
 def test_pipeline_streams_survive_losing_stage_1(long_context_llama: Path, smollm2_dir: Path) -> None:
     """PP=2 (one rank a stage): SIGKILL of the last stage mid-stream restarts both stages and every
     stream ends with the tokens of a fault-free run (greedy and seeded)."""
-    args = server_args(long_context_llama, smollm2_dir, "--tp", "1", "--pp-size", "2", "--restart-on-failure", "1")
+    args = server_args(
+        long_context_llama, smollm2_dir, "--tp", "1", "--pp-size", "2", "--restart-on-failure", "1"
+    )
     bodies = payloads()[:4]
     with Server(*args) as server:
         with ThreadPoolExecutor(len(bodies)) as pool:
@@ -203,12 +225,15 @@ def test_pipeline_streams_survive_losing_stage_1(long_context_llama: Path, smoll
 
 
 @pytest.mark.slow  # the restart path itself is covered by the test above on the default run
-def test_a_crash_loop_goes_down_loudly_after_its_restarts(long_context_llama: Path, smollm2_dir: Path) -> None:
+def test_a_crash_loop_goes_down_loudly_after_its_restarts(
+    long_context_llama: Path, smollm2_dir: Path
+) -> None:
     args = server_args(long_context_llama, smollm2_dir, "--restart-on-failure", "2")
     with Server(*args, env={"SRT_TEST_FAULT": "crash@1:3"}) as server:  # every start crashes at step 3
         remember_tree(server)
-        with requests.post(server.url + "/generate", json={**payloads()[0], "stream": True}, stream=True,
-                           timeout=300) as r:
+        with requests.post(
+            server.url + "/generate", json={**payloads()[0], "stream": True}, stream=True, timeout=300
+        ) as r:
             lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
         assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][6:]), lines[-3:]
         assert wait_exit(server, 60) != 0
@@ -225,14 +250,27 @@ def test_a_crash_loop_goes_down_loudly_after_its_restarts(long_context_llama: Pa
 def smollm2_payloads(tokens: int) -> list[dict[str, Any]]:
     """Eight streams: four greedy, four seeded at temperature 0.7, text prompts of different
     lengths, every one with logprobs (their bits show any difference in arithmetic at once)."""
-    topics = ["the tides", "a lighthouse keeper", "bread", "the moons of Jupiter", "an old map", "rain in a city",
-              "chess openings", "a river delta"]
+    topics = [
+        "the tides",
+        "a lighthouse keeper",
+        "bread",
+        "the moons of Jupiter",
+        "an old map",
+        "rain in a city",
+        "chess openings",
+        "a river delta",
+    ]
     out = []
     for i, topic in enumerate(topics):
         params: dict[str, Any] = {"max_new_tokens": tokens, "ignore_eos": True}
         params.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.7, "seed": 1000 + i})
-        out.append({"text": f"Write a long story about {topic}." + " Be vivid." * (i % 3),
-                    "sampling_params": params, "return_logprob": True})
+        out.append(
+            {
+                "text": f"Write a long story about {topic}." + " Be vivid." * (i % 3),
+                "sampling_params": params,
+                "return_logprob": True,
+            }
+        )
     return out
 
 
@@ -243,14 +281,18 @@ INT8 = pytest.mark.skipif(not build.int8_available(), reason="w8a8_int8 needs AM
 # bit, part at the first token whose arithmetic differs.
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize(("flags", "victim"), [
-    ((), "srt::scheduler_TP0"),
-    (("--pp-size", "2"), "srt::scheduler_PP1_TP0"),
-    (("--tp", "3"), "srt::scheduler_TP2"),
-    pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", marks=INT8),
-    pytest.param(("--quantization", "w8a8_int8", "--pp-size", "2"), "srt::scheduler_PP0_TP0", marks=INT8),
-    pytest.param(("--quantization", "w8a8_int8", "--tp", "3"), "srt::scheduler_TP1", marks=INT8),
-], ids=["tp1", "pp2", "tp3", "w8a8_int8-tp1", "w8a8_int8-pp2", "w8a8_int8-tp3"])
+@pytest.mark.parametrize(
+    ("flags", "victim"),
+    [
+        ((), "srt::scheduler_TP0"),
+        (("--pp-size", "2"), "srt::scheduler_PP1_TP0"),
+        (("--tp", "3"), "srt::scheduler_TP2"),
+        pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", marks=INT8),
+        pytest.param(("--quantization", "w8a8_int8", "--pp-size", "2"), "srt::scheduler_PP0_TP0", marks=INT8),
+        pytest.param(("--quantization", "w8a8_int8", "--tp", "3"), "srt::scheduler_TP1", marks=INT8),
+    ],
+    ids=["tp1", "pp2", "tp3", "w8a8_int8-tp1", "w8a8_int8-pp2", "w8a8_int8-tp3"],
+)
 def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str) -> None:
     """The default server (bundled SmolLM2, bf16, the CPU kernels; deterministic inference on by
     itself with --restart-on-failure): a rank SIGKILLed mid-stream in eight streams; every stream's

@@ -32,7 +32,9 @@ from srt.utils import free_port
 
 pytest.importorskip("sglang_router", reason="the test extra installs sglang-router")
 
-LONG_TEXT = " ".join(f"Paragraph {i} of the shared context talks about topic {i * 7 % 13}." for i in range(40))
+LONG_TEXT = " ".join(
+    f"Paragraph {i} of the shared context talks about topic {i * 7 % 13}." for i in range(40)
+)
 MESSAGES = [{"role": "user", "content": "Say something about the weather."}]
 DP_KEY = "sk-dp-test-5555"
 
@@ -43,8 +45,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def replica_args(model_dir: Path, smollm2_dir: Path, *extra: str) -> list[str]:
-    return ["--model-path", str(model_dir), "--tokenizer-path", str(smollm2_dir), "--dtype", "float32",
-            "--max-total-tokens", "32768", *extra]
+    return [
+        "--model-path",
+        str(model_dir),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "32768",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +83,7 @@ def sse_chunks(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         assert r.status_code == 200, r.text
         lines = [line for line in r.iter_lines(decode_unicode=True) if line]
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 def test_outputs_through_the_router_equal_one_srt(router: Router, replicas: list[Server]) -> None:
@@ -85,8 +96,13 @@ def test_outputs_through_the_router_equal_one_srt(router: Router, replicas: list
     streamed = sse_chunks(router.url + "/generate", {**body, "stream": True})
     assert streamed[-1]["output_ids"] == expected["output_ids"]
 
-    completion = {"model": "m", "prompt": "The weather today is", "max_tokens": 8, "temperature": 0,
-                  "ignore_eos": True}
+    completion = {
+        "model": "m",
+        "prompt": "The weather today is",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     want = requests.post(direct + "/v1/completions", json=completion, timeout=60).json()["choices"][0]["text"]
     got = router.post("/v1/completions", completion)
     assert got.status_code == 200, got.text
@@ -95,16 +111,22 @@ def test_outputs_through_the_router_equal_one_srt(router: Router, replicas: list
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
 
     chat = {"model": "m", "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    want = requests.post(direct + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"]
+    want = requests.post(direct + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0][
+        "message"
+    ]
     got = router.post("/v1/chat/completions", chat)
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["message"]["content"] == want["content"]
     chunks = sse_chunks(router.url + "/v1/chat/completions", {**chat, "stream": True})
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want["content"]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        == want["content"]
+    )
 
 
-def test_cache_aware_routing_reaches_the_replica_that_cached_the_prefix(router: Router,
-                                                                       replicas: list[Server]) -> None:
+def test_cache_aware_routing_reaches_the_replica_that_cached_the_prefix(
+    router: Router, replicas: list[Server]
+) -> None:
     for replica in replicas:
         assert requests.post(replica.url + "/flush_cache", timeout=30).status_code == 200
     first = router.post("/generate", {"text": LONG_TEXT + " Question one?", "sampling_params": greedy(2)})
@@ -113,10 +135,22 @@ def test_cache_aware_routing_reaches_the_replica_that_cached_the_prefix(router: 
     assert second.status_code == 200, second.text
     prompt_tokens = second.json()["meta_info"]["prompt_tokens"]
     assert second.json()["meta_info"]["cached_tokens"] > prompt_tokens // 2  # the shared prefix, cached
-    chat = router.post("/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
-        {"role": "user", "content": LONG_TEXT + " Question three?"}]})
-    again = router.post("/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
-        {"role": "user", "content": LONG_TEXT + " Question four?"}]})
+    chat = router.post(
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": LONG_TEXT + " Question three?"}],
+        },
+    )
+    again = router.post(
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": LONG_TEXT + " Question four?"}],
+        },
+    )
     assert chat.status_code == again.status_code == 200
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
@@ -148,7 +182,11 @@ def stream_until_done(url: str, body: dict[str, Any]) -> tuple[int, list[str], f
     """(status, SSE lines, when it ended: time.monotonic())."""
     try:
         with requests.post(url, json=body, stream=True, timeout=60) as r:
-            return r.status_code, [line for line in r.iter_lines(decode_unicode=True) if line], time.monotonic()
+            return (
+                r.status_code,
+                [line for line in r.iter_lines(decode_unicode=True) if line],
+                time.monotonic(),
+            )
     except requests.RequestException as error:
         return -1, [repr(error)], time.monotonic()
 
@@ -175,13 +213,18 @@ def test_losing_one_replica_costs_only_its_in_flight_requests(model_dir: Path, s
                 killed_at = time.monotonic()
                 # new requests all succeed, on the surviving replica
                 for i in range(8):
-                    r = router.post("/generate", {"text": f"New request {i}", "sampling_params": greedy(4)}, 60)
+                    r = router.post(
+                        "/generate", {"text": f"New request {i}", "sampling_params": greedy(4)}, 60
+                    )
                     assert r.status_code == 200, r.text
                 for rid in servers[0].internal_state()["running"]:  # end the survivor's long streams
                     requests.post(servers[0].url + "/abort_request", json={"rid": rid}, timeout=10)
                 results = [f.result(timeout=60) for f in futures]
-            failed = [(status, lines, ended) for status, lines, ended in results
-                      if status != 200 or any('"error"' in line for line in lines)]
+            failed = [
+                (status, lines, ended)
+                for status, lines, ended in results
+                if status != 200 or any('"error"' in line for line in lines)
+            ]
             assert failed, results  # the dead replica's streams ended with an error ...
             assert all(ended - killed_at < 30 for _, _, ended in failed)  # ... within 30 s: nothing hung
             assert all(lines[-1] == "data: [DONE]" for status, lines, _ in results if status == 200)
@@ -197,6 +240,7 @@ def test_losing_one_replica_costs_only_its_in_flight_requests(model_dir: Path, s
 
 # ---- launch_server --dp-size ----
 
+
 def titles() -> dict[str, int]:
     found: dict[str, int] = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
@@ -211,10 +255,23 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
     url = f"http://127.0.0.1:{port}"
     log = Path(os.environ.get("PYTEST_TMPDIR", "/tmp")) / f"srt-dp-{port}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "srt.launch_server", "--dp-size", "2", "--port", str(port),
-                                 "--api-key", DP_KEY, *replica_args(model_dir, smollm2_dir, "--cpu-kvcache-space", "1")],
-                                cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "srt.launch_server",
+                "--dp-size",
+                "2",
+                "--port",
+                str(port),
+                "--api-key",
+                DP_KEY,
+                *replica_args(model_dir, smollm2_dir, "--cpu-kvcache-space", "1"),
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     auth = {"Authorization": f"Bearer {DP_KEY}"}
     try:
         deadline = time.monotonic() + 240
@@ -222,23 +279,47 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
             assert proc.poll() is None, log.read_text()[-3000:]
             try:
                 workers = requests.get(url + "/workers", headers=auth, timeout=5).json()["workers"]
-                if requests.get(url + "/readiness", timeout=2).ok and len([w for w in workers if w["is_healthy"]]) == 2:
+                if (
+                    requests.get(url + "/readiness", timeout=2).ok
+                    and len([w for w in workers if w["is_healthy"]]) == 2
+                ):
                     break
             except (requests.RequestException, ValueError):
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        mine = {t: pid for t, pid in titles().items() if psutil.Process(pid).ppid() != 1 and _descends(pid, proc.pid)}
-        assert {"srt::scheduler_DP0_TP0", "srt::scheduler_DP1_TP0", "srt::detokenizer_DP0", "srt::detokenizer_DP1",
-                "sglang::router"} <= set(mine), mine
+        mine = {
+            t: pid
+            for t, pid in titles().items()
+            if psutil.Process(pid).ppid() != 1 and _descends(pid, proc.pid)
+        }
+        assert {
+            "srt::scheduler_DP0_TP0",
+            "srt::scheduler_DP1_TP0",
+            "srt::detokenizer_DP0",
+            "srt::detokenizer_DP1",
+            "sglang::router",
+        } <= set(mine), mine
         body = {"text": "The weather today is", "sampling_params": greedy()}
         expected = requests.post(replicas[0].url + "/generate", json=body, timeout=60).json()["output_ids"]
-        assert requests.post(url + "/generate", json=body, timeout=60).status_code == 401  # the key reached the router
-        assert requests.post(url + "/generate", json=body, headers=auth, timeout=60).json()["output_ids"] == expected
-        replica_cmds = [" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children()
-                        if "srt.launch_server" in " ".join(c.cmdline())]
-        assert len(replica_cmds) == 2 and not any(DP_KEY in c for c in replica_cmds)  # the key goes by environment
-        assert all("--cpu-kvcache-space 0.5" in c for c in replica_cmds), replica_cmds  # the host's KV space, split
+        assert (
+            requests.post(url + "/generate", json=body, timeout=60).status_code == 401
+        )  # the key reached the router
+        assert (
+            requests.post(url + "/generate", json=body, headers=auth, timeout=60).json()["output_ids"]
+            == expected
+        )
+        replica_cmds = [
+            " ".join(c.cmdline())
+            for c in psutil.Process(proc.pid).children()
+            if "srt.launch_server" in " ".join(c.cmdline())
+        ]
+        assert len(replica_cmds) == 2 and not any(
+            DP_KEY in c for c in replica_cmds
+        )  # the key goes by environment
+        assert all("--cpu-kvcache-space 0.5" in c for c in replica_cmds), (
+            replica_cmds
+        )  # the host's KV space, split
         # a lost replica is named and started again; the other serves meanwhile
         os.kill(mine["srt::scheduler_DP1_TP0"], signal.SIGKILL)
         for _ in range(4):
@@ -250,7 +331,11 @@ def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: lis
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         time.sleep(1)
-        assert not [pid for pid in mine.values() if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        assert not [
+            pid
+            for pid in mine.values()
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+        ]
     finally:
         if proc.poll() is None:
             kill_all([psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)])
@@ -269,7 +354,9 @@ def test_dp_size_needs_the_router_extra(monkeypatch: pytest.MonkeyPatch) -> None
     from launcher import data_parallel
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name, *a)
+    )
     with pytest.raises(ValueError, match=r'pip install -e "\.\[router\]"'):
         data_parallel.require_router()
 

@@ -11,12 +11,24 @@ from model_executor.sampler import Sampler, SamplingBatchInfo, filter_probs
 sampler = Sampler()
 
 
-def make_info(bs: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
-              seed: int = 0, positions: list[int] | None = None, seeds: list[int] | None = None) -> SamplingBatchInfo:
+def make_info(
+    bs: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    min_p: float = 0.0,
+    seed: int = 0,
+    positions: list[int] | None = None,
+    seeds: list[int] | None = None,
+) -> SamplingBatchInfo:
     return SamplingBatchInfo.from_lists(
-        temperatures=[temperature] * bs, top_ps=[top_p] * bs, top_ks=[top_k] * bs, min_ps=[min_p] * bs,
+        temperatures=[temperature] * bs,
+        top_ps=[top_p] * bs,
+        top_ks=[top_k] * bs,
+        min_ps=[min_p] * bs,
         seeds=seeds if seeds is not None else [seed] * bs,
-        output_positions=positions if positions is not None else list(range(bs)))
+        output_positions=positions if positions is not None else list(range(bs)),
+    )
 
 
 def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -48,8 +60,13 @@ def test_mixed_batch_keeps_greedy_rows_exact(dtype: torch.dtype) -> None:
     logits = torch.randn(bs, 1000).to(dtype)  # flat: sampled rows rarely hit the argmax
     greedy = [i % 2 == 0 for i in range(bs)]
     info = SamplingBatchInfo.from_lists(
-        temperatures=[0.0 if g else 1.5 for g in greedy], top_ps=[0.9] * bs, top_ks=[-1] * bs,
-        min_ps=[0.0] * bs, seeds=list(range(bs)), output_positions=[0] * bs)
+        temperatures=[0.0 if g else 1.5 for g in greedy],
+        top_ps=[0.9] * bs,
+        top_ks=[-1] * bs,
+        min_ps=[0.0] * bs,
+        seeds=list(range(bs)),
+        output_positions=[0] * bs,
+    )
     tokens = sampler(logits, info)
     argmax = logits.argmax(dim=-1)
     g = torch.tensor(greedy)
@@ -138,15 +155,18 @@ PROBS = [0.5, 0.3, 0.12, 0.05, 0.03]
 SPREAD_IDS = [7, 1500, 300, 2999, 256]  # one token per vocab block, out of rank order
 
 
-@pytest.mark.parametrize(("top_k", "top_p", "min_p", "allowed"), [
-    (2, 1.0, 0.0, 2),
-    (-1, 0.75, 0.0, 2),  # mass above: 0, 0.5, 0.8 -> keep 2
-    (-1, 0.85, 0.0, 3),
-    (-1, 1.0, 0.2, 3),  # drop p < 0.1
-    (4, 0.9, 0.07, 3),  # top-k 4 (mass 0.97) -> top-p keeps 3 -> min-p keeps 3 (0.12 >= 0.035)
-    (3, 0.5, 0.0, 1),
-    (3, 0.85, 0.0, 2),  # top-p counts against top-k's mass 0.92: 0.8 >= 0.85 * 0.92 -> keep 2
-])
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p", "allowed"),
+    [
+        (2, 1.0, 0.0, 2),
+        (-1, 0.75, 0.0, 2),  # mass above: 0, 0.5, 0.8 -> keep 2
+        (-1, 0.85, 0.0, 3),
+        (-1, 1.0, 0.2, 3),  # drop p < 0.1
+        (4, 0.9, 0.07, 3),  # top-k 4 (mass 0.97) -> top-p keeps 3 -> min-p keeps 3 (0.12 >= 0.035)
+        (3, 0.5, 0.0, 1),
+        (3, 0.85, 0.0, 2),  # top-p counts against top-k's mass 0.92: 0.8 >= 0.85 * 0.92 -> keep 2
+    ],
+)
 def test_filters_never_emit_filtered_tokens(top_k: int, top_p: float, min_p: float, allowed: int) -> None:
     vocab, n = 3000, 3000
     logits = spread_logits(PROBS, vocab, SPREAD_IDS).expand(n, vocab).contiguous()
@@ -193,8 +213,16 @@ def test_filter_probs_matches_reference_including_wide_searches() -> None:
     # Peaked and flat rows: flat ones with top-p 0.99 need the search widened to the full row,
     # bf16-rounded logits make ties at the boundaries.
     scales = [8.0, 1.0, 0.2, 4.0]
-    configs = [(-1, 0.9, 0.0), (50, 1.0, 0.0), (-1, 0.99, 0.0), (700, 0.95, 0.0), (5000, 0.5, 0.0),
-               (-1, 1.0, 0.1), (20, 0.8, 0.02), (600, 1.0, 0.0)]
+    configs = [
+        (-1, 0.9, 0.0),
+        (50, 1.0, 0.0),
+        (-1, 0.99, 0.0),
+        (700, 0.95, 0.0),
+        (5000, 0.5, 0.0),
+        (-1, 1.0, 0.1),
+        (20, 0.8, 0.02),
+        (600, 1.0, 0.0),
+    ]
     rows, params = [], []
     for scale in scales:
         for config in configs:
@@ -203,8 +231,14 @@ def test_filter_probs_matches_reference_including_wide_searches() -> None:
             params.append(config)
     probs = torch.stack(rows)
     bs = len(rows)
-    info = SamplingBatchInfo.from_lists([1.0] * bs, [p for _, p, _ in params], [k for k, _, _ in params],
-                                        [m for _, _, m in params], [0] * bs, [0] * bs)
+    info = SamplingBatchInfo.from_lists(
+        [1.0] * bs,
+        [p for _, p, _ in params],
+        [k for k, _, _ in params],
+        [m for _, _, m in params],
+        [0] * bs,
+        [0] * bs,
+    )
     kept = filter_probs(probs, info) > 0
     for i, (k, p, m) in enumerate(params):
         assert torch.equal(kept[i], _reference_keep(probs[i], k, p, m)), (i, k, p, m)
@@ -233,13 +267,28 @@ def test_temperature_reshapes_distribution(temperature: float) -> None:
     assert (freq - probs).abs().max() > 0.05  # the temperature did something
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperatures", -0.1), ("temperatures", float("nan")), ("top_ps", 0.0), ("top_ps", 1.5),
-    ("top_ks", 0), ("top_ks", -2), ("min_ps", 1.1), ("output_positions", -1),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperatures", -0.1),
+        ("temperatures", float("nan")),
+        ("top_ps", 0.0),
+        ("top_ps", 1.5),
+        ("top_ks", 0),
+        ("top_ks", -2),
+        ("min_ps", 1.1),
+        ("output_positions", -1),
+    ],
+)
 def test_from_lists_rejects_out_of_range_values(field: str, value: float) -> None:
-    kwargs: dict[str, list] = {"temperatures": [1.0], "top_ps": [1.0], "top_ks": [-1], "min_ps": [0.0],
-                               "seeds": [0], "output_positions": [0]}
+    kwargs: dict[str, list] = {
+        "temperatures": [1.0],
+        "top_ps": [1.0],
+        "top_ks": [-1],
+        "min_ps": [0.0],
+        "seeds": [0],
+        "output_positions": [0],
+    }
     kwargs[field] = [value]
     with pytest.raises(ValueError, match=f"^{field[:-1]} must be"):
         SamplingBatchInfo.from_lists(**kwargs)

@@ -21,8 +21,10 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 def mixed_prompts(n: int, vocab: int = 320) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +43,33 @@ def run(model_dir: Path, **kwargs: object) -> Harness:
     return h
 
 
-def test_continuous_batching_matches_offline_engine(tiny_model_dirs: dict[str, Path],
-                                                    reference: dict[str, list[int]]) -> None:
+def test_continuous_batching_matches_offline_engine(
+    tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
     h = run(tiny_model_dirs["llama"], max_total_tokens=8192)
     assert h.tokens == reference
     assert all(f.type == "length" for f in h.finished.values())
     assert h.integrity_error() is None
 
 
-def test_chunked_prefill_and_small_budgets(tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]) -> None:
-    h = run(tiny_model_dirs["llama"], max_total_tokens=8192, chunked_prefill_size=16, max_prefill_tokens=24,
-            max_running_requests=5)
+def test_chunked_prefill_and_small_budgets(
+    tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
+    h = run(
+        tiny_model_dirs["llama"],
+        max_total_tokens=8192,
+        chunked_prefill_size=16,
+        max_prefill_tokens=24,
+        max_running_requests=5,
+    )
     assert h.tokens == reference
     assert h.integrity_error() is None
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_tiny_kv_budget_retracts_and_still_matches(tiny_model_dirs: dict[str, Path],
-                                                    reference: dict[str, list[int]], page_size: int) -> None:
+def test_tiny_kv_budget_retracts_and_still_matches(
+    tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]], page_size: int
+) -> None:
     h = run(tiny_model_dirs["llama"], max_total_tokens=160, page_size=page_size)
     assert h.tokens == reference
     assert h.integrity_error() is None
@@ -115,7 +126,9 @@ def test_prefix_cache_reports_cached_tokens(tiny_model_dirs: dict[str, Path]) ->
 
 @pytest.mark.parametrize("micro_batches", [0, 2])  # 0: the plain loop; 2: aborts reach batches in flight
 def test_aborts_free_everything(tiny_model_dirs: dict[str, Path], micro_batches: int) -> None:
-    h = Harness(tiny_model_dirs["llama"], micro_batches=micro_batches, max_total_tokens=4096, chunked_prefill_size=8)
+    h = Harness(
+        tiny_model_dirs["llama"], micro_batches=micro_batches, max_total_tokens=4096, chunked_prefill_size=8
+    )
     long = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(mixed_prompts(6)):
         h.submit(f"a{i}", p, long)
@@ -131,7 +144,9 @@ def test_aborts_free_everything(tiny_model_dirs: dict[str, Path], micro_batches:
     assert h.scheduler.tree_cache.protected_size() == 0
 
 
-def test_radix_cache_disabled_matches(tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]) -> None:
+def test_radix_cache_disabled_matches(
+    tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
     h = run(tiny_model_dirs["llama"], max_total_tokens=8192, disable_radix_cache=True)
     assert h.tokens == reference
     assert h.integrity_error() is None
@@ -139,8 +154,9 @@ def test_radix_cache_disabled_matches(tiny_model_dirs: dict[str, Path], referenc
 
 
 @pytest.mark.parametrize(("policy", "lookups_per_request"), [("fcfs", 1), ("lpm", 2)])
-def test_admission_looks_the_prefix_up_once(tiny_model_dirs: dict[str, Path], policy: str,
-                                            lookups_per_request: int) -> None:
+def test_admission_looks_the_prefix_up_once(
+    tiny_model_dirs: dict[str, Path], policy: str, lookups_per_request: int
+) -> None:
     """The lookup that sized a request's prefill is the one `admit` locks: no second match per
     request (lpm ordering needs one more, to sort)."""
     h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096, schedule_policy=policy)
@@ -155,7 +171,9 @@ def test_admission_looks_the_prefix_up_once(tiny_model_dirs: dict[str, Path], po
     assert len(lookups) == 3 * lookups_per_request
 
 
-def test_step_timer_counts_only_steps_that_began_busy_and_ran_a_batch(tiny_model_dirs: dict[str, Path]) -> None:
+def test_step_timer_counts_only_steps_that_began_busy_and_ran_a_batch(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
     """The receive of a step that began idle includes rank 0's deliberate wait on its socket; it
     must not count as control-plane time. Busy steps split into broadcast, scheduling, forward."""
     h = Harness(tiny_model_dirs["llama"], max_total_tokens=4096)
@@ -189,14 +207,20 @@ def test_step_timer_counts_only_steps_that_began_busy_and_ran_a_batch(tiny_model
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])
-def test_pipeline_loop_matches_offline_engine(tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]],
-                                              micro_batches: int) -> None:
+def test_pipeline_loop_matches_offline_engine(
+    tiny_model_dirs: dict[str, Path], reference: dict[str, list[int]], micro_batches: int
+) -> None:
     """The pipeline stages' loop (scheduler/pipeline.py) on one stage, tokens coming back
     `micro_batches` iterations late: same greedy tokens with plain, chunked and tiny-KV budgets,
     with the micro-batches really in flight together and never sharing a request."""
     budgets: list[dict[str, Any]] = [
         {"max_total_tokens": 8192},
-        {"max_total_tokens": 8192, "chunked_prefill_size": 16, "max_prefill_tokens": 24, "max_running_requests": 5},
+        {
+            "max_total_tokens": 8192,
+            "chunked_prefill_size": 16,
+            "max_prefill_tokens": 24,
+            "max_running_requests": 5,
+        },
         {"max_total_tokens": 160},
     ]
     for budget in budgets:

@@ -8,26 +8,44 @@ from srt.server_args import ServerArgs
 
 
 def test_sglang_flag_names_and_aliases() -> None:
-    args = ServerArgs.from_cli(["--tp", "2", "--pp-size", "1", "--port", "31000", "--max-total-tokens", "4096",
-                                "--schedule-policy", "lpm", "--disable-radix-cache", "--page-size", "4"])
+    args = ServerArgs.from_cli(
+        [
+            "--tp",
+            "2",
+            "--pp-size",
+            "1",
+            "--port",
+            "31000",
+            "--max-total-tokens",
+            "4096",
+            "--schedule-policy",
+            "lpm",
+            "--disable-radix-cache",
+            "--page-size",
+            "4",
+        ]
+    )
     assert (args.tp_size, args.port, args.max_total_tokens, args.schedule_policy) == (2, 31000, 4096, "lpm")
     assert args.disable_radix_cache and args.page_size == 4 and args.world_size == 2
 
 
-@pytest.mark.parametrize(("argv", "flag"), [
-    (["--tp-size", "0"], "--tp-size"),
-    (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
-    (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
-    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"], "--nnodes"),
-    (["--nnodes", "2", "--tp", "2"], "--dist-init-addr"),
-    (["--port", "70000"], "--port"),
-    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
-    (["--watchdog-timeout", "0"], "--watchdog-timeout"),
-    (["--cpu-kvcache-space", "0"], "--cpu-kvcache-space"),
-    (["--cpu-kvcache-space", "2", "--device", "cuda"], "--cpu-kvcache-space"),
-    (["--min-available-memory", "-1"], "--min-available-memory"),
-    (["--cpu-threads", "0"], "--cpu-threads"),
-])
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--tp-size", "0"], "--tp-size"),
+        (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank"),
+        (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"], "--nnodes"),
+        (["--nnodes", "2", "--tp", "2"], "--dist-init-addr"),
+        (["--port", "70000"], "--port"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+        (["--watchdog-timeout", "0"], "--watchdog-timeout"),
+        (["--cpu-kvcache-space", "0"], "--cpu-kvcache-space"),
+        (["--cpu-kvcache-space", "2", "--device", "cuda"], "--cpu-kvcache-space"),
+        (["--min-available-memory", "-1"], "--min-available-memory"),
+        (["--cpu-threads", "0"], "--cpu-threads"),
+    ],
+)
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         ServerArgs.from_cli(argv)
@@ -36,9 +54,13 @@ def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
 def test_deterministic_inference_is_asked_for_or_needed_by_restarts() -> None:
     assert not ServerArgs.from_cli([]).deterministic
     assert ServerArgs.from_cli(["--enable-deterministic-inference"]).deterministic
-    assert ServerArgs.from_cli(["--restart-on-failure", "2"]).deterministic  # its replays re-prefill decoded tokens
+    assert ServerArgs.from_cli(
+        ["--restart-on-failure", "2"]
+    ).deterministic  # its replays re-prefill decoded tokens
     assert not ServerArgs.from_cli(["--restart-on-failure", "2", "--quantization", "gguf"]).deterministic
-    with pytest.raises(ValueError, match="--enable-deterministic-inference cannot hold with --quantization gguf"):
+    with pytest.raises(
+        ValueError, match="--enable-deterministic-inference cannot hold with --quantization gguf"
+    ):
         ServerArgs.from_cli(["--enable-deterministic-inference", "--quantization", "gguf"])
 
 
@@ -78,7 +100,9 @@ def test_kv_space_flag_and_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> 
     args = ServerArgs.from_cli([])
     assert args.cpu_kvcache_space is None and args.mem_fraction_static is None and args.uses_cpu_kvcache_space
     assert ServerArgs.from_cli(["--cpu-kvcache-space", "0.5"]).cpu_kvcache_space == 0.5
-    assert not ServerArgs.from_cli(["--max-total-tokens", "4096"]).uses_cpu_kvcache_space  # SGLang's flag alone
+    assert not ServerArgs.from_cli(
+        ["--max-total-tokens", "4096"]
+    ).uses_cpu_kvcache_space  # SGLang's flag alone
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     assert ServerArgs.from_cli([]).cpu_kvcache_space == 8.0
     assert ServerArgs.from_cli(["--cpu-kvcache-space", "2"]).cpu_kvcache_space == 2.0  # the flag wins

@@ -34,9 +34,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, smollm2_dir: Path) -> Iterator[Server]:
-    with Server("--model-path", str(model_dir), "--tokenizer-path", str(smollm2_dir),
-                "--dtype", "float32", "--max-total-tokens", "8192", "--enable-priority-scheduling",
-                "--max-running-requests", "2") as server:
+    with Server(
+        "--model-path",
+        str(model_dir),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "8192",
+        "--enable-priority-scheduling",
+        "--max-running-requests",
+        "2",
+    ) as server:
         yield server
 
 
@@ -75,10 +85,16 @@ def hf_biased_greedy(model: Any, prompt: list[int], steps: int, bias: dict[int, 
 def test_sampling_seed_is_seed_and_n_fans_out(server: Server) -> None:
     sampled = {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True}
     by_seed = generate(server, input_ids=PROMPT_IDS, sampling_params={**sampled, "seed": 11})
-    by_sampling_seed = generate(server, input_ids=PROMPT_IDS, sampling_params={**sampled, "sampling_seed": 11})
+    by_sampling_seed = generate(
+        server, input_ids=PROMPT_IDS, sampling_params={**sampled, "sampling_seed": 11}
+    )
     assert by_seed["output_ids"] == by_sampling_seed["output_ids"]
-    fanned = generate(server, input_ids=PROMPT_IDS, sampling_params={**sampled, "sampling_seed": 11, "n": 3},
-                      return_prompt_token_ids=True)
+    fanned = generate(
+        server,
+        input_ids=PROMPT_IDS,
+        sampling_params={**sampled, "sampling_seed": 11, "n": 3},
+        return_prompt_token_ids=True,
+    )
     assert isinstance(fanned, list) and [o["index"] for o in fanned] == [0, 1, 2]
     assert fanned[0]["output_ids"] == by_seed["output_ids"]  # copy 0 keeps the request's seed
     assert len({tuple(o["output_ids"]) for o in fanned}) == 3  # the others derive their own
@@ -94,8 +110,9 @@ def test_logit_bias_matches_a_transformers_loop(server: Server, hf_model: Any) -
     bias = {plain[0]: -5.0, plain[1]: -3.0, 77: 2.5}
     expected = hf_biased_greedy(hf_model, PROMPT_IDS, 12, bias)
     assert expected != plain  # the bias changes the answer
-    biased = generate(server, input_ids=PROMPT_IDS,
-                      sampling_params=greedy(logit_bias={str(k): v for k, v in bias.items()}))
+    biased = generate(
+        server, input_ids=PROMPT_IDS, sampling_params=greedy(logit_bias={str(k): v for k, v in bias.items()})
+    )
     assert biased["output_ids"] == expected
     forced = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(6, logit_bias={"123": 100}))
     assert forced["output_ids"] == [123] * 6
@@ -106,9 +123,9 @@ def test_stop_regex_and_no_stop_trim(server: Server, smollm2_dir: Path) -> None:
     full = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(24))
     ids, text = full["output_ids"], full["text"]
     for k in range(4, 24):  # two tokens whose text is printable and new: a match must span both
-        before = tokenizer.decode(ids[:k - 1], skip_special_tokens=True)
-        piece = tokenizer.decode(ids[:k + 1], skip_special_tokens=True)[len(before):]
-        first = tokenizer.decode(ids[:k], skip_special_tokens=True)[len(before):]
+        before = tokenizer.decode(ids[: k - 1], skip_special_tokens=True)
+        piece = tokenizer.decode(ids[: k + 1], skip_special_tokens=True)[len(before) :]
+        first = tokenizer.decode(ids[:k], skip_special_tokens=True)[len(before) :]
         if 0 < len(first) < len(piece) and piece.isascii() and piece.isprintable() and piece not in before:
             break
     else:
@@ -116,11 +133,15 @@ def test_stop_regex_and_no_stop_trim(server: Server, smollm2_dir: Path) -> None:
     pattern = re.escape(piece[:-1]) + "[" + re.escape(piece[-1]) + "]"  # matches `piece`, written as a regex
     cut = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(24, stop_regex=pattern))
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
-    assert cut["output_ids"] == ids[:k + 1]
-    assert cut["text"] == text[:text.index(piece)]
-    kept = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(24, stop_regex=pattern, no_stop_trim=True))
-    assert kept["text"] == text[:text.index(piece) + len(piece)]
-    by_string = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(24, stop=piece, no_stop_trim=True))
+    assert cut["output_ids"] == ids[: k + 1]
+    assert cut["text"] == text[: text.index(piece)]
+    kept = generate(
+        server, input_ids=PROMPT_IDS, sampling_params=greedy(24, stop_regex=pattern, no_stop_trim=True)
+    )
+    assert kept["text"] == text[: text.index(piece) + len(piece)]
+    by_string = generate(
+        server, input_ids=PROMPT_IDS, sampling_params=greedy(24, stop=piece, no_stop_trim=True)
+    )
     assert by_string["text"] == kept["text"]
 
 
@@ -137,8 +158,9 @@ def test_skip_special_tokens_and_the_stop_token_trim(server: Server, smollm2_dir
     trimmed = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(12, stop_token_ids=[stop_id]))
     assert trimmed["output_ids"] == plain["output_ids"][:4]
     assert trimmed["text"] == tokenizer.decode(plain["output_ids"][:3], skip_special_tokens=True)
-    kept = generate(server, input_ids=PROMPT_IDS, sampling_params=greedy(12, stop_token_ids=[stop_id],
-                                                                           no_stop_trim=True))
+    kept = generate(
+        server, input_ids=PROMPT_IDS, sampling_params=greedy(12, stop_token_ids=[stop_id], no_stop_trim=True)
+    )
     assert kept["text"] == tokenizer.decode(plain["output_ids"][:4], skip_special_tokens=True)
 
 
@@ -157,16 +179,20 @@ def test_priority_orders_the_waiting_queue(server: Server) -> None:
         with lock:
             finished.append(rid)
 
-    blockers = [threading.Thread(target=run, args=(rid, max_new, None))
-                for rid, max_new in (("short", 120), ("long", 8000))]
+    blockers = [
+        threading.Thread(target=run, args=(rid, max_new, None))
+        for rid, max_new in (("short", 120), ("long", 8000))
+    ]
     for t in blockers:
         t.start()
     deadline = time.monotonic() + 60
     while len(server.internal_state()["running"]) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    waiting = [threading.Thread(target=run, args=(rid, 2, prio))
-               for rid, prio in (("low", 1), ("none", None), ("high", 9), ("mid", 5))]
+    waiting = [
+        threading.Thread(target=run, args=(rid, 2, prio))
+        for rid, prio in (("low", 1), ("none", None), ("high", 9), ("mid", 5))
+    ]
     for t in waiting:
         t.start()
         time.sleep(0.05)  # arrival order: low, none, high, mid
@@ -182,13 +208,16 @@ def test_priority_orders_the_waiting_queue(server: Server) -> None:
 
 def test_completions_batch_echo_logprobs_match_transformers(client: openai.OpenAI, hf_model: Any) -> None:
     prompts = [PROMPT_IDS, PROMPT_IDS[:9]]
-    reply = client.completions.create(model="m", prompt=prompts, max_tokens=0, echo=True, logprobs=2,
-                                      temperature=0)
+    reply = client.completions.create(
+        model="m", prompt=prompts, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.usage is not None and reply.usage.prompt_tokens == 33 and reply.usage.completion_tokens == 0
     for prompt, choice in zip(prompts, reply.choices):
         logprobs = choice.logprobs
-        assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+        assert (
+            logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+        )
         assert len(logprobs.token_logprobs) == len(prompt)
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing precedes it
         with torch.no_grad():
@@ -201,8 +230,15 @@ def test_completions_batch_echo_logprobs_match_transformers(client: openai.OpenA
 def test_lm_eval_harness_loglikelihood_request(server: Server, hf_model: Any) -> None:
     """lm-eval-harness's local-completions loglikelihood payload, parsed as it parses it."""
     context, continuation = PROMPT_IDS[:16], PROMPT_IDS[16:]
-    payload = {"model": "m", "prompt": [context + continuation], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-               "seed": 1234, "echo": True}
+    payload = {
+        "model": "m",
+        "prompt": [context + continuation],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     r = requests.post(server.url + "/v1/completions", json=payload, timeout=60)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -219,42 +255,69 @@ def test_lm_eval_harness_loglikelihood_request(server: Server, hf_model: Any) ->
 
 
 def test_best_of_equal_to_n_and_streamed_echo(client: openai.OpenAI, smollm2_dir: Path) -> None:
-    reply = client.completions.create(model="m", prompt=PROMPT_IDS, max_tokens=3, n=2, best_of=2, seed=3,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model="m", prompt=PROMPT_IDS, max_tokens=3, n=2, best_of=2, seed=3, extra_body={"ignore_eos": True}
+    )
     assert len(reply.choices) == 2
-    kwargs: dict[str, Any] = {"model": "m", "prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 0,
-                              "extra_body": {"ignore_eos": True}}
+    kwargs: dict[str, Any] = {
+        "model": "m",
+        "prompt": PROMPT_IDS,
+        "max_tokens": 3,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kwargs, echo=True, stream=True))
     plain = client.completions.create(**kwargs).choices[0].text
     prompt_text = transformers.AutoTokenizer.from_pretrained(smollm2_dir).decode(PROMPT_IDS)
     assert streamed == prompt_text + plain
 
 
-def test_chat_continue_final_message_and_template_kwargs(server: Server, client: openai.OpenAI,
-                                                         smollm2_dir: Path) -> None:
+def test_chat_continue_final_message_and_template_kwargs(
+    server: Server, client: openai.OpenAI, smollm2_dir: Path
+) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert text.endswith("The colour is")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     expected = generate(server, input_ids=ids, sampling_params=greedy(5))
-    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=5, temperature=0,  # type: ignore[arg-type]
-                                           extra_body={"continue_final_message": True, "ignore_eos": True})
+    reply = client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"continue_final_message": True, "ignore_eos": True},
+    )
     assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
     assert reply.choices[0].message.content == expected["text"]
     # chat_template_kwargs reach the template (SmolLM2's ignores unknown ones)
-    kwargs = client.chat.completions.create(model="m", messages=messages[:1], max_tokens=2, temperature=0,  # type: ignore[arg-type]
-                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    expected_ids = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+    kwargs = client.chat.completions.create(
+        model="m",
+        messages=messages[:1],
+        max_tokens=2,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    expected_ids = tokenizer.apply_chat_template(
+        messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert kwargs.usage is not None and kwargs.usage.prompt_tokens == len(expected_ids)
 
 
 def test_stream_of_a_fanned_out_generate(server: Server) -> None:
-    with requests.post(server.url + "/generate", json={"input_ids": PROMPT_IDS, "stream": True,
-                                                       "sampling_params": {**greedy(4), "n": 2}},
-                       stream=True, timeout=60) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
-                  if line and line != "data: [DONE]"]
+    with requests.post(
+        server.url + "/generate",
+        json={"input_ids": PROMPT_IDS, "stream": True, "sampling_params": {**greedy(4), "n": 2}},
+        stream=True,
+        timeout=60,
+    ) as r:
+        chunks = [
+            json.loads(line[6:])
+            for line in r.iter_lines(decode_unicode=True)
+            if line and line != "data: [DONE]"
+        ]
     final = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
     assert sorted(final) == [0, 1] and final[0]["output_ids"] == final[1]["output_ids"]  # greedy copies

@@ -30,7 +30,9 @@ def run(model_dir: Path, tp: int, prompt_ids: list[list[int]], params: SamplingP
         return [o.output_ids for o in engine.generate(prompt_ids, params)]
 
 
-@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "llama_mqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "arch", [pytest.param("llama", marks=pytest.mark.slow), "llama_mqa", "qwen2", "qwen3"]
+)
 def test_tp2_equals_tp1_tiny(arch: str, tiny_model_dirs: dict[str, Path]) -> None:
     ids = prompts(320)
     assert run(tiny_model_dirs[arch], 2, ids, GREEDY) == run(tiny_model_dirs[arch], 1, ids, GREEDY)
@@ -48,7 +50,10 @@ def test_tp3_smollm2_equals_tp1(smollm2_dir: Path) -> None:
 
 
 def test_indivisible_tp_size_is_a_clear_error(smollm2_dir: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"number of attention heads \(9\) is not divisible by the tensor-parallel size \(2\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"number of attention heads \(9\) is not divisible by the tensor-parallel size \(2\)",
+    ):
         Engine(str(smollm2_dir), tp_size=2, dtype="float32", max_total_tokens=1024)
 
 
@@ -57,13 +62,22 @@ def test_a_rank_lost_at_start_up_is_named_at_once(tmp_path: Path, tiny_model_dir
     dies bootstrapping. The engine names the dead rank and the fix within seconds (it waited out
     its 300 s start timeout before)."""
     script = tmp_path / "no_main_guard.py"
-    script.write_text("import sys\nfrom srt.engine import Engine\n"
-                      "Engine(sys.argv[1], tp_size=2, dtype='float32', max_total_tokens=1024)\n")
-    done = subprocess.run([sys.executable, str(script), str(tiny_model_dirs["llama"])], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    script.write_text(
+        "import sys\nfrom srt.engine import Engine\n"
+        "Engine(sys.argv[1], tp_size=2, dtype='float32', max_total_tokens=1024)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_dirs["llama"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode != 0
-    assert re.search(r"RuntimeError: tensor-parallel rank \d exited with code 1(, rank \d exited with code 1)? during start-up", done.stderr), \
-        done.stderr[-3000:]
+    assert re.search(
+        r"RuntimeError: tensor-parallel rank \d exited with code 1(, rank \d exited with code 1)? during start-up",
+        done.stderr,
+    ), done.stderr[-3000:]
     assert 'under `if __name__ == "__main__":`' in done.stderr
 
 

@@ -28,7 +28,7 @@ QWEN_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
     "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\n</tool_call><|im_end|>\n"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -36,20 +36,33 @@ QWEN_TEMPLATE = (
     "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
     "</tool_response><|im_end|>\n"
     "{%- elif message.tool_calls %}<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    '{%- for call in message.tool_calls %}\n<tool_call>\n{"name": "{{ call.function.name }}", '
+    '"arguments": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n'
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-ALARM = {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
-                                          "loud": {"type": "boolean"}},
-         "required": ["hour", "loud"], "additionalProperties": False}
-TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
-                                                 "parameters": WEATHER}},
-              {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ALARM = {
+    "type": "object",
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"}},
+    "required": ["hour", "loud"],
+    "additionalProperties": False,
+}
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}},
+]
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": ALARM}
 MESSAGES: Any = [{"role": "user", "content": "Will it rain in Oslo tomorrow?"}]
 
@@ -69,8 +82,17 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pat
 
 @pytest.fixture(scope="module")
 def client(qwen_dir: Path) -> Iterator[openai.OpenAI]:
-    with Server("--model-path", str(qwen_dir), "--dtype", "float32", "--max-total-tokens", "4096",
-                "--tool-call-parser", "qwen25", "--constrained-json-disable-any-whitespace") as server:
+    with Server(
+        "--model-path",
+        str(qwen_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--tool-call-parser",
+        "qwen25",
+        "--constrained-json-disable-any-whitespace",
+    ) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
@@ -83,8 +105,15 @@ def check_calls(calls: Any, names: set[str]) -> list[tuple[str, str]]:
 
 
 def test_required_returns_calls_matching_the_schema_streaming_too(client: openai.OpenAI) -> None:
-    kwargs: Any = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-                   "parallel_tool_calls": False, "temperature": 0, "max_tokens": 64}
+    kwargs: Any = {
+        "model": "m",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 64,
+    }
     reply = client.chat.completions.create(**kwargs)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -105,8 +134,14 @@ def test_required_returns_calls_matching_the_schema_streaming_too(client: openai
 
 
 def test_parallel_calls_stream_each_as_soon_as_it_is_complete(client: openai.OpenAI) -> None:
-    kwargs: Any = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-                   "temperature": 0, "max_tokens": 96}
+    kwargs: Any = {
+        "model": "m",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 96,
+    }
     whole = client.chat.completions.create(**kwargs).choices[0]
     calls = check_calls(whole.message.tool_calls, set(SCHEMAS))  # cut short by max_tokens: the complete calls
     arrivals: list[tuple[int, bool]] = []  # (call index, did the output end in this chunk)
@@ -122,10 +157,19 @@ def test_parallel_calls_stream_each_as_soon_as_it_is_complete(client: openai.Ope
 
 def test_auto_parses_the_models_own_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     # a random-weight model does not call tools by itself: a regex makes it write Qwen's format
-    regex = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)", '
-             r'"days": [1-7]\}\}\n</tool_call>')
-    kwargs: Any = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto", "temperature": 0,
-                   "max_tokens": 64, "extra_body": {"regex": regex}}
+    regex = (
+        r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)", '
+        r'"days": [1-7]\}\}\n</tool_call>'
+    )
+    kwargs: Any = {
+        "model": "m",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "temperature": 0,
+        "max_tokens": 64,
+        "extra_body": {"regex": regex},
+    }
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure.", choice
     calls = check_calls(choice.message.tool_calls, {"get_weather"})
@@ -139,32 +183,50 @@ def test_auto_parses_the_models_own_calls_whole_and_streamed(client: openai.Open
 
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     # one call: with parallel calls a random-weight model may add calls until max_tokens
-    reply = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=96,
-                                           tool_choice={"type": "function", "function": {"name": "set_alarm"}},
-                                           parallel_tool_calls=False)
+    reply = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=96,
+        tool_choice={"type": "function", "function": {"name": "set_alarm"}},
+        parallel_tool_calls=False,
+    )
     assert reply.choices[0].finish_reason == "tool_calls"
-    assert {name for name, _ in check_calls(reply.choices[0].message.tool_calls, {"set_alarm"})} == {"set_alarm"}
+    assert {name for name, _ in check_calls(reply.choices[0].message.tool_calls, {"set_alarm"})} == {
+        "set_alarm"
+    }
 
 
 def test_tools_are_rendered_by_the_chat_template(client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
-    with_tools = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none",
-                                                max_tokens=1)
+    with_tools = client.chat.completions.create(
+        model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
     assert plain.usage is not None and with_tools.usage is not None
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50
     assert with_tools.choices[0].message.tool_calls is None
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),  # no tools
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-      "tool_choice": "required"}, "tools"),
-])
-def test_bad_tool_requests_are_400s_naming_the_parameter(client: openai.OpenAI, kwargs: dict[str, Any],
-                                                         param: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_parameter(
+    client: openai.OpenAI, kwargs: dict[str, Any], param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, **kwargs)
     assert isinstance(info.value.body, dict) and info.value.body.get("param") == param, info.value.body
@@ -172,32 +234,48 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(client: openai.OpenAI, 
 
 # ---- without a server ----
 
+
 def test_qwen25_and_llama3_parsers() -> None:
     qwen = plan_tools({"tools": TOOLS}, "qwen25")
     assert qwen is not None
-    content, calls = qwen.parse('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
-                                '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": '
-                                '{"hour": 7, "loud": true}}\n</tool_call>')
+    content, calls = qwen.parse(
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
+        '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": '
+        '{"hour": 7, "loud": true}}\n</tool_call>'
+    )
     assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Rome", "days": 2}), ("set_alarm", {"hour": 7, "loud": True})]
+        ("get_weather", {"city": "Rome", "days": 2}),
+        ("set_alarm", {"hour": 7, "loud": True}),
+    ]
     assert qwen.parse("no call here") == ("no call here", [])
     assert qwen.stream_safe_prefix("Hello <tool_") == len("Hello ")
     assert qwen.stream_safe_prefix("Hello <tool_call>{") == len("Hello ")
     assert qwen.stream_safe_prefix("Hello there") == len("Hello there")
     llama = plan_tools({"tools": TOOLS}, "llama3")
     assert llama is not None
-    content, calls = llama.parse('<|python_tag|>{"name": "set_alarm", "parameters": {"hour": 6, "loud": false}}; '
-                                 '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}')
+    content, calls = llama.parse(
+        '<|python_tag|>{"name": "set_alarm", "parameters": {"hour": 6, "loud": false}}; '
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}'
+    )
     assert content is None and [c.name for c in calls] == ["set_alarm", "get_weather"]
     assert json.loads(calls[0].arguments) == {"hour": 6, "loud": False}
 
 
-@pytest.mark.parametrize("choice,text", [
-    ("required", '[{"name":"get_weather","parameters":{"city":"Oslo","days":2}}, '
-                 '{"name":"set_alarm","parameters":{"hour":7,"loud":true}}]'),
-    ("auto", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}\n'
-             '</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 6, "loud": false}}\n</tool_call>'),
-])
+@pytest.mark.parametrize(
+    "choice,text",
+    [
+        (
+            "required",
+            '[{"name":"get_weather","parameters":{"city":"Oslo","days":2}}, '
+            '{"name":"set_alarm","parameters":{"hour":7,"loud":true}}]',
+        ),
+        (
+            "auto",
+            'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 6, "loud": false}}\n</tool_call>',
+        ),
+    ],
+)
 def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(choice: str, text: str) -> None:
     plan = plan_tools({"tools": TOOLS, "tool_choice": choice}, "qwen25")
     assert plan is not None
@@ -206,9 +284,9 @@ def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(choic
     seen: list[Any] = []
     for end in range(len(text) + 1):  # the output as a stream sees it, a character at a time
         complete = plan.complete_calls(text[:end])
-        assert complete[:len(seen)] == seen and complete == finished[:len(complete)], text[:end]
+        assert complete[: len(seen)] == seen and complete == finished[: len(complete)], text[:end]
         seen = complete
-    assert plan.complete_calls(text[:text.index("set_alarm")]) == finished[:1]
+    assert plan.complete_calls(text[: text.index("set_alarm")]) == finished[:1]
 
 
 def test_tool_plans_are_validated() -> None:
@@ -242,12 +320,17 @@ def test_auto_streams_content_until_a_call_begins_then_the_calls() -> None:
             yield {"text": text[:cut], "meta_info": {"id": "x", "finish_reason": finish}}
 
     async def collect() -> list[dict[str, Any]]:
-        return [json.loads(c[6:]) for c in [chunk async for chunk in stream_chunks(call, outputs(), "m")]
-                if c.startswith(b"data: {")]
+        return [
+            json.loads(c[6:])
+            for c in [chunk async for chunk in stream_chunks(call, outputs(), "m")]
+            if c.startswith(b"data: {")
+        ]
 
     chunks = asyncio.run(collect())
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("content") or "" for d in deltas).rstrip() == "Let me check."  # the space went out before the call
+    assert (
+        "".join(d.get("content") or "" for d in deltas).rstrip() == "Let me check."
+    )  # the space went out before the call
     assert all("tool_calls" not in d for d in deltas[:-1])
     (tool_call,) = deltas[-1]["tool_calls"]
     assert tool_call["index"] == 0 and tool_call["function"]["name"] == "get_weather"

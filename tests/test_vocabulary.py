@@ -26,17 +26,44 @@ ROUTES: dict[str, tuple[str, dict[str, Field], dict[str, Any]]] = {
 }
 # The bodies sglang-router 0.3.2 sent a worker for plain requests (HTTP mode, cache_aware policy).
 ROUTER_BODIES = {
-    "generate": {"text": PROMPT, "model": None, "sampling_params": {"temperature": 0.0, "max_new_tokens": 3},
-                 "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
-                 "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
-                 "return_entropy": False},
-    "completions": {"model": "m", "prompt": PROMPT, "max_tokens": 3, "stream": False, "echo": False,
-                    "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
-                    "return_hidden_states": False},
-    "chat": {"messages": MESSAGES, "model": "m", "logprobs": False, "max_completion_tokens": 3, "stream": False,
-             "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
-             "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
-             "return_hidden_states": False},
+    "generate": {
+        "text": PROMPT,
+        "model": None,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 3},
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "log_metrics": True,
+        "return_hidden_states": False,
+        "background": False,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+    },
+    "completions": {
+        "model": "m",
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "stream": False,
+        "echo": False,
+        "no_stop_trim": False,
+        "ignore_eos": False,
+        "skip_special_tokens": True,
+        "return_hidden_states": False,
+    },
+    "chat": {
+        "messages": MESSAGES,
+        "model": "m",
+        "logprobs": False,
+        "max_completion_tokens": 3,
+        "stream": False,
+        "no_stop_trim": False,
+        "ignore_eos": False,
+        "continue_final_message": False,
+        "skip_special_tokens": True,
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+        "return_hidden_states": False,
+    },
 }
 
 
@@ -72,10 +99,21 @@ def same_request(a: TokenizedGenerateReq, b: TokenizedGenerateReq) -> None:
     """Two requests the scheduler would serve alike (rids and resolved seeds aside)."""
     pa, pb = a.sampling_params, b.sampling_params
     assert a.input_ids == b.input_ids
-    assert (pa.max_new_tokens, pa.temperature, pa.top_p, pa.min_p, pa.stop, pa.stop_token_ids, pa.logit_bias) == \
-        (pb.max_new_tokens, pb.temperature, pb.top_p, pb.min_p, pb.stop, pb.stop_token_ids, pb.logit_bias)
+    assert (
+        pa.max_new_tokens,
+        pa.temperature,
+        pa.top_p,
+        pa.min_p,
+        pa.stop,
+        pa.stop_token_ids,
+        pa.logit_bias,
+    ) == (pb.max_new_tokens, pb.temperature, pb.top_p, pb.min_p, pb.stop, pb.stop_token_ids, pb.logit_bias)
     assert (pa.top_k in (-1, 1 << 30)) and (pb.top_k in (-1, 1 << 30))  # both: every token
-    assert (a.return_logprob, a.logprob_start_len, a.priority) == (b.return_logprob, b.logprob_start_len, b.priority)
+    assert (a.return_logprob, a.logprob_start_len, a.priority) == (
+        b.return_logprob,
+        b.logprob_start_len,
+        b.priority,
+    )
 
 
 def non_default(field: Field) -> Any:
@@ -125,17 +163,25 @@ def test_each_field_at_its_default_is_accepted_alone(server: Server, name: str) 
 def off_only_cases() -> list[tuple[str, str, Any]]:
     cases = []
     for name, (_, vocabulary, _) in ROUTES.items():
-        cases += [(name, field_name, non_default(field)) for field_name, field in vocabulary.items()
-                  if field.kind == "off_only"]
-    cases += [("sampling", field_name, non_default(field)) for field_name, field in SAMPLING.items()
-              if field.kind == "off_only"]
+        cases += [
+            (name, field_name, non_default(field))
+            for field_name, field in vocabulary.items()
+            if field.kind == "off_only"
+        ]
+    cases += [
+        ("sampling", field_name, non_default(field))
+        for field_name, field in SAMPLING.items()
+        if field.kind == "off_only"
+    ]
     return cases
 
 
-@pytest.mark.parametrize(("name", "field_name", "value"), off_only_cases(),
-                         ids=[f"{c[0]}-{c[1]}" for c in off_only_cases()])
-def test_an_unsupported_value_is_a_400_naming_the_field(server: Server, name: str, field_name: str,
-                                                        value: Any) -> None:
+@pytest.mark.parametrize(
+    ("name", "field_name", "value"), off_only_cases(), ids=[f"{c[0]}-{c[1]}" for c in off_only_cases()]
+)
+def test_an_unsupported_value_is_a_400_naming_the_field(
+    server: Server, name: str, field_name: str, value: Any
+) -> None:
     route, _, given = ROUTES["generate" if name == "sampling" else name]
     if name == "sampling":
         body = {**given, "sampling_params": {**given["sampling_params"], field_name: value}}
@@ -178,8 +224,11 @@ def test_an_unknown_name_is_a_400_naming_it(server: Server, name: str) -> None:
 def test_the_bodies_sglang_router_forwards_are_served(server: Server, name: str) -> None:
     route, _, given = ROUTES[name]
     body = ROUTER_BODIES[name]
-    plain_body = {**given, "sampling_params": {**given["sampling_params"], "temperature": 0.0}} \
-        if name == "generate" else given
+    plain_body = (
+        {**given, "sampling_params": {**given["sampling_params"], "temperature": 0.0}}
+        if name == "generate"
+        else given
+    )
     same_request(sent_request(server, route, body), sent_request(server, route, plain_body))
 
 

@@ -86,7 +86,9 @@ def test_converted_dir_has_hf_layout(model_dir: Path) -> None:
 def test_converted_dir_loads_in_transformers_and_answers(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, output_loading_info=True
+    )
     model, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -97,7 +99,7 @@ def test_converted_dir_loads_in_transformers_and_answers(model_dir: Path) -> Non
     assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
     input_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     out = model.generate(input_ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, input_ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, input_ids.shape[1] :])
 
 
 def test_saved_tokenizer_matches_the_gguf_tokenizer(model_dir: Path, gguf_reader: Any) -> None:
@@ -110,8 +112,31 @@ def test_saved_tokenizer_matches_the_gguf_tokenizer(model_dir: Path, gguf_reader
     assert (saved.eos_token, saved.bos_token) == ("<|im_end|>", "<|im_start|>")
     # The ids the GGUF tokenizer itself gives (AutoTokenizer.from_pretrained(..., gguf_file=...)).
     text = "Hello world\n  multiple   spaces, ünïcode 😀 and <|im_end|> 12345"
-    assert saved(text).input_ids == [19556, 905, 3805, 2701, 256, 5600, 28, 5549, 137, 94, 25972, 4635, 40303,
-                                     218, 284, 216, 2, 216, 33, 34, 35, 36, 37]
+    assert saved(text).input_ids == [
+        19556,
+        905,
+        3805,
+        2701,
+        256,
+        5600,
+        28,
+        5549,
+        137,
+        94,
+        25972,
+        4635,
+        40303,
+        218,
+        284,
+        216,
+        2,
+        216,
+        33,
+        34,
+        35,
+        36,
+        37,
+    ]
 
 
 def test_second_conversion_is_a_fast_cache_hit(conversion: tuple[Path, Path, float]) -> None:
@@ -127,8 +152,11 @@ def test_second_conversion_is_a_fast_cache_hit(conversion: tuple[Path, Path, flo
 
 def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py reorders q/k rows (interleaved rotary halves) like this."""
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def test_weights_are_exactly_the_dequantised_gguf_tensors(model_dir: Path, gguf_reader: Any) -> None:
@@ -145,8 +173,12 @@ def test_weights_are_exactly_the_dequantised_gguf_tensors(model_dir: Path, gguf_
 
     assert raw["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
     np.testing.assert_array_equal(ours("model.embed_tokens.weight"), dequantised("token_embd.weight"))
-    np.testing.assert_array_equal(ours("model.layers.3.mlp.down_proj.weight"), dequantised("blk.3.ffn_down.weight"))
-    np.testing.assert_array_equal(ours("model.layers.3.input_layernorm.weight"), dequantised("blk.3.attn_norm.weight"))
+    np.testing.assert_array_equal(
+        ours("model.layers.3.mlp.down_proj.weight"), dequantised("blk.3.ffn_down.weight")
+    )
+    np.testing.assert_array_equal(
+        ours("model.layers.3.input_layernorm.weight"), dequantised("blk.3.attn_norm.weight")
+    )
     # q/k come back in HF row order: permuting them the llama.cpp way gives the file's rows again.
     q = ours("model.layers.3.self_attn.q_proj.weight")
     k = ours("model.layers.3.self_attn.k_proj.weight")
@@ -169,8 +201,16 @@ def test_weights_equal_transformers_own_gguf_loading(model_dir: Path) -> None:
 
 def _run_together(script: str, count: int = 2) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for rank in range(count)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in range(count)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * count, outputs
     return outputs
@@ -223,7 +263,9 @@ def test_concurrent_real_conversions_share_one_result(tmp_path: Path) -> None:
         print("RESULT", convert_gguf(default_model_path(), {str(tmp_path)!r}), flush=True)
     """)
     outputs = _run_together(script)
-    results = {line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("RESULT ")}
+    results = {
+        line.split(" ", 1)[1] for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
+    }
     assert results == {str(converted_dir_for(default_model_path(), tmp_path))}
     assert sum(out.count("Converting ") for out in outputs) == 1, outputs
     assert (Path(results.pop()) / COMPLETE_MARKER).is_file()
@@ -359,7 +401,9 @@ def test_load_hf_config(model_dir: Path, tmp_path: Path) -> None:
         load_hf_config(tmp_path)
 
 
-def test_generation_config_eos_ends_offline_generation(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_generation_config_eos_ends_offline_generation(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
     """An EOS id that only generation_config.json lists stops the offline engine as it stops the
     server (one helper, model_executor.loader.weight_source.eos_token_ids, serves both)."""
     import shutil

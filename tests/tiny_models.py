@@ -9,30 +9,61 @@ from typing import Any
 import torch
 import transformers
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, rms_norm_eps=1e-6,
-            tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "llama_mqa": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                  {"num_key_value_heads": 1, "tie_word_embeddings": True,
-                   "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama_mqa": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
     # head size 64, 3 query heads per kv head (as SmolLM2): the shapes the AMX attention kernels take
-    "llama_d64": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                  {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
+    "llama_d64": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1},
+    ),
     # 64 KiB of fp32 KV a token (16 kv heads of 256, 2 layers) on little compute: host memory tests
-    "llama_wide_kv": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                      {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256}),
+    "llama_wide_kv": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256},
+    ),
     # SmolLM2's vocabulary and a long context: any text its tokenizer makes, chat templates included
-    "llama_smollm2_vocab": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                            {"vocab_size": 49152, "max_position_embeddings": 8192}),
+    "llama_smollm2_vocab": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"vocab_size": 49152, "max_position_embeddings": 8192},
+    ),
     # Qwen-shaped (qkv biases) with SmolLM2's vocabulary: tool calls through a Qwen chat template
-    "qwen2_smollm2_vocab": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-                            {"vocab_size": 49152, "max_position_embeddings": 4096}),
+    "qwen2_smollm2_vocab": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {"vocab_size": 49152, "max_position_embeddings": 4096},
+    ),
 }
 
 
@@ -78,4 +109,6 @@ def hf_forced_logits(model: Any, prompts: list[list[int]], forced: list[list[int
     """transformers' logits at each position of the `forced` tokens after each prompt (teacher
     forcing), [steps, bs, vocab]: the reference for test_cpu_kernels.decode_logits."""
     with torch.no_grad():
-        return torch.stack([model(torch.tensor([p + f])).logits[0, len(p):] for p, f in zip(prompts, forced)], dim=1)
+        return torch.stack(
+            [model(torch.tensor([p + f])).logits[0, len(p) :] for p, f in zip(prompts, forced)], dim=1
+        )

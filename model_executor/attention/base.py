@@ -21,8 +21,9 @@ class AttentionBackend(ABC):
         Mutates only the backend's own metadata."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         """q [n, heads*d], k/v [n, kv_heads*d] for the batch's new tokens -> [n, heads*d].
 
         Mutates the KV pool: writes k/v at `batch.out_cache_loc` for `layer.layer_id`.

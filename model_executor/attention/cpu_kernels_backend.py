@@ -32,31 +32,50 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
         self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # deterministic extend: each new
         # token's (req_to_token row, length with its own slot, longest)
         k_cache, _ = kv_pool.get_kv_buffer(0)
-        self.kernel_attention = ops.usable(k_cache) and k_cache.is_contiguous() \
-            and req_to_token.is_contiguous() and req_to_token.dtype == torch.int64
+        self.kernel_attention = (
+            ops.usable(k_cache)
+            and k_cache.is_contiguous()
+            and req_to_token.is_contiguous()
+            and req_to_token.dtype == torch.int64
+        )
         # Extend on the decode kernel: only the kernel path has one arithmetic for both phases.
         self.decode_rows_extend = deterministic and self.kernel_attention
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.is_decode and self.decode_rows_extend:
             lens = torch.tensor(batch.extend_seq_lens_cpu)
-            own = torch.cat([torch.arange(prefix + 1, prefix + new + 1)
-                             for prefix, new in zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)])
-            self._rows = (batch.req_pool_indices.repeat_interleave(lens.to(batch.req_pool_indices.device)),
-                          own.to(batch.seq_lens.device), max(batch.seq_lens_cpu))
+            own = torch.cat(
+                [
+                    torch.arange(prefix + 1, prefix + new + 1)
+                    for prefix, new in zip(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu)
+                ]
+            )
+            self._rows = (
+                batch.req_pool_indices.repeat_interleave(lens.to(batch.req_pool_indices.device)),
+                own.to(batch.seq_lens.device),
+                max(batch.seq_lens_cpu),
+            )
             return
         if not batch.is_decode:
             prefixes = batch.extend_prefix_lens_cpu
-            self._extend_slots = torch.cat([
-                self.req_to_token[batch.req_pool_indices[i], :prefix + new]
-                for i, (prefix, new) in enumerate(zip(prefixes, batch.extend_seq_lens_cpu))]) if any(prefixes) else None
+            self._extend_slots = (
+                torch.cat(
+                    [
+                        self.req_to_token[batch.req_pool_indices[i], : prefix + new]
+                        for i, (prefix, new) in enumerate(zip(prefixes, batch.extend_seq_lens_cpu))
+                    ]
+                )
+                if any(prefixes)
+                else None
+            )
             return
         if self.kernel_attention:
             return
         super().init_forward_metadata(batch)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         if self.kernel_attention and (batch.is_decode or self.decode_rows_extend) and ops.usable(q, k, v):
             # A decode step's rows are its requests; a deterministic extend's, its new tokens.
             if batch.is_decode:
@@ -66,19 +85,49 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
                 rows, row_lens, max_len = self._rows
             k_cache, v_cache = self.kv_pool.get_kv_buffer(layer.layer_id)
             return ops.decode_attention(
-                q, k, v, k_cache, v_cache, batch.out_cache_loc, self.req_to_token, rows, row_lens, max_len,
-                layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling)
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                batch.out_cache_loc,
+                self.req_to_token,
+                rows,
+                row_lens,
+                max_len,
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                layer.scaling,
+            )
         return super().forward(q, k, v, layer, batch)
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 layer: Attention, batch: ForwardBatch) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> None:
         if ops.store_kv_applies(k, v, k_cache, v_cache, batch.out_cache_loc):
-            ops.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)  # faster than index_copy_ (docs/performance.md)
+            ops.store_kv(
+                k, v, k_cache, v_cache, batch.out_cache_loc
+            )  # faster than index_copy_ (docs/performance.md)
         else:
             super().store_kv(k, v, k_cache, v_cache, layer, batch)
 
-    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         if not ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
             return super().extend(q, k, v, k_cache, v_cache, layer, batch)
         # bf16 on AMX: every request in one kernel call (faster than SDPA for fresh prompts and than
@@ -89,5 +138,6 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
             return ops.prefill_attention(q, k, v, lens, layer.scaling)
         extend_slots = self._extend_slots
         assert extend_slots is not None
-        return ops.prefill_attention(q, gather(k_cache, extend_slots), gather(v_cache, extend_slots),
-                                             lens, layer.scaling, prefixes)
+        return ops.prefill_attention(
+            q, gather(k_cache, extend_slots), gather(v_cache, extend_slots), lens, layer.scaling, prefixes
+        )

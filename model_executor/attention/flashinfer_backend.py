@@ -13,12 +13,14 @@ from model_executor.layers.attention import Attention
 
 class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
-        raise NotImplementedError("the flashinfer attention backend is not built yet; "
-                                  "use --attention-backend torch_native")
+        raise NotImplementedError(
+            "the flashinfer attention backend is not built yet; use --attention-backend torch_native"
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         raise NotImplementedError

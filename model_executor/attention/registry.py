@@ -19,7 +19,9 @@ def _flashinfer(kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[KVPool, torch.Tensor, bool], AttentionBackend]] = {
-    "torch_native": lambda kv_pool, req_to_token, deterministic: TorchNativeAttnBackend(kv_pool, req_to_token),
+    "torch_native": lambda kv_pool, req_to_token, deterministic: TorchNativeAttnBackend(
+        kv_pool, req_to_token
+    ),
     "cpu_kernels": CpuKernelsAttnBackend,
     "flashinfer": _flashinfer,
 }
@@ -31,8 +33,9 @@ def default_attention_backend(device: torch.device) -> str:
     return "cpu_kernels" if device.type == "cpu" else "torch_native"
 
 
-def create_attention_backend(name: str, device: torch.device, kv_pool: KVPool, req_to_token: torch.Tensor,
-                             deterministic: bool) -> AttentionBackend:
+def create_attention_backend(
+    name: str, device: torch.device, kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool
+) -> AttentionBackend:
     """The backend called `name` ("auto": default_attention_backend) over this pool; `deterministic`
     asks for one arithmetic for prefill and decode, which only cpu_kernels has (its decode kernel)."""
     if name == "auto":

@@ -45,8 +45,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._decode_slots = torch.where(valid, slots, slots[:, :1])
         self._decode_mask = valid[:, None, None, :]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         n = q.shape[0]
         # q/k/v may be column slices of one qkv tensor: reshape keeps them views where it can.
         q = q.reshape(n, layer.num_heads, layer.head_dim)
@@ -58,23 +59,46 @@ class TorchNativeAttnBackend(AttentionBackend):
             return self.decode(q, k_cache, v_cache, layer)
         return self.extend(q, k, v, k_cache, v_cache, layer, batch)
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 layer: Attention, batch: ForwardBatch) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> None:
         """Writes the new tokens' k/v [n, kv_heads, d] at `batch.out_cache_loc` of the layer's pool."""
         self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention
+    ) -> torch.Tensor:
         """q [bs, heads, d], one row a request -> [bs, heads*d], over each request's slots."""
         assert self._decode_slots is not None
         slots = self._decode_slots
         k_all = gather(k_cache, slots).transpose(1, 2)  # [bs, kv_heads, L, d]
         v_all = gather(v_cache, slots).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=self._decode_mask,
-                                             scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            k_all,
+            v_all,
+            attn_mask=self._decode_mask,
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
-    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         """q [n, heads, d], k/v [n, kv_heads, d] for the new tokens (already in the pool) -> [n, heads*d]:
         each new token over its request's prefix and the new tokens up to itself."""
         n = q.shape[0]
@@ -88,23 +112,29 @@ class TorchNativeAttnBackend(AttentionBackend):
             qb = q.reshape(bs, new, layer.num_heads, layer.head_dim).transpose(1, 2)
             kb = k.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
             vb = v.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                qb, kb, vb, is_causal=True, scale=layer.scaling, enable_gqa=gqa
+            )
             return out.transpose(1, 2).reshape(n, layer.num_heads * layer.head_dim)
         outputs = []
         start = 0
         for i, (prefix, new) in enumerate(zip(batch.extend_prefix_lens_cpu, lens)):
-            qi = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
+            qi = q[start : start + new].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
             if prefix == 0:
-                ki = k[start:start + new].transpose(0, 1).unsqueeze(0)
-                vi = v[start:start + new].transpose(0, 1).unsqueeze(0)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
+                ki = k[start : start + new].transpose(0, 1).unsqueeze(0)
+                vi = v[start : start + new].transpose(0, 1).unsqueeze(0)
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa
+                )
             else:
-                slots = self.req_to_token[batch.req_pool_indices[i], :prefix + new]
+                slots = self.req_to_token[batch.req_pool_indices[i], : prefix + new]
                 ki = gather(k_cache, slots).transpose(0, 1).unsqueeze(0)
                 vi = gather(v_cache, slots).transpose(0, 1).unsqueeze(0)
                 # query j (absolute position prefix + j) sees keys 0 .. prefix + j
                 mask = torch.ones(new, prefix + new, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa
+                )
             outputs.append(oi.squeeze(0).transpose(0, 1).reshape(new, -1))
             start += new
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -12,12 +12,27 @@ from srt.sampling_params import GRAMMAR_KINDS, GrammarSpec
 
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's --grammar-backend names srt has
 
-__all__ = ["GRAMMAR_BACKENDS", "GRAMMAR_KINDS", "GrammarBackend", "GrammarError", "GrammarSpec", "JsonOptions", "Matcher",
-           "LazyGrammarBackend", "bitmask_words", "create_backend"]
+__all__ = [
+    "GRAMMAR_BACKENDS",
+    "GRAMMAR_KINDS",
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarSpec",
+    "JsonOptions",
+    "Matcher",
+    "LazyGrammarBackend",
+    "bitmask_words",
+    "create_backend",
+]
 
 
-def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                   json_options: JsonOptions | None = None) -> GrammarBackend:
+def create_backend(
+    name: str,
+    tokenizer: Any,
+    vocab_size: int,
+    stop_token_ids: Sequence[int],
+    json_options: JsonOptions | None = None,
+) -> GrammarBackend:
     """The backend called `name` for this tokenizer; ValueError for "none" or an unknown name."""
     if name == "xgrammar":
         from model_executor.constrained.xgrammar_backend import XGrammarBackend
@@ -31,8 +46,14 @@ class LazyGrammarBackend:
     costs about half a second, which a server that never sees a grammar should not pay). The
     front end and every rank build it from the same tokenizer, so they agree on what compiles."""
 
-    def __init__(self, name: str, tokenizer_loader: Callable[[], Any], vocab_size: int,
-                 stop_token_ids: Collection[int], json_options: JsonOptions | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        tokenizer_loader: Callable[[], Any],
+        vocab_size: int,
+        stop_token_ids: Collection[int],
+        json_options: JsonOptions | None = None,
+    ) -> None:
         self.name = name
         self._tokenizer_loader = tokenizer_loader
         self._vocab_size = vocab_size
@@ -44,17 +65,25 @@ class LazyGrammarBackend:
     def get(self, param: str) -> GrammarBackend:
         """The backend; GrammarError naming `param` when the server has none or it cannot be built."""
         if self.name == "none":
-            raise GrammarError(f"{param} needs a grammar backend; this server runs with --grammar-backend none",
-                               param)
+            raise GrammarError(
+                f"{param} needs a grammar backend; this server runs with --grammar-backend none", param
+            )
         if self._backend is None and self._failure is None:
             try:
-                self._backend = create_backend(self.name, self._tokenizer_loader(), self._vocab_size,
-                                               self._stop_token_ids, self._json_options)
+                self._backend = create_backend(
+                    self.name,
+                    self._tokenizer_loader(),
+                    self._vocab_size,
+                    self._stop_token_ids,
+                    self._json_options,
+                )
             except Exception as error:  # noqa: BLE001 - the reason goes into every such request's 400
                 self._failure = f"{type(error).__name__}: {error}"
         if self._backend is None:
-            raise GrammarError(f"{param}: the {self.name} grammar backend cannot serve this tokenizer "
-                               f"({self._failure})", param)
+            raise GrammarError(
+                f"{param}: the {self.name} grammar backend cannot serve this tokenizer ({self._failure})",
+                param,
+            )
         return self._backend
 
     def compile(self, spec: GrammarSpec) -> Any:

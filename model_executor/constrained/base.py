@@ -36,8 +36,10 @@ class JsonOptions:
 
     @classmethod
     def of(cls, server_args: Any) -> JsonOptions:
-        return cls(not server_args.constrained_json_disable_any_whitespace,
-                   server_args.constrained_json_max_whitespace_cnt)
+        return cls(
+            not server_args.constrained_json_disable_any_whitespace,
+            server_args.constrained_json_max_whitespace_cnt,
+        )
 
 
 class Matcher(ABC):

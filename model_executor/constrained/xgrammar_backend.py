@@ -12,8 +12,12 @@ import torch
 from model_executor.constrained.base import GrammarBackend, GrammarError, JsonOptions, Matcher
 from srt.sampling_params import GrammarSpec
 
-_WHAT = {"json_schema": "a valid JSON schema", "regex": "a valid regular expression",
-         "ebnf": "a valid EBNF grammar", "structural_tag": "a valid structural tag"}
+_WHAT = {
+    "json_schema": "a valid JSON schema",
+    "regex": "a valid regular expression",
+    "ebnf": "a valid EBNF grammar",
+    "structural_tag": "a valid structural tag",
+}
 
 
 class XGrammarMatcher(Matcher):
@@ -51,15 +55,17 @@ class XGrammarMatcher(Matcher):
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 json_options: JsonOptions) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], json_options: JsonOptions
+    ) -> None:
         import xgrammar
 
         self._json = json_options
         self._xgr = xgrammar
         # the model's EOS ids end a grammar; without any, xgrammar takes the tokenizer's
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids) or None)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
+        )
         # one thread: the ranks' torch threads already own the cores
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
 
@@ -67,17 +73,27 @@ class XGrammarBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 json.loads(spec.source)  # xgrammar's own message for bad JSON is a C++ check
-                return self._compiler.compile_json_schema(spec.source, any_whitespace=self._json.any_whitespace,
-                                                          max_whitespace_cnt=self._json.max_whitespace_cnt)
+                return self._compiler.compile_json_schema(
+                    spec.source,
+                    any_whitespace=self._json.any_whitespace,
+                    max_whitespace_cnt=self._json.max_whitespace_cnt,
+                )
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.source)
             if spec.kind == "ebnf":
                 return self._compiler.compile_grammar(spec.source)
             return self._compiler.compile_structural_tag(spec.source)
-        except (RuntimeError, ValueError, TypeError, self._xgr.InvalidJSONError,
-                self._xgr.InvalidStructuralTagError) as error:
+        except (
+            RuntimeError,
+            ValueError,
+            TypeError,
+            self._xgr.InvalidJSONError,
+            self._xgr.InvalidStructuralTagError,
+        ) as error:
             detail = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            raise GrammarError(f"{spec.kind} is not {_WHAT[spec.kind]}: {_clean(detail)}", spec.kind) from None
+            raise GrammarError(
+                f"{spec.kind} is not {_WHAT[spec.kind]}: {_clean(detail)}", spec.kind
+            ) from None
 
     def matcher(self, compiled: Any) -> Matcher:
         return XGrammarMatcher(compiled)
@@ -86,8 +102,9 @@ class XGrammarBackend(GrammarBackend):
         if logits.dtype != torch.float32 or not logits.is_contiguous():
             return super().apply_bitmask_inplace(logits, bitmask, rows)
         # its CPU / CUDA kernel: the same -inf entries as the sampler's tensor ops, several times faster
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1],
-                                              indices=list(rows))
+        self._xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device), vocab_size=logits.shape[1], indices=list(rows)
+        )
 
 
 def _clean(detail: str) -> str:

@@ -41,7 +41,9 @@ class Communicator:
     def single() -> Communicator:
         return Communicator(ranks=[0], rank_in_group=0)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
         """Reduces in place and returns `tensor`.
 
         A ring all-reduce adds an element's parts in an order set by where the element falls among

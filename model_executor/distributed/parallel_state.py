@@ -80,9 +80,15 @@ def init_distributed(
 
     def make(ranks: list[int]) -> Communicator:
         device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
-        cpu_group = device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
-        return Communicator(ranks=ranks, rank_in_group=ranks.index(world_rank) if world_rank in ranks else -1,
-                            device_group=device_group, cpu_group=cpu_group)
+        cpu_group = (
+            device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        )
+        return Communicator(
+            ranks=ranks,
+            rank_in_group=ranks.index(world_rank) if world_rank in ranks else -1,
+            device_group=device_group,
+            cpu_group=cpu_group,
+        )
 
     world = make(list(range(world_size)))
     tp: Communicator | None = None

@@ -40,7 +40,9 @@ def lm_head_cost_in_layers(config: Any) -> float:
     return int(config.vocab_size) * hidden / layer
 
 
-def partition_layers(num_layers: int, pp_size: int, override: str | None = None, head_cost: float = 0.0) -> list[int]:
+def partition_layers(
+    num_layers: int, pp_size: int, override: str | None = None, head_cost: float = 0.0
+) -> list[int]:
     """Layers per stage, so that every stage reads about as many weights per decode step: the
     last stage also runs the LM head (`head_cost`, in layers: lm_head_cost_in_layers), so it gets
     fewer layers; the others split the rest evenly (the remainder to the first ones). With
@@ -49,13 +51,19 @@ def partition_layers(num_layers: int, pp_size: int, override: str | None = None,
         try:
             counts = [int(part) for part in override.split(",")]
         except ValueError:
-            raise ValueError(f"{LAYER_PARTITION_ENV} must be comma-separated layer counts, got {override!r}") from None
+            raise ValueError(
+                f"{LAYER_PARTITION_ENV} must be comma-separated layer counts, got {override!r}"
+            ) from None
         if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
-            raise ValueError(f"{LAYER_PARTITION_ENV}={override!r} must give {pp_size} positive layer counts "
-                             f"summing to the model's {num_layers} layers")
+            raise ValueError(
+                f"{LAYER_PARTITION_ENV}={override!r} must give {pp_size} positive layer counts "
+                f"summing to the model's {num_layers} layers"
+            )
         return counts
     if num_layers < pp_size:
-        raise ValueError(f"--pp-size {pp_size} exceeds the model's {num_layers} layers: every stage needs a layer")
+        raise ValueError(
+            f"--pp-size {pp_size} exceeds the model's {num_layers} layers: every stage needs a layer"
+        )
     if pp_size == 1:
         return [num_layers]
     last = round((num_layers + head_cost) / pp_size - head_cost)
@@ -90,8 +98,11 @@ class PipelineStage:
         counts = partition_layers(num_layers, pp_size, os.environ.get(LAYER_PARTITION_ENV), head_cost)
         start = sum(counts[:pp_rank])
         if pp_size > 1 and pp_rank == 0:
-            logger.info("pipeline stages own layers %s (%s)", counts, ", ".join(
-                f"stage {p}: {sum(counts[:p])}-{sum(counts[:p + 1]) - 1}" for p in range(pp_size)))
+            logger.info(
+                "pipeline stages own layers %s (%s)",
+                counts,
+                ", ".join(f"stage {p}: {sum(counts[:p])}-{sum(counts[: p + 1]) - 1}" for p in range(pp_size)),
+            )
         return PipelineStage(pp_rank, pp_size, start, start + counts[pp_rank])
 
 
@@ -157,8 +168,9 @@ class StageLink:
         self._isend(out.hidden, self.next, TAG_HIDDEN)
         self._isend(out.residual, self.next, TAG_HIDDEN)
 
-    def recv_stage_output(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                          device: torch.device) -> StageOutput:
+    def recv_stage_output(
+        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> StageOutput:
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         residual = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         self._recv(hidden, self.prev, TAG_HIDDEN)

@@ -36,11 +36,22 @@ from typing import Any
 logger = logging.getLogger("srt.kernels")
 
 HEADER = Path(__file__).with_name("srt_kernels.h")
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_bf16_linear.c", "cpu_int8_linear.c",
-                             "cpu_q4_linear.c", "cpu_q8_linear.c", "cpu_prefill_attention.c"))
-HEADERS = (HEADER, *(Path(__file__).with_name(name)
-                     for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h")))  # part of the build key
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in (
+        "cpu_kernels.c",
+        "cpu_amx.c",
+        "cpu_bf16_linear.c",
+        "cpu_int8_linear.c",
+        "cpu_q4_linear.c",
+        "cpu_q8_linear.c",
+        "cpu_prefill_attention.c",
+    )
+)
+HEADERS = (
+    HEADER,
+    *(Path(__file__).with_name(name) for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h")),
+)  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes")
 
 ISA_ENV = "SRT_CPU_KERNEL_ISA"
@@ -79,8 +90,10 @@ def signatures(header: str) -> dict[str, Signature]:
             elif len(words) == 2 and words[0] in _SCALARS:
                 argtypes.append(_SCALARS[words[0]])
             else:
-                raise ValueError(f"srt_kernels.h: {name} takes {param.strip()!r}; ctypes here takes a pointer, "
-                                 "int64_t or float")
+                raise ValueError(
+                    f"srt_kernels.h: {name} takes {param.strip()!r}; ctypes here takes a pointer, "
+                    "int64_t or float"
+                )
         if name in found:
             raise ValueError(f"srt_kernels.h: {name} is declared twice")
         found[name] = (_RESULTS[result], argtypes)
@@ -120,7 +133,9 @@ def _compiler() -> str | None:
 def compile_shared_object(cc: str, sources: Sequence[Path], target: Path) -> None:
     """cc CFLAGS (less what SRT_CPU_KERNEL_ISA takes away) sources -> target; RuntimeError with the
     compiler's message where it fails."""
-    proc = subprocess.run([cc, *_cflags(), "-o", str(target), *map(str, sources), "-lm"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [cc, *_cflags(), "-o", str(target), *map(str, sources), "-lm"], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
 
@@ -222,12 +237,24 @@ def describe_paths() -> str:
         why = f"{ISA_ENV}=none" if isa == "none" else "SRT_CPU_KERNELS=0 or no compiler"
         return f"CPU kernels off ({why}): every op runs on torch"
     avx512 = "avx512f" in _cpu_flags().split()
-    bf16 = "AMX tiles" if amx_available() else "AVX-512 BF16" if bf16_linear_available() else \
-        "torch (this CPU has no AVX-512 BF16)"
-    int8 = "AMX int8" if amx_available() and int8_available() else "AVX-512 VNNI" if int8_available() else \
-        "refused (no VNNI)"
+    bf16 = (
+        "AMX tiles"
+        if amx_available()
+        else "AVX-512 BF16"
+        if bf16_linear_available()
+        else "torch (this CPU has no AVX-512 BF16)"
+    )
+    int8 = (
+        "AMX int8"
+        if amx_available() and int8_available()
+        else "AVX-512 VNNI"
+        if int8_available()
+        else "refused (no VNNI)"
+    )
     prefill = "C kernel" if prefill_kernel_available() else "torch"
     loops = "AVX-512" if avx512 else "plain loops: this CPU has no AVX-512"
     q4 = "C kernel" if q4_available() else "refused (no AVX-512 BF16)"
-    return (f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}; prefill attention on {prefill}; "
-            f"norms, rotary and decode attention in C ({loops}){forced}")
+    return (
+        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}; prefill attention on {prefill}; "
+        f"norms, rotary and decode attention in C ({loops}){forced}"
+    )

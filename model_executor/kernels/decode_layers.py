@@ -63,14 +63,34 @@ class DecodeLayers:
 
         kernel_weights = w.packed if w.packed is not None else [None] * 4
         scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
-        weights = (w.ln1.data_ptr(), w.ln2.data_ptr(), w.eps, w.w_qkv.data_ptr(), _p(w.b_qkv), w.w_o.data_ptr(),
-                   w.w_gate_up.data_ptr(), w.w_down.data_ptr(), *map(pointer, kernel_weights), *scales, int(q4))
+        weights = (
+            w.ln1.data_ptr(),
+            w.ln2.data_ptr(),
+            w.eps,
+            w.w_qkv.data_ptr(),
+            _p(w.b_qkv),
+            w.w_o.data_ptr(),
+            w.w_gate_up.data_ptr(),
+            w.w_down.data_ptr(),
+            *map(pointer, kernel_weights),
+            *scales,
+            int(q4),
+        )
         dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, w.w_down.shape[1], w.scale)
         return weights, (w.k_cache.data_ptr(), w.v_cache.data_ptr()), dims
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                out_loc: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after every layer, as the op-by-op layers would return them."""
         lib = kernels()
         m = hidden.shape[0]
@@ -81,14 +101,29 @@ class DecodeLayers:
             return torch.empty(m, n, dtype=torch.bfloat16)
 
         residual, out = buf(self.hidden_size), buf(self.hidden_size)
-        scratch = [buf(qkv_size), buf(q_size), buf(self.hidden_size), buf(2 * intermediate), buf(intermediate), out]
+        scratch = [
+            buf(qkv_size),
+            buf(q_size),
+            buf(self.hidden_size),
+            buf(2 * intermediate),
+            buf(intermediate),
+            out,
+        ]
         step = (positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
-        batch = (out_loc.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(),
-                 seq_lens.data_ptr(), max_len, m)
+        batch = (
+            out_loc.data_ptr(),
+            req_to_token.data_ptr(),
+            req_to_token.stride(0),
+            rows.data_ptr(),
+            seq_lens.data_ptr(),
+            max_len,
+            m,
+        )
         scratch_ptrs = [t.data_ptr() for t in scratch]
         hidden_ptr, residual_ptr = hidden.data_ptr(), residual.data_ptr()
         for i, (weights, kv, dims) in enumerate(self._args_q4 if m <= Q4_MAX_ROWS else self._args):
-            lib.srt_decode_layer(hidden_ptr, residual_ptr, int(i == 0), *weights, *step, *kv, *batch, *dims,
-                                 *scratch_ptrs)
+            lib.srt_decode_layer(
+                hidden_ptr, residual_ptr, int(i == 0), *weights, *step, *kv, *batch, *dims, *scratch_ptrs
+            )
             hidden_ptr = scratch_ptrs[-1]  # each layer's MLP output is the next layer's input
         return out, residual

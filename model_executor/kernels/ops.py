@@ -39,8 +39,10 @@ def fused_gemv_max_batch() -> int:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels apply: all bf16 on the CPU, rows with a contiguous last dimension."""
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors) \
+    return (
+        all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
         and build.kernels() is not None
+    )
 
 
 def data_ptr(t: torch.Tensor | None) -> int | None:
@@ -51,8 +53,10 @@ def data_ptr(t: torch.Tensor | None) -> int | None:
 def _library() -> ctypes.CDLL:
     lib = build.kernels()
     if lib is None:
-        raise RuntimeError("the CPU kernels are not loaded (SRT_CPU_KERNELS=0, no compiler, or the build failed): "
-                           "check usable() before calling an op")
+        raise RuntimeError(
+            "the CPU kernels are not loaded (SRT_CPU_KERNELS=0, no compiler, or the build failed): "
+            "check usable() before calling an op"
+        )
     return lib
 
 
@@ -68,12 +72,15 @@ def _need_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _need_gate_up(name: str, packed: torch.Tensor) -> None:
     if packed.shape[0] % 2:
-        raise ValueError(f"{name} must hold gate rows then up rows: an even number of 16-output blocks; "
-                         f"got {packed.shape[0]}")
+        raise ValueError(
+            f"{name} must hold gate rows then up rows: an even number of 16-output blocks; "
+            f"got {packed.shape[0]}"
+        )
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rmsnorm(x + residual) * weight, x + residual); x and residual [rows, dim] contiguous."""
     lib = _library()
     _need_contiguous("x", x)
@@ -82,8 +89,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     dim = x.shape[-1]
     out = torch.empty_like(x)
     residual_out = None if residual is None else torch.empty_like(x)
-    lib.srt_rmsnorm(x.data_ptr(), data_ptr(residual), weight.data_ptr(), out.data_ptr(), data_ptr(residual_out),
-                    x.numel() // dim, dim, eps)
+    lib.srt_rmsnorm(
+        x.data_ptr(),
+        data_ptr(residual),
+        weight.data_ptr(),
+        out.data_ptr(),
+        data_ptr(residual_out),
+        x.numel() // dim,
+        dim,
+        eps,
+    )
     return out, residual_out
 
 
@@ -106,15 +121,36 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     _need_dtype("positions", positions, torch.int64)
     _need_contiguous("cos", cos)
     out = torch.empty(n, heads, d, dtype=x.dtype)
-    lib.srt_rope(x.data_ptr(), x.stride(0), out.data_ptr(), n, heads, d, positions.data_ptr(), cos.data_ptr(),
-                 sin.data_ptr())
+    lib.srt_rope(
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        n,
+        heads,
+        d,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+    )
     return out
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, out_loc: torch.Tensor, req_to_token: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int, num_heads: int, num_kv_heads: int,
-                     head_dim: int, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> torch.Tensor:
     """Writes k/v [bs, kv_heads*d] at out_loc, then attends q [bs, heads*d] over each request's
     seq_lens[b] slots of row rows[b] in req_to_token. Returns [bs, heads*d]."""
     lib = _library()
@@ -123,24 +159,55 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         _need_contiguous(name, tensor)
     for name, index in (("out_loc", out_loc), ("rows", rows), ("seq_lens", seq_lens)):
         if index.dtype != torch.int64 or not index.is_contiguous() or index.numel() != bs:
-            raise ValueError(f"{name} must be {bs} contiguous int64 values (one per row of q); got {index.numel()} "
-                             f"{index.dtype}, contiguous={index.is_contiguous()}")
+            raise ValueError(
+                f"{name} must be {bs} contiguous int64 values (one per row of q); got {index.numel()} "
+                f"{index.dtype}, contiguous={index.is_contiguous()}"
+            )
     _need_dtype("req_to_token", req_to_token, torch.int64)
     out = torch.empty(bs, num_heads * head_dim, dtype=q.dtype)
-    lib.srt_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                             k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(), req_to_token.data_ptr(),
-                             req_to_token.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), bs,
-                             num_heads, num_kv_heads, head_dim, scale, max_len)
+    lib.srt_decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out_loc.data_ptr(),
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        rows.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        bs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        max_len,
+    )
     return out
 
 
 def prefill_attention_applies(q: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `prefill_attention` runs here: bf16 on a CPU with AMX or AVX-512 BF16, head size 64 or 128."""
-    return head_dim in (64, 128) and num_heads % num_kv_heads == 0 and usable(q) and build.prefill_kernel_available()
+    return (
+        head_dim in (64, 128)
+        and num_heads % num_kv_heads == 0
+        and usable(q)
+        and build.prefill_kernel_available()
+    )
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int], scale: float,
-                      prefix_lens: Sequence[int] | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: Sequence[int],
+    scale: float,
+    prefix_lens: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Causal attention of requests' new tokens packed one after another: q [new tokens, heads, d];
     k/v [keys, kv_heads, d] hold each request's prefix_lens[i] cached keys then its lens[i] new ones
     (no prefixes: k/v are the new tokens' own). Rows may be strided (heads and d contiguous).
@@ -149,7 +216,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: S
     lib = _library()
     n, num_heads, d = q.shape
     num_kv_heads = k.shape[1]
-    prefixes = torch.tensor(list(prefix_lens) if prefix_lens is not None else [0] * len(lens), dtype=torch.int64)
+    prefixes = torch.tensor(
+        list(prefix_lens) if prefix_lens is not None else [0] * len(lens), dtype=torch.int64
+    )
     lens_t = torch.tensor(list(lens), dtype=torch.int64)
     if len(prefixes) != len(lens_t):
         raise ValueError(f"prefix_lens must have one entry per request ({len(lens_t)}); got {len(prefixes)}")
@@ -161,41 +230,80 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: S
     for name, t, rows in (("q", q, n), ("k", k, int(keys.sum())), ("v", v, int(keys.sum()))):
         _need_dtype(name, t, torch.bfloat16)
         if t.stride(2) != 1 or t.stride(1) != d or t.shape[0] != rows:
-            raise ValueError(f"{name} must be [{rows}, heads, {d}] with heads and d contiguous; got shape "
-                             f"{tuple(t.shape)} with strides {t.stride()}")
+            raise ValueError(
+                f"{name} must be [{rows}, heads, {d}] with heads and d contiguous; got shape "
+                f"{tuple(t.shape)} with strides {t.stride()}"
+            )
     starts = torch.cumsum(lens_t, 0) - lens_t
     kstarts = torch.cumsum(keys, 0) - keys
     out = torch.empty(n, num_heads * d, dtype=torch.bfloat16)
-    lib.srt_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                              out.data_ptr(), starts.data_ptr(), kstarts.data_ptr(), lens_t.data_ptr(),
-                              prefixes.data_ptr(), len(lens), num_heads, num_kv_heads, d, scale)
+    lib.srt_prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        out.data_ptr(),
+        starts.data_ptr(),
+        kstarts.data_ptr(),
+        lens_t.data_ptr(),
+        prefixes.data_ptr(),
+        len(lens),
+        num_heads,
+        num_kv_heads,
+        d,
+        scale,
+    )
     return out
 
 
-def store_kv_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     loc: torch.Tensor) -> bool:
+def store_kv_applies(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor
+) -> bool:
     """Whether store_kv takes these: bf16 [n, kv heads, d] rows with each row's values contiguous
     (column slices of a qkv output are), contiguous caches of the same width, int64 slots."""
-    return (usable(k, v, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and loc.dtype == torch.int64 and loc.is_contiguous() and k.shape == v.shape
-            and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
-            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
+    return (
+        usable(k, v, k_cache, v_cache)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and loc.dtype == torch.int64
+        and loc.is_contiguous()
+        and k.shape == v.shape
+        and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    )
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             loc: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor
+) -> None:
     """k_cache[loc] = k and v_cache[loc] = v (see store_kv_applies), rows copied in parallel."""
     lib = _library()
     n, width = k.shape[0], k.shape[1] * k.shape[2]
-    lib.srt_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                     loc.data_ptr(), n, width)
+    lib.srt_store_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        loc.data_ptr(),
+        n,
+        width,
+    )
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """logits.argmax(-1) for [rows, n] float32 CPU logits (None where the kernel does not apply)."""
     lib = build.kernels()
-    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 \
-            or not logits.is_contiguous():
+    if (
+        lib is None
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or not logits.is_contiguous()
+    ):
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     lib.srt_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
@@ -217,8 +325,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return out
 
 
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see bf16_pack), in bf16,
     or in float32 (the bf16 values widened: what .float() of the bf16 output gives, in one pass)."""
     lib = _library()
@@ -255,8 +364,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     n, k = packed.shape[0] * 16, packed.shape[1] * 64
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    lib.srt_int8_linear(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), data_ptr(bias), out.data_ptr(),
-                        n, k)
+    lib.srt_int8_linear(
+        x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), data_ptr(bias), out.data_ptr(), n, k
+    )
     return out
 
 
@@ -271,7 +381,9 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     d, k = packed.shape[0] * 8, packed.shape[1] * 64
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
-    lib.srt_int8_linear_silu(x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k)
+    lib.srt_int8_linear_silu(
+        x.data_ptr(), m, packed.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), d, k
+    )
     return out
 
 

@@ -51,7 +51,9 @@ def int8_pack(weight: torch.Tensor) -> Int8Weight:
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     if not build.amx_available():
         q = (q.to(torch.int16) + 128).to(torch.uint8)
-    return Int8Weight(q.view(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous(), scale.contiguous())
+    return Int8Weight(
+        q.view(n // 16, 16, k // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous(), scale.contiguous()
+    )
 
 
 Q4_BLOCK_BYTES = 320  # cpu_q4_linear.c: 16 outputs x 32 k of Q4_1 (fp16 d and m, then the nibbles)
@@ -129,9 +131,17 @@ def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     q[j][4c + i] + 128. n % 16 == 0."""
     n, k = q.shape
     blocks = k // 32
-    scales = d.view(n // 16, 16, blocks).permute(0, 2, 1).contiguous().view(torch.uint8).reshape(n // 16, blocks, 32)
+    scales = (
+        d.view(n // 16, 16, blocks)
+        .permute(0, 2, 1)
+        .contiguous()
+        .view(torch.uint8)
+        .reshape(n // 16, blocks, 32)
+    )
     biased = (q.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, blocks, 8, 4)
-    return torch.cat([scales, biased.permute(0, 2, 3, 1, 4).reshape(n // 16, blocks, 512)], dim=-1).contiguous()
+    return torch.cat(
+        [scales, biased.permute(0, 2, 3, 1, 4).reshape(n // 16, blocks, 512)], dim=-1
+    ).contiguous()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ from model_executor.forward_batch import ForwardBatch
 class Attention(nn.Module):
     """Paged attention for one layer; the math lives in the batch's attention backend."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id  # the layer's index within its pipeline stage: its place in the KV pool
         self.num_heads = num_heads

@@ -64,8 +64,7 @@ def packed_max_rows() -> int:
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
     # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
-    return isinstance(packed, (packing.Int8Weight, packing.Q4Weight, packing.Q8Weight)) \
-        or packed.dim() == 5
+    return isinstance(packed, (packing.Int8Weight, packing.Q4Weight, packing.Q8Weight)) or packed.dim() == 5
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
@@ -75,22 +74,31 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if device != "cpu" or dtype != torch.bfloat16:
-        raise ValueError(f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
-                         f"got {device} with {dtype}")
+        raise ValueError(
+            f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
+            f"got {device} with {dtype}"
+        )
     if quantization == "gguf":
         if not (build.q4_available() and build.bf16_linear_available()):
-            raise ValueError("--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
-                             "Lake or later) and the CPU kernels built; this process has neither")
+            raise ValueError(
+                "--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
+                "Lake or later) and the CPU kernels built; this process has neither"
+            )
         return
     if not build.int8_available():
-        raise ValueError(f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
-                         "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
-                         "and the CPU kernels built; this process has neither")
+        raise ValueError(
+            f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
+            "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
+            "and the CPU kernels built; this process has neither"
+        )
 
 
-def pack_weight(weight: torch.Tensor, quantization: str | None = None,
-                q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                q8: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedWeight | None:
+def pack_weight(
+    weight: torch.Tensor,
+    quantization: str | None = None,
+    q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q8: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
     (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, with `q8` (Q8_0, packing.q8_recover) a Q8Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
@@ -108,16 +116,26 @@ def pack_weight(weight: torch.Tensor, quantization: str | None = None,
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x @ weight.T (+ bias), in x's dtype, or in `out_dtype` (float32 for logits: our kernel then
     stores the widened bf16 values itself, as .float() would, without a second pass)."""
     out = _linear(x, weight, bias, packed, out_dtype == torch.float32)
     return out if out_dtype is None else out.to(out_dtype)  # a no-op where the kernel wrote float32
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            packed: PackedWeight | None, float32_out: bool) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | None,
+    float32_out: bool,
+) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, packing.Int8Weight):
@@ -134,8 +152,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         packed = packed.bf16
     if is_kernel_packed(packed):
         if rows <= packed_max_rows():
-            return ops.bf16_linear(x.contiguous(), packed, bias,
-                                   torch.float32 if float32_out else torch.bfloat16)
+            return ops.bf16_linear(
+                x.contiguous(), packed, bias, torch.float32 if float32_out else torch.bfloat16
+            )
         return F.linear(x, weight, bias)
     if rows == 1 and not _one_arithmetic:
         # One row (batch-1 decode): ATen's bf16 gemv streams the weight faster than oneDNN's
@@ -149,11 +168,18 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*shape[:-1], out.shape[-1])
 
 
-def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+def linear_silu_mul(
+    x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None
+) -> torch.Tensor | None:
     """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
     for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most packed_max_rows()),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
-    if packed is None or bias is not None or not is_kernel_packed(packed) or isinstance(packed, packing.Q8Weight):
+    if (
+        packed is None
+        or bias is not None
+        or not is_kernel_packed(packed)
+        or isinstance(packed, packing.Q8Weight)
+    ):
         return None
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear_silu(x.contiguous(), packed)
@@ -166,7 +192,9 @@ def linear_silu_mul(x: torch.Tensor, packed: PackedWeight | None, bias: torch.Te
     return ops.bf16_linear_silu(x.contiguous(), packed)
 
 
-def pack_model(model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None) -> int:
+def pack_model(
+    model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
+) -> int:
     """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
     w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
     with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
@@ -185,9 +213,11 @@ def pack_model(model: nn.Module, quantization: str | None = None, float32_model:
             if quantization == "gguf" and quantizable:
                 q4 = packing.q4_recover(float32_modules[name].weight)
                 if q4 is None:
-                    raise ValueError(f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
-                                     f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
-                                     "input is d * q + m with q in 0..15 and fp16 d and m)")
+                    raise ValueError(
+                        f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
+                        f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
+                        "input is d * q + m with q in 0..15 and fp16 d and m)"
+                    )
             elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
                 q8 = packing.q8_recover(float32_modules[name].weight)
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8)

@@ -25,7 +25,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        if ops.usable(x, self.weight) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        if (
+            ops.usable(x, self.weight)
+            and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+        ):
             out, new_residual = ops.rmsnorm(x, self.weight, self.eps, residual)  # one pass, add fused
             return out if residual is None else (out, new_residual)
         if residual is None:

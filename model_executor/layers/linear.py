@@ -15,18 +15,29 @@ from model_executor.layers.sharding import TensorSource, check_shape, divide, se
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, comm: Communicator, *,
-                 params_dtype: torch.dtype = torch.float32, what: str = "output features") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        comm: Communicator,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        what: str = "output features",
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.input_size = input_size
         self.output_size_per_rank = divide(output_size, comm.world_size, what)
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size, dtype=params_dtype),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_rank, input_size, dtype=params_dtype), requires_grad=False
+        )
         set_weight_attrs(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank, dtype=params_dtype), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size_per_rank, dtype=params_dtype), requires_grad=False
+            )
             set_weight_attrs(self.bias, self.weight_loader)
         self.packed_weight: PackedWeight | None = None  # see cpu_linear.pack_model
 
@@ -45,8 +56,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs packed into one matmul (gate/up): shard i of each rank holds
     this rank's slice of output i, laid end to end."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, comm: Communicator, *,
-                 params_dtype: torch.dtype = torch.float32, what: str = "intermediate size") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        comm: Communicator,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        what: str = "intermediate size",
+    ) -> None:
         self.output_sizes = output_sizes
         for size in output_sizes:
             divide(size, comm.world_size, what)
@@ -71,8 +90,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     are at least as many as ranks, otherwise replicated (each rank keeps the one KV head its query
     heads attend to)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 comm: Communicator, *, params_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        comm: Communicator,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
         tp = comm.world_size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, "number of attention heads")
@@ -85,8 +113,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_replicas = tp // num_kv_heads
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, bias, comm, params_dtype=params_dtype,
-                         what="q/k/v output features")
+        super().__init__(
+            hidden_size,
+            (self.q_size + 2 * self.kv_size) * tp,
+            bias,
+            comm,
+            params_dtype=params_dtype,
+            what="q/k/v output features",
+        )
         for p in self.parameters():
             set_weight_attrs(p, self.weight_loader, shard_ids=("q", "k", "v"))
 
@@ -114,13 +148,22 @@ class RowParallelLinear(nn.Module):
     """Splits the input features; all-reduces partial outputs. Only rank 0 adds the bias, so the
     sum carries it once."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, comm: Communicator, *,
-                 params_dtype: torch.dtype = torch.float32, what: str = "input features") -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        comm: Communicator,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        what: str = "input features",
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.input_size_per_rank = divide(input_size, comm.world_size, what)
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank, dtype=params_dtype),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_rank, dtype=params_dtype), requires_grad=False
+        )
         set_weight_attrs(self.weight, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias:

@@ -81,8 +81,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cached_cos_sin  # [n, 1, d]
         return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [n, hq*d], k [n, hk*d] -> rotated copies of the same shapes."""
         n = positions.shape[0]
-        return (self.rotate(positions, q.reshape(n, -1, self.head_dim)).view(n, -1),
-                self.rotate(positions, k.reshape(n, -1, self.head_dim)).view(n, -1))
+        return (
+            self.rotate(positions, q.reshape(n, -1, self.head_dim)).view(n, -1),
+            self.rotate(positions, k.reshape(n, -1, self.head_dim)).view(n, -1),
+        )

@@ -27,8 +27,10 @@ WeightLoader = Callable[..., None]
 def divide(numerator: int, denominator: int, what: str) -> int:
     """`numerator / denominator`, or a ValueError naming both sizes (e.g. heads vs --tp-size)."""
     if numerator % denominator != 0:
-        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}); "
-                         f"choose a --tp-size that divides {numerator}")
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}); "
+            f"choose a --tp-size that divides {numerator}"
+        )
     return numerator // denominator
 
 
@@ -39,12 +41,15 @@ def read_all(loaded: TensorSource) -> torch.Tensor:
 
 def check_shape(param: torch.Tensor, got: tuple[int, ...], name: str = "") -> None:
     if tuple(param.shape) != tuple(got):
-        raise ValueError(f"shape mismatch for {name or 'parameter'}: model expects {tuple(param.shape)}, "
-                         f"checkpoint shard has {tuple(got)}")
+        raise ValueError(
+            f"shape mismatch for {name or 'parameter'}: model expects {tuple(param.shape)}, "
+            f"checkpoint shard has {tuple(got)}"
+        )
 
 
-def set_weight_attrs(param: torch.nn.Parameter, weight_loader: WeightLoader,
-                     shard_ids: tuple[Any, ...] = ()) -> None:
+def set_weight_attrs(
+    param: torch.nn.Parameter, weight_loader: WeightLoader, shard_ids: tuple[Any, ...] = ()
+) -> None:
     param.weight_loader = weight_loader  # type: ignore[attr-defined]
     param.shard_ids = shard_ids  # type: ignore[attr-defined]
 

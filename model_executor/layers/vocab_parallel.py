@@ -16,8 +16,14 @@ from model_executor.layers.sharding import TensorSource, check_shape, set_weight
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, comm: Communicator, *,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        comm: Communicator,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.comm = comm
         self.vocab_size = vocab_size
@@ -25,13 +31,17 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // tp)
         self.start = comm.rank_in_group * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)  # real ids owned; the rest is padding
-        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=params_dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.per_rank, hidden_size, dtype=params_dtype), requires_grad=False
+        )
         set_weight_attrs(self.weight, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         if tuple(loaded.shape)[0] != self.vocab_size or tuple(loaded.shape)[1] != param.shape[1]:
-            raise ValueError(f"shape mismatch for embedding: model expects ({self.vocab_size}, {param.shape[1]}), "
-                             f"checkpoint has {tuple(loaded.shape)}")
+            raise ValueError(
+                f"shape mismatch for embedding: model expects ({self.vocab_size}, {param.shape[1]}), "
+                f"checkpoint has {tuple(loaded.shape)}"
+            )
         shard = loaded.narrow(0, self.start, self.end - self.start)
         check_shape(param[: self.end - self.start], tuple(shard.shape))
         with torch.no_grad():
@@ -55,8 +65,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     quantizable = False  # cpu_linear.pack_model
 
-    def __init__(self, vocab_size: int, hidden_size: int, comm: Communicator, *,
-                 params_dtype: torch.dtype = torch.float32, tied_to: VocabParallelEmbedding | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        comm: Communicator,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        tied_to: VocabParallelEmbedding | None = None,
+    ) -> None:
         super().__init__(vocab_size, hidden_size, comm, params_dtype=params_dtype)
         if tied_to is not None:
             self.weight = tied_to.weight

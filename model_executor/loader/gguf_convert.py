@@ -136,8 +136,12 @@ def _convert_into(source: Path, out_dir: Path) -> None:
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     config.dtype = torch.float32
-    logger.info("Read the config of %s (%s) in %.1f s", source.name, config.architectures[0],
-                time.monotonic() - started)
+    logger.info(
+        "Read the config of %s (%s) in %.1f s",
+        source.name,
+        config.architectures[0],
+        time.monotonic() - started,
+    )
 
     expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     if config.tie_word_embeddings:
@@ -153,7 +157,9 @@ def _convert_into(source: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _dequantize(source: Path, config: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+def _dequantize(
+    source: Path, config: dict[str, Any], expected: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
     """Every GGUF tensor as float32 under its HF name, undoing llama.cpp's layout changes (q/k rows).
 
     Mirrors transformers' `load_gguf_checkpoint`, but parses the file and builds the name map once

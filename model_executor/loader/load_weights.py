@@ -36,7 +36,9 @@ def _target(model: nn.Module, name: str) -> tuple[str, Any]:
     return name, None
 
 
-def load_weights(model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, progress: bool = False) -> None:
+def load_weights(
+    model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, progress: bool = False
+) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set[Any]] = {}
     unused: list[str] = []
@@ -58,9 +60,10 @@ def load_weights(model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, p
             else:
                 loader(param, tensor, shard_id)
         except ValueError as e:
-            raise ValueError(f"shape mismatch: checkpoint tensor {tensor.name!r} of shape {tuple(tensor.shape)} "
-                             f"does not fit parameter {target!r} of shape {tuple(param.shape)} on this rank: {e}"
-                             ) from e
+            raise ValueError(
+                f"shape mismatch: checkpoint tensor {tensor.name!r} of shape {tuple(tensor.shape)} "
+                f"does not fit parameter {target!r} of shape {tuple(param.shape)} on this rank: {e}"
+            ) from e
         loaded.setdefault(target, set()).add(shard_id)
 
     missing = []
@@ -68,10 +71,14 @@ def load_weights(model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, p
         expected = set(getattr(param, "shard_ids", ()) or (None,))
         got = loaded.get(name, set())
         if got != expected:
-            missing.append(name if expected == {None} else f"{name} (shards {sorted(map(str, expected - got))})")
+            missing.append(
+                name if expected == {None} else f"{name} (shards {sorted(map(str, expected - got))})"
+            )
     problems = []
     if missing:
-        problems.append(f"{len(missing)} model parameter(s) not found in the checkpoint: {', '.join(missing[:20])}")
+        problems.append(
+            f"{len(missing)} model parameter(s) not found in the checkpoint: {', '.join(missing[:20])}"
+        )
     if unused:
         problems.append(f"{len(unused)} checkpoint tensor(s) not used by the model: {', '.join(unused[:20])}")
     if problems:

@@ -73,8 +73,14 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
 class LazyTensor:
     """One checkpoint tensor, read only when (and as far as) asked."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, file: Any = None,
-                 tensor: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        file: Any = None,
+        tensor: torch.Tensor | None = None,
+    ) -> None:
         assert (file is None) != (tensor is None), "exactly one of file and tensor"
         self.name = name
         self.shape = shape
@@ -99,7 +105,9 @@ class LazyTensor:
         if not 0 <= start <= size:
             raise ValueError(f"start must be in [0, {size}] for dim {dim} of {self}, got {start}")
         if not 0 <= length <= size - start:
-            raise ValueError(f"length must be in [0, {size - start}] for start {start} of {self}, got {length}")
+            raise ValueError(
+                f"length must be in [0, {size - start}] for start {start} of {self}, got {length}"
+            )
         if self._tensor is not None:
             return self._tensor.narrow(dim, start, length)
         index = [slice(None)] * len(self.shape)
@@ -124,7 +132,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ValueError(f"model_dir {str(model_dir)!r}: {SAFETENSORS_INDEX} names missing files {missing}")
+            raise ValueError(
+                f"model_dir {str(model_dir)!r}: {SAFETENSORS_INDEX} names missing files {missing}"
+            )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -142,7 +152,9 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[LazyTensor]:
         handle = safe_open(str(path), framework="pt")
         for name in sorted(handle.keys()):
             if name in seen:
-                raise ValueError(f"model_dir {str(model_dir)!r}: tensor {name} is in both {seen[name]} and {path.name}")
+                raise ValueError(
+                    f"model_dir {str(model_dir)!r}: tensor {name} is in both {seen[name]} and {path.name}"
+                )
             seen[name] = path.name
             info = handle.get_slice(name)
             shape = tuple(int(n) for n in info.get_shape())

@@ -22,9 +22,9 @@ from model_executor.layers.vocab_parallel import VocabParallelEmbedding
 class PreNormLayer:
     """One decoder layer of the Llama block, as its modules:
 
-        q, k, v = qkv_proj(input_layernorm(x))          (q_norm / k_norm per head, where set)
-        h = x + o_proj(attn(rotary(q), rotary(k), v))
-        out = h + down_proj(silu(gate) * up)            gate, up = gate_up_proj(post_attention_layernorm(h))
+    q, k, v = qkv_proj(input_layernorm(x))          (q_norm / k_norm per head, where set)
+    h = x + o_proj(attn(rotary(q), rotary(k), v))
+    out = h + down_proj(silu(gate) * up)            gate, up = gate_up_proj(post_attention_layernorm(h))
     """
 
     input_layernorm: RMSNorm
@@ -55,8 +55,13 @@ class CausalLM(nn.Module):
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        previous: StageOutput | None = None,
+    ) -> torch.Tensor | StageOutput:
         """-> final hidden states [num_tokens, hidden] on the last pipeline stage, the hand-over to
         the next stage on the others (`previous`: what the stage before handed over; None on the
         first). Writes this step's K/V of the stage's layers into the pool."""

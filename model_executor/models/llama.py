@@ -29,21 +29,43 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype, *,
-                 qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        comm: Communicator,
+        dtype: torch.dtype,
+        *,
+        qkv_bias: bool,
+        qk_norm: bool,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, qkv_bias, comm, params_dtype=dtype)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bool(getattr(config, "o_proj_bias", False)), comm, params_dtype=dtype,
-                                        what="number of attention heads x head_dim")
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            qkv_bias,
+            comm,
+            params_dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bool(getattr(config, "o_proj_bias", False)),
+            comm,
+            params_dtype=dtype,
+            what="number of attention heads x head_dim",
+        )
         self.head_dim = head_dim
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
-        self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
-                              scaling=head_dim ** -0.5)
+        self.attn = Attention(
+            layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, scaling=head_dim**-0.5
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -55,9 +77,11 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         else:
             # q and k sit side by side in the qkv output: rotate both heads' sets in one pass.
-            qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size].view(n, -1, self.head_dim)).view(n, -1)
+            qk = self.rotary_emb.rotate(
+                positions, qkv[:, : q_size + kv_size].view(n, -1, self.head_dim)
+            ).view(n, -1)
             q, k = qk[:, :q_size], qk[:, q_size:]
-            v = qkv[:, q_size + kv_size:]
+            v = qkv[:, q_size + kv_size :]
         return self.o_proj(self.attn(q, k, v, batch))
 
 
@@ -65,9 +89,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False, comm, params_dtype=dtype)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False, comm, params_dtype=dtype,
-                                           what="intermediate size")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], False, comm, params_dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, False, comm, params_dtype=dtype, what="intermediate size"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,17 +104,32 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype, *,
-                 qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        comm: Communicator,
+        dtype: torch.dtype,
+        *,
+        qkv_bias: bool,
+        qk_norm: bool,
+        rotary_emb: RotaryEmbedding,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                                        rotary_emb=rotary_emb)
+        self.self_attn = LlamaAttention(
+            config, layer_id, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_emb=rotary_emb
+        )
         self.mlp = LlamaMLP(config, comm, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -103,26 +145,55 @@ class MissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype, *, qkv_bias: bool, qk_norm: bool,
-                 stage: PipelineStage) -> None:
+    def __init__(
+        self,
+        config: Any,
+        comm: Communicator,
+        dtype: torch.dtype,
+        *,
+        qkv_bias: bool,
+        qk_norm: bool,
+        stage: PipelineStage,
+    ) -> None:
         super().__init__()
         self.stage = stage
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, params_dtype=dtype) \
-            if stage.is_first else None
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, params_dtype=dtype)
+            if stage.is_first
+            else None
+        )
         max_position = int(getattr(config, "max_position_embeddings", 4096))
         rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
         # Layer i keeps its place (checkpoint names); its KV lives at i - start_layer in this stage's pool.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i - stage.start_layer, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                              rotary_emb=rotary_emb) if stage.owns_layer(i) else MissingLayer()
+            LlamaDecoderLayer(
+                config,
+                i - stage.start_layer,
+                comm,
+                dtype,
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+                rotary_emb=rotary_emb,
+            )
+            if stage.owns_layer(i)
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.local_layers: list[LlamaDecoderLayer] = [m for m in self.layers if isinstance(m, LlamaDecoderLayer)]
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype) if stage.is_last else None
+        self.local_layers: list[LlamaDecoderLayer] = [
+            m for m in self.layers if isinstance(m, LlamaDecoderLayer)
+        ]
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype) if stage.is_last else None
+        )
         self.rotary_emb = rotary_emb
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        previous: StageOutput | None = None,
+    ) -> torch.Tensor | StageOutput:
         """-> final hidden states on the last stage, this stage's output on the others."""
         residual: torch.Tensor | None = None
         if previous is None:
@@ -152,8 +223,9 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype,
-                 stage: PipelineStage | None = None) -> None:
+    def __init__(
+        self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.stage = stage = stage or PipelineStage()
@@ -161,18 +233,36 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, comm, dtype, qkv_bias=qkv_bias, qk_norm=self.qk_norm, stage=stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A last stage that is not also the first has no embedding to share: its head loads a copy.
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, comm, params_dtype=dtype,
-                                      tied_to=self.model.embed_tokens if self.tie_word_embeddings else None) \
-            if stage.is_last else None
+        self.lm_head = (
+            ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                comm,
+                params_dtype=dtype,
+                tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+            )
+            if stage.is_last
+            else None
+        )
 
     def decoder_stack(self) -> DecoderStack | None:
         model = self.model
         if model.embed_tokens is None or model.norm is None:  # a pipeline stage
             return None
-        layers = [PreNormLayer(layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.qkv_proj,
-                               layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                               layer.self_attn.attn, layer.self_attn.q_norm, layer.self_attn.k_norm)
-                  for layer in model.local_layers]
+        layers = [
+            PreNormLayer(
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+                layer.self_attn.attn,
+                layer.self_attn.q_norm,
+                layer.self_attn.k_norm,
+            )
+            for layer in model.local_layers
+        ]
         return DecoderStack(model.embed_tokens, layers, model.norm, model.rotary_emb)
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
@@ -198,8 +288,13 @@ class LlamaForCausalLM(CausalLM):
             return "lm_head.weight"
         return name
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                previous: StageOutput | None = None) -> torch.Tensor | StageOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        previous: StageOutput | None = None,
+    ) -> torch.Tensor | StageOutput:
         return self.model(input_ids, positions, batch, previous)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

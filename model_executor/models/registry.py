@@ -17,6 +17,7 @@ def register_model(*architectures: str) -> Callable[[type[CausalLM]], type[Causa
         for name in architectures:
             _MODELS[name] = cls
         return cls
+
     return wrap
 
 
@@ -31,8 +32,10 @@ def get_model_class(config: Any) -> type[CausalLM]:
     for name in architectures:
         if name in _MODELS:
             return _MODELS[name]
-    raise ValueError(f"unknown model architecture {architectures or '(none in config.json)'}; "
-                     f"supported: {', '.join(sorted(_MODELS))}")
+    raise ValueError(
+        f"unknown model architecture {architectures or '(none in config.json)'}; "
+        f"supported: {', '.join(sorted(_MODELS))}"
+    )
 
 
 def _import_all() -> None:
