@@ -52,12 +52,13 @@ class PeerWatch:
             try:
                 self.rdzv.store.add(beat, 1)
                 failed = self._failures_before(None)
+                if failed and not self._stop.is_set():
+                    node, text = failed[0]
+                    self.leader_stopped = node == 0 and self.rdzv.store.check([self.rdzv.key("stopped/0")])
+                    self.rdzv.store.set(self.rdzv.key(f"heard/{self.rdzv.node_rank}"), "1")  # node 0 may go
+                    self._failure_writer.send(f"node {node} went down ({text})")
+                    return
             except RuntimeError:  # the store is gone: our ranks notice too, and explain() says why
-                return
-            if failed and not self._stop.is_set():
-                node, text = failed[0]
-                self.leader_stopped = node == 0 and self.rdzv.store.check([self.rdzv.key("stopped/0")])
-                self._failure_writer.send(f"node {node} went down ({text})")
                 return
             self._stop.wait(HEARTBEAT_S)
 
@@ -76,8 +77,21 @@ class PeerWatch:
             if deliberate:
                 self.rdzv.store.set(self.rdzv.key(f"stopped/{self.rdzv.node_rank}"), "1")
             self.publish(message)
+            if self.rdzv.node_rank == 0:
+                self._await_heard()
         except RuntimeError:
             pass
+
+    def _await_heard(self) -> None:
+        """Node 0 hosts the store: it stays up until every other node has read why it goes down
+        (or LOST_AFTER_S), so that none finds the store gone first and never learns the reason, or
+        that the stop was deliberate."""
+        if not self.others:
+            return
+        heard = [self.rdzv.key(f"heard/{k}") for k in self.others]
+        deadline = time.monotonic() + LOST_AFTER_S
+        while not self.rdzv.store.check(heard) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
 
     def explain(self, message: str) -> str | None:
         """Publish `message` (this node's first dead child), then say which other node went first,
