@@ -181,7 +181,7 @@ def test_priority_orders_the_waiting_queue(server: Server) -> None:
 
     blockers = [
         threading.Thread(target=run, args=(rid, max_new, None))
-        for rid, max_new in (("short", 120), ("long", 8000))
+        for rid, max_new in (("short", 1000), ("long", 7000))
     ]
     for t in blockers:
         t.start()
