@@ -86,12 +86,7 @@ class PeerWatch:
         """Node 0 hosts the store: it stays up until every other node has read why it goes down
         (or LOST_AFTER_S), so that none finds the store gone first and never learns the reason, or
         that the stop was deliberate."""
-        if not self.others:
-            return
-        heard = [self.rdzv.key(f"heard/{k}") for k in self.others]
-        deadline = time.monotonic() + LOST_AFTER_S
-        while not self.rdzv.store.check(heard) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        self.rdzv.wait_for([f"heard/{k}" for k in self.others], time.monotonic() + LOST_AFTER_S)
 
     def explain(self, message: str) -> str | None:
         """Publish `message` (this node's first dead child), then say which other node went first,

@@ -175,7 +175,7 @@ class Rendezvous:
 
     def read(self, name: str, timeout_s: float) -> str:
         """What another node published under `name`; RendezvousError after timeout_s."""
-        if self._wait_for([f"shared/{name}"], time.monotonic() + timeout_s):
+        if self.wait_for([f"shared/{name}"], time.monotonic() + timeout_s):
             raise RendezvousError(f"no node published {name!r} at {self.where} within {timeout_s:g} s")
         return bytes(self.store.get(self.key(f"shared/{name}"))).decode()
 
@@ -189,7 +189,7 @@ class Rendezvous:
                 f"{self.nnodes})"
             )
 
-    def _wait_for(self, keys: list[str], deadline: float) -> list[str]:
+    def wait_for(self, keys: list[str], deadline: float) -> list[str]:
         """Polls (store.wait logs every timeout); returns the keys still missing at the deadline."""
         while True:
             missing = [k for k in keys if not self.store.check([self.key(k)])]
@@ -203,7 +203,7 @@ class Rendezvous:
             verdict = self._judge(fingerprint, deadline, timeout_s)
             self.store.set(self.key("verdict"), verdict)
             if verdict != "ok":  # the store dies with this process: let the others read the verdict first
-                self._wait_for([f"seen/{k}" for k in range(1, self.nnodes)], time.monotonic() + LINGER_S)
+                self.wait_for([f"seen/{k}" for k in range(1, self.nnodes)], time.monotonic() + LINGER_S)
         else:
             try:
                 verdict = self._hear_verdict(fingerprint, deadline, timeout_s)
@@ -219,7 +219,7 @@ class Rendezvous:
 
     def _judge(self, fingerprint: dict[str, str], deadline: float, timeout_s: float) -> str:
         """Node 0: "ok" once every node joined with the same configuration, else what went wrong."""
-        missing = self._wait_for([f"fingerprint/{k}" for k in range(1, self.nnodes)], deadline)
+        missing = self.wait_for([f"fingerprint/{k}" for k in range(1, self.nnodes)], deadline)
         if missing:
             nodes = ", ".join(k.split("/")[1] for k in missing)
             return (
@@ -231,14 +231,14 @@ class Rendezvous:
 
     def _hear_verdict(self, fingerprint: dict[str, str], deadline: float, timeout_s: float) -> str:
         """Another node: compare with node 0's configuration, then read node 0's verdict and say so."""
-        if self._wait_for(["fingerprint/0"], deadline):
+        if self.wait_for(["fingerprint/0"], deadline):
             raise RendezvousError(
                 f"node 0 did not publish its configuration at {self.where} within "
                 f"--dist-timeout {timeout_s:g} s"
             )
         node0 = json.loads(self.store.get(self.key("fingerprint/0")))
         diffs = fingerprint_diff(node0, fingerprint, 0, self.node_rank)
-        if self._wait_for(["verdict"], deadline):
+        if self.wait_for(["verdict"], deadline):
             raise RendezvousError(
                 f"node 0 did not answer at {self.where} within --dist-timeout {timeout_s:g} s"
             )

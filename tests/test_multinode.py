@@ -368,7 +368,7 @@ def test_a_slow_node_still_hears_why_node_0_refused(monkeypatch: pytest.MonkeyPa
         stderr=subprocess.PIPE,
         text=True,
     )
-    real_wait_for = Rendezvous._wait_for
+    real_wait_for = Rendezvous.wait_for
     slowed: list[bool] = []
 
     def late_first_look(self: Rendezvous, keys: list[str], deadline: float) -> list[str]:
@@ -377,7 +377,7 @@ def test_a_slow_node_still_hears_why_node_0_refused(monkeypatch: pytest.MonkeyPa
             time.sleep(1.5)
         return real_wait_for(self, keys, deadline)
 
-    monkeypatch.setattr(Rendezvous, "_wait_for", late_first_look)
+    monkeypatch.setattr(Rendezvous, "wait_for", late_first_look)
     try:
         with pytest.raises(
             RendezvousError, match=r"started differently.*dtype \(node 0: float32, node 1: bfloat16\)"
