@@ -206,6 +206,13 @@ void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t hea
 #define SPLIT_TOKENS 512 /* srt_decode_attention: at most this many of a request's tokens per task (fast path) */
 #define SPLIT_MIN 512     /* and requests of at most this many tokens in one (shorter ones split gained nothing) */
 
+/* The thread count the splits are a multiple of; 0: the threads of the call. A rank whose thread
+ * count changes while it serves (scheduler: the thread governor) fixes it at its configured count,
+ * so that a request's splits, and so its output bits, do not depend on the threads of the moment. */
+static int64_t split_threads = 0;
+
+void srt_set_split_threads(int64_t threads) { split_threads = threads > 0 ? threads : 0; }
+
 /* Prefetches rows [t0, t1) of the slots into L2: `elems` bf16 values from `offset` in each (a
  * task's heads). Into L2 rather than L1: a block's ~100 line prefetches into L1 held the core's
  * L1 miss buffers, and the attention's loads waited behind them (measured on SmolLM2: see
@@ -501,7 +508,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
      * floats per query head of a split (max score, sum of exp, sum of P V). */
     int64_t *split_at = malloc((size_t)(bs + 1) * sizeof(int64_t));
     split_at[0] = 0;
-    const int64_t threads = omp_get_max_threads();
+    const int64_t threads = split_threads > 0 ? split_threads : omp_get_max_threads();
     for (int64_t b = 0; b < bs; b++) {
         const int64_t n = (seq_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS, most = seq_lens[b] / 64;
         const int64_t rounded = (n + threads - 1) / threads * threads; /* many threads: splits of >= 64 */

@@ -294,6 +294,15 @@ def store_kv(
     )
 
 
+def set_split_threads(threads: int) -> None:
+    """Fix the thread count decode attention's splits are a multiple of (0: the call's threads), so
+    a rank whose threads change while it serves keeps each request's output bits. No-op where the
+    kernels are not loaded."""
+    lib = build.kernels()
+    if lib is not None:
+        lib.srt_set_split_threads(threads)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """logits.argmax(-1) for [rows, n] float32 CPU logits (None where the kernel does not apply)."""
     lib = build.kernels()

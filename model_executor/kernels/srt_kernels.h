@@ -25,6 +25,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
                           const int64_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
                           const int64_t *seq_lens, bf16 *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
                           float scale, int64_t max_len);
+void srt_set_split_threads(int64_t threads);
 void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
 void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
