@@ -33,6 +33,7 @@ from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
 from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
 from model_executor.sampler import Sampler, SamplingBatchInfo
+from model_executor.thread_governor import ThreadGovernor
 
 logger = logging.getLogger("srt.model_runner")
 
@@ -56,6 +57,7 @@ class RunnerConfig:
         None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
     )
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
+    adaptive_threads: bool = False  # fewer threads while others load the CPUs (thread_governor.py)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -82,6 +84,9 @@ class ModelRunner:
             deterministic=config.deterministic,
         )
         self.sampler = Sampler()
+        self.thread_governor = (
+            ThreadGovernor.for_this_rank() if config.adaptive_threads and self.device.type == "cpu" else None
+        )
 
     def _context_length(self) -> int:
         model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096)
@@ -233,7 +238,10 @@ class ModelRunner:
         runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
         returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
-        if self.decode_runner.can_run(batch):
+        fused = self.decode_runner.can_run(batch)
+        if self.thread_governor is not None:  # only our kernels' bits are the same at any thread count
+            self.thread_governor.apply(governed=fused)
+        if fused:
             hidden: torch.Tensor | StageOutput = self.decode_runner.run(batch)
         else:
             self.attn_backend.init_forward_metadata(batch)

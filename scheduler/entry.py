@@ -42,6 +42,7 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         local_world_size=args.ranks_per_node,
         quantization=args.quantization,
         deterministic=args.deterministic,
+        adaptive_threads=not args.disable_adaptive_cpu_threads,
     )
 
 

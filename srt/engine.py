@@ -281,13 +281,17 @@ class Engine:
         outputs = _Outputs(reqs)
         if self.scheduler is not None:
             self._inbox.messages += reqs
-            while not outputs.done:
-                self.scheduler.step()
-                for out in self._outbox:
-                    outputs.add(out)
-                self._outbox.clear()
-                if not (outputs.done or self.scheduler.has_work()):
-                    raise RuntimeError("the scheduler went idle before every request finished")
+            try:
+                while not outputs.done:
+                    self.scheduler.step()
+                    for out in self._outbox:
+                        outputs.add(out)
+                    self._outbox.clear()
+                    if not (outputs.done or self.scheduler.has_work()):
+                        raise RuntimeError("the scheduler went idle before every request finished")
+            finally:  # the caller's torch threads as it set them, whatever the governor chose
+                if self.runner is not None and self.runner.thread_governor is not None:
+                    self.runner.thread_governor.restore()
             return outputs.results()
         if not self._procs:
             raise RuntimeError("the engine is shut down")

@@ -72,6 +72,9 @@ class ServerArgs:
     # torch intra-op threads per rank (None: the usable CPUs / this node's ranks, or with
     # SGLANG_CPU_OMP_THREADS_BIND the size of each rank's range: srt/utils.py rank_cpus)
     cpu_threads: int | None = None
+    # a rank runs on fewer threads while other processes keep some of its CPUs busy
+    # (model_executor/thread_governor.py)
+    disable_adaptive_cpu_threads: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -380,6 +383,12 @@ class ServerArgs:
             default=None,
             help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
             "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)",
+        )
+        a(
+            "--disable-adaptive-cpu-threads",
+            action="store_true",
+            help="keep every rank at its --cpu-threads even while other processes load its CPUs "
+            "(by default a rank gives up one thread per core others keep busy, and takes it back after)",
         )
         a("--nnodes", type=int, default=1)
         a("--node-rank", type=int, default=0)

@@ -1,0 +1,166 @@
+"""The thread governor: a rank gives up a thread per core other processes keep busy and takes it
+back after, and the thread count never changes an output's bits on the default path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from test_cpu_kernels import decode_logits
+
+from model_executor.thread_governor import WINDOW_S, ThreadGovernor, cpus_busy_s
+from srt.engine import Engine
+
+
+class Fake:
+    """A clock and CPU counters the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0.0
+        self.own = 0.0
+        self.set: list[int] = []
+
+    def governor(self, threads: int) -> ThreadGovernor:
+        return ThreadGovernor(
+            threads,
+            lambda: self.busy,
+            lambda: self.own,
+            clock=lambda: self.now,
+            set_threads=self.set.append,
+        )
+
+    def window(self, gov: ThreadGovernor, own_cores: float, other_cores: float, s: float = WINDOW_S) -> None:
+        self.now += s
+        self.own += own_cores * s
+        self.busy += (own_cores + other_cores) * s
+        gov.apply(governed=True)
+
+
+def test_a_busy_core_costs_a_thread_after_two_windows_and_comes_back() -> None:
+    f = Fake()
+    gov = f.governor(2)
+    f.window(gov, own_cores=2.0, other_cores=0.0)
+    f.window(gov, own_cores=1.0, other_cores=1.0)  # one window of load: not yet
+    assert f.set == [] and gov.current == 2
+    f.window(gov, own_cores=1.0, other_cores=0.9)
+    assert f.set == [1] and gov.current == 1 and gov.others == pytest.approx(0.9)
+    f.window(gov, own_cores=1.0, other_cores=1.0)
+    f.window(gov, own_cores=1.0, other_cores=0.0)
+    assert f.set == [1]
+    f.window(gov, own_cores=1.0, other_cores=0.2)
+    assert f.set == [1, 2] and gov.current == 2
+
+
+def test_never_below_one_thread_and_short_or_stale_windows_decide_nothing() -> None:
+    f = Fake()
+    gov = f.governor(4)
+    for _ in range(3):
+        f.window(gov, own_cores=0.5, other_cores=6.0)
+    assert f.set == [1]
+    f.window(gov, own_cores=0.1, other_cores=0.0, s=WINDOW_S / 4)  # too short: not read
+    f.window(gov, own_cores=0.0, other_cores=0.0, s=600.0)  # idle for minutes: only restarts
+    f.window(gov, own_cores=1.0, other_cores=2.2)
+    f.window(gov, own_cores=1.0, other_cores=1.6)
+    assert f.set == [1, 2]
+
+
+def test_ungoverned_steps_run_on_the_configured_threads() -> None:
+    f = Fake()
+    gov = f.governor(2)
+    for _ in range(3):
+        f.window(gov, own_cores=1.0, other_cores=1.0)
+    assert f.set == [1]
+    gov.apply(governed=False)  # a prefill, or a batch torch's GEMMs run: bits depend on threads
+    gov.apply(governed=False)
+    gov.apply(governed=True)
+    assert f.set == [1, 2, 1] and gov.current == 1
+    gov.restore()
+    gov.restore()
+    assert f.set == [1, 2, 1, 2] and gov.applied == 2
+
+
+def test_cpus_busy_s_reads_the_named_cpus(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  900 900 900 900 0 0 0 0 0 0\n"
+        "cpu0 100 20 30 1000 50 1 2 3 0 0\n"
+        "cpu1 400 0 100 1000 0 0 0 0 0 0\n"
+        "cpu12 7 0 0 0 0 0 0 0 0 0\nintr 5 5\n"
+    )
+    tick = os.sysconf("SC_CLK_TCK")
+    assert cpus_busy_s(frozenset({0}), True, str(stat)) == pytest.approx(156 / tick)
+    assert cpus_busy_s(frozenset({0}), False, str(stat)) == pytest.approx(136 / tick)  # niced others
+    assert cpus_busy_s(frozenset({0, 1, 12}), True, str(stat)) == pytest.approx((156 + 500 + 7) / tick)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_real_hog_takes_a_thread_and_gives_it_back() -> None:
+    cpus = frozenset(sorted(os.sched_getaffinity(0))[:2])
+    me = psutil.Process()
+
+    def own() -> float:
+        t = me.cpu_times()
+        return t.user + t.system
+
+    set_to: list[int] = []
+    gov = ThreadGovernor(2, lambda: cpus_busy_s(cpus, True), own, set_threads=set_to.append)
+
+    def poll_until(threads: int, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while gov.current != threads and time.monotonic() < deadline:
+            time.sleep(0.2)
+            gov.apply(governed=True)
+        assert gov.current == threads, f"others {gov.others:.2f} cores, threads {gov.current}"
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {min(cpus)})
+        poll_until(1)
+    finally:
+        hog.kill()
+        hog.wait()
+    poll_until(2)
+    assert set_to == [1, 2]
+
+
+def test_the_default_path_keeps_its_bits_at_any_thread_count() -> None:
+    """SmolLM2 in bf16 on our kernels, prompts long enough that decode attention splits them (more
+    than 512 tokens; at 1100, 4 splits as a multiple of 2 threads, 3 of 1): the logits of every
+    decode step with the governor at 2 threads and at 1 (the prefill on the configured 2 both times,
+    where torch's GEMMs' bits depend on the threads). The same bits, and the decode steps really ran
+    on 1 thread."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 49000, (n,), generator=g).tolist() for n in (1100, 600)]
+    forced = [torch.randint(100, 49000, (4,), generator=g).tolist() for _ in prompts]
+    try:
+        torch.set_num_threads(2)
+        with Engine(None, max_total_tokens=4096) as engine:
+            runner = engine.runner
+            assert runner is not None
+            gov = runner.thread_governor
+            assert gov is not None and gov.threads == 2
+            seen: list[int] = []
+
+            def set_threads(n: int) -> None:
+                seen.append(n)
+                torch.set_num_threads(n)
+
+            gov.set_threads = set_threads
+            gov.poll = lambda: None  # type: ignore[method-assign]  # the test sets the count itself
+            at_two = decode_logits(runner, prompts, forced)
+            runner.allocator.reset()
+            runner.req_to_token_pool.reset()
+            gov.current = 1
+            at_one = decode_logits(runner, prompts, forced)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1]  # the prefills ran on the 2 threads already set, the decode steps on 1
+    assert torch.equal(at_two, at_one)
