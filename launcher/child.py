@@ -73,6 +73,21 @@ def _die_with_parent(lifeline: Connection, parent_pid: int) -> None:
     kill_process_tree(os.getpid(), include_self=True)
 
 
+def set_up_threads(name: str, threads: int, cpus: frozenset[int] | None) -> None:
+    """A rank's first step: pinned to `cpus` (SGLANG_CPU_OMP_THREADS_BIND; None: not pinned), then
+    `threads` torch intra-op threads (OpenMP and MKL told too, for what starts them later); logs
+    the count. Imports torch."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    pinned = f", pinned to CPUs {sorted(cpus)}" if cpus is not None else ""
+    logger.info("%s: %d torch threads%s", name, torch.get_num_threads(), pinned)
+
+
 def child_main(spec: ChildSpec, ready_conn: Connection, lifeline: Connection, parent_pid: int) -> None:
     setproctitle.setproctitle(spec.title)
     # Ctrl-C reaches the whole foreground group; the parent decides how its children stop.
@@ -86,16 +101,10 @@ def child_main(spec: ChildSpec, ready_conn: Connection, lifeline: Connection, pa
     ).start()
     configure_logging(spec.log_level, spec.title.removeprefix("srt::"))
     try:
-        if spec.cpus is not None:
-            os.sched_setaffinity(0, spec.cpus)
         if spec.num_threads is not None:
-            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-                os.environ[var] = str(spec.num_threads)
-            import torch
-
-            torch.set_num_threads(spec.num_threads)
-            pinned = f", pinned to CPUs {sorted(spec.cpus)}" if spec.cpus is not None else ""
-            logger.info("%s: %d torch threads%s", spec.name, torch.get_num_threads(), pinned)
+            set_up_threads(spec.name, spec.num_threads, spec.cpus)
+        elif spec.cpus is not None:
+            os.sched_setaffinity(0, spec.cpus)
         resolve_target(spec.target)(*spec.args, ready_conn)
     except Exception:
         text = traceback.format_exc()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import threading
@@ -26,6 +25,7 @@ import torch
 import zmq
 from tqdm import tqdm
 
+from launcher.child import set_up_threads
 from launcher.layout import local_ranks
 from model_executor.distributed.parallel_state import single_process_state
 from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
@@ -194,7 +194,8 @@ class Engine:
             proc = ctx.Process(
                 target=_rank_main,
                 daemon=True,
-                args=(threads, cpus, self.args, self._port_args, str(self.model_dir), rank, writer),
+                args=(f"engine rank TP{rank.tp_rank}", threads, cpus, self.args, self._port_args)
+                + (str(self.model_dir), rank, writer),
             )
             proc.start()
             writer.close()  # the rank holds the other end: its exit ends the pipe
@@ -351,12 +352,10 @@ def _describe(dead: list[tuple[int, int]]) -> str:
     return ", ".join(f"rank {rank} exited {reason(code)}" for rank, code in dead)
 
 
-def _rank_main(threads: int, cpus: frozenset[int] | None, *args: Any) -> None:
+def _rank_main(name: str, threads: int, cpus: frozenset[int] | None, *args: Any) -> None:
     """One spawned rank: the server's scheduler process (start-up, ready message, the loop), until
     `shutdown` kills it."""
-    if cpus is not None:  # SGLANG_CPU_OMP_THREADS_BIND
-        os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(threads)
+    set_up_threads(name, threads, cpus)
     # tqdm's default lock is a named semaphore that a killed process leaves behind (the resource
     # tracker then warns of it at exit); the weight loader's progress bars need no more than this.
     tqdm.set_lock(threading.RLock())
