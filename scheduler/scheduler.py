@@ -418,6 +418,19 @@ class Scheduler(BatchSelection):
             "num_tokens": load.used_tokens + sum(r.seq_len for r in self.waiting),
         }
 
+    def _threads_state(self) -> dict[str, Any]:
+        """The torch threads: configured, and with the governor on, what decode runs on now and the
+        cores other processes kept busy in its last window."""
+        gov = self.runner.thread_governor
+        if gov is None:
+            return {"configured": torch.get_num_threads(), "adaptive": False}
+        return {
+            "configured": gov.threads,
+            "adaptive": True,
+            "decode": gov.current,
+            "others_busy_cores": gov.others,
+        }
+
     def internal_state(self) -> dict[str, Any]:
         return {
             "forward_steps": self.forward_steps,
@@ -427,5 +440,6 @@ class Scheduler(BatchSelection):
             "new_token_ratio": self.new_token_ratio,
             "step_timing": self.stats.timer.as_dict(),
             "kv_cache_bytes": self.runner.kv_pool.total_bytes,
+            "cpu_threads": self._threads_state(),
             **self.kv.stats(self.running + ([self.chunked_req] if self.chunked_req else [])),
         }

@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from server_fixture import Server
 from test_cpu_kernels import decode_logits
 
 from model_executor.thread_governor import WINDOW_S, ThreadGovernor, cpus_busy_s
@@ -166,3 +168,39 @@ def test_the_default_path_keeps_its_bits_at_any_thread_count() -> None:
         pytest.skip("no decode step runs wholly in srt's kernels on this path: the governor leaves it alone")
     assert seen == [1]  # the prefills ran on the 2 threads already set, the decode steps on 1
     assert torch.equal(at_two, at_one)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_served_stream_under_a_hog_keeps_its_tokens() -> None:
+    """The default server (bundled SmolLM2, bf16, 2 threads): a greedy 600-token stream while a hog
+    holds one CPU. /server_info shows decode going to 1 thread and back after the hog, and the
+    stream's tokens equal the same request's without load."""
+    payload = {
+        "text": "The history of lighthouses",
+        "sampling_params": {"max_new_tokens": 600, "temperature": 0.0, "ignore_eos": True},
+    }
+    with Server("--cpu-threads", "2", "--disable-radix-cache") as server:
+        quiet = server.generate(payload, timeout=600).json()["output_ids"]
+        threads = server.internal_state()["cpu_threads"]
+        assert (threads["configured"], threads["adaptive"], threads["decode"]) == (2, True, 2), threads
+        states: list[int] = []
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            os.sched_setaffinity(hog.pid, {min(os.sched_getaffinity(0))})
+            with ThreadPoolExecutor(1) as pool:
+                loaded = pool.submit(lambda: server.generate(payload, timeout=600).json()["output_ids"])
+                while not loaded.done():
+                    states.append(server.internal_state()["cpu_threads"]["decode"])
+                    time.sleep(0.5)
+                under_load = loaded.result()
+        finally:
+            hog.kill()
+            hog.wait()
+        assert 1 in states, states
+        deadline = time.monotonic() + 60
+        while server.internal_state()["cpu_threads"]["decode"] != 2 and time.monotonic() < deadline:
+            server.generate(
+                {**payload, "sampling_params": {**payload["sampling_params"], "max_new_tokens": 64}}
+            )
+        assert server.internal_state()["cpu_threads"]["decode"] == 2
+    assert under_load == quiet
