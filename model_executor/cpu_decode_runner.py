@@ -19,7 +19,7 @@ from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels import ops
+from model_executor.kernels import build, ops
 from model_executor.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
 from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight
 from model_executor.layers.cpu_linear import PackedWeight, is_kernel_packed, packed_max_rows
@@ -70,6 +70,24 @@ class CpuDecodeRunner:
             return False
         packed = self.layers().packed
         return batch.batch_size <= (packed_max_rows() if packed else ops.fused_gemv_max_batch())
+
+    def kernels_only(self, batch: ForwardBatch) -> bool:
+        """Whether the whole step runs in our kernels, which share out whole outputs between threads,
+        so that its bits do not depend on the thread count (the thread governor changes threads for
+        these steps only): a batch `can_run` takes, or a prefill of at most packed_max_rows() tokens
+        over packed layers where the prefill attention kernel applies (a longer one goes to oneDNN's
+        GEMM, whose bits move with the threads)."""
+        if self.can_run(batch):
+            return True
+        if self.stack is None or batch.is_decode or batch.num_tokens > packed_max_rows():
+            return False
+        attn = self.stack.layers[0].attn
+        return (
+            self.layers().packed
+            and attn.head_dim in (64, 128)
+            and attn.num_heads % attn.num_kv_heads == 0
+            and build.prefill_kernel_available()
+        )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states [bs, hidden] of a batch can_run took, as the model's forward returns

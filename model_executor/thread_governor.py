@@ -8,11 +8,12 @@ how many of the rank's CPUs other processes keep busy, the CPUs' busy time in /p
 CPU time of this server's own processes, and runs the rank on the rest, at least one thread; when
 the other load goes, the threads come back. A change needs two windows in a row that agree.
 
-The governed count applies only to the steps whose bits do not depend on it, the decode batches
-that run wholly in our kernels (CpuDecodeRunner): those share out whole outputs, and decode
-attention splits a request as if it had the configured threads (kernels.ops.set_split_threads).
-Every other step (prefill, torch's GEMMs) runs on the configured threads, so a request's tokens are
-the same under any load (tests/test_thread_governor.py).
+The governed count applies only to the steps whose bits do not depend on it, those that run
+wholly in our kernels (CpuDecodeRunner.kernels_only: decode, and prefills short enough for the
+packed linears): the kernels share out whole outputs, and decode attention splits a request as if
+it had the configured threads (kernels.ops.set_split_threads). Every other step (a long prefill on
+oneDNN's GEMM, torch's ops) runs on the configured threads, so a request's tokens are the same
+under any load (tests/test_thread_governor.py).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class ThreadGovernor:
         want = max(1, self.threads - int(self.others + 0.5))
         if want != self.current and want == self.proposed:
             logger.info(
-                "other processes kept %.1f of this rank's CPUs busy: decode on %d torch threads (configured %d)",
+                "other processes kept %.1f of this rank's CPUs busy: %d torch threads (configured %d) for the steps in our kernels",
                 self.others,
                 want,
                 self.threads,

@@ -419,15 +419,15 @@ class Scheduler(BatchSelection):
         }
 
     def _threads_state(self) -> dict[str, Any]:
-        """The torch threads: configured, and with the governor on, what decode runs on now and the
-        cores other processes kept busy in its last window."""
+        """The torch threads: configured, and with the governor on, what the steps in our kernels run
+        on now and the cores other processes kept busy in its last window."""
         gov = self.runner.thread_governor
         if gov is None:
             return {"configured": torch.get_num_threads(), "adaptive": False}
         return {
             "configured": gov.threads,
             "adaptive": True,
-            "decode": gov.current,
+            "governed": gov.current,
             "others_busy_cores": gov.others,
         }
 

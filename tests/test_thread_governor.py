@@ -132,15 +132,17 @@ def test_a_real_hog_takes_a_thread_and_gives_it_back() -> None:
     assert set_to == [1, 2]
 
 
-def test_the_default_path_keeps_its_bits_at_any_thread_count() -> None:
-    """SmolLM2 in bf16 on our kernels, prompts long enough that decode attention splits them (more
-    than 512 tokens; at 1100, 4 splits as a multiple of 2 threads, 3 of 1): the logits of every
-    decode step with the governor at 2 threads and at 1 (the prefill on the configured 2 both times,
-    where torch's GEMMs' bits depend on the threads). The same bits, and the decode steps really ran
-    on 1 thread."""
+@pytest.mark.parametrize("lens", [(1100, 600), (300, 200)])
+def test_the_default_path_keeps_its_bits_at_any_thread_count(lens: tuple[int, int]) -> None:
+    """SmolLM2 in bf16 on our kernels: the logits of every decode step with the governor at 2
+    threads and at 1. At (1100, 600) the prompts are long enough that decode attention splits them
+    (more than 512 tokens; at 1100, 4 splits as a multiple of 2 threads, 3 of 1) and the prefill (1700
+    rows) runs on the configured 2 threads both times, on oneDNN's GEMM, whose bits move with the
+    threads; at (300, 200) the prefill too runs in our kernels, on the governed threads. The same
+    bits, and the governed steps really ran on 1 thread."""
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(100, 49000, (n,), generator=g).tolist() for n in (1100, 600)]
+    prompts = [torch.randint(100, 49000, (n,), generator=g).tolist() for n in lens]
     forced = [torch.randint(100, 49000, (4,), generator=g).tolist() for _ in prompts]
     try:
         torch.set_num_threads(2)
@@ -165,15 +167,15 @@ def test_the_default_path_keeps_its_bits_at_any_thread_count() -> None:
     finally:
         torch.set_num_threads(threads)
     if not seen:
-        pytest.skip("no decode step runs wholly in srt's kernels on this path: the governor leaves it alone")
-    assert seen == [1]  # the prefills ran on the 2 threads already set, the decode steps on 1
+        pytest.skip("no step runs wholly in srt's kernels on this path: the governor leaves it alone")
+    assert seen == [1]  # the first governed step went to 1 thread, and every later one stayed there
     assert torch.equal(at_two, at_one)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_served_stream_under_a_hog_keeps_its_tokens() -> None:
     """The default server (bundled SmolLM2, bf16, 2 threads): a greedy 600-token stream while a hog
-    holds one CPU. /server_info shows decode going to 1 thread and back after the hog, and the
+    holds one CPU. /server_info shows the governed steps going to 1 thread and back after the hog, and the
     stream's tokens equal the same request's without load."""
     payload = {
         "text": "The history of lighthouses",
@@ -182,7 +184,7 @@ def test_a_served_stream_under_a_hog_keeps_its_tokens() -> None:
     with Server("--cpu-threads", "2", "--disable-radix-cache") as server:
         quiet = server.generate(payload, timeout=600).json()["output_ids"]
         threads = server.internal_state()["cpu_threads"]
-        assert (threads["configured"], threads["adaptive"], threads["decode"]) == (2, True, 2), threads
+        assert (threads["configured"], threads["adaptive"], threads["governed"]) == (2, True, 2), threads
         states: list[int] = []
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
@@ -190,7 +192,7 @@ def test_a_served_stream_under_a_hog_keeps_its_tokens() -> None:
             with ThreadPoolExecutor(1) as pool:
                 loaded = pool.submit(lambda: server.generate(payload, timeout=600).json()["output_ids"])
                 while not loaded.done():
-                    states.append(server.internal_state()["cpu_threads"]["decode"])
+                    states.append(server.internal_state()["cpu_threads"]["governed"])
                     time.sleep(0.5)
                 under_load = loaded.result()
         finally:
@@ -198,9 +200,9 @@ def test_a_served_stream_under_a_hog_keeps_its_tokens() -> None:
             hog.wait()
         assert 1 in states, states
         deadline = time.monotonic() + 60
-        while server.internal_state()["cpu_threads"]["decode"] != 2 and time.monotonic() < deadline:
+        while server.internal_state()["cpu_threads"]["governed"] != 2 and time.monotonic() < deadline:
             server.generate(
                 {**payload, "sampling_params": {**payload["sampling_params"], "max_new_tokens": 64}}
             )
-        assert server.internal_state()["cpu_threads"]["decode"] == 2
+        assert server.internal_state()["cpu_threads"]["governed"] == 2
     assert under_load == quiet

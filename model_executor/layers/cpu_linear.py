@@ -34,7 +34,7 @@ from torch import nn
 
 from model_executor.kernels import build, ops, packing
 
-AMX_MAX_ROWS = 256  # above this, F.linear (oneDNN) was as fast as the AMX kernel or faster
+AMX_MAX_ROWS = 1024  # above this, F.linear (oneDNN) is faster than the AMX kernel (docs/performance.md)
 QUANTIZATIONS = ("w8a8_int8", "gguf")
 # a layer's `packed_weight`
 PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q8Weight
