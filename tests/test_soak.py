@@ -4,6 +4,7 @@ short soak of a real server on a tiny model, run as a user runs it (a subprocess
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -219,3 +220,43 @@ def test_a_short_soak_of_a_running_server_is_clean(server: Server, tmp_path: Pat
     flushed = result["flushed_state"]
     assert flushed["free_pages"] == flushed["num_pages"] and result["kv_problems"] == [], result
     assert result["engine_restarts"] == 0  # read from /metrics (--enable-metrics)
+
+
+@pytest.mark.timeout(180)
+def test_the_soak_starts_its_own_server_and_passes_the_api_key(
+    tiny_model_dirs: dict[str, Path], smollm2_dir: Path, tmp_path: Path
+) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--minutes",
+            "0.1",
+            "--interval",
+            "3",
+            "--concurrency",
+            "2",
+            "--request-timeout",
+            "60",
+            "--startup-timeout",
+            "90",
+            "--",
+            "--model-path",
+            str(tiny_model_dirs["qwen2"]),
+            "--tokenizer-path",
+            str(smollm2_dir),
+            "--max-total-tokens",
+            "1024",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
+        env={**os.environ, "SRT_API_KEY": "soak-secret"},  # the server requires it; the soak sends it
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "KV cache budget: " in out and "(no KV budget line" not in out, out  # from its server's log
+    assert "prompts up to 512 tokens" in out, out  # the context (512) is below the KV cache (1024)
+    assert "KV integrity: ok" in out and "processes: ok" in out, out
+    assert "soak-secret" not in out + proc.stderr
