@@ -38,8 +38,12 @@ LOST_AFTER_S = 2.0  # generous: a launcher on a loaded machine still beats well 
 
 
 class PeerWatch:
-    def __init__(self, rendezvous: Rendezvous) -> None:
+    def __init__(self, rendezvous: Rendezvous, report_lost: bool = False) -> None:
         self.rdzv = rendezvous
+        # A node silent for LOST_AFTER_S is reported on `failures` too (with --restart-on-failure:
+        # node 0 would otherwise restart and wait --dist-timeout for ranks that cannot come).
+        self.report_lost = report_lost
+        self._last_beats: dict[int, tuple[int, float]] = {}
         self.others = [k for k in range(rendezvous.nnodes) if k != rendezvous.node_rank]
         # One message, "node 1 went down (...)", when another node publishes its failure.
         self.failures, self._failure_writer = Pipe(duplex=False)
@@ -71,6 +75,11 @@ class PeerWatch:
                     self.failure = f"node {node} went down ({text})"
                     self._failure_writer.send(self.failure)
                     return
+                lost = self._lost() if self.report_lost else None
+                if lost is not None and not self._stop.is_set():
+                    self.failure = lost
+                    self._failure_writer.send(lost)
+                    return
                 self._check_restarts()
             except RuntimeError:  # the store is gone: our ranks notice too, and explain() says why
                 return
@@ -91,6 +100,16 @@ class PeerWatch:
                 if int(start) > self.engine_start:
                     self._signalled.add(value)
                     self._restart_writer.send(f"{who} ({reason})")
+
+    def _lost(self) -> str | None:
+        """The first other node whose heartbeat has not moved for LOST_AFTER_S."""
+        now = time.monotonic()
+        for k, count in self._beats().items():
+            if self._last_beats.get(k, (-1, 0.0))[0] != count:
+                self._last_beats[k] = (count, now)
+            elif now - self._last_beats[k][1] >= LOST_AFTER_S:
+                return f"node {k} is gone (no heartbeat for {LOST_AFTER_S:g} s)"
+        return None
 
     def _read(self, name: str) -> str | None:
         key = self.rdzv.key(name)

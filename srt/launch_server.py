@@ -224,7 +224,7 @@ def meet_other_nodes(plan: LaunchPlan) -> PeerWatch:
         args.dist_timeout,
     )
     os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients (launcher/rendezvous.py)
-    return PeerWatch(rendezvous).start()
+    return PeerWatch(rendezvous, report_lost=args.restart_on_failure > 0).start()
 
 
 def route_outputs_across_nodes(plan: LaunchPlan, rendezvous: Rendezvous) -> LaunchPlan:

@@ -737,7 +737,6 @@ def test_a_rank_killed_on_node_1_restarts_every_node_and_every_stream_continues(
         assert server.generate(bodies[0], timeout=300).json()["output_ids"] == expected[0]["output_ids"]
 
 
-@pytest.mark.slow  # the restart path itself is covered by the test above on the default run
 @pytest.mark.timeout(400)
 def test_a_crash_loop_on_node_1_takes_every_node_down_after_node_0s_restarts(
     nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
@@ -767,3 +766,22 @@ def test_a_crash_loop_on_node_1_takes_every_node_down_after_node_0s_restarts(
         assert "no restart left (1 within the last 300 s, --restart-on-failure 1)" in out0
         assert "node 0 went down first (" in out1 and "no restart left" in out1, out1[-3000:]
         assert_gone(node0_tree + node1_tree)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_takes_node_0_down_even_with_restarts_left(
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
+    """Node 1's launcher SIGKILLed (the node is gone, not just a rank): its ranks cannot come back,
+    so node 0 stops restarting as soon as node 1's heartbeat stops, instead of waiting --dist-timeout
+    (120 s here) for them, and goes down naming node 1."""
+    layout = ("--tp", "2", "--restart-on-failure", "2")
+    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, layout=layout)
+    with server:
+        node0_tree = server.children()
+        os.kill(node1.proc.pid, signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1
+        out = server.output()
+        assert f"no restart: node 1 is gone (no heartbeat for {LOST_AFTER_S:g} s)" in out, out[-3000:]
+        assert "DistStoreError" not in out  # no start waited for node 1's ranks until it timed out
+        assert_gone(node0_tree)
