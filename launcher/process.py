@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -103,13 +104,14 @@ def spawn_child(spec: ChildSpec) -> ChildProcess:
 
 
 def wait_ready(
-    children: list[ChildProcess], timeout: float, abort: Connection | None = None
+    children: list[ChildProcess], timeout: float, abort: Sequence[Connection] = ()
 ) -> dict[str, dict[str, Any]]:
     """Block until every child sent ("ready", info); return {child name: info}.
 
     Raises LaunchError at once when any child reports an error or exits (its traceback is
-    logged), when a message arrives on `abort` (another node went down: the message says which),
-    or after `timeout` s naming the children still starting. The caller kills them.
+    logged), when a message arrives on one of `abort` (another node went down, or restarts: the
+    message says which), or after `timeout` s naming the children still starting. The caller
+    kills them.
     """
     deadline = time.monotonic() + timeout
     pending = list(children)
@@ -123,9 +125,10 @@ def wait_ready(
             names = ", ".join(c.label for c in pending)
             raise LaunchError(f"{names} not ready within {timeout:.0f} s")
         handles = [c.ready_conn for c in pending] + [c.sentinel for c in children]
-        ready = wait(handles + ([abort] if abort is not None else []), remaining)
-        if abort is not None and abort in ready:
-            raise LaunchError(str(abort.recv()))
+        ready = wait(handles + list(abort), remaining)
+        for conn in abort:
+            if conn in ready:
+                raise LaunchError(str(conn.recv()))
         fired = {id(by_handle[h]): by_handle[h] for h in ready}
         for child in fired.values():
             _check_child(child)

@@ -4,7 +4,8 @@ A lost rank cannot be recovered in place: its peers are blocked in collectives t
 complete. So the Supervisor names the dead child, lets the front end fail every in-flight
 request with that message, kills the rest of the tree and exits non-zero; unless a `restart`
 hook (srt/recovery.py, --restart-on-failure) replaces every child with a fresh set, which the
-Supervisor then watches the same way.
+Supervisor then watches the same way; on a multi-node server also when another node's restart
+needs this node's children restarted (`peer_restart`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class Supervisor:
     `stop()` before a deliberate shutdown makes later exits quiet. With `restart`, a child's
     exit first goes to restart(message, dead, children), run in this thread (it lives as long as
     the server, so children it spawns keep their parent-death signal): new children are watched
-    from then on; None means no restart, and the server goes down as above.
+    from then on; None means no restart, and the server goes down as above. A message on
+    `peer_restart` (another node's restart needs this node's) goes to restart(message, None,
+    children) the same way.
     """
 
     def __init__(
@@ -46,13 +49,17 @@ class Supervisor:
         exit_fn: Callable[[int], object] = os._exit,
         explain: Callable[[str], str | None] | None = None,
         peer_failure: Connection | None = None,
-        restart: Callable[[str, ChildProcess, list[ChildProcess]], list[ChildProcess] | None] | None = None,
+        peer_restart: Connection | None = None,
+        restart: Callable[[str, ChildProcess | None, list[ChildProcess]], list[ChildProcess] | None]
+        | None = None,
     ) -> None:
         self.children = list(children)
-        self.restart = restart  # (message, dead child, children) -> new children, or None: go down
+        # (message, dead child or None for peer_restart, children) -> new children, or None: go down
+        self.restart = restart
         self.on_failure = on_failure
         self.explain = explain
         self.peer_failure = peer_failure
+        self.peer_restart = peer_restart
         self.grace_s = grace_s
         self.exit_code = exit_code
         self.exit_fn = exit_fn
@@ -78,15 +85,24 @@ class Supervisor:
     def _watch(self) -> None:
         while True:
             by_sentinel = {c.sentinel: c for c in self.children}
-            peer = [self.peer_failure] if self.peer_failure is not None else []
-            fired = wait([*by_sentinel, self._wake_reader, *peer])
+            peers = [c for c in (self.peer_failure, self.peer_restart) if c is not None]
+            fired = wait([*by_sentinel, self._wake_reader, *peers])
             with self._lock:
                 if self._stopping:
                     return
             dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
-            if dead is None or self.restart is None:
+            asked = None  # why another node's restart needs this node's
+            restart_only = self.peer_restart in fired and self.peer_failure not in fired
+            if dead is None and self.peer_restart is not None and restart_only:
+                asked = str(self.peer_restart.recv())
+            if (dead is None and asked is None) or self.restart is None:
                 break
-            children = self.restart(dead.exit_message(), dead, self.children)
+            message = dead.exit_message() if dead is not None else str(asked)
+            try:
+                children = self.restart(message, dead, self.children)
+            except Exception:  # a bug in the hook must still take the server down, not leave it hanging
+                logger.exception("the restart after %r raised", message)
+                children = None
             if children is None:
                 break
             self.children = children
@@ -96,9 +112,10 @@ class Supervisor:
             self._stopping = True  # a second death, or stop(), must not start another teardown
         if dead is not None:
             self._fail_child(dead)
-        else:
-            assert self.peer_failure is not None
+        elif self.peer_failure is not None and self.peer_failure.poll():
             self._shut_down(str(self.peer_failure.recv()))
+        else:  # the restart another node needed could not be made (the restart hook logged why)
+            self._shut_down(str(asked))
 
     def _cause(self, message: str) -> str | None:
         if self.explain is None:

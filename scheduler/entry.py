@@ -22,7 +22,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.watchdog import Watchdog
 from srt.metrics import RankMetrics, enable_multiprocess_metrics, metrics_dir
 from srt.server_args import PortArgs, ServerArgs
-from srt.utils import resolve_dtype
+from srt.utils import engine_start, resolve_dtype
 
 logger = logging.getLogger("srt.scheduler")
 
@@ -96,6 +96,7 @@ def run_scheduler_process(
             init_method=port_args.dist_init_method,
             device=device,
             timeout_s=server_args.dist_timeout,
+            store_prefix=f"srt/engine/{engine_start()}/",  # a restart meets on the same store afresh
         )
         if server_args.enable_rank_consensus_checker:
             # Collective over the whole world: every rank creates these groups at the same point.

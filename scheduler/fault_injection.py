@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.utils import ENGINE_START_ENV
+from srt.utils import engine_start as current_engine_start
 
 logger = logging.getLogger("srt.fault")
 
@@ -63,7 +63,7 @@ def parse_faults(spec: str | None) -> list[Fault]:
 class FaultInjector:
     def __init__(self, world_rank: int, spec: str | None = None, engine_start: int | None = None) -> None:
         spec = os.environ.get(ENV_VAR) if spec is None else spec
-        start = int(os.environ.get(ENGINE_START_ENV, "0")) if engine_start is None else engine_start
+        start = current_engine_start() if engine_start is None else engine_start
         self.faults = [f for f in parse_faults(spec) if f.rank == world_rank and f.start in (None, start)]
         self.active = bool(self.faults)
         self.world_rank = world_rank

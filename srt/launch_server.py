@@ -5,7 +5,8 @@ HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; 
 just supervises them. Before any child starts, every node meets the others at the rendezvous
 (launcher.rendezvous: duplicate node ranks and differing configurations fail there). Any child's
 death, or another node going down, takes the node down (launcher.supervisor, launcher.peers);
-with --restart-on-failure a child's death restarts the engine instead (srt/recovery.py).
+with --restart-on-failure a child's death on any node restarts the engine on every node instead
+(srt/recovery.py).
 
 With --dp-size N > 1 this process is the controller of N such servers (replicas) behind SGLang's
 router instead (launcher/data_parallel.py).
@@ -28,7 +29,9 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -221,7 +224,7 @@ def meet_other_nodes(plan: LaunchPlan) -> PeerWatch:
         args.dist_timeout,
     )
     os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients (launcher/rendezvous.py)
-    return PeerWatch(rendezvous).start()
+    return PeerWatch(rendezvous, report_lost=args.restart_on_failure > 0).start()
 
 
 def route_outputs_across_nodes(plan: LaunchPlan, rendezvous: Rendezvous) -> LaunchPlan:
@@ -247,17 +250,17 @@ def route_outputs_across_nodes(plan: LaunchPlan, rendezvous: Rendezvous) -> Laun
 
 def start_again(
     plan: LaunchPlan,
-    port_args: PortArgs,
     children: list[ChildProcess],
     scheduler_target: str,
     detokenizer_target: str,
+    abort: Sequence[Connection] = (),
 ) -> list[ChildProcess]:
-    """An engine restart (srt/recovery.py, in the Supervisor's thread): every child again, on
-    `port_args`; `children`, which the final teardown kills, holds the new ones from now on."""
-    plan = dataclasses.replace(plan, port_args=port_args)
+    """An engine restart (srt/recovery.py, in the Supervisor's thread): every child again;
+    `children`, which the final teardown kills, holds the new ones from now on. A message on one of
+    `abort` (another node went down, or restarts again) fails the start at once."""
     children[:] = [spawn_child(spec) for spec in child_specs(plan, scheduler_target, detokenizer_target)]
     try:
-        wait_ready(children, plan.server_args.dist_timeout + MODEL_LOAD_BUDGET_S)
+        wait_ready(children, plan.server_args.dist_timeout + MODEL_LOAD_BUDGET_S, abort)
     except LaunchError:
         stop_children(children)
         raise
@@ -283,21 +286,24 @@ def run(
         plan = route_outputs_across_nodes(plan, peers.rdzv)
         for spec in child_specs(plan, scheduler_target, detokenizer_target):
             children.append(spawn_child(spec))
-        infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S, abort=peers.failures)
+        infos = wait_ready(children, args.dist_timeout + MODEL_LOAD_BUDGET_S, abort=[peers.failures])
         logger.info("%d child processes ready", len(children))
+        watch = peers
         restarter = EngineRestarter(
             args,
-            plan.port_args,
-            lambda port_args: start_again(plan, port_args, children, scheduler_target, detokenizer_target),
+            lambda: start_again(
+                plan, children, scheduler_target, detokenizer_target, [watch.failures, watch.restarts]
+            ),
             lambda: frontend.tm,
+            peers,
         )
-        watch = peers
         supervisor = Supervisor(
             children,
             frontend.fail_all,
             exit_fn=lambda code: _exit_now(plan, 0 if watch.leader_stopped else code),
             explain=peers.explain,
             peer_failure=peers.failures,
+            peer_restart=peers.restarts if args.restart_on_failure else None,
             restart=restarter.restart if args.restart_on_failure else None,
         )
         supervisor.start()

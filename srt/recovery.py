@@ -10,8 +10,9 @@ tied to the thread that spawned them):
    the TokenizerManager's restart half, below);
 2. every child of the engine is killed, then the front end's sockets are replaced, so nothing the
    old processes sent late is read and nothing queued for the old rank 0 reaches the new one;
-3. the children start again: the ranks meet on a fresh TCPStore (the dead ranks' gloo keys stay
-   in the old one), with ENGINE_START_ENV telling them which start this is (fault injection);
+3. the children start again, with ENGINE_START_ENV telling them which start this is: the ranks
+   meet on the rendezvous store under that start's key prefix (the dead ranks' gloo keys stay
+   under the old one), and fault injection fires in the starts it names;
 4. the front end replays every request in flight with the output ids its client already has
    (FrontendRecovery.resume): sampling is a pure function of (seed, output position) and the
    front end resolved every request's seed, so greedy, seeded and unseeded requests all continue
@@ -20,12 +21,16 @@ tied to the thread that spawned them):
 
 A restart whose start-up fails counts as a restart too. With no restart left the Supervisor
 fails loudly, as without the flag: every request gets a 503 and the server exits 1.
+
+With --nnodes > 1 every node restarts its children, node 0 deciding for all (EngineRestarter and
+launcher/peers.py): any node's lost child ends that start on every node, and node 0 alone keeps
+the budget, publishes each start it begins, and replays. Every wait of another node is bounded
+(--dist-timeout), and node 0's spent budget takes every node down, naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import threading
@@ -40,9 +45,10 @@ from srt.utils import ENGINE_START_ENV
 if TYPE_CHECKING:
     import zmq.asyncio
 
+    from launcher.peers import PeerWatch
     from launcher.process import ChildProcess
     from srt.request_state import ControlCalls, ReqState
-    from srt.server_args import PortArgs, ServerArgs
+    from srt.server_args import ServerArgs
     from srt.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("srt.recovery")
@@ -91,53 +97,54 @@ class RestartBudget:
 
 
 class EngineRestarter:
-    """The Supervisor's restart hook. `start_engine(port_args)` spawns every child of this node
-    and waits until all are ready (raising LaunchError otherwise); `frontend()` is the
-    TokenizerManager once serving (None before)."""
+    """The Supervisor's restart hook. `start_engine()` spawns every child of this node and waits
+    until all are ready (raising LaunchError otherwise); `frontend()` is the
+    TokenizerManager once serving (None before, and on nodes other than 0).
+
+    With --nnodes > 1 (`peers`) the nodes restart together and node 0 decides: it takes the
+    restart from its budget and publishes the start it begins, whichever node lost a child;
+    another node asks node 0 (its own child died, or its start failed) and restarts its children
+    as the start node 0 publishes, or goes down when node 0 begins none within --dist-timeout.
+    """
 
     def __init__(
         self,
         server_args: ServerArgs,
-        port_args: PortArgs,
-        start_engine: Callable[[PortArgs], list[ChildProcess]],
+        start_engine: Callable[[], list[ChildProcess]],
         frontend: Callable[[], TokenizerManager | None],
+        peers: PeerWatch | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.port_args = port_args
         self.start_engine = start_engine
         self.frontend = frontend
         self.budget = RestartBudget(server_args.restart_on_failure, server_args.restart_window, clock)
+        self.leads = server_args.node_rank == 0
+        self.peers = peers if server_args.nnodes > 1 else None
+        self.follow_timeout_s = server_args.dist_timeout
         self.starts = 0  # engine starts after the first
-        self._store: Any = None  # the TCPStore the current ranks met on (after a restart)
         self._lock = threading.Lock()
 
     def restart(
-        self, message: str, dead: ChildProcess, children: list[ChildProcess]
+        self, message: str, dead: ChildProcess | None, children: list[ChildProcess]
     ) -> list[ChildProcess] | None:
-        """`dead` (one of `children`) exited: restart the engine if the budget allows. Returns the
-        new children, or None (after logging why) when the server must go down."""
+        """`dead` (one of `children`) exited, or (None) another node's restart needs this node's:
+        restart the engine if the budget allows. Returns the new children, or None (after logging
+        why) when the server must go down."""
         with self._lock:
             began = time.monotonic()
-            cause = failure_cause(dead.process.exitcode)
+            cause = failure_cause(dead.process.exitcode) if dead is not None else None
             what = f"{message} ({cause})" if cause else message
-            error = dead.read_error()
-            if error is not None:
+            error = dead.read_error() if dead is not None else None
+            if dead is not None and error is not None:
                 logger.critical("%s failed with:\n%s", dead.label, error)
             from launcher.process import LaunchError
 
             while True:
-                if not self.budget.take():
-                    logger.critical(
-                        "%s; no restart left (%d within the last %g s, --restart-on-failure %d)",
-                        what,
-                        self.budget.in_window(),
-                        self.budget.window_s,
-                        self.budget.max_restarts,
-                    )
+                start = self._next_start(what)
+                if start is None:
                     return None
-                logger.critical("%s; restarting the engine (%s)", what, self.budget.describe())
                 try:
-                    children = self._restart_once(what, children)
+                    children = self._restart_once(what, children, start)
                 except LaunchError as error:
                     what = f"the restarted engine failed to start: {error}"
                     continue
@@ -155,28 +162,48 @@ class EngineRestarter:
             )
             return children
 
-    def _restart_once(self, reason: str, children: list[ChildProcess]) -> list[ChildProcess]:
+    def _next_start(self, what: str) -> int | None:
+        """The engine start to begin after `what`, or None (logged) when there is none."""
+        peers = self.peers
+        if peers is not None and peers.failure is not None:
+            logger.critical("%s; no restart: %s", what, peers.failure)
+            return None
+        if not self.leads:
+            assert peers is not None
+            logger.critical("%s; waiting for node 0 to restart the engine", what)
+            start = peers.await_start(what, self.follow_timeout_s)
+            if isinstance(start, str):
+                logger.critical("%s; no restart: %s", what, start)
+                return None
+            logger.warning("node 0 began engine start %d; restarting this node's ranks", start)
+            return start
+        if not self.budget.take():
+            spent = (
+                f"no restart left ({self.budget.in_window()} within the last {self.budget.window_s:g} s, "
+                f"--restart-on-failure {self.budget.max_restarts})"
+            )
+            logger.critical("%s; %s", what, spent)
+            if peers is not None:  # the others wait for node 0's next start: tell them there is none
+                peers.announce(f"{what}; {spent}")
+            return None
+        logger.critical("%s; restarting the engine (%s)", what, self.budget.describe())
+        if peers is not None:
+            peers.begin_start(self.starts + 1, what)
+        return self.starts + 1
+
+    def _restart_once(self, reason: str, children: list[ChildProcess], start: int) -> list[ChildProcess]:
+        """Stop every child, then start them again as engine start `start`: the ranks meet on the
+        same store under that start's key prefix (scheduler/entry.py), away from the dead ranks' keys."""
         from launcher.process import stop_children
 
+        self.starts = start
+        if self.peers is not None:
+            self.peers.enter(start)
         self._on_loop(lambda tm: tm.begin_recovery(reason))
         stop_children(children)
         self._on_loop_async(lambda tm: tm.reset_channels())
-        return self._start()
-
-    def _start(self) -> list[ChildProcess]:
-        """Start the engine again on a fresh store (the old one holds the dead ranks' addresses)."""
-        from torch.distributed import TCPStore
-
-        from launcher.rendezvous import USE_AGENT_STORE
-
-        self.starts += 1
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        os.environ[ENGINE_START_ENV] = str(self.starts)
-        os.environ[USE_AGENT_STORE] = "True"  # the ranks join that store as clients
-        port_args = dataclasses.replace(
-            self.port_args, dist_init_method=f"tcp://127.0.0.1:{self._store.port}"
-        )
-        return self.start_engine(port_args)
+        os.environ[ENGINE_START_ENV] = str(start)
+        return self.start_engine()
 
     def _on_loop(self, fn: Callable[[TokenizerManager], Any]) -> Any:
         """fn(tm) on the front end's event loop (or here, when it is not serving yet)."""

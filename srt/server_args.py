@@ -181,8 +181,6 @@ class ServerArgs:
         positive("restart-window", self.restart_window)
         if self.restart_on_failure < 0:
             raise ValueError(f"--restart-on-failure must be >= 0, got {self.restart_on_failure}")
-        if self.restart_on_failure and self.nnodes > 1:
-            raise ValueError("--restart-on-failure needs --nnodes 1 (a restart across nodes is not built)")
         if self.enable_deterministic_inference and self.quantization == "gguf":
             raise ValueError(
                 "--enable-deterministic-inference cannot hold with --quantization gguf: its decode "

@@ -39,6 +39,11 @@ def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
             return port
 
 
+def engine_start() -> int:
+    """Which start of the engine this process belongs to: 0, or n after the n-th restart."""
+    return int(os.environ.get(ENGINE_START_ENV, "0"))
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     import torch
 

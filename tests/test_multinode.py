@@ -226,6 +226,43 @@ def test_peer_watch_names_a_silent_node(store_pair: tuple[Any, list[Rendezvous]]
     assert LOST_AFTER_S <= time.monotonic() - start < LOST_AFTER_S + 2
 
 
+def test_peer_watch_carries_engine_starts_between_the_nodes(store_pair: tuple[Any, list[Rendezvous]]) -> None:
+    """--restart-on-failure's handshake (srt/recovery.py): node 1 asks, node 0 begins a start and
+    node 1 gets it; a start node 0 begins on its own wakes node 1; a spent budget reaches node 1."""
+    _, (node0, node1) = store_pair
+    watch0, watch1 = PeerWatch(node0).start(), PeerWatch(node1).start()
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(watch1.await_start, "scheduler TP1 (pid 2) was killed by signal SIGKILL", 20)
+        assert watch0.restarts.poll(5) and watch0.restarts.recv() == (
+            "node 1 asks for a restart (scheduler TP1 (pid 2) was killed by signal SIGKILL)"
+        )  # node 0's Supervisor gets this while its own ranks still run
+        watch0.begin_start(1, "node 1 asks for a restart")
+        assert asked.result(5) == 1
+    watch0.enter(1)
+    watch1.enter(1)
+    assert not watch0.restarts.poll(3 * HEARTBEAT_S)  # node 1's request is met: not signalled again
+    assert not watch1.restarts.poll(3 * HEARTBEAT_S)  # node 1 has joined start 1 already
+    watch0.begin_start(2, "scheduler TP0 (pid 3) exited with code 1")
+    assert watch1.restarts.poll(5) and watch1.restarts.recv() == (
+        "node 0 restarts the engine (scheduler TP0 (pid 3) exited with code 1)"
+    )
+    watch0.enter(2)
+    watch1.enter(2)
+    watch0.announce("scheduler TP0 (pid 4) exited with code 1; no restart left")  # waits until node 1 heard
+    assert watch1.await_start("scheduler TP1 (pid 5) exited with code 1", 20) == (
+        "node 0 went down (scheduler TP0 (pid 4) exited with code 1; no restart left)"
+    )
+
+
+def test_a_node_waits_for_node_0s_engine_start_at_most_its_timeout(
+    store_pair: tuple[Any, list[Rendezvous]],
+) -> None:
+    _, (_, node1) = store_pair  # node 0 never begins a start
+    assert PeerWatch(node1).start().await_start("scheduler TP1 (pid 2) exited with code 1", 1) == (
+        "node 0 began no engine start within --dist-timeout 1 s"
+    )
+
+
 def test_peer_watch_names_node_0_when_its_store_is_gone() -> None:
     from torch.distributed import TCPStore
 
@@ -547,12 +584,16 @@ def start_two_nodes(
     tokenizer: Path,
     env_rendezvous: bool = False,
     layout: tuple[str, ...] = ("--tp", "2"),
+    env: dict[str, str] | None = None,
 ) -> tuple[Server, Node]:
-    """Node 1 in the background, then node 0 as a Server (healthy once both nodes serve).
-    env_rendezvous: `--dist-init-addr env://` with MASTER_ADDR / MASTER_PORT, as torchrun or a
-    LeaderWorkerSet would set them."""
+    """Node 1 in the background, then node 0 as a Server (healthy once both nodes serve), both with
+    `env`. env_rendezvous: `--dist-init-addr env://` with MASTER_ADDR / MASTER_PORT, as torchrun or
+    a LeaderWorkerSet would set them."""
     port = free_port()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if env_rendezvous else {}
+    env = {
+        **(env or {}),
+        **({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} if env_rendezvous else {}),
+    }
     addr = "env://" if env_rendezvous else f"127.0.0.1:{port}"
     dist = ["--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "120"]
     node1 = Node(
@@ -653,3 +694,94 @@ def test_node_0_metrics_show_the_ranks_of_every_node(
             assert time.monotonic() < deadline, found  # the relay publishes every second
             time.sleep(0.3)
         assert set(found) == {"0", "1"} and found["0"] > 0
+
+
+# ---- --restart-on-failure over two nodes ----
+
+
+def node_rank_pid(node: Node, title: str) -> int:
+    for p in node.tree()[1:]:
+        if " ".join(p.cmdline()).strip() == title:
+            return p.pid
+    raise AssertionError(f"no process titled {title} on {node.log_path.stem}")
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_killed_on_node_1_restarts_every_node_and_every_stream_continues(
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
+    """TP=2 over two nodes (one rank each) with --restart-on-failure: node 1's rank is SIGKILLed
+    mid-stream in four streams (greedy and seeded); both nodes restart their ranks as engine start
+    1, node 0 replays, and every stream ends with the tokens and text of a fault-free run."""
+    from test_restart import MAX_NEW_TOKENS, payloads, streams_through_a_kill
+
+    layout = ("--tp", "2", "--restart-on-failure", "1")
+    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, layout=layout)
+    bodies = payloads()[:4]
+    with server:
+        with ThreadPoolExecutor(len(bodies)) as pool:  # the fault-free run
+            expected = [r.json() for r in pool.map(lambda b: server.generate(b, timeout=300), bodies)]
+        assert all(len(e["output_ids"]) == MAX_NEW_TOKENS for e in expected), expected
+        assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
+
+        results = streams_through_a_kill(server, bodies, lambda: node_rank_pid(node1, "srt::scheduler_TP1"))
+        out0, out1 = server.output(), node1.output()
+        for (ids, text, _, meta), want in zip(results, expected):
+            assert ids == want["output_ids"] and text == want["text"], out0[-3000:] + out1[-3000:]
+            assert meta["completion_tokens"] == MAX_NEW_TOKENS
+        assert "killed by signal SIGKILL; waiting for node 0 to restart the engine" in out1, out1[-3000:]
+        assert "node 0 began engine start 1; restarting this node's ranks" in out1
+        assert "restarting the engine (restart 1 of at most 1" in out0, out0[-3000:]
+        assert "engine restarted in" in out0 and "engine restarted in" in out1
+        assert server.proc.poll() is None and node1.proc.poll() is None
+        assert server.generate(bodies[0], timeout=300).json()["output_ids"] == expected[0]["output_ids"]
+
+
+@pytest.mark.timeout(400)
+def test_a_crash_loop_on_node_1_takes_every_node_down_after_node_0s_restarts(
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
+    """Node 1's rank crashes at every engine start: node 0 restarts once (its budget), then both
+    nodes exit 1, the client's stream ends with an error, and node 1's log names node 0's decision."""
+    from test_restart import payloads
+
+    server, node1 = start_two_nodes(
+        nodes,
+        tmp_path,
+        long_context_llama,
+        smollm2_dir,
+        layout=("--tp", "2", "--restart-on-failure", "1"),
+        env={"SRT_TEST_FAULT": "crash@1:3"},  # world rank 1, on node 1, at step 3 of every start
+    )
+    with server:
+        node0_tree, node1_tree = server.children(), node1.tree()
+        with requests.post(
+            server.url + "/generate", json={**payloads()[0], "stream": True}, stream=True, timeout=300
+        ) as r:
+            lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln]
+        assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][6:]), lines[-3:]
+        assert server.proc.wait(timeout=60) == 1 and node1.wait(60) == 1
+        out0, out1 = server.output(), node1.output()
+        assert out0.count("restarting the engine (restart") == 1, out0[-3000:]
+        assert "no restart left (1 within the last 300 s, --restart-on-failure 1)" in out0
+        assert "node 0 went down first (" in out1 and "no restart left" in out1, out1[-3000:]
+        assert_gone(node0_tree + node1_tree)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_takes_node_0_down_even_with_restarts_left(
+    nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path
+) -> None:
+    """Node 1's launcher SIGKILLed (the node is gone, not just a rank): its ranks cannot come back,
+    so node 0 stops restarting as soon as node 1's heartbeat stops, instead of waiting --dist-timeout
+    (120 s here) for them, and goes down naming node 1."""
+    layout = ("--tp", "2", "--restart-on-failure", "2")
+    server, node1 = start_two_nodes(nodes, tmp_path, long_context_llama, smollm2_dir, layout=layout)
+    with server:
+        node0_tree = server.children()
+        os.kill(node1.proc.pid, signal.SIGKILL)
+        assert server.proc.wait(timeout=60) == 1
+        out = server.output()
+        assert f"no restart: node 1 is gone (no heartbeat for {LOST_AFTER_S:g} s)" in out, out[-3000:]
+        assert "DistStoreError" not in out  # no start waited for node 1's ranks until it timed out
+        assert_gone(node0_tree)

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -139,15 +140,19 @@ def wait_for(condition: Any, timeout: float, what: str, server: Server) -> None:
 
 
 def streams_through_a_kill(
-    server: Server, bodies: list[dict[str, Any]], victim: str, after: int = 2, timeout: float = 400
+    server: Server,
+    bodies: list[dict[str, Any]],
+    victim: str | Callable[[], int],
+    after: int = 2,
+    timeout: float = 400,
 ) -> list[Any]:
-    """Streams every body; once each has `after` tokens, SIGKILLs the process titled `victim`; waits
-    for every stream to end (see `stream`)."""
+    """Streams every body; once each has `after` tokens, SIGKILLs `victim` (the server's process of
+    that title, or the pid it returns); waits for every stream to end (see `stream`)."""
     progress = [[0] for _ in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(stream, server, b, p) for b, p in zip(bodies, progress)]
         wait_for(lambda: all(p[0] >= after for p in progress), timeout, "every stream under way", server)
-        os.kill(rank_pid(server, victim), signal.SIGKILL)
+        os.kill(rank_pid(server, victim) if isinstance(victim, str) else victim(), signal.SIGKILL)
         return [f.result(timeout=timeout) for f in futures]
 
 

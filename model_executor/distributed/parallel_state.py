@@ -59,11 +59,14 @@ def init_distributed(
     init_method: str,
     device: torch.device,
     timeout_s: float = 300.0,
+    store_prefix: str = "",
 ) -> ParallelState:
     """Joins the world group and builds the TP and PP groups (each with a device and a gloo group).
 
     Every rank calls this with the same sizes; group creation is itself collective, so all ranks
-    create every group in the same order.
+    create every group in the same order. `store_prefix` goes before every key the groups write in
+    the store at `init_method`: an engine restarted on the same store (srt/recovery.py) meets under a
+    fresh prefix, away from the dead ranks' addresses and counters.
     """
     global _STATE
     world_size = tp_size * pp_size
@@ -74,8 +77,14 @@ def init_distributed(
     if world_size == 1:
         _STATE = single_process_state()
         return _STATE
-    dist.init_process_group(
-        backend=backend, init_method=init_method, world_size=world_size, rank=world_rank, timeout=timeout
+    store, _, _ = next(dist.rendezvous(init_method, world_rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(  # torch's own steps for an init_method, with the prefix added to its "default_pg"
+        backend=backend,
+        store=dist.PrefixStore(f"{store_prefix}default_pg", store),
+        world_size=world_size,
+        rank=world_rank,
+        timeout=timeout,
     )
 
     def make(ranks: list[int]) -> Communicator:
