@@ -96,8 +96,8 @@ class PeerWatch:
             for value, who in found:
                 if value is None or value in self._signalled:
                     continue
-                start, _, reason = value.partition(" ")
-                if int(start) > self.engine_start:
+                if _start_of(value) > self.engine_start:
+                    _, _, reason = value.partition(" ")
                     self._signalled.add(value)
                     self._restart_writer.send(f"{who} ({reason})")
 
@@ -108,7 +108,7 @@ class PeerWatch:
             if self._last_beats.get(k, (-1, 0.0))[0] != count:
                 self._last_beats[k] = (count, now)
             elif now - self._last_beats[k][1] >= LOST_AFTER_S:
-                return f"node {k} is gone (no heartbeat for {LOST_AFTER_S:g} s)"
+                return _gone(k)
         return None
 
     def _read(self, name: str) -> str | None:
@@ -140,13 +140,13 @@ class PeerWatch:
             self.rdzv.store.set(self.rdzv.key(f"wanted/{self.rdzv.node_rank}"), wanted)
             while self.failure is None:
                 value = self._read("engine")
-                if value is not None and int(value.split(" ")[0]) > self.engine_start:
-                    return int(value.split(" ")[0])
+                if value is not None and _start_of(value) > self.engine_start:
+                    return _start_of(value)
                 if time.monotonic() >= deadline:
                     return f"node 0 began no engine start within --dist-timeout {timeout_s:g} s"
                 time.sleep(POLL_S)
         except RuntimeError:  # torch's DistError: the store (node 0's launcher) stopped answering
-            return f"node 0 is gone (its rendezvous at {self.rdzv.where} no longer answers)"
+            return self._store_gone()
         return self.failure
 
     def publish(self, message: str) -> int:
@@ -192,13 +192,14 @@ class PeerWatch:
                 if not silent:
                     return None
                 if time.monotonic() >= deadline:
-                    return "; ".join(
-                        f"node {k} is gone (no heartbeat for {LOST_AFTER_S:g} s)" for k in silent
-                    )
+                    return "; ".join(_gone(k) for k in silent)
                 time.sleep(POLL_S)
         except RuntimeError as error:  # torch's DistError: the store (node 0's launcher) stopped answering
             logger.debug("rendezvous store unreachable: %s", error)
-            return f"node 0 is gone (its rendezvous at {self.rdzv.where} no longer answers)"
+            return self._store_gone()
+
+    def _store_gone(self) -> str:
+        return f"node 0 is gone (its rendezvous at {self.rdzv.where} no longer answers)"
 
     def _beats(self) -> dict[int, int]:
         return {k: int(self.rdzv.store.add(self.rdzv.key(f"beat/{k}"), 0)) for k in self.others}
@@ -213,3 +214,12 @@ class PeerWatch:
                 if seq is None or int(seq_text) < seq:
                     found.append((int(seq_text), k, text))
         return [(k, text) for _, k, text in sorted(found)]
+
+
+def _start_of(value: str) -> int:
+    """The engine start in a published "<start> <reason>" (keys `engine`, `wanted/<node>`)."""
+    return int(value.partition(" ")[0])
+
+
+def _gone(node: int) -> str:
+    return f"node {node} is gone (no heartbeat for {LOST_AFTER_S:g} s)"

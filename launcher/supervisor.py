@@ -92,8 +92,7 @@ class Supervisor:
                     return
             dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
             asked = None  # why another node's restart needs this node's
-            restart_only = self.peer_restart in fired and self.peer_failure not in fired
-            if dead is None and self.peer_restart is not None and restart_only:
+            if dead is None and self.peer_restart in fired and self.peer_failure not in fired:
                 asked = str(self.peer_restart.recv())
             if (dead is None and asked is None) or self.restart is None:
                 break

@@ -71,14 +71,12 @@ class CpuDecodeRunner:
         packed = self.layers().packed
         return batch.batch_size <= (packed_max_rows() if packed else ops.fused_gemv_max_batch())
 
-    def kernels_only(self, batch: ForwardBatch) -> bool:
-        """Whether the whole step runs in our kernels, which share out whole outputs between threads,
-        so that its bits do not depend on the thread count (the thread governor changes threads for
-        these steps only): a batch `can_run` takes, or a prefill of at most packed_max_rows() tokens
+    def prefill_in_kernels(self, batch: ForwardBatch) -> bool:
+        """Whether a prefill runs wholly in our kernels, which share out whole outputs between
+        threads, so that its bits do not depend on the thread count: at most packed_max_rows() tokens
         over packed layers where the prefill attention kernel applies (a longer one goes to oneDNN's
-        GEMM, whose bits move with the threads)."""
-        if self.can_run(batch):
-            return True
+        GEMM, whose bits move with the threads). With the batches `can_run` takes, these are the
+        steps the thread governor changes threads for."""
         if self.stack is None or batch.is_decode or batch.num_tokens > packed_max_rows():
             return False
         attn = self.stack.layers[0].attn

@@ -238,9 +238,10 @@ class ModelRunner:
         runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
         returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
+        fused = self.decode_runner.can_run(batch)
         if self.thread_governor is not None:  # only our kernels' bits are the same at any thread count
-            self.thread_governor.apply(governed=self.decode_runner.kernels_only(batch))
-        if self.decode_runner.can_run(batch):
+            self.thread_governor.apply(governed=fused or self.decode_runner.prefill_in_kernels(batch))
+        if fused:
             hidden: torch.Tensor | StageOutput = self.decode_runner.run(batch)
         else:
             self.attn_backend.init_forward_metadata(batch)

@@ -9,8 +9,8 @@ CPU time of this server's own processes, and runs the rank on the rest, at least
 the other load goes, the threads come back. A change needs two windows in a row that agree.
 
 The governed count applies only to the steps whose bits do not depend on it, those that run
-wholly in our kernels (CpuDecodeRunner.kernels_only: decode, and prefills short enough for the
-packed linears): the kernels share out whole outputs, and decode attention splits a request as if
+wholly in our kernels (CpuDecodeRunner: the decode batches `can_run` takes, and prefills short
+enough for the packed linears, `prefill_in_kernels`): the kernels share out whole outputs, and decode attention splits a request as if
 it had the configured threads (kernels.ops.set_split_threads). Every other step (a long prefill on
 oneDNN's GEMM, torch's ops) runs on the configured threads, so a request's tokens are the same
 under any load (tests/test_thread_governor.py).
