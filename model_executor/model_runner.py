@@ -15,6 +15,7 @@ import torch
 
 from mem_cache.allocator import PageAllocator
 from mem_cache.budget import KVBudget, kv_budget, kv_bytes_per_token
+from mem_cache.kv_memory import KVMemory
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
@@ -29,10 +30,12 @@ from model_executor.kernels.build import describe_paths
 from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight
 from model_executor.layers.cpu_linear import check_quantization, pack_model, set_one_arithmetic
 from model_executor.loader.load_weights import load_weights
-from model_executor.loader.weight_source import iter_checkpoint, load_hf_config
+from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
+from model_executor.logits_processor import process_logits, score_tokens
 from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
-from model_executor.sampler import Sampler, SamplingBatchInfo
+from model_executor.sampler import Sampler
+from model_executor.sampling_inputs import SamplingInputs, StepOutput
 from model_executor.thread_governor import ThreadGovernor
 
 logger = logging.getLogger("srt.model_runner")
@@ -189,6 +192,7 @@ class ModelRunner:
             self.num_pages, page_size, num_layers, kv_heads, head_dim, self.config.dtype, self.device
         )
         self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
+        self.memory = KVMemory(self.req_to_token_pool, self.kv_pool, self.allocator, self.kv_budget)
         if self.parallel.world.is_first:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
@@ -267,8 +271,52 @@ class ModelRunner:
         return logits[: batch.batch_size], logits[batch.batch_size :]
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        return self.sampler(logits, info)
+    def step(self, batch: ForwardBatch, inputs: SamplingInputs) -> StepOutput | None:
+        """The one call per step from the scheduler: runs this stage's part of the forward and, on the
+        last stage, processes the logits, samples, agrees on the ids over TP when `inputs` asks, sends
+        them to the earlier stages and scores the logprobs. None on an earlier pipeline stage: its
+        ids come back from the last stage later (`receive_ids`). Every rank must pass the same inputs
+        (the forward and the sync are collectives)."""
+        out = self.forward_stage(batch, inputs.logprobs.token_rows if inputs.logprobs else None)
+        if out is None:
+            return None
+        logits, token_logits = out
+        next_ids = self.sampler(
+            process_logits(logits, inputs, self.vocab_size), inputs.batch_info(self.device)
+        )
+        if inputs.corrupt_ids is not None:
+            inputs.corrupt_ids(next_ids)
+        if inputs.sync_across_tp:
+            # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.
+            self.parallel.tp.all_reduce(next_ids, op=torch.distributed.ReduceOp.MIN)
+        if self.stage_link is not None:
+            self.stage_link.send_ids(next_ids)  # every earlier stage needs them
+        ids: list[int] = next_ids.tolist()
+        rows = inputs.logprobs
+        scored = score_tokens(rows, logits, token_logits, ids) if rows is not None and rows.compute else None
+        return StepOutput(ids, scored)
+
+    def receive_ids(self, batch_size: int) -> list[int]:
+        """On an earlier pipeline stage: the ids the last stage sampled for a step launched before,
+        in launch order."""
+        assert self.stage_link is not None and not self.stage.is_last, "only earlier stages receive ids"
+        return [int(i) for i in self.stage_link.recv_ids(batch_size).tolist()]
+
+    def state(self) -> dict[str, Any]:
+        """What the step runs on now, for /server_info: the torch threads (configured, and with the
+        thread governor on, what the steps in our kernels run on and the cores other processes kept
+        busy in its last window)."""
+        gov = self.thread_governor
+        if gov is None:
+            threads: dict[str, Any] = {"configured": torch.get_num_threads(), "adaptive": False}
+        else:
+            threads = {
+                "configured": gov.threads,
+                "adaptive": True,
+                "governed": gov.current,
+                "others_busy_cores": gov.others,
+            }
+        return {"cpu_threads": threads}
 
     def info(self) -> dict[str, Any]:
         return {
@@ -279,4 +327,6 @@ class ModelRunner:
             "context_length": self.context_length,
             "weight_bytes": self.weight_bytes,
             "vocab_size": self.vocab_size,
+            "max_running_requests": self.max_running_requests,
+            "eos_token_ids": sorted(eos_token_ids(self.config.model_dir, self.hf_config)),
         }

@@ -1,17 +1,13 @@
-"""Which batch a scheduler step runs: a prefill of waiting prompts (or the next chunk of one) within
-the token and KV budgets, else one decode step for the running requests, making room by retraction.
-
-Every rank decides this on identical state, so every rank picks the same batch (with the consensus
-checker on, `get_next_batch`'s result and each retraction are digested and compared).
-"""
-
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from consensus import rank_consensus
+from scheduler.fault_injection import FaultInjector
 from scheduler.grammar import rebuild_matcher
+from scheduler.kv_manager import KVManager
 from scheduler.policy import (
     INIT_NEW_TOKEN_RATIO,
     MIN_NEW_TOKEN_RATIO,
@@ -23,36 +19,52 @@ from scheduler.policy import (
 from scheduler.req import Req
 from scheduler.schedule_batch import Phase, ScheduleBatch
 from srt.io_struct import FinishReason
-
-if TYPE_CHECKING:
-    from model_executor.model_runner import ModelRunner
-    from scheduler.fault_injection import FaultInjector
-    from scheduler.kv_manager import KVManager
-    from srt.server_args import ServerArgs
+from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.scheduler")
 
 
-class BatchSelection:
-    """The Scheduler's batch choice. A mixin: the queues, the KV manager and the counters are the
-    Scheduler's; a pipeline rank overrides the prefill cap and the decode candidates."""
+@dataclass
+class RequestQueues:
+    """The requests a rank holds, the same lists on every rank: waiting (arrival order; a retracted
+    request goes first), running (decoding), and the one prompt part-way through chunked prefill."""
 
-    if TYPE_CHECKING:  # the Scheduler's, used here
-        args: ServerArgs
-        runner: ModelRunner
-        kv: KVManager
-        faults: FaultInjector
-        waiting: list[Req]
-        running: list[Req]
-        chunked_req: Req | None
-        forward_steps: int
-        new_token_ratio: float
+    waiting: list[Req] = field(default_factory=list)
+    running: list[Req] = field(default_factory=list)
+    chunked_req: Req | None = None
 
-        def _finish(self, req: Req, reason: FinishReason) -> None: ...
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def live(self) -> list[Req]:
+        """The requests that hold KV: running, and the chunked prompt."""
+        return self.running + ([self.chunked_req] if self.chunked_req else [])
+
+
+class Admission:
+    """The scheduler's batch choice over its queues and KV memory. Moves requests between the queues
+    (admitted, retracted) and finishes the ones that can never fit through `finish`. A pipeline
+    rank overrides the prefill cap and the decode candidates (scheduler/pipeline.py)."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        queues: RequestQueues,
+        kv: KVManager,
+        faults: FaultInjector,
+        finish: Callable[[Req, FinishReason], None],
+    ) -> None:
+        self.args = args
+        self.queues = queues
+        self.kv = kv
+        self.faults = faults
+        self.finish = finish
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     @rank_consensus(result=lambda b: None if b is None else b.identity)
-    def get_next_batch(self) -> ScheduleBatch | None:
-        batch = self._get_prefill_batch()
+    def get_next_batch(self, step: int) -> ScheduleBatch | None:
+        """The batch of forward step `step`, or None when nothing can run."""
+        batch = self._get_prefill_batch(step)
         if batch is not None:
             return batch
         reqs = self._make_room_for_decode(self._decode_candidates())
@@ -66,23 +78,23 @@ class BatchSelection:
 
     def _decode_candidates(self) -> list[Req]:
         """Running requests whose last token is known (a pipeline has others on the way)."""
-        return [r for r in self.running if not r.awaiting_token]
+        return [r for r in self.queues.running if not r.awaiting_token]
 
-    def _get_prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
+    def _get_prefill_batch(self, step: int) -> ScheduleBatch | None:
+        if not self.queues.waiting and self.queues.chunked_req is None:
             return None
         budget = PrefillBudget(
             max_prefill_tokens=self._prefill_token_cap(),
             chunked_prefill_size=self.args.chunked_prefill_size,
             free_tokens=self.kv.available_tokens(),
-            reserved_tokens=sum(decode_reserve(r, self.new_token_ratio) for r in self.running),
+            reserved_tokens=sum(decode_reserve(r, self.new_token_ratio) for r in self.queues.running),
             page_size=self.kv.page_size,
         )
         reqs: list[Req] = []
         lens: list[int] = []
         used = 0
-        if self.chunked_req is not None:
-            req, self.chunked_req = self.chunked_req, None
+        if self.queues.chunked_req is not None:
+            req, self.queues.chunked_req = self.queues.chunked_req, None
             n = budget.chunk_for(req.extend_len, used)
             reqs.append(req)
             lens.append(n)
@@ -93,51 +105,54 @@ class BatchSelection:
             else 0
         )
         ordered = order_waiting(
-            self.waiting, self.args.schedule_policy, self.kv.peek_prefix_len, priority_first
+            self.queues.waiting, self.args.schedule_policy, self.kv.peek_prefix_len, priority_first
         )
         for req in ordered:
-            if len(self.running) + len(reqs) >= self.runner.max_running_requests or not self.kv.free_rows():
+            if (
+                len(self.queues.running) + len(reqs) >= self.args.max_running_requests
+                or not self.kv.free_rows()
+            ):
                 break
             prefix_len, match = self.kv.match(req)
             n = budget.chunk_for(req.seq_len - prefix_len, used)
             if n == 0 or (n < req.seq_len - prefix_len and any(r.extend_len > m for r, m in zip(reqs, lens))):
                 break  # out of prefill budget, or a second partial prompt (one chunked request at a time)
             # The decode reserve is a forecast: with nothing else in flight, the prompt alone decides.
-            reserve = decode_reserve(req, self.new_token_ratio) if self.running or reqs else 0
+            reserve = decode_reserve(req, self.new_token_ratio) if self.queues.running or reqs else 0
             if not budget.fits(n, reserve, used):
                 break  # first come, first served: no overtaking when memory is short
             self.kv.admit(req, match)  # nothing changed the tree since the lookup
             budget.free_tokens = self.kv.available_tokens()  # its prefix is locked now, not evictable
             n = min(n, req.extend_len)
-            self.waiting.remove(req)
+            self.queues.waiting.remove(req)
             reqs.append(req)
             lens.append(n)
             used += n
-        if self.faults.drop_one_admission(self.forward_steps + 1) and reqs and reqs[-1] in ordered:
+        if self.faults.drop_one_admission(step) and reqs and reqs[-1] in ordered:
             req = reqs.pop()
             lens.pop()
             self.kv.release(req, insert=False)
-            self.waiting.insert(0, req)
+            self.queues.waiting.insert(0, req)
         while reqs and not self.kv.reserve_extend(reqs, lens):
             # The token budget is an estimate (partly filled pages): drop the newest until it fits.
             req = reqs.pop()
             lens.pop()
             if req.kv_len > req.cached_len:  # a chunked prompt keeps what it already computed
-                self.chunked_req = req
+                self.queues.chunked_req = req
             else:
                 self.kv.release(req, insert=False)
-                self.waiting.insert(0, req)
+                self.queues.waiting.insert(0, req)
         return ScheduleBatch(Phase.PREFILL, reqs, lens) if reqs else None
 
     def _make_room_for_decode(self, reqs: list[Req]) -> list[Req]:
         """Evicts cache, then retracts the newest of `reqs` until one decode step of the rest fits."""
         while reqs and not self.kv.fits_decode(reqs):
             req = reqs.pop()
-            self.running.remove(req)
-            if self.running:  # others hold KV (some may be in flight): this one waits and resumes
+            self.queues.running.remove(req)
+            if self.queues.running:  # others hold KV (some may be in flight): this one waits and resumes
                 self._retract(req)
             else:
-                self._finish(
+                self.finish(
                     req,
                     FinishReason(
                         "abort",
@@ -154,6 +169,6 @@ class BatchSelection:
         self.kv.release(req, insert=True)
         req.retractions += 1
         rebuild_matcher(req)  # from the delivered tokens, as a replay would
-        self.waiting.insert(0, req)
+        self.queues.waiting.insert(0, req)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         logger.info("retracted %s (%d output tokens kept) to free KV cache", req.rid, len(req.output_ids))

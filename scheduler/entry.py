@@ -13,7 +13,6 @@ import zmq
 
 import consensus
 from model_executor.distributed.parallel_state import init_distributed
-from model_executor.loader.weight_source import eos_token_ids
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from scheduler.fault_injection import FaultInjector
 from scheduler.pipeline import PipelineScheduler
@@ -122,7 +121,8 @@ def run_scheduler_process(
                 out_socket.send_pyobj(obj)
 
         tokenizer_path = server_args.tokenizer_path or model_dir
-        eos = eos_token_ids(Path(model_dir), runner.hf_config)
+        info = runner.info()
+        eos = set(info["eos_token_ids"])
 
         def load_tokenizer() -> Any:
             from transformers import AutoTokenizer
@@ -151,17 +151,7 @@ def run_scheduler_process(
         logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
         ready_conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    ready_conn.send(
-        (
-            "ready",
-            {
-                **runner.info(),
-                "eos_token_ids": sorted(eos),
-                "max_running_requests": runner.max_running_requests,
-                "model_path": model_dir,
-            },
-        )
-    )
+    ready_conn.send(("ready", {**info, "model_path": model_dir}))
     start_watchdogs(server_args, scheduler, getattr(rank_info, "name", f"scheduler TP{tp_rank}"))
     try:
         scheduler.event_loop()

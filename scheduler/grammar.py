@@ -1,11 +1,12 @@
-"""Constrained requests on a rank: matchers built when a request's message is applied, masks
-filled before sampling, tokens accepted after it (model_executor/constrained holds the backends).
+"""Constrained requests on a rank: matchers built when a request's message is applied, tokens
+accepted as they are appended (model_executor/constrained holds the backends; the runner fills
+and applies the masks below the line, model_executor/logits_processor.py).
 
 Every rank does all of it identically, from the same broadcast messages and the same sampled ids:
 - a matcher is built synchronously while the request's message is applied, so every rank holds
   it ready in the same iteration (readiness is never a rank's own timing);
 - a step whose batch holds a constrained request MIN-all-reduces its sampled ids over TP
-  (Scheduler._sample), so a rank whose logits differ in the last bit cannot lead its matcher
+  (Scheduler._sampling_inputs), so a rank whose logits differ in the last bit cannot lead its matcher
   astray;
 - each accepted token records (rid, tokens accepted, terminated) for the consensus checker;
 - retraction and replay rebuild the matcher from the output ids already delivered.
@@ -13,12 +14,8 @@ Every rank does all of it identically, from the same broadcast messages and the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
 import consensus
-from model_executor.constrained import GrammarError, LazyGrammarBackend, bitmask_words
+from model_executor.constrained import GrammarError, LazyGrammarBackend
 from scheduler.req import Req
 from srt.io_struct import FinishReason
 
@@ -42,21 +39,6 @@ def rebuild_matcher(req: Req) -> None:
     if req.grammar is not None:
         req.grammar.rebuild(req.output_ids)
         consensus.record("grammar", (req.rid, *req.grammar.state))
-
-
-def constrained_rows(reqs: Sequence[Req]) -> list[int]:
-    return [i for i, req in enumerate(reqs) if req.grammar is not None]
-
-
-def fill_bitmask(reqs: Sequence[Req], rows: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """[len(reqs), ceil(vocab / 32)] int32: the tokens each of `rows` may take next (the other
-    rows allow everything)."""
-    bitmask = torch.full((len(reqs), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    for i in rows:
-        grammar = reqs[i].grammar
-        assert grammar is not None
-        grammar.fill_bitmask(bitmask, i)
-    return bitmask
 
 
 def advance(req: Req, token: int, skip: bool = False) -> FinishReason | None:

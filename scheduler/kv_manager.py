@@ -14,22 +14,23 @@ from typing import Any
 import torch
 
 from consensus import rank_consensus
+from mem_cache.kv_memory import KVMemory
 from mem_cache.radix_cache import BasePrefixCache, MatchResult
-from model_executor.model_runner import ModelRunner
 from scheduler.req import Req
 
 logger = logging.getLogger("srt.scheduler")
 
 
 class KVManager:
-    def __init__(self, runner: ModelRunner, tree_cache: BasePrefixCache) -> None:
-        self.req_to_token_pool = runner.req_to_token_pool
-        self.req_to_token = runner.req_to_token_pool.req_to_token
-        self.allocator = runner.allocator
-        self.kv_pool = runner.kv_pool
+    def __init__(self, memory: KVMemory, tree_cache: BasePrefixCache) -> None:
+        self.memory = memory
+        self.req_to_token_pool = memory.req_to_token_pool
+        self.req_to_token = memory.req_to_token_pool.req_to_token
+        self.allocator = memory.allocator
+        self.kv_pool = memory.kv_pool
         self.tree_cache = tree_cache
-        self.page_size = runner.config.page_size
-        self.max_total_tokens = runner.max_total_tokens
+        self.page_size = memory.page_size
+        self.max_total_tokens = memory.max_total_tokens
         self.last_out_cache_loc = torch.empty(0, dtype=torch.int64)
 
     def free_rows(self) -> int:

@@ -1,17 +1,16 @@
-"""Logprobs in the scheduler: which extra logits a step needs, and recording them per request.
+"""Logprobs in the scheduler: which rows a step scores, and recording what comes back per request.
 
 Every rank computes the same LogprobPlan from shared state (the LM head that turns its rows
-into logits is a TP collective), but only the output rank takes the log-softmax and records
-values: nothing is decided from them. A step in which no request asked costs one `any()`.
+into logits is a TP collective), but only the output rank has the runner take the log-softmax, and
+records values: nothing is decided from them. A step in which no request asked costs one `any()`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from model_executor.logprobs import TopLogprobs, token_logprobs
+from model_executor.logprobs import TopLogprobs
+from model_executor.sampling_inputs import LogprobRows, ScoredTokens
 from scheduler.req import Req
 from scheduler.schedule_batch import Phase, ScheduleBatch
 from srt.io_struct import BatchTokenIDOut, TokenLogprobs
@@ -26,12 +25,14 @@ class PromptSpan:
 
 @dataclass
 class LogprobPlan:
-    token_rows: list[int]  # rows of the step's flattened new tokens whose logits prompt logprobs need
-    spans: list[PromptSpan]  # which request each run of token_rows belongs to, in order
+    rows: LogprobRows  # what the runner scores
+    spans: list[PromptSpan]  # which request each run of rows.token_rows belongs to, in order
 
 
-def plan_logprobs(batch: ScheduleBatch) -> LogprobPlan | None:
-    """None when no request of the batch asked for logprobs."""
+def plan_logprobs(batch: ScheduleBatch, compute: bool) -> LogprobPlan | None:
+    """None when no request of the batch asked for logprobs. `compute`: this rank records them
+    (the output rank); the others still pass the rows to the forward. Call before the step moves
+    the requests' kv_len."""
     if not any(req.return_logprob for req in batch.reqs):
         return None
     rows: list[int] = []
@@ -46,7 +47,14 @@ def plan_logprobs(batch: ScheduleBatch) -> LogprobPlan | None:
                 rows.extend(range(offset + first - req.kv_len, offset + stop - req.kv_len))
                 spans.append(PromptSpan(i, first, stop - first))
         offset += n
-    return LogprobPlan(rows, spans)
+    sampled = [i for i, req in enumerate(batch.reqs) if req.return_logprob and samples_a_token(batch, i)]
+    top_nums = [batch.reqs[i].top_logprobs_num for i in sampled]
+    targets: list[int] = []
+    for span in spans:
+        req = batch.reqs[span.req_index]
+        targets += req.origin_input_ids[span.first_position + 1 : span.first_position + 1 + span.count]
+        top_nums += [req.top_logprobs_num] * span.count
+    return LogprobPlan(LogprobRows(rows, targets, sampled, top_nums, compute), spans)
 
 
 def samples_a_token(batch: ScheduleBatch, i: int) -> bool:
@@ -55,30 +63,13 @@ def samples_a_token(batch: ScheduleBatch, i: int) -> bool:
     return batch.samples(i) and batch.reqs[i].sampling_params.max_new_tokens > 0
 
 
-def record_logprobs(
-    batch: ScheduleBatch,
-    plan: LogprobPlan,
-    last_logits: torch.Tensor,
-    token_logits: torch.Tensor | None,
-    next_ids: list[int],
-) -> None:
-    """Append this step's logprobs to the requests (call before the batch result moves kv_len)."""
-    out_rows = [i for i, req in enumerate(batch.reqs) if req.return_logprob and samples_a_token(batch, i)]
-    targets = [next_ids[i] for i in out_rows]
-    top_nums = [batch.reqs[i].top_logprobs_num for i in out_rows]
-    for span in plan.spans:
-        req = batch.reqs[span.req_index]
-        targets += req.origin_input_ids[span.first_position + 1 : span.first_position + 1 + span.count]
-        top_nums += [req.top_logprobs_num] * span.count
-    if not targets:
-        return
-    logits = last_logits[out_rows]
-    if token_logits is not None and token_logits.shape[0]:
-        logits = torch.cat([logits, token_logits])
-    values, tops = token_logprobs(logits, torch.tensor(targets, device=logits.device), top_nums)
-    for k, i in enumerate(out_rows):
+def record_logprobs(batch: ScheduleBatch, plan: LogprobPlan, scored: ScoredTokens) -> None:
+    """Appends a step's scored tokens to the requests: each sampled row's, then each prompt span's."""
+    values, targets, tops = scored.values, scored.token_ids, scored.tops
+    sampled = plan.rows.sampled_rows
+    for k, i in enumerate(sampled):
         _append(batch.reqs[i].output_logprobs, values[k : k + 1], targets[k : k + 1], tops[k : k + 1])
-    k = len(out_rows)
+    k = len(sampled)
     for span in plan.spans:
         end = k + span.count
         _append(batch.reqs[span.req_index].input_logprobs, values[k:end], targets[k:end], tops[k:end])

@@ -29,6 +29,7 @@ from typing import Any
 
 import consensus
 from consensus.canonical import canonical, event_digest
+from scheduler.admission import Admission
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
 from scheduler.scheduler import Scheduler
@@ -36,21 +37,22 @@ from scheduler.scheduler import Scheduler
 MIN_PREFILL_SHARE = 256  # prompt tokens: below this a prefill is not split over micro-batches
 
 
-class PipelineScheduler(Scheduler):
-    def __init__(self, *args: Any, micro_batches: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.link = self.runner.stage_link  # None: one stage (tests run the loop in one process)
+class PipelineAdmission(Admission):
+    """Admission with several micro-batches in flight: prefills and decode batches shared out so
+    the micro-batches stay about equal."""
+
+    def __init__(self, *args: Any, in_flight: deque[Launched | None], micro_batches: int) -> None:
+        super().__init__(*args)
+        self.in_flight = in_flight
         self.micro_batches = micro_batches
-        self.in_flight: deque[Launched | None] = deque()  # the last K iterations' batches (None: idle)
 
     def _prefill_token_cap(self) -> int:
         """A burst of prompts is shared out over the micro-batches: the first takes 1/K of the
         waiting prompt tokens, the next ones as much as the largest prefill in flight, so the
         stages get about equal work (a long prompt goes through them as chunks, one behind the
         other) without the tail halving into ever smaller batches."""
-        pending = sum(r.extend_len for r in self.waiting) + (
-            self.chunked_req.extend_len if self.chunked_req else 0
-        )
+        chunked = self.queues.chunked_req
+        pending = sum(r.extend_len for r in self.queues.waiting) + (chunked.extend_len if chunked else 0)
         in_flight = max(
             (
                 sum(b.batch.extend_lens)
@@ -63,9 +65,27 @@ class PipelineScheduler(Scheduler):
         return min(self.args.max_prefill_tokens, share)
 
     def _decode_candidates(self) -> list[Req]:
-        """Each decode micro-batch takes at most its share of the running requests, so the
-        micro-batches stay about equal."""
-        return super()._decode_candidates()[: -(-len(self.running) // self.micro_batches)]
+        """Each decode micro-batch takes at most its share of the running requests."""
+        return super()._decode_candidates()[: -(-len(self.queues.running) // self.micro_batches)]
+
+
+class PipelineScheduler(Scheduler):
+    def __init__(self, *args: Any, micro_batches: int, **kwargs: Any) -> None:
+        self.micro_batches = micro_batches
+        self.in_flight: deque[Launched | None] = deque()  # the last K iterations' batches (None: idle)
+        super().__init__(*args, **kwargs)
+        self.link = self.runner.stage_link  # None: one stage (tests run the loop in one process)
+
+    def _new_admission(self) -> Admission:
+        return PipelineAdmission(
+            self.args,
+            self.queues,
+            self.kv,
+            self.faults,
+            self._finish,
+            in_flight=self.in_flight,
+            micro_batches=self.micro_batches,
+        )
 
     def has_work(self) -> bool:
         return super().has_work() or any(launched is not None for launched in self.in_flight)
@@ -76,8 +96,7 @@ class PipelineScheduler(Scheduler):
             if launched is not None:
                 ids = launched.next_ids
                 if ids is None:  # not the last stage: the ids come from it, in launch order
-                    assert self.link is not None
-                    ids = self.link.recv_ids(len(launched.batch.reqs)).tolist()
+                    ids = self.runner.receive_ids(len(launched.batch.reqs))
                 self.complete(launched, ids)
         launched_before = len(self.in_flight)
         super().step()  # messages, schedule, run_batch (below): the same step as on one stage

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed
 
 import consensus
 from consensus import rank_consensus
@@ -19,20 +18,12 @@ from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.model_runner import ModelRunner
-from model_executor.sampler import (
-    SamplingBatchInfo,
-    apply_logit_bias,
-    apply_penalties,
-    ban_tokens,
-)
-from scheduler.admission import BatchSelection
+from model_executor.sampling_inputs import SamplingInputs
+from scheduler.admission import Admission, RequestQueues
 from scheduler.fault_injection import FaultInjector
-from scheduler.grammar import advance, attach_matcher, constrained_rows, fill_bitmask
+from scheduler.grammar import advance, attach_matcher
 from scheduler.kv_manager import KVManager
 from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
-from scheduler.policy import (
-    INIT_NEW_TOKEN_RATIO,
-)
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
@@ -58,7 +49,7 @@ logger = logging.getLogger("srt.scheduler")
 IDLE_WAIT_MS = 100
 
 
-class Scheduler(BatchSelection):
+class Scheduler:
     def __init__(
         self,
         server_args: ServerArgs,
@@ -75,47 +66,72 @@ class Scheduler(BatchSelection):
         self.runner = runner
         self.receiver = receiver
         self.send_output = send_output  # set on the output rank only
+        self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
         self._init_cache()
         self._init_state()
+        self.admission = self._new_admission()
         self.stats = SchedulerStats(
             self._load,
             log_enabled=send_output is not None,
             decode_log_interval=server_args.decode_log_interval,
             metrics=metrics,
         )
+        self._init_sampling(eos_token_ids, tokenizer_loader)
+
+    def _init_cache(self) -> None:
+        memory = self.runner.memory
+        self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
+            memory.allocator.free_slots, page_size=memory.page_size, device=self.runner.device
+        )
+        self.kv = KVManager(memory, self.tree_cache)
+
+    def _init_state(self) -> None:
+        self.queues = RequestQueues()
+        self.forward_steps = 0
+        self.outbox: list[Req] = []  # requests with something to stream this step
+
+    def _new_admission(self) -> Admission:
+        return Admission(self.args, self.queues, self.kv, self.faults, self._finish)
+
+    def _init_sampling(self, eos_token_ids: set[int], tokenizer_loader: Callable[[], Any]) -> None:
+        args = self.args
         self.stop_checker = StopChecker(eos_token_ids, tokenizer_loader)
-        self.faults = FaultInjector(parallel.world.ranks[parallel.world.rank_in_group])
-        self.sync_token_ids = server_args.sync_token_ids_across_tp and parallel.tp_size > 1
+        self.sync_token_ids = args.sync_token_ids_across_tp and self.parallel.tp_size > 1
         self.grammars = LazyGrammarBackend(
-            server_args.grammar_backend,
+            args.grammar_backend,
             tokenizer_loader,
-            runner.vocab_size,
+            self.runner.vocab_size,
             eos_token_ids,
-            JsonOptions.of(server_args),
+            JsonOptions.of(args),
         )
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(
-            server_args.enable_metrics or server_args.req_waiting_timeout or server_args.req_running_timeout
+            args.enable_metrics or args.req_waiting_timeout or args.req_running_timeout
         )
 
-    def _init_cache(self) -> None:
-        page_size = self.runner.config.page_size
-        self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
-            self.runner.allocator.free_slots, page_size=page_size, device=self.runner.device
-        )
-        self.kv = KVManager(self.runner, self.tree_cache)
+    # The queues, by their usual names (tests and the watchdog read them).
+    @property
+    def waiting(self) -> list[Req]:
+        return self.queues.waiting
 
-    def _init_state(self) -> None:
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None  # a prompt part-way through chunked prefill
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.forward_steps = 0
-        self.outbox: list[Req] = []  # requests with something to stream this step
+    @property
+    def running(self) -> list[Req]:
+        return self.queues.running
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.queues.chunked_req
+
+    @chunked_req.setter
+    def chunked_req(self, req: Req | None) -> None:
+        self.queues.chunked_req = req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return self.queues.has_work()
+
+    def get_next_batch(self) -> ScheduleBatch | None:
+        return self.admission.get_next_batch(self.forward_steps + 1)
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
@@ -207,7 +223,7 @@ class Scheduler(BatchSelection):
                     "abort",
                     message=(
                         f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
-                        f"({self.kv.max_total_tokens} tokens); raise {self.runner.kv_budget.flag}"
+                        f"({self.kv.max_total_tokens} tokens); raise {self.kv.memory.budget.flag}"
                     ),
                 ),
             )
@@ -256,9 +272,15 @@ class Scheduler(BatchSelection):
         forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
         step = self.forward_steps + 1
         self.faults.before_forward(step)
-        plan = plan_logprobs(batch)  # None unless a request of the batch asked for logprobs
-        out = self.runner.forward_stage(forward_batch, plan.token_rows if plan else None)
-        ids = None if out is None else self._sample(batch, step, plan, *out)
+        plan = plan_logprobs(batch, compute=self.send_output is not None)  # None unless one asked
+        inputs = self._sampling_inputs(batch, step, plan)
+        out = self.runner.step(forward_batch, inputs)
+        ids = None if out is None else out.next_ids
+        if out is not None:  # the stage that samples
+            if inputs.sync_across_tp:
+                self.stats.on_token_sync()
+            if plan is not None and out.logprobs is not None:
+                record_logprobs(batch, plan, out.logprobs)
         self.forward_steps = step
         sampled = [batch.samples(i) for i in range(len(batch.reqs))]  # before kv_len moves
         tokens = sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
@@ -274,52 +296,36 @@ class Scheduler(BatchSelection):
         self.stats.after_step(tokens)
         return Launched(batch, sampled, ids)
 
-    def _sample(
-        self,
-        batch: ScheduleBatch,
-        step: int,
-        plan: LogprobPlan | None,
-        logits: torch.Tensor,
-        token_logits: torch.Tensor | None,
-    ) -> list[int]:
-        info = SamplingBatchInfo.from_lists(
-            temperatures=[r.sampling_params.temperature for r in batch.reqs],
-            top_ps=[r.sampling_params.top_p for r in batch.reqs],
-            top_ks=[r.sampling_params.top_k for r in batch.reqs],
-            min_ps=[r.sampling_params.min_p for r in batch.reqs],
-            seeds=[r.seed for r in batch.reqs],
-            output_positions=[len(r.output_ids) for r in batch.reqs],
-            device=self.runner.device,
-        )
-        penalized = apply_penalties(
-            logits,
-            [r.sampling_params.penalties for r in batch.reqs],
-            [r.output_ids for r in batch.reqs],
-            [r.origin_input_ids for r in batch.reqs],
-        )
-        penalized = apply_logit_bias(penalized, [r.sampling_params.logit_bias for r in batch.reqs])
+    def _sampling_inputs(self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None) -> SamplingInputs:
+        """How the runner turns this step's logits into ids: the requests' settings and, when a
+        request of the batch is constrained, its matcher. The TP sync is a scheduling decision,
+        made from the batch, the same on every rank: always with --sync-token-ids-across-tp, and
+        with a grammar in the batch (SGLang's rule: each rank's matcher follows its ids)."""
+        reqs = batch.reqs
         eos = self.stop_checker.eos_token_ids
-        penalized = ban_tokens(
-            penalized, [r.sampling_params.banned_ids(len(r.output_ids), eos) for r in batch.reqs]
+        grammars = [r.grammar for r in reqs]
+        constrained = any(g is not None for g in grammars)
+        vocab = self.runner.vocab_size
+        return SamplingInputs(
+            temperatures=[r.sampling_params.temperature for r in reqs],
+            top_ps=[r.sampling_params.top_p for r in reqs],
+            top_ks=[r.sampling_params.top_k for r in reqs],
+            min_ps=[r.sampling_params.min_p for r in reqs],
+            seeds=[r.seed for r in reqs],
+            output_positions=[len(r.output_ids) for r in reqs],
+            penalties=[r.sampling_params.penalties for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            logit_biases=[r.sampling_params.logit_bias for r in reqs],
+            banned_ids=[r.sampling_params.banned_ids(len(r.output_ids), eos) for r in reqs],
+            grammars=grammars if constrained else [],
+            grammar_backend=self.grammars if constrained else None,
+            logprobs=None if plan is None else plan.rows,
+            sync_across_tp=self.sync_token_ids or self._grammar_sync(constrained),
+            corrupt_ids=(lambda ids: self.faults.corrupt_tokens(step, ids, vocab))
+            if self.faults.active
+            else None,
         )
-        rows = constrained_rows(batch.reqs)
-        if rows:
-            penalized = self.grammars.mask_logits(
-                penalized, fill_bitmask(batch.reqs, rows, self.runner.vocab_size), rows
-            )
-        next_ids = self.runner.sample(penalized, info)
-        self.faults.corrupt_tokens(step, next_ids, self.runner.vocab_size)
-        if self.sync_token_ids or self._grammar_sync(bool(rows)):
-            # Ranks may sample differently (non-deterministic kernels, bit flips): agree on MIN.
-            # With a grammar in the batch always (SGLang's rule): each rank's matcher follows its ids.
-            self.parallel.tp.all_reduce(next_ids, op=torch.distributed.ReduceOp.MIN)
-            self.stats.on_token_sync()
-        if self.runner.stage_link is not None:
-            self.runner.stage_link.send_ids(next_ids)  # every earlier stage needs them
-        ids: list[int] = next_ids.tolist()
-        if plan is not None and self.send_output is not None:
-            record_logprobs(batch, plan, logits, token_logits, ids)
-        return ids
 
     def _grammar_sync(self, constrained: bool) -> bool:
         """Whether this step's ids are MIN-reduced for its grammars (decided from the batch, the
@@ -418,28 +424,15 @@ class Scheduler(BatchSelection):
             "num_tokens": load.used_tokens + sum(r.seq_len for r in self.waiting),
         }
 
-    def _threads_state(self) -> dict[str, Any]:
-        """The torch threads: configured, and with the governor on, what the steps in our kernels run
-        on now and the cores other processes kept busy in its last window."""
-        gov = self.runner.thread_governor
-        if gov is None:
-            return {"configured": torch.get_num_threads(), "adaptive": False}
-        return {
-            "configured": gov.threads,
-            "adaptive": True,
-            "governed": gov.current,
-            "others_busy_cores": gov.others,
-        }
-
     def internal_state(self) -> dict[str, Any]:
         return {
             "forward_steps": self.forward_steps,
             "running": [r.rid for r in self.running],
             "waiting": [r.rid for r in self.waiting],
             "chunked": self.chunked_req.rid if self.chunked_req else None,
-            "new_token_ratio": self.new_token_ratio,
+            "new_token_ratio": self.admission.new_token_ratio,
             "step_timing": self.stats.timer.as_dict(),
-            "kv_cache_bytes": self.runner.kv_pool.total_bytes,
-            "cpu_threads": self._threads_state(),
-            **self.kv.stats(self.running + ([self.chunked_req] if self.chunked_req else [])),
+            "kv_cache_bytes": self.kv.kv_pool.total_bytes,
+            **self.runner.state(),
+            **self.kv.stats(self.queues.live()),
         }

@@ -61,7 +61,7 @@ from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight  # noq
 from model_executor.layers.cpu_linear import QUANTIZATIONS, set_one_arithmetic  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
-from model_executor.sampler import SamplingBatchInfo  # noqa: E402
+from model_executor.sampling_inputs import SamplingInputs  # noqa: E402
 from srt.utils import free_port, resolve_dtype, threads_per_rank  # noqa: E402
 
 
@@ -120,15 +120,7 @@ def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
     if any(row is None for row in rows):
         raise RuntimeError(f"batch {bs} exceeds the {pool.size} request slots")
     rows_ok = [int(row) for row in rows if row is not None]
-    greedy = SamplingBatchInfo.from_lists(
-        temperatures=[0.0] * bs,
-        top_ps=[1.0] * bs,
-        top_ks=[-1] * bs,
-        min_ps=[0.0] * bs,
-        seeds=[0] * bs,
-        output_positions=[0] * bs,
-        device=device,
-    )
+    greedy = SamplingInputs.greedy(bs)
 
     def step(
         mode: ForwardMode, input_ids: list[int], prefix_len: int, seq_len: int
@@ -139,9 +131,10 @@ def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
             raise RuntimeError(f"KV cache exhausted ({runner.max_total_tokens} tokens)")
         batch = make_forward_batch(mode, input_ids, rows_ok, prefix_lens, seq_lens, out_cache_loc, device)
         start = time.perf_counter()
-        next_ids = runner.sample(runner.forward(batch), greedy)
+        out = runner.step(batch, greedy)
         elapsed = time.perf_counter() - start
-        return elapsed, next_ids.tolist()
+        assert out is not None, "one pipeline stage"
+        return elapsed, out.next_ids
 
     prefill_s, next_ids = step(ForwardMode.EXTEND, [t for p in prompts for t in p], 0, input_len)
     step_s = []

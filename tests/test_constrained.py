@@ -21,8 +21,9 @@ from server_fixture import Server
 from transformers import AutoTokenizer
 
 from model_executor.constrained import GrammarError, GrammarSpec, LazyGrammarBackend
+from model_executor.logits_processor import fill_bitmask
 from model_executor.sampler import apply_token_bitmask
-from scheduler.grammar import advance, attach_matcher, fill_bitmask, rebuild_matcher
+from scheduler.grammar import advance, attach_matcher, rebuild_matcher
 from scheduler.req import Req
 from srt.sampling_params import SamplingParams
 
@@ -259,7 +260,7 @@ def test_a_retracted_or_replayed_matcher_is_rebuilt_from_the_delivered_tokens(
     replay = Req("b", [1, 2], params, seed=0, output_ids=list(text), resumed_len=len(text))
     assert attach_matcher(grammars, replay) is None and replay.grammar is not None
     assert replay.grammar.state == live.grammar.state == (len(text), False)
-    masks = [fill_bitmask([r], [0], 49152) for r in (live, replay)]
+    masks = [fill_bitmask([r.grammar], [0], 49152) for r in (live, replay)]
     assert torch.equal(masks[0], masks[1])  # only the stop token is left
     rebuild_matcher(live)
     assert live.grammar.state == (len(text), False)
