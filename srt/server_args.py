@@ -33,6 +33,56 @@ DEFAULT_MEM_FRACTION_STATIC = 0.8
 DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0  # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE)
 
 SECRET_ENV = {"api_key": "SRT_API_KEY", "admin_api_key": "SRT_ADMIN_API_KEY"}  # field -> environment variable
+# field -> the environment variable its default comes from when its flag is not given
+ENV_DEFAULTS = {
+    "cpu_kvcache_space": "VLLM_CPU_KVCACHE_SPACE",
+    "sync_token_ids_across_tp": "SYNC_TOKEN_IDS_ACROSS_TP",
+    "enable_rank_consensus_checker": "SRT_ENABLE_RANK_CONSENSUS_CHECKER",
+    **SECRET_ENV,
+    "req_waiting_timeout": "SGLANG_REQ_WAITING_TIMEOUT",
+    "req_running_timeout": "SGLANG_REQ_RUNNING_TIMEOUT",
+}
+
+# Fields that must be positive, checked in this order; those in OPTIONAL_POSITIVE_FIELDS may be None.
+POSITIVE_FIELDS = (
+    "tp_size",
+    "pp_size",
+    "dp_size",
+    "nnodes",
+    "max_running_requests",
+    "max_prefill_tokens",
+    "chunked_prefill_size",
+    "page_size",
+    "stream_interval",
+    "decode_log_interval",
+    "max_total_tokens",
+    "context_length",
+    "cpu_threads",
+    "soft_watchdog_timeout",
+    "pp_micro_batches",
+    "max_queued_requests",
+    "max_request_bytes",
+    "constrained_json_max_whitespace_cnt",
+    "req_waiting_timeout",
+    "req_running_timeout",
+    "watchdog_timeout",
+    "dist_timeout",
+    "restart_window",
+)
+OPTIONAL_POSITIVE_FIELDS = frozenset(
+    {
+        "max_total_tokens",
+        "context_length",
+        "cpu_threads",
+        "soft_watchdog_timeout",
+        "pp_micro_batches",
+        "max_queued_requests",
+        "max_request_bytes",
+        "constrained_json_max_whitespace_cnt",
+        "req_waiting_timeout",
+        "req_running_timeout",
+    }
+)
 
 
 def _env_flag(name: str) -> bool:
@@ -84,7 +134,9 @@ class ServerArgs:
     )
     max_total_tokens: int | None = None
     # GiB of KV for this server's ranks on the host together (vLLM's CPU knob); None: 4, or as below
-    cpu_kvcache_space: float | None = field(default_factory=lambda: _env_gib("VLLM_CPU_KVCACHE_SPACE"))
+    cpu_kvcache_space: float | None = field(
+        default_factory=lambda: _env_gib(ENV_DEFAULTS["cpu_kvcache_space"])
+    )
     min_available_memory: float = (
         1.0  # GiB of host RAM available below which the front end sheds load; 0: off
     )
@@ -110,9 +162,11 @@ class ServerArgs:
     constrained_json_max_whitespace_cnt: int | None = None  # at most this many whitespace chars in a row
     watchdog_timeout: float = 300.0
     soft_watchdog_timeout: float | None = None
-    sync_token_ids_across_tp: bool = field(default_factory=lambda: _env_flag("SYNC_TOKEN_IDS_ACROSS_TP"))
+    sync_token_ids_across_tp: bool = field(
+        default_factory=lambda: _env_flag(ENV_DEFAULTS["sync_token_ids_across_tp"])
+    )
     enable_rank_consensus_checker: bool = field(
-        default_factory=lambda: _env_flag("SRT_ENABLE_RANK_CONSENSUS_CHECKER")
+        default_factory=lambda: _env_flag(ENV_DEFAULTS["enable_rank_consensus_checker"])
     )
     shutdown_timeout: float = 30.0
     enable_metrics: bool = False
@@ -134,51 +188,32 @@ class ServerArgs:
     max_request_bytes: int = 64 * 2**20  # a larger request body is a 413
     # Deadlines, decided by the front end alone and sent to every rank as aborts (tokenizer_manager)
     req_waiting_timeout: float | None = field(
-        default_factory=lambda: _env_timeout("SGLANG_REQ_WAITING_TIMEOUT")
+        default_factory=lambda: _env_timeout(ENV_DEFAULTS["req_waiting_timeout"])
     )
     req_running_timeout: float | None = field(
-        default_factory=lambda: _env_timeout("SGLANG_REQ_RUNNING_TIMEOUT")
+        default_factory=lambda: _env_timeout(ENV_DEFAULTS["req_running_timeout"])
     )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        def positive(flag: str, value: float | int | None, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if value is None or value <= 0:
-                raise ValueError(f"--{flag} must be positive, got {value}")
+        """Raise ValueError naming the first bad flag; the checks run by topic, in this order."""
+        self._check_positive()
+        self._check_lifecycle()
+        self._check_memory()
+        self._check_placement()
+        self._check_choices()
 
-        for flag in (
-            "tp_size",
-            "pp_size",
-            "dp_size",
-            "nnodes",
-            "max_running_requests",
-            "max_prefill_tokens",
-            "chunked_prefill_size",
-            "page_size",
-            "stream_interval",
-            "decode_log_interval",
-        ):
-            positive(flag.replace("_", "-"), getattr(self, flag))
-        for flag in (
-            "max_total_tokens",
-            "context_length",
-            "cpu_threads",
-            "soft_watchdog_timeout",
-            "pp_micro_batches",
-            "max_queued_requests",
-            "max_request_bytes",
-            "constrained_json_max_whitespace_cnt",
-            "req_waiting_timeout",
-            "req_running_timeout",
-        ):
-            positive(flag.replace("_", "-"), getattr(self, flag), allow_none=True)
-        positive("watchdog-timeout", self.watchdog_timeout)
-        positive("dist-timeout", self.dist_timeout)
-        positive("restart-window", self.restart_window)
+    def _check_positive(self) -> None:
+        for name in POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_POSITIVE_FIELDS:
+                continue
+            if value is None or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+    def _check_lifecycle(self) -> None:
         if self.restart_on_failure < 0:
             raise ValueError(f"--restart-on-failure must be >= 0, got {self.restart_on_failure}")
         if self.enable_deterministic_inference and self.quantization == "gguf":
@@ -188,6 +223,8 @@ class ServerArgs:
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+
+    def _check_memory(self) -> None:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.cpu_kvcache_space is not None:
@@ -197,6 +234,9 @@ class ServerArgs:
             raise ValueError(
                 f"--min-available-memory must be >= 0 (GiB; 0 turns it off), got {self.min_available_memory}"
             )
+
+    def _check_placement(self) -> None:
+        """Nodes, replicas and the HTTP port."""
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside [0, --nnodes {self.nnodes})")
         if (self.tp_size * self.pp_size) % self.nnodes != 0:
@@ -220,37 +260,27 @@ class ServerArgs:
             raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
-        for flag, value, allowed in (
-            ("dtype", self.dtype, DTYPES),
-            ("device", self.device, DEVICES),
-            ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
-            ("log-level", self.log_level, LOG_LEVELS),
-            ("attention-backend", self.attention_backend, ATTENTION_BACKENDS),
-            ("grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS),
-            ("router-policy", self.router_policy, ROUTER_POLICIES),
+
+    def _check_choices(self) -> None:
+        for flag, value, allowed, optional in (
+            ("dtype", self.dtype, DTYPES, False),
+            ("device", self.device, DEVICES, False),
+            ("schedule-policy", self.schedule_policy, SCHEDULE_POLICIES, False),
+            ("log-level", self.log_level, LOG_LEVELS, False),
+            ("attention-backend", self.attention_backend, ATTENTION_BACKENDS, False),
+            ("grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS, False),
+            ("router-policy", self.router_policy, ROUTER_POLICIES, False),
+            ("tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSERS, True),
+            ("reasoning-parser", self.reasoning_parser, REASONING_PARSERS, True),
+            ("quantization", self.quantization, QUANTIZATIONS, True),
         ):
-            if value not in allowed:
+            if value not in allowed and not (optional and value is None):
                 raise ValueError(f"--{flag} must be one of {', '.join(allowed)}; got {value!r}")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+        if self.quantization is not None and (self.device != "cpu" or self.dtype not in ("auto", "bfloat16")):
             raise ValueError(
-                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
-                f"got {self.tool_call_parser!r}"
+                f"--quantization {self.quantization} needs --device cpu and --dtype bfloat16 "
+                f"(or auto); got --device {self.device} --dtype {self.dtype}"
             )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}; "
-                f"got {self.reasoning_parser!r}"
-            )
-        if self.quantization is not None:
-            if self.quantization not in QUANTIZATIONS:
-                raise ValueError(
-                    f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
-                )
-            if self.device != "cpu" or self.dtype not in ("auto", "bfloat16"):
-                raise ValueError(
-                    f"--quantization {self.quantization} needs --device cpu and --dtype bfloat16 "
-                    f"(or auto); got --device {self.device} --dtype {self.dtype}"
-                )
 
     # ---- derived ----
     @property
@@ -330,220 +360,10 @@ class ServerArgs:
     # ---- CLI ----
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        d = ServerArgs.__dataclass_fields__
-        a = parser.add_argument
-        a(
-            "--model-path",
-            "--model",
-            default=None,
-            help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
-        )
-        a("--tokenizer-path", default=None, help="defaults to --model-path")
-        a("--dtype", default=d["dtype"].default, choices=DTYPES)
-        a("--device", default=d["device"].default, choices=DEVICES)
-        a(
-            "--quantization",
-            default=None,
-            choices=QUANTIZATIONS,
-            help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) on "
-            "AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for decode "
-            "batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy for more "
-            "rows); CPU only",
-        )
-        a("--host", default=d["host"].default)
-        a("--port", type=int, default=d["port"].default)
-        a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
-        a("--pp-size", "--pp", dest="pp_size", type=int, default=1)
-        a(
-            "--dp-size",
-            "--dp",
-            dest="dp_size",
-            type=int,
-            default=1,
-            help="independent replicas of the TP x PP group on this node, the cores divided between them, behind "
-            "SGLang's router on --port (needs the router extra: pip install -e '.[router]')",
-        )
-        a(
-            "--router-policy",
-            default=d["router_policy"].default,
-            choices=ROUTER_POLICIES,
-            help="sglang-router's policy with --dp-size > 1",
-        )
-        a(
-            "--pp-micro-batches",
-            type=int,
-            default=None,
-            help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)",
-        )
-        a(
-            "--cpu-threads",
-            type=int,
-            default=None,
-            help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
-            "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)",
-        )
-        a(
-            "--disable-adaptive-cpu-threads",
-            action="store_true",
-            help="keep every rank at its --cpu-threads even while other processes load its CPUs "
-            "(by default a rank gives up one thread per core others keep busy, and takes it back after)",
-        )
-        a("--nnodes", type=int, default=1)
-        a("--node-rank", type=int, default=0)
-        a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// ")
-        a("--dist-timeout", type=float, default=d["dist_timeout"].default)
-        a(
-            "--mem-fraction-static",
-            type=float,
-            default=None,
-            help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
-            "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space",
-        )
-        a(
-            "--max-total-tokens",
-            type=int,
-            default=None,
-            help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space",
-        )
-        a(
-            "--cpu-kvcache-space",
-            type=float,
-            default=None,
-            help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
-            "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)",
-        )
-        a(
-            "--min-available-memory",
-            type=float,
-            default=d["min_available_memory"].default,
-            help="GiB: while the host has less RAM available, new requests get 503 and the prefix cache is "
-            "evicted and given back to the OS (0: off)",
-        )
-        a("--max-running-requests", type=int, default=d["max_running_requests"].default)
-        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
-        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
-        a("--page-size", type=int, default=d["page_size"].default)
-        a("--schedule-policy", default=d["schedule_policy"].default, choices=SCHEDULE_POLICIES)
-        a(
-            "--enable-priority-scheduling",
-            action="store_true",
-            help="order the waiting queue by each request's `priority` (larger first; requests without one last), "
-            "then by --schedule-policy; without it a request that sets priority gets a 400",
-        )
-        a(
-            "--schedule-low-priority-values-first",
-            action="store_true",
-            help="with --enable-priority-scheduling: smaller priority values go first",
-        )
-        a("--disable-radix-cache", action="store_true")
-        a("--random-seed", type=int, default=d["random_seed"].default)
-        a("--context-length", type=int, default=None)
-        a("--served-model-name", default=None)
-        a("--log-level", default=d["log_level"].default, choices=LOG_LEVELS)
-        a("--stream-interval", type=int, default=d["stream_interval"].default)
-        a(
-            "--incremental-streaming-output",
-            action="store_true",
-            help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
-            "since the previous chunk (default: everything so far)",
-        )
-        a("--attention-backend", default=d["attention_backend"].default, choices=ATTENTION_BACKENDS)
-        a(
-            "--grammar-backend",
-            default=d["grammar_backend"].default,
-            choices=GRAMMAR_BACKENDS,
-            help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
-        )
-        a(
-            "--tool-call-parser",
-            default=None,
-            choices=TOOL_CALL_PARSERS,
-            help="the model's tool-call format, parsed into tool_calls for tool_choice auto",
-        )
-        a(
-            "--reasoning-parser",
-            default=None,
-            choices=REASONING_PARSERS,
-            help="the model's <think> format: chat replies carry it as reasoning_content, apart from content",
-        )
-        a(
-            "--constrained-json-disable-any-whitespace",
-            action="store_true",
-            help="JSON-constrained outputs take the compact form (no whitespace between tokens)",
-        )
-        a(
-            "--constrained-json-max-whitespace-cnt",
-            type=int,
-            default=None,
-            help="at most this many consecutive whitespace characters in JSON-constrained outputs",
-        )
-        a("--watchdog-timeout", type=float, default=d["watchdog_timeout"].default)
-        a("--soft-watchdog-timeout", type=float, default=None)
-        a("--sync-token-ids-across-tp", action="store_true", default=None)
-        a("--enable-rank-consensus-checker", action="store_true", default=None)
-        a("--shutdown-timeout", type=float, default=d["shutdown_timeout"].default)
-        a("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics")
-        a(
-            "--decode-log-interval",
-            type=int,
-            default=d["decode_log_interval"].default,
-            help="log a decode stats line every this many decode steps",
-        )
-        a(
-            "--restart-on-failure",
-            type=int,
-            default=d["restart_on_failure"].default,
-            help="when a rank or the detokenizer dies, restart the engine and replay the requests in flight, "
-            "up to this many times within --restart-window (0: the server goes down)",
-        )
-        a(
-            "--enable-deterministic-inference",
-            action="store_true",
-            help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: prefill "
-            "runs each token with decode's arithmetic (on by itself with --restart-on-failure)",
-        )
-        a(
-            "--restart-window",
-            type=float,
-            default=d["restart_window"].default,
-            help="seconds over which --restart-on-failure counts restarts",
-        )
-        a(
-            "--api-key",
-            default=None,
-            help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' (or SRT_API_KEY)",
-        )
-        a(
-            "--admin-api-key",
-            default=None,
-            help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)",
-        )
-        a(
-            "--max-queued-requests",
-            type=int,
-            default=None,
-            help="a request that finds this many waiting gets 503 with Retry-After at once",
-        )
-        a(
-            "--max-request-bytes",
-            type=int,
-            default=d["max_request_bytes"].default,
-            help="a request body over this many bytes gets 413",
-        )
-        a(
-            "--req-waiting-timeout",
-            type=float,
-            default=None,
-            help="a request without its first token after this many seconds is aborted with 503 "
-            "(default: SGLang's SGLANG_REQ_WAITING_TIMEOUT, else off)",
-        )
-        a(
-            "--req-running-timeout",
-            type=float,
-            default=None,
-            help="a request still generating this many seconds after its first token is aborted with 503 "
-            "(default: SGLang's SGLANG_REQ_RUNNING_TIMEOUT, else off)",
-        )
+        """Every flag of CLI_FLAGS, in its order (the flat list `launch_server --help` prints)."""
+        for group in CLI_FLAGS:
+            for flag in group.flags:
+                parser.add_argument(*flag.names, **flag.options)
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -557,6 +377,443 @@ class ServerArgs:
                 "--mem-fraction-static or --max-total-tokens"
             )
         return cls(**ns)
+
+
+# ---- the command line: one table, grouped by topic ----
+@dataclass(frozen=True)
+class Flag:
+    """One launch_server flag: argparse's names and keyword arguments, and `note`, the flag
+    reference's line (docs/server_args.md) where argparse has no help text."""
+
+    names: tuple[str, ...]
+    options: dict[str, Any]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FlagGroup:
+    title: str
+    pages: tuple[str, ...]  # the docs/ pages that explain these flags
+    flags: tuple[Flag, ...]
+
+
+def _flag(*names: str, note: str = "", **options: Any) -> Flag:
+    return Flag(names, options, note)
+
+
+def _default(name: str) -> Any:
+    return ServerArgs.__dataclass_fields__[name].default
+
+
+CLI_FLAGS: tuple[FlagGroup, ...] = (
+    FlagGroup(
+        "Model and weights",
+        ("quantization.md", "usage.md"),
+        (
+            _flag(
+                "--model-path",
+                "--model",
+                default=None,
+                help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+            ),
+            _flag("--tokenizer-path", default=None, help="defaults to --model-path"),
+            _flag(
+                "--dtype",
+                default=_default("dtype"),
+                choices=DTYPES,
+                note="auto is bfloat16; --quantization needs auto or bfloat16",
+            ),
+            _flag(
+                "--device",
+                default=_default("device"),
+                choices=DEVICES,
+                note="cpu runs srt's C kernels where they apply; cuda runs the torch-native attention",
+            ),
+            _flag(
+                "--quantization",
+                default=None,
+                choices=QUANTIZATIONS,
+                help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) "
+                "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for "
+                "decode batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy "
+                "for more rows); CPU only",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "HTTP server",
+        ("usage.md",),
+        (
+            _flag(
+                "--host",
+                default=_default("host"),
+                note="the address the HTTP server listens on (0.0.0.0: every interface)",
+            ),
+            _flag(
+                "--port",
+                type=int,
+                default=_default("port"),
+                note="the HTTP port (with --dp-size > 1, the router's)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Parallelism and CPU threads",
+        ("deploy.md", "cpu.md"),
+        (
+            _flag(
+                "--tp-size",
+                "--tp",
+                dest="tp_size",
+                type=int,
+                default=1,
+                note="tensor-parallel ranks (SmolLM2 has 9 attention heads: 1, 3 or 9)",
+            ),
+            _flag(
+                "--pp-size",
+                "--pp",
+                dest="pp_size",
+                type=int,
+                default=1,
+                note="pipeline stages, each a contiguous range of layers (SRT_PP_LAYER_PARTITION=16,14 "
+                "overrides the split); T x P ranks with --tp-size T",
+            ),
+            _flag(
+                "--dp-size",
+                "--dp",
+                dest="dp_size",
+                type=int,
+                default=1,
+                help="independent replicas of the TP x PP group on this node, the cores divided between them, "
+                "behind SGLang's router on --port (needs the router extra: pip install -e '.[router]')",
+            ),
+            _flag(
+                "--router-policy",
+                default=_default("router_policy"),
+                choices=ROUTER_POLICIES,
+                help="sglang-router's policy with --dp-size > 1",
+            ),
+            _flag(
+                "--pp-micro-batches",
+                type=int,
+                default=None,
+                help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)",
+            ),
+            _flag(
+                "--cpu-threads",
+                type=int,
+                default=None,
+                help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
+                "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)",
+            ),
+            _flag(
+                "--disable-adaptive-cpu-threads",
+                action="store_true",
+                help="keep every rank at its --cpu-threads even while other processes load its CPUs "
+                "(by default a rank gives up one thread per core others keep busy, and takes it back after)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Multi-node",
+        ("deploy.md",),
+        (
+            _flag(
+                "--nnodes",
+                type=int,
+                default=1,
+                note="machines the TP x PP ranks span, an equal share on each; node 0 serves HTTP",
+            ),
+            _flag("--node-rank", type=int, default=0, note="this machine's index, 0 to --nnodes - 1"),
+            _flag("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// "),
+            _flag(
+                "--dist-timeout",
+                type=float,
+                default=_default("dist_timeout"),
+                note="seconds the nodes wait for each other at the rendezvous (an unreachable address fails "
+                "after it)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Memory",
+        ("cpu.md",),
+        (
+            _flag(
+                "--mem-fraction-static",
+                type=float,
+                default=None,
+                help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
+                "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space",
+            ),
+            _flag(
+                "--max-total-tokens",
+                type=int,
+                default=None,
+                help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space",
+            ),
+            _flag(
+                "--cpu-kvcache-space",
+                type=float,
+                default=None,
+                help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
+                "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)",
+            ),
+            _flag(
+                "--min-available-memory",
+                type=float,
+                default=_default("min_available_memory"),
+                help="GiB: while the host has less RAM available, new requests get 503 and the prefix cache is "
+                "evicted and given back to the OS (0: off)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Scheduling",
+        ("architecture.md",),
+        (
+            _flag(
+                "--max-running-requests",
+                type=int,
+                default=_default("max_running_requests"),
+                note="requests in the running batch at once (the request slots)",
+            ),
+            _flag(
+                "--max-prefill-tokens",
+                type=int,
+                default=_default("max_prefill_tokens"),
+                note="new prompt tokens in one step, all requests together",
+            ),
+            _flag(
+                "--chunked-prefill-size",
+                type=int,
+                default=_default("chunked_prefill_size"),
+                note="new prompt tokens of one request in one step; a longer prompt is prefilled in chunks",
+            ),
+            _flag("--page-size", type=int, default=_default("page_size"), note="tokens per KV cache page"),
+            _flag(
+                "--schedule-policy",
+                default=_default("schedule_policy"),
+                choices=SCHEDULE_POLICIES,
+                note="fcfs: arrival order; lpm: longest cached prefix first",
+            ),
+            _flag(
+                "--enable-priority-scheduling",
+                action="store_true",
+                help="order the waiting queue by each request's `priority` (larger first; requests without one "
+                "last), then by --schedule-policy; without it a request that sets priority gets a 400",
+            ),
+            _flag(
+                "--schedule-low-priority-values-first",
+                action="store_true",
+                help="with --enable-priority-scheduling: smaller priority values go first",
+            ),
+            _flag(
+                "--disable-radix-cache",
+                action="store_true",
+                note="no prefix cache: every prompt is prefilled whole",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Requests, streaming and logs",
+        ("usage.md",),
+        (
+            _flag(
+                "--random-seed",
+                type=int,
+                default=_default("random_seed"),
+                note="with the request's order, gives the seed of each request that sets none",
+            ),
+            _flag(
+                "--context-length",
+                type=int,
+                default=None,
+                note="the longest prompt plus output (default and most: the model's max_position_embeddings)",
+            ),
+            _flag(
+                "--served-model-name",
+                default=None,
+                note="the model's name in the OpenAI routes (default: --model-path as given, else "
+                "SmolLM2-135M-Instruct)",
+            ),
+            _flag("--log-level", default=_default("log_level"), choices=LOG_LEVELS),
+            _flag(
+                "--stream-interval",
+                type=int,
+                default=_default("stream_interval"),
+                note="a stream sends a chunk every this many new tokens",
+            ),
+            _flag(
+                "--incremental-streaming-output",
+                action="store_true",
+                help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
+                "since the previous chunk (default: everything so far)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Attention, grammars, tool calls and reasoning",
+        ("usage.md",),
+        (
+            _flag(
+                "--attention-backend",
+                default=_default("attention_backend"),
+                choices=ATTENTION_BACKENDS,
+                note="auto: cpu_kernels on the CPU, torch_native elsewhere (flashinfer is a placeholder)",
+            ),
+            _flag(
+                "--grammar-backend",
+                default=_default("grammar_backend"),
+                choices=GRAMMAR_BACKENDS,
+                help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
+            ),
+            _flag(
+                "--tool-call-parser",
+                default=None,
+                choices=TOOL_CALL_PARSERS,
+                help="the model's tool-call format, parsed into tool_calls for tool_choice auto",
+            ),
+            _flag(
+                "--reasoning-parser",
+                default=None,
+                choices=REASONING_PARSERS,
+                help="the model's <think> format: chat replies carry it as reasoning_content, apart from content",
+            ),
+            _flag(
+                "--constrained-json-disable-any-whitespace",
+                action="store_true",
+                help="JSON-constrained outputs take the compact form (no whitespace between tokens)",
+            ),
+            _flag(
+                "--constrained-json-max-whitespace-cnt",
+                type=int,
+                default=None,
+                help="at most this many consecutive whitespace characters in JSON-constrained outputs",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Guards against ranks that disagree or hang",
+        ("deploy.md", "architecture.md"),
+        (
+            _flag(
+                "--watchdog-timeout",
+                type=float,
+                default=_default("watchdog_timeout"),
+                note="seconds without a forward step while work is pending before a rank logs its stacks and "
+                "exits (code 75), which takes the server down",
+            ),
+            _flag(
+                "--soft-watchdog-timeout",
+                type=float,
+                default=None,
+                note="seconds without a forward step while work is pending before a rank logs its stacks and "
+                "goes on serving",
+            ),
+            _flag(
+                "--sync-token-ids-across-tp",
+                action="store_true",
+                default=None,
+                note="TP ranks MIN-all-reduce every step's sampled ids (constrained requests' always)",
+            ),
+            _flag(
+                "--enable-rank-consensus-checker",
+                action="store_true",
+                default=None,
+                note="each rank digests its decisions; a thread compares them every second, names the first "
+                "divergence and exits 70",
+            ),
+            _flag(
+                "--shutdown-timeout",
+                type=float,
+                default=_default("shutdown_timeout"),
+                note="seconds a SIGTERM lets the requests in flight finish before they get 503",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Monitoring",
+        ("usage.md",),
+        (
+            _flag("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics"),
+            _flag(
+                "--decode-log-interval",
+                type=int,
+                default=_default("decode_log_interval"),
+                help="log a decode stats line every this many decode steps",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Restarts and deterministic inference",
+        ("deploy.md", "usage.md"),
+        (
+            _flag(
+                "--restart-on-failure",
+                type=int,
+                default=_default("restart_on_failure"),
+                help="when a rank or the detokenizer dies, restart the engine and replay the requests in "
+                "flight, up to this many times within --restart-window (0: the server goes down)",
+            ),
+            _flag(
+                "--enable-deterministic-inference",
+                action="store_true",
+                help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: "
+                "prefill runs each token with decode's arithmetic (on by itself with --restart-on-failure)",
+            ),
+            _flag(
+                "--restart-window",
+                type=float,
+                default=_default("restart_window"),
+                help="seconds over which --restart-on-failure counts restarts",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Facing real traffic",
+        ("deploy.md",),
+        (
+            _flag(
+                "--api-key",
+                default=None,
+                help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' "
+                "(or SRT_API_KEY)",
+            ),
+            _flag(
+                "--admin-api-key",
+                default=None,
+                help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)",
+            ),
+            _flag(
+                "--max-queued-requests",
+                type=int,
+                default=None,
+                help="a request that finds this many waiting gets 503 with Retry-After at once",
+            ),
+            _flag(
+                "--max-request-bytes",
+                type=int,
+                default=_default("max_request_bytes"),
+                help="a request body over this many bytes gets 413",
+            ),
+            _flag(
+                "--req-waiting-timeout",
+                type=float,
+                default=None,
+                help="a request without its first token after this many seconds is aborted with 503 "
+                "(default: SGLang's SGLANG_REQ_WAITING_TIMEOUT, else off)",
+            ),
+            _flag(
+                "--req-running-timeout",
+                type=float,
+                default=None,
+                help="a request still generating this many seconds after its first token is aborted with 503 "
+                "(default: SGLang's SGLANG_REQ_RUNNING_TIMEOUT, else off)",
+            ),
+        ),
+    ),
+)
 
 
 @dataclass(frozen=True)
