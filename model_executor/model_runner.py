@@ -21,14 +21,15 @@ from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.registry import create_attention_backend
-from model_executor.cpu_decode_runner import CpuDecodeRunner
-from model_executor.cpu_memory import keep_freed_memory
+from model_executor.cpu.decode_runner import CpuDecodeRunner
+from model_executor.cpu.kernels.build import describe_paths
+from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight
+from model_executor.cpu.linear import check_quantization, pack_model, set_one_arithmetic
+from model_executor.cpu.memory import keep_freed_memory
+from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels.build import describe_paths
-from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight
-from model_executor.layers.cpu_linear import check_quantization, pack_model, set_one_arithmetic
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
 from model_executor.logits_processor import process_logits, score_tokens
@@ -36,7 +37,6 @@ from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
 from model_executor.sampler import Sampler
 from model_executor.sampling_inputs import SamplingInputs, StepOutput
-from model_executor.thread_governor import ThreadGovernor
 
 logger = logging.getLogger("srt.model_runner")
 
@@ -57,10 +57,10 @@ class RunnerConfig:
     )
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = (
-        None  # "w8a8_int8" or "gguf" (cpu_linear.QUANTIZATIONS) or None: the weights as loaded
+        None  # "w8a8_int8" or "gguf" (cpu/linear.py QUANTIZATIONS) or None: the weights as loaded
     )
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
-    adaptive_threads: bool = False  # fewer threads while others load the CPUs (thread_governor.py)
+    adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_executor.kernels import ops
+from model_executor.cpu.kernels import ops
 
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0 (greedy)
 _MASK32 = 0xFFFFFFFF

@@ -55,10 +55,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight  # noqa: E402
+from model_executor.cpu.linear import QUANTIZATIONS, set_one_arithmetic  # noqa: E402
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
-from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight  # noqa: E402
-from model_executor.layers.cpu_linear import QUANTIZATIONS, set_one_arithmetic  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
 from model_executor.sampling_inputs import SamplingInputs  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from model_executor.kernels import build
+from model_executor.cpu.kernels import build
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.py"
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_executor import cpu_decode_runner
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.registry import create_attention_backend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
-from model_executor.cpu_decode_runner import CpuDecodeRunner
+from model_executor.cpu import decode_runner as cpu_decode_runner
+from model_executor.cpu.decode_runner import CpuDecodeRunner
+from model_executor.cpu.kernels import build, ops
+from model_executor.cpu.kernels.decode_layers import DecodeLayers
+from model_executor.cpu.linear import set_one_arithmetic
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage
 from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
-from model_executor.kernels import build, ops
-from model_executor.kernels.decode_layers import DecodeLayers
-from model_executor.layers.cpu_linear import set_one_arithmetic
 from model_executor.loader.weight_source import load_hf_config
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.models.registry import get_model_class

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import hf_float32, hf_forced_logits, hf_greedy, make_tiny_model
 
-from model_executor.kernels import build
+from model_executor.cpu.kernels import build
 
 TESTS = Path(__file__).parent
 FORCED = ("avx512_bf16", "avx512", "none")

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from tiny_models import hf_float32, hf_forced_logits, make_tiny_model
 
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.cpu.kernels import build, decode_layers, ops
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.kernels import build, decode_layers, ops
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
@@ -38,7 +38,7 @@ def test_the_start_up_line_names_each_kernels_path_on_this_cpu() -> None:
         "avx512f" not in build._cpu_flags().split()
     ), line
     off = subprocess.run(
-        [sys.executable, "-c", "from model_executor.kernels import build; print(build.describe_paths())"],
+        [sys.executable, "-c", "from model_executor.cpu.kernels import build; print(build.describe_paths())"],
         env={**os.environ, "SRT_CPU_KERNELS": "0"},
         capture_output=True,
         text=True,

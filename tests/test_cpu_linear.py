@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_executor.kernels import build, ops
-from model_executor.layers.cpu_linear import (
+from model_executor.cpu.kernels import build, ops
+from model_executor.cpu.linear import (
     AMX_MAX_ROWS,
     is_kernel_packed,
     linear,

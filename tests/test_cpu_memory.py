@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import sys, psutil, torch
-from model_executor.cpu_memory import keep_freed_memory
+from model_executor.cpu.memory import keep_freed_memory
 if sys.argv[1] == "tuned":
     assert keep_freed_memory()
 proc = psutil.Process()

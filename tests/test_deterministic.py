@@ -15,9 +15,9 @@ import requests
 import torch
 from server_fixture import Server
 
+from model_executor.cpu.kernels import build
+from model_executor.cpu.linear import set_one_arithmetic
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.kernels import build
-from model_executor.layers.cpu_linear import set_one_arithmetic
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the CPU kernels did not build here")

@@ -23,7 +23,7 @@ import requests
 from server_fixture import Server
 from test_guards_e2e import assert_tree_gone, rank_pid, remember_tree, server_args, wait_exit
 
-from model_executor.kernels import build
+from model_executor.cpu.kernels import build
 from scheduler.fault_injection import FaultInjector, parse_faults
 from srt.io_struct import ResumeState, TokenizedGenerateReq
 from srt.recovery import RestartBudget

@@ -16,8 +16,8 @@ import torch
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
 
-from model_executor.kernels import build
-from model_executor.thread_governor import WINDOW_S, ThreadGovernor, cpus_busy_s
+from model_executor.cpu.kernels import build
+from model_executor.cpu.thread_governor import WINDOW_S, ThreadGovernor, cpus_busy_s
 from srt.engine import Engine
 
 

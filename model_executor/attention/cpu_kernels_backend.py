@@ -1,4 +1,4 @@
-"""Attention on our CPU kernels (model_executor/kernels), torch SDPA (TorchNativeAttnBackend) where
+"""Attention on our CPU kernels (model_executor/cpu/kernels), torch SDPA (TorchNativeAttnBackend) where
 they do not apply. The default backend on the CPU.
 
 Decode with a bf16 pool is one kernel call per layer: it writes the new K/V and attends straight
@@ -19,8 +19,8 @@ import torch
 
 from mem_cache.kv_pool import KVPool
 from model_executor.attention.torch_native import TorchNativeAttnBackend, gather
+from model_executor.cpu.kernels import ops
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels import ops
 from model_executor.layers.attention import Attention
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.kernels import ops
+from model_executor.cpu.kernels import ops
 
 
 class SiluAndMul(nn.Module):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.kernels import ops
+from model_executor.cpu.kernels import ops
 from model_executor.layers.sharding import default_weight_loader, set_weight_attrs
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_executor.cpu.linear import PackedWeight, linear
 from model_executor.distributed.communicator import Communicator
-from model_executor.layers.cpu_linear import PackedWeight, linear
 from model_executor.layers.sharding import TensorSource, check_shape, divide, set_weight_attrs
 
 
@@ -39,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
                 torch.empty(self.output_size_per_rank, dtype=params_dtype), requires_grad=False
             )
             set_weight_attrs(self.bias, self.weight_loader)
-        self.packed_weight: PackedWeight | None = None  # see cpu_linear.pack_model
+        self.packed_weight: PackedWeight | None = None  # see model_executor/cpu/linear.py, pack_model
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         size = param.shape[0]
@@ -169,7 +169,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(self.bias, self._bias_loader)
-        self.packed_weight: PackedWeight | None = None  # see cpu_linear.pack_model
+        self.packed_weight: PackedWeight | None = None  # see model_executor/cpu/linear.py, pack_model
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         size = param.shape[1]

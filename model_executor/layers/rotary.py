@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_executor.kernels import ops
+from model_executor.cpu.kernels import ops
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

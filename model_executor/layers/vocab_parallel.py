@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_executor.cpu.linear import PackedWeight, linear
 from model_executor.distributed.communicator import Communicator
-from model_executor.layers.cpu_linear import PackedWeight, linear
 from model_executor.layers.sharding import TensorSource, check_shape, set_weight_attrs
 
 
@@ -63,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     default): on SmolLM2, int8 logits agreed with bf16's top-1 on 3 points fewer of 1024 tokens of
     text. --quantization gguf runs it on the file's own Q8_0 values where it holds them so."""
 
-    quantizable = False  # cpu_linear.pack_model
+    quantizable = False  # model_executor/cpu/linear.py, pack_model
 
     def __init__(
         self,
@@ -77,7 +77,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, comm, params_dtype=params_dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
-        self.packed_weight: PackedWeight | None = None  # see cpu_linear.pack_model
+        self.packed_weight: PackedWeight | None = None  # see model_executor/cpu/linear.py, pack_model
 
     def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab_size] on every TP rank, in `out_dtype` if given

@@ -41,7 +41,7 @@ class PreNormLayer:
 @dataclass(frozen=True)
 class DecoderStack:
     """A whole model below its LM head, as modules: what a runner that runs whole layers in one call
-    reads (model_executor/cpu_decode_runner.py). The modules themselves, not copies: their weights
+    reads (model_executor/cpu/decode_runner.py). The modules themselves, not copies: their weights
     are the ones loaded and packed."""
 
     embed_tokens: VocabParallelEmbedding

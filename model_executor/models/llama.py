@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_executor.cpu.linear import linear_silu_mul
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.cpu_linear import linear_silu_mul
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters

@@ -2,7 +2,7 @@
  * AMX tiles where this process was granted them (cpu_amx.c), else AVX-512 BF16 dot products
  * (vdpbf16ps: AMD Zen 4 and 5, Intel Cooper Lake and later), both on the one packed layout.
  *
- * The weight is packed once at load (model_executor/kernels/packing.py, bf16_pack) as
+ * The weight is packed once at load (model_executor/cpu/kernels/packing.py, bf16_pack) as
  * [n/16][k/32][16][16][2]: for each block of 16 outputs, k in pairs, each pair's 16 outputs x 2
  * values one 64-byte line. An AMX B tile is 16 such lines; for vdpbf16ps one line is one register,
  * and each 16-output block is one contiguous stream of k/2 lines.

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from model_executor.kernels.build import kernels
-from model_executor.kernels.ops import GEMV_MAX_ROWS, Q4_MAX_ROWS
-from model_executor.kernels.ops import data_ptr as _p
-from model_executor.kernels.packing import Int8Weight, Q4Weight
+from model_executor.cpu.kernels.build import kernels
+from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS, Q4_MAX_ROWS
+from model_executor.cpu.kernels.ops import data_ptr as _p
+from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight
 
 
 @dataclass

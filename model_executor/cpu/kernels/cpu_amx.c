@@ -5,7 +5,7 @@
  * SmolLM2's layers): this kernel streams the weight in the order the tiles consume it, prefetches
  * a few tiles ahead, and reaches the bandwidth (figures in docs/performance.md).
  *
- * The weight is packed once at load (model_executor/kernels/packing.py, bf16_pack) as
+ * The weight is packed once at load (model_executor/cpu/kernels/packing.py, bf16_pack) as
  * [n/16][k/32][16][16][2]: for each block of 16 outputs, each 32-wide slice of k is one B tile of
  * 16 rows (pairs of k) x 16 columns (outputs) x 2, contiguous, 1 KiB. The math is fp32 in the
  * tiles; outputs are rounded to bf16 (round to nearest even) after the bias is added.

@@ -1,6 +1,6 @@
 /* Fused CPU kernels for the bf16 decode path: activations are bf16 in memory, the math is fp32.
  *
- * Built once per machine by model_executor/kernels/build.py (gcc -O3 -march=native -fopenmp) and
+ * Built once per machine by model_executor/cpu/kernels/build.py (gcc -O3 -march=native -fopenmp) and
  * called through ctypes on tensors' data pointers. Each kernel replaces several small ATen ops
  * whose per-call overhead, not their arithmetic, dominates a decode step on a few cores.
  * OpenMP here is the libgomp that torch already loaded, so kernels share torch's threads.

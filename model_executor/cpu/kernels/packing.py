@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_executor.kernels import build
+from model_executor.cpu.kernels import build
 
 
 def bf16_packable(weight: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import psutil
 import torch
 
-from model_executor.kernels import ops
+from model_executor.cpu.kernels import ops
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from model_executor.kernels import build
-from model_executor.kernels.packing import Int8Weight
+from model_executor.cpu.kernels import build
+from model_executor.cpu.kernels.packing import Int8Weight
 
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its

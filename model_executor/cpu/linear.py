@@ -2,7 +2,7 @@
 
 Decode steps multiply a few rows by each weight, so a linear layer is a stream of its weight from
 memory. Where the CPU has AMX or AVX-512 BF16, the weight is packed in the order srt_bf16_linear
-reads it (model_executor/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): measured on
+reads it (model_executor/cpu/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): measured on
 SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them faster than oneDNN's
 packed GEMM and F.linear from 1 to 32 rows and stays ahead up to a few hundred rows; the AVX-512
 one (AMD Zen 4) is faster than oneDNN's from 1 to 256 rows and equals it up to 4096 (figures in
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.kernels import build, ops, packing
+from model_executor.cpu.kernels import build, ops, packing
 
 AMX_MAX_ROWS = 1024  # above this, F.linear (oneDNN) is faster than the AMX kernel (docs/performance.md)
 QUANTIZATIONS = ("w8a8_int8", "gguf")

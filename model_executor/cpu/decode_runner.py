@@ -18,11 +18,11 @@ import torch
 from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.cpu.kernels import build, ops
+from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
+from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight
+from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows
 from model_executor.forward_batch import ForwardBatch
-from model_executor.kernels import build, ops
-from model_executor.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
-from model_executor.kernels.packing import Int8Weight, Q4Weight, Q8Weight
-from model_executor.layers.cpu_linear import PackedWeight, is_kernel_packed, packed_max_rows
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 
 
