@@ -26,7 +26,7 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_execu
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names srt has (srt/reasoning.py)
 TOOL_CALL_PARSERS = ("qwen25", "llama3")  # SGLang's names srt has (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
-QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/layers/cpu_linear.py
+QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/linear.py
 
 
 DEFAULT_MEM_FRACTION_STATIC = 0.8
@@ -123,7 +123,7 @@ class ServerArgs:
     # SGLANG_CPU_OMP_THREADS_BIND the size of each rank's range: srt/utils.py rank_cpus)
     cpu_threads: int | None = None
     # a rank runs on fewer threads while other processes keep some of its CPUs busy
-    # (model_executor/thread_governor.py)
+    # (model_executor/cpu/thread_governor.py)
     disable_adaptive_cpu_threads: bool = False
     nnodes: int = 1
     node_rank: int = 0
