@@ -36,7 +36,10 @@ by hand; `tests/test_docs.py` fails when it differs from what the script writes.
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").strip()
+    """Text as a table cell: `|` would end the cell, `<` open an HTML tag, `*` start emphasis."""
+    for char, escaped in (("|", "\\|"), ("<", "&lt;"), ("*", "\\*")):
+        text = text.replace(char, escaped)
+    return text.strip()
 
 
 def _default(action: argparse.Action) -> str:

@@ -637,7 +637,12 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 note="the model's name in the OpenAI routes (default: --model-path as given, else "
                 "SmolLM2-135M-Instruct)",
             ),
-            _flag("--log-level", default=_default("log_level"), choices=LOG_LEVELS),
+            _flag(
+                "--log-level",
+                default=_default("log_level"),
+                choices=LOG_LEVELS,
+                note="the lowest level of log line printed",
+            ),
             _flag(
                 "--stream-interval",
                 type=int,
