@@ -1,6 +1,9 @@
 """ModelRunner: owns the model, its KV memory and the sampler of one rank.
 
 forward batch -> logits of each request's last token -> sampled ids.
+
+Device-neutral: what a device adds (weight layouts for its kernels, a step runner for the batches
+it runs faster than the layers op by op) comes from its wing (device_wing.py; the CPU's is cpu/).
 """
 
 from __future__ import annotations
@@ -19,14 +22,8 @@ from mem_cache.kv_memory import KVMemory
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
-from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.registry import create_attention_backend
-from model_executor.cpu.decode_runner import CpuDecodeRunner
-from model_executor.cpu.kernels.build import describe_paths
-from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight
-from model_executor.cpu.linear import check_quantization, pack_model, set_one_arithmetic
-from model_executor.cpu.memory import keep_freed_memory
-from model_executor.cpu.thread_governor import ThreadGovernor
+from model_executor.device_wing import device_wing
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
@@ -37,6 +34,7 @@ from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
 from model_executor.sampler import Sampler
 from model_executor.sampling_inputs import SamplingInputs, StepOutput
+from model_executor.step_runner import StepRunner
 
 logger = logging.getLogger("srt.model_runner")
 
@@ -57,7 +55,7 @@ class RunnerConfig:
     )
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = (
-        None  # "w8a8_int8" or "gguf" (cpu/linear.py QUANTIZATIONS) or None: the weights as loaded
+        None  # "w8a8_int8" or "gguf" (cpu/weights.py QUANTIZATIONS) or None: the weights as loaded
     )
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
     adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
@@ -72,24 +70,14 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel or get_parallel_state()
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()
+        self.wing = device_wing(config, self.parallel)  # what the device adds (model_executor/device_wing.py)
         self.hf_config = load_hf_config(config.model_dir)
         self.context_length = self._context_length()
         self._init_model()
         self._init_memory()
         self._init_attention_backend()
-        self.decode_runner = CpuDecodeRunner(
-            self.model,
-            self.attn_backend,
-            tp_size=self.parallel.tp.world_size,
-            pp_size=self.parallel.pp.world_size,
-            deterministic=config.deterministic,
-        )
+        self._init_step_runner()
         self.sampler = Sampler()
-        self.thread_governor = (
-            ThreadGovernor.for_this_rank() if config.adaptive_threads and self.device.type == "cpu" else None
-        )
 
     def _context_length(self) -> int:
         model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096)
@@ -106,7 +94,7 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         start = time.perf_counter()
-        check_quantization(self.config.quantization, self.config.dtype, self.config.device)
+        self.wing.check()
         model_cls = get_model_class(self.hf_config)
         pp = self.parallel.pp
         self.stage = PipelineStage.of(
@@ -122,32 +110,15 @@ class ModelRunner:
             self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first
         )
         self.model.eval()
-        float32_model = None
-        if self.config.quantization == "gguf":  # the checkpoint's exact values, to find its Q4_1 blocks in
+
+        def load_float32() -> CausalLM:  # the checkpoint's exact values, for a layout that needs them
             with torch.device(self.device):
-                float32_model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
-            load_weights(float32_model, iter_checkpoint(self.config.model_dir))
-        set_one_arithmetic(self.config.deterministic)
+                model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
+            load_weights(model, iter_checkpoint(self.config.model_dir))
+            return model
+
         self.parallel.tp.fixed_order_sum = self.config.deterministic
-        packed = pack_model(self.model, self.config.quantization, float32_model)
-        del float32_model
-        if packed:
-            quantized = sum(
-                isinstance(getattr(m, "packed_weight", None), (Int8Weight, Q4Weight))
-                for m in self.model.modules()
-            )
-            kind = "Q4_1" if self.config.quantization == "gguf" else "int8"
-            if any(isinstance(getattr(m, "packed_weight", None), Q8Weight) for m in self.model.modules()):
-                kind += ", the LM head Q8_0"
-            logger.info(
-                "packed %d weights for the CPU kernels%s",
-                packed,
-                f", {quantized} of them {kind} ({self.config.quantization})"
-                if self.config.quantization
-                else "",
-            )
-        if self.device.type == "cpu" and self.config.dtype in (torch.bfloat16, torch.float16):
-            logger.info(describe_paths())
+        self.wing.prepare_weights(self.model, load_float32)
         self.weight_bytes = model_weight_bytes(self.model)
         layers = (
             "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
@@ -205,17 +176,24 @@ class ModelRunner:
             self.config.deterministic,
         )
         if self.config.deterministic:
-            exact = (
-                isinstance(self.attn_backend, CpuKernelsAttnBackend) and self.attn_backend.decode_rows_extend
-            )
             logger.info(
                 "deterministic inference: %s",
                 "every token on the decode kernel's arithmetic, prefill or decode, in any batch"
-                if exact
+                if self.attn_backend.decode_rows_extend
                 else "NOT exact here: prefill and decode share one arithmetic only on the bf16 CPU kernels "
                 f"(this rank runs {self.config.dtype} on {self.device.type}, "
                 f"attention backend {self.config.attention_backend})",
             )
+
+    def _init_step_runner(self) -> None:
+        self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend)
+        self.step_runner.prepare()
+        self.thread_governor = self.wing.thread_governor
+
+    @property
+    def decode_runner(self) -> StepRunner:
+        """The step runner, by the name tests knew the CPU's fused decode runner by."""
+        return self.step_runner
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -238,15 +216,14 @@ class ModelRunner:
     def forward_stage(
         self, batch: ForwardBatch, token_rows: list[int] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """This stage's part of the step: receives the previous stage's hand-over (unless first),
-        runs its layers, and either sends the hand-over on (-> None) or, on the last stage,
-        returns the logits as forward_with_token_logits does."""
+        """This stage's part of the step: on the step runner where it takes the batch, else op by op
+        (receiving the previous stage's hand-over unless first); then either sends the hand-over on
+        (-> None) or, on the last stage, returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
-        fused = self.decode_runner.can_run(batch)
-        if self.thread_governor is not None:  # only our kernels' bits are the same at any thread count
-            self.thread_governor.apply(governed=fused or self.decode_runner.prefill_in_kernels(batch))
-        if fused:
-            hidden: torch.Tensor | StageOutput = self.decode_runner.run(batch)
+        runs = self.step_runner.can_run(batch)
+        self.step_runner.begin_step(batch, runs)
+        if runs:
+            hidden: torch.Tensor | StageOutput = self.step_runner.run(batch)
         else:
             self.attn_backend.init_forward_metadata(batch)
             previous = None

@@ -56,7 +56,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight  # noqa: E402
-from model_executor.cpu.linear import QUANTIZATIONS, set_one_arithmetic  # noqa: E402
+from model_executor.cpu.linear import set_one_arithmetic  # noqa: E402
+from model_executor.cpu.weights import QUANTIZATIONS  # noqa: E402
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402

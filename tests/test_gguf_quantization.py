@@ -16,7 +16,7 @@ from test_cpu_kernels import decode_logits
 from tiny_models import hf_float32, hf_forced_logits
 
 from model_executor.cpu.kernels import build, decode_layers, ops, packing
-from model_executor.cpu.linear import check_quantization
+from model_executor.cpu.weights import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.server_args import ServerArgs
 

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     """Writes each step's new K/V into the paged pool and attends over prefix + new tokens."""
 
+    # True where a prefill runs every new token on the decode path's arithmetic, so that a token's
+    # bits do not depend on how it was computed (deterministic inference, on the cpu_kernels backend)
+    decode_rows_extend: bool = False
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Builds per-step index tensors shared by every layer (called once per forward).

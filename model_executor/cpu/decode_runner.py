@@ -4,11 +4,15 @@ CUDA-graph replay: a step's shape of work prepared once, each layer one C call).
 A decode batch on one rank (no tensor or pipeline parallelism), over a bf16 pool on the cpu_kernels
 attention backend, of a model of plain Llama blocks (no q/k norm, no o_proj bias) runs each layer as
 one srt_decode_layer call: any batch up to packed_max_rows() where the layers' weights are packed for
-our kernels, else (srt_gemv, where it has its AVX-512 BF16 loop) a small one. ModelRunner asks
-`can_run` first; every other batch runs the model's layers op by op.
+our kernels, else (srt_gemv, where it has its AVX-512 BF16 loop) a small one. It is the CPU wing's
+StepRunner: ModelRunner asks `can_run` first; every other batch runs the model's layers op by op.
 
 Not in deterministic mode: there every step goes through the same layers as a prefill, the fused
 layer's gemv arithmetic being its own.
+
+With a thread governor (cpu/thread_governor.py) it also sets each step's threads (`begin_step`): the
+governed count for the steps that run wholly in our kernels, whose bits do not depend on it, the
+configured count for every other step.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
 from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight
 from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows
+from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.forward_batch import ForwardBatch
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
+from model_executor.step_runner import StepRunner
 
 
 def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight] | None:
@@ -39,7 +45,7 @@ def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4We
     return kernel if len(kernel) == len(packed) else None
 
 
-class CpuDecodeRunner:
+class CpuDecodeRunner(StepRunner):
     def __init__(
         self,
         model: CausalLM,
@@ -48,8 +54,10 @@ class CpuDecodeRunner:
         tp_size: int,
         pp_size: int,
         deterministic: bool,
+        thread_governor: ThreadGovernor | None = None,
     ) -> None:
         self.attn_backend = attn_backend
+        self.thread_governor = thread_governor
         self.stack: DecoderStack | None = None  # None: declines every batch
         self._layers: tuple[KVPool, DecodeLayers] | None = None
         stack = model.decoder_stack() if tp_size == 1 and pp_size == 1 else None
@@ -64,6 +72,11 @@ class CpuDecodeRunner:
         # The embedding's output has the rotary tables' dtype and device: the kernels take both or neither.
         if first.q_norm is None and first.o_proj.bias is None and ops.usable(stack.rotary_emb.cos):
             self.stack = stack
+
+    def prepare(self) -> None:
+        """Gathers the fused layers' kernel arguments (the weights are packed by now)."""
+        if self.stack is not None:
+            self.layers()
 
     def can_run(self, batch: ForwardBatch) -> bool:
         if self.stack is None or not batch.is_decode:
@@ -87,6 +100,12 @@ class CpuDecodeRunner:
             and build.prefill_kernel_available()
         )
 
+    def begin_step(self, batch: ForwardBatch, runs: bool) -> None:
+        """With a thread governor: the governed threads for a step that runs wholly in our kernels
+        (one `run` takes, or prefill_in_kernels), the configured ones for every other step."""
+        if self.thread_governor is not None:  # only our kernels' bits are the same at any thread count
+            self.thread_governor.apply(governed=runs or self.prefill_in_kernels(batch))
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states [bs, hidden] of a batch can_run took, as the model's forward returns
         them; writes the step's K/V into the pool."""
@@ -109,8 +128,8 @@ class CpuDecodeRunner:
         return hidden
 
     def layers(self) -> DecodeLayers:
-        """The layers' kernel arguments, gathered on the first decode step (weights are packed by
-        then) and again only if the KV pool is a different one."""
+        """The layers' kernel arguments, gathered by `prepare` (or on first use) and again only if
+        the KV pool is a different one."""
         stack = self.stack
         assert stack is not None and isinstance(self.attn_backend, CpuKernelsAttnBackend)
         kv_pool = self.attn_backend.kv_pool

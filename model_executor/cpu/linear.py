@@ -30,12 +30,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from model_executor.cpu.kernels import build, ops, packing
 
 AMX_MAX_ROWS = 1024  # above this, F.linear (oneDNN) is faster than the AMX kernel (docs/performance.md)
-QUANTIZATIONS = ("w8a8_int8", "gguf")
 # a layer's `packed_weight`
 PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q8Weight
 
@@ -65,32 +63,6 @@ def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
     # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
     return isinstance(packed, (packing.Int8Weight, packing.Q4Weight, packing.Q8Weight)) or packed.dim() == 5
-
-
-def check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
-    """Raises ValueError naming what --quantization needs and this process lacks."""
-    if quantization is None:
-        return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    if device != "cpu" or dtype != torch.bfloat16:
-        raise ValueError(
-            f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
-            f"got {device} with {dtype}"
-        )
-    if quantization == "gguf":
-        if not (build.q4_available() and build.bf16_linear_available()):
-            raise ValueError(
-                "--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
-                "Lake or later) and the CPU kernels built; this process has neither"
-            )
-        return
-    if not build.int8_available():
-        raise ValueError(
-            f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
-            "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
-            "and the CPU kernels built; this process has neither"
-        )
 
 
 def pack_weight(
@@ -190,37 +162,3 @@ def linear_silu_mul(
     if x.numel() // x.shape[-1] > packed_max_rows():
         return None
     return ops.bf16_linear_silu(x.contiguous(), packed)
-
-
-def pack_model(
-    model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
-) -> int:
-    """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
-    w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
-    with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
-    checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
-    where the file holds it so (a tied head: the token embedding; else it stays bf16). Returns how
-    many were packed. Call once, after the weights are loaded. Raises ValueError where a gguf layer
-    is not Q4_1."""
-    assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
-    count = 0
-    float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if hasattr(module, "packed_weight") and isinstance(weight, torch.Tensor):
-            quantizable = getattr(module, "quantizable", True)
-            q4 = q8 = None
-            if quantization == "gguf" and quantizable:
-                q4 = packing.q4_recover(float32_modules[name].weight)
-                if q4 is None:
-                    raise ValueError(
-                        f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
-                        f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
-                        "input is d * q + m with q in 0..15 and fp16 d and m)"
-                    )
-            elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
-                q8 = packing.q8_recover(float32_modules[name].weight)
-            packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
-            setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
-            count += packed is not None
-    return count

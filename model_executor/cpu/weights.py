@@ -1,0 +1,112 @@
+"""A loaded model's weights laid out for the CPU kernels, once at start-up (the CPU wing's
+prepare_weights): every linear layer's weight packed for the kernel that multiplies by it
+(cpu/linear.py), as int8 with --quantization w8a8_int8, as a GGUF file's own Q4_1 blocks (and a
+Q8_0 LM head) with --quantization gguf."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from model_executor.cpu.kernels import build, packing
+from model_executor.cpu.linear import pack_weight, set_one_arithmetic
+
+logger = logging.getLogger("srt.model_runner")  # the start-up lines keep the logger they always had
+
+QUANTIZATIONS = ("w8a8_int8", "gguf")
+
+
+def check_quantization(quantization: str | None, dtype: torch.dtype, device: str) -> None:
+    """Raises ValueError naming what --quantization needs and this process lacks."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if device != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(
+            f"--quantization {quantization} runs on --device cpu with bfloat16 activations; "
+            f"got {device} with {dtype}"
+        )
+    if quantization == "gguf":
+        if not (build.q4_available() and build.bf16_linear_available()):
+            raise ValueError(
+                "--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
+                "Lake or later) and the CPU kernels built; this process has neither"
+            )
+        return
+    if not build.int8_available():
+        raise ValueError(
+            f"--quantization {quantization} needs a CPU with AMX int8 tiles (Intel Xeon 4th "
+            "generation or later) or AVX-512 VNNI (AMD Zen 4 or later, Intel Ice Lake or later) "
+            "and the CPU kernels built; this process has neither"
+        )
+
+
+def pack_model(
+    model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
+) -> int:
+    """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
+    w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
+    with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
+    checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
+    where the file holds it so (a tied head: the token embedding; else it stays bf16). Returns how
+    many were packed. Call once, after the weights are loaded. Raises ValueError where a gguf layer
+    is not Q4_1."""
+    assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
+    count = 0
+    float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "packed_weight") and isinstance(weight, torch.Tensor):
+            quantizable = getattr(module, "quantizable", True)
+            q4 = q8 = None
+            if quantization == "gguf" and quantizable:
+                q4 = packing.q4_recover(float32_modules[name].weight)
+                if q4 is None:
+                    raise ValueError(
+                        f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
+                        f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
+                        "input is d * q + m with q in 0..15 and fp16 d and m)"
+                    )
+            elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
+                q8 = packing.q8_recover(float32_modules[name].weight)
+            packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
+            setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
+            count += packed is not None
+    return count
+
+
+def prepare_weights(
+    model: nn.Module,
+    *,
+    quantization: str | None,
+    dtype: torch.dtype,
+    deterministic: bool,
+    load_float32: Callable[[], nn.Module],
+) -> None:
+    """Sets one arithmetic for deterministic inference (set_one_arithmetic) and packs the model's
+    weights (pack_model; with gguf, the checkpoint loaded again through `load_float32`, then
+    dropped); logs how many were packed and, for bf16 and fp16, the paths this CPU's kernels take."""
+    set_one_arithmetic(deterministic)
+    # gguf: the checkpoint's exact values, to find its Q4_1 blocks in
+    float32_model = load_float32() if quantization == "gguf" else None
+    packed = pack_model(model, quantization, float32_model)
+    del float32_model
+    if packed:
+        quantized = sum(
+            isinstance(getattr(m, "packed_weight", None), (packing.Int8Weight, packing.Q4Weight))
+            for m in model.modules()
+        )
+        kind = "Q4_1" if quantization == "gguf" else "int8"
+        if any(isinstance(getattr(m, "packed_weight", None), packing.Q8Weight) for m in model.modules()):
+            kind += ", the LM head Q8_0"
+        logger.info(
+            "packed %d weights for the CPU kernels%s",
+            packed,
+            f", {quantized} of them {kind} ({quantization})" if quantization else "",
+        )
+    if dtype in (torch.bfloat16, torch.float16):
+        logger.info(build.describe_paths())

@@ -1,0 +1,51 @@
+"""CpuWing: the CPU's DeviceWing. glibc keeps freed memory (memory.py); --quantization is checked
+and the weights packed for the kernels (weights.py); the step runner is the fused decode runner,
+which with adaptive threads also applies the thread governor's count (decode_runner.py,
+thread_governor.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from model_executor.attention.base import AttentionBackend
+from model_executor.cpu.decode_runner import CpuDecodeRunner
+from model_executor.cpu.memory import keep_freed_memory
+from model_executor.cpu.thread_governor import ThreadGovernor
+from model_executor.cpu.weights import check_quantization, prepare_weights
+from model_executor.device_wing import DeviceWing
+from model_executor.distributed.parallel_state import ParallelState
+from model_executor.models.base import CausalLM
+from model_executor.step_runner import StepRunner
+
+if TYPE_CHECKING:
+    from model_executor.model_runner import RunnerConfig
+
+
+class CpuWing(DeviceWing):
+    def __init__(self, config: RunnerConfig, parallel: ParallelState) -> None:
+        super().__init__(config, parallel)
+        keep_freed_memory()
+
+    def check(self) -> None:
+        check_quantization(self.config.quantization, self.config.dtype, self.config.device)
+
+    def prepare_weights(self, model: CausalLM, load_float32: Callable[[], CausalLM]) -> None:
+        prepare_weights(
+            model,
+            quantization=self.config.quantization,
+            dtype=self.config.dtype,
+            deterministic=self.config.deterministic,
+            load_float32=load_float32,
+        )
+
+    def step_runner(self, model: CausalLM, attn_backend: AttentionBackend) -> StepRunner:
+        self.thread_governor = ThreadGovernor.for_this_rank() if self.config.adaptive_threads else None
+        return CpuDecodeRunner(
+            model,
+            attn_backend,
+            tp_size=self.parallel.tp.world_size,
+            pp_size=self.parallel.pp.world_size,
+            deterministic=self.config.deterministic,
+            thread_governor=self.thread_governor,
+        )

@@ -1,0 +1,69 @@
+"""DeviceWing: what one device type adds to the device-neutral ModelRunner, picked by device type.
+
+ModelRunner calls its wing at three points of start-up: `check` before it builds the model,
+`prepare_weights` once the weights are loaded (before memory is sized, so what it allocates counts
+as weights), `step_runner` once the KV pool and attention backend exist. The CPU's wing is
+model_executor/cpu/wing.py; a device type without one gets this base: torch ops for every linear,
+every batch op by op. A new device's wing is a subclass in its own folder and a line in
+DEVICE_WINGS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from model_executor.step_runner import NoStepRunner, StepRunner
+
+if TYPE_CHECKING:
+    from model_executor.attention.base import AttentionBackend
+    from model_executor.cpu.thread_governor import ThreadGovernor
+    from model_executor.distributed.parallel_state import ParallelState
+    from model_executor.model_runner import RunnerConfig
+    from model_executor.models.base import CausalLM
+
+
+class DeviceWing:
+    def __init__(self, config: RunnerConfig, parallel: ParallelState) -> None:
+        """May set up the process for the device (the CPU wing: glibc keeps freed memory)."""
+        self.config = config
+        self.parallel = parallel
+        # The CPU wing's (set by its step_runner, with --disable-adaptive-cpu-threads off); None on
+        # every other device. /server_info reports it and the offline Engine restores the threads.
+        self.thread_governor: ThreadGovernor | None = None
+
+    def check(self) -> None:
+        """Raises ValueError naming what the configuration asks and this device lacks. Mutates
+        nothing."""
+        if self.config.quantization is not None:
+            raise ValueError(
+                f"--quantization {self.config.quantization} runs on --device cpu only; "
+                f"got --device {self.config.device}"
+            )
+
+    def prepare_weights(self, model: CausalLM, load_float32: Callable[[], CausalLM]) -> None:
+        """Once, after the weights are loaded: lays them out for the device's kernels (each linear
+        layer's linear method) and logs what it did. `load_float32` loads the checkpoint again in
+        float32, for a layout that needs its exact values. Mutates the model's layers and
+        process-wide kernel settings; raises ValueError where the weights do not fit the
+        --quantization asked for. Default: the weights stay as loaded."""
+
+    def step_runner(self, model: CausalLM, attn_backend: AttentionBackend) -> StepRunner:
+        """The runner ModelRunner asks for each batch, not yet prepared. Called once."""
+        return NoStepRunner()
+
+
+def _cpu(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:
+    from model_executor.cpu.wing import CpuWing  # imports this module: the base above
+
+    return CpuWing(config, parallel)
+
+
+DEVICE_WINGS: dict[str, Callable[[RunnerConfig, ParallelState], DeviceWing]] = {"cpu": _cpu}
+
+
+def device_wing(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:
+    """The wing of `config.device`'s type; the base where that type has none."""
+    return DEVICE_WINGS.get(torch.device(config.device).type, DeviceWing)(config, parallel)
