@@ -25,7 +25,7 @@ from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
 from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight
-from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows
+from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows, packed_of
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.forward_batch import ForwardBatch
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
@@ -36,10 +36,8 @@ def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4We
     """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
     or None (a Q8_0 weight is only ever the LM head's)."""
     packed: list[PackedWeight | None] = [
-        layer.qkv_proj.packed_weight,
-        layer.o_proj.packed_weight,
-        layer.gate_up_proj.packed_weight,
-        layer.down_proj.packed_weight,
+        packed_of(linear.linear_method)
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     ]
     kernel = [p for p in packed if p is not None and is_kernel_packed(p) and not isinstance(p, Q8Weight)]
     return kernel if len(kernel) == len(packed) else None

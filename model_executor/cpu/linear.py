@@ -8,7 +8,8 @@ packed GEMM and F.linear from 1 to 32 rows and stays ahead up to a few hundred r
 one (AMD Zen 4) is faster than oneDNN's from 1 to 256 rows and equals it up to 4096 (figures in
 docs/performance.md). On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without
 either the weight is reordered for oneDNN's bf16 kernel, faster than ATen's bf16 GEMM at small M,
-with bit-identical results. fp32 and other devices keep F.linear.
+with bit-identical results. fp32 and other devices keep F.linear. A layer reaches all of this through
+its linear method (PackedLinearMethod, set by weights.pack_model), knowing nothing of the layout.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
 becomes int8 with one scale per output (packing.int8_pack) and every linear of every size runs on
@@ -32,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from model_executor.cpu.kernels import build, ops, packing
+from model_executor.layers.linear_method import LinearLayer, LinearMethod
 
 AMX_MAX_ROWS = 1024  # above this, F.linear (oneDNN) is faster than the AMX kernel (docs/performance.md)
-# a layer's `packed_weight`
+# what PackedLinearMethod multiplies by (pack_weight)
 PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q8Weight
 
 
@@ -162,3 +164,35 @@ def linear_silu_mul(
     if x.numel() // x.shape[-1] > packed_max_rows():
         return None
     return ops.bf16_linear_silu(x.contiguous(), packed)
+
+
+class PackedLinearMethod(LinearMethod):
+    """A layer's linear on its weight packed for our kernels or oneDNN (pack_weight), set by
+    weights.pack_model. The weight as loaded stays the layer's: the rows the packed copy does not
+    take (F.linear above packed_max_rows, torch.mv at one row) read it."""
+
+    def __init__(self, packed: PackedWeight) -> None:
+        self.packed = packed
+
+    @property
+    def packed_weight(self) -> PackedWeight:
+        return self.packed
+
+    def apply(
+        self,
+        layer: LinearLayer,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        return linear(x, layer.weight, bias, self.packed, out_dtype)
+
+    def apply_silu_mul(
+        self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        return linear_silu_mul(x, self.packed, bias)
+
+
+def packed_of(method: LinearMethod) -> PackedWeight | None:
+    """The packed weight a layer's linear method multiplies by, or None (the weight as loaded)."""
+    return method.packed if isinstance(method, PackedLinearMethod) else None

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from model_executor.cpu.kernels import build, packing
-from model_executor.cpu.linear import pack_weight, set_one_arithmetic
+from model_executor.cpu.linear import PackedLinearMethod, pack_weight, packed_of, set_one_arithmetic
+from model_executor.layers.linear import LinearBase
+from model_executor.layers.linear_method import UNQUANTIZED
 
 logger = logging.getLogger("srt.model_runner")  # the start-up lines keep the logger they always had
 
@@ -48,8 +50,8 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
 def pack_model(
     model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
 ) -> int:
-    """Packs every layer that declares `packed_weight` (set to None at construction), as int8 with
-    w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
+    """Packs every linear layer (LinearBase), setting its linear method to a PackedLinearMethod (or
+    UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
     with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
     checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
     where the file holds it so (a tied head: the token embedding; else it stays bf16). Returns how
@@ -60,7 +62,7 @@ def pack_model(
     float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "packed_weight") and isinstance(weight, torch.Tensor):
+        if isinstance(module, LinearBase) and isinstance(weight, torch.Tensor):
             quantizable = getattr(module, "quantizable", True)
             q4 = q8 = None
             if quantization == "gguf" and quantizable:
@@ -74,7 +76,7 @@ def pack_model(
             elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
                 q8 = packing.q8_recover(float32_modules[name].weight)
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
-            setattr(module, "packed_weight", packed)  # noqa: B010  (typed per layer class)
+            module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
             count += packed is not None
     return count
 
@@ -96,12 +98,10 @@ def prepare_weights(
     packed = pack_model(model, quantization, float32_model)
     del float32_model
     if packed:
-        quantized = sum(
-            isinstance(getattr(m, "packed_weight", None), (packing.Int8Weight, packing.Q4Weight))
-            for m in model.modules()
-        )
+        weights = [packed_of(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)]
+        quantized = sum(isinstance(w, (packing.Int8Weight, packing.Q4Weight)) for w in weights)
         kind = "Q4_1" if quantization == "gguf" else "int8"
-        if any(isinstance(getattr(m, "packed_weight", None), packing.Q8Weight) for m in model.modules()):
+        if any(isinstance(w, packing.Q8Weight) for w in weights):
             kind += ", the LM head Q8_0"
         logger.info(
             "packed %d weights for the CPU kernels%s",

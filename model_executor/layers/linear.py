@@ -9,12 +9,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_executor.cpu.linear import PackedWeight, linear
 from model_executor.distributed.communicator import Communicator
+from model_executor.layers.linear_method import UNQUANTIZED, LinearMethod
 from model_executor.layers.sharding import TensorSource, check_shape, divide, set_weight_attrs
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """A layer that multiplies by its `weight` through its linear method: UNQUANTIZED until a
+    device's wing sets another after loading (layers/linear_method.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_method: LinearMethod = UNQUANTIZED
+
+    @property
+    def packed_weight(self) -> object | None:
+        """The copy of the weight the linear method's kernels read (None: the weight as loaded)."""
+        return self.linear_method.packed_weight
+
+
+class ColumnParallelLinear(LinearBase):
     def __init__(
         self,
         input_size: int,
@@ -39,7 +53,6 @@ class ColumnParallelLinear(nn.Module):
                 torch.empty(self.output_size_per_rank, dtype=params_dtype), requires_grad=False
             )
             set_weight_attrs(self.bias, self.weight_loader)
-        self.packed_weight: PackedWeight | None = None  # see model_executor/cpu/linear.py, pack_model
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         size = param.shape[0]
@@ -49,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
             param.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,7 +157,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return q, k, v
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Splits the input features; all-reduces partial outputs. Only rank 0 adds the bias, so the
     sum carries it once."""
 
@@ -169,7 +182,6 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(self.bias, self._bias_loader)
-        self.packed_weight: PackedWeight | None = None  # see model_executor/cpu/linear.py, pack_model
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         size = param.shape[1]
@@ -186,5 +198,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank_in_group == 0 else None
-        out = linear(x, self.weight, bias, self.packed_weight)
+        out = self.linear_method.apply(self, x, bias)
         return self.comm.all_reduce(out)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.cpu.linear import PackedWeight, linear
 from model_executor.distributed.communicator import Communicator
+from model_executor.layers.linear import LinearBase
 from model_executor.layers.sharding import TensorSource, check_shape, set_weight_attrs
 
 
@@ -57,13 +57,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.comm.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """Projects hidden states to logits. With tied embeddings it shares the embedding's weight.
     Not quantized by --quantization w8a8_int8 (as SGLang and vLLM leave lm_head unquantized by
     default): on SmolLM2, int8 logits agreed with bf16's top-1 on 3 points fewer of 1024 tokens of
     text. --quantization gguf runs it on the file's own Q8_0 values where it holds them so."""
 
-    quantizable = False  # model_executor/cpu/linear.py, pack_model
+    quantizable = False  # model_executor/cpu/weights.py, pack_model
 
     def __init__(
         self,
@@ -77,14 +77,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, comm, params_dtype=params_dtype)
         if tied_to is not None:
             self.weight = tied_to.weight
-        self.packed_weight: PackedWeight | None = None  # see model_executor/cpu/linear.py, pack_model
 
     def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab_size] on every TP rank, in `out_dtype` if given
         (converted after the gather: the gather moves the weight's dtype)."""
         if self.comm.world_size == 1:
-            logits = linear(hidden, self.weight, None, self.packed_weight, out_dtype)
+            logits = self.linear_method.apply(self, hidden, None, out_dtype)
         else:
-            logits = self.comm.all_gather(linear(hidden, self.weight, None, self.packed_weight), dim=-1)
+            logits = self.comm.all_gather(self.linear_method.apply(self, hidden, None), dim=-1)
             logits = logits if out_dtype is None else logits.to(out_dtype)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size].contiguous()

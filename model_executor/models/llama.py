@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_executor.cpu.linear import linear_silu_mul
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
@@ -99,7 +98,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        act = linear_silu_mul(x, gate_up.packed_weight, gate_up.bias)  # AMX-packed: silu * up in one pass
+        # silu * up in one pass where the linear method has one (the CPU kernels' packed weights)
+        act = gate_up.linear_method.apply_silu_mul(gate_up, x, gate_up.bias)
         return self.down_proj(act if act is not None else self.act_fn(gate_up(x)))
 
 
