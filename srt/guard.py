@@ -3,9 +3,10 @@
 Keys as SGLang has them: with `--api-key` every route needs `Authorization: Bearer <key>`; with
 `--admin-api-key` the admin routes (ADMIN_PATHS) need that key instead (and the normal key does not
 open them); health, readiness and metrics probes stay open, so Kubernetes and Prometheus need no
-secret. Comparison is constant-time; a refusal is an OpenAI-shaped 401 that never echoes the key.
-A body over --max-request-bytes is a 413 before it is read to the end. Both run as plain ASGI
-middleware, so streamed responses and client disconnects pass through untouched.
+secret. Comparison is constant-time; a refusal is a 401 that never echoes the key. A body over
+--max-request-bytes is a 413 before it is read to the end. Both answer in OpenAI's error shape
+(http_common.openai_error_body), whatever the route, and run as plain ASGI middleware, so streamed
+responses and client disconnects pass through untouched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import orjson
+
+from srt.http_common import openai_error_body
 
 ADMIN_PATHS = ("/flush_cache",)  # SGLang's admin-level routes that srt has
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # probes: never behind a key (as SGLang)
@@ -87,19 +90,8 @@ class RequestGuard:
             scope["path"], scope["method"], headers.get("authorization"), self.api_key, self.admin_api_key
         )
         if refusal is not None:
-            await _reply(
-                send,
-                401,
-                {
-                    "error": {
-                        "message": refusal,
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "invalid_api_key",
-                    }
-                },
-                [(b"www-authenticate", b"Bearer")],
-            )
+            body = openai_error_body(401, refusal, code="invalid_api_key")
+            await _reply(send, 401, body, [(b"www-authenticate", b"Bearer")])
             return
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -134,11 +126,4 @@ class BodyTooLarge(Exception):
 
 
 def too_large_body(cap: int) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": f"the request body is over --max-request-bytes ({cap} bytes)",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": 413,
-        }
-    }
+    return openai_error_body(413, f"the request body is over --max-request-bytes ({cap} bytes)", code=413)

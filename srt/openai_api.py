@@ -11,50 +11,38 @@ requests with seeds derived from `seed`, as one /generate batch. Any `model` nam
 in SGLang); responses name the served model. finish_reason is "stop", "length", or "abort" for a
 request ended by /abort_request.
 
-Errors use OpenAI's body `{"error": {"message", "type", "param", "code": null}}`: 400 for bad
-input, 503 when the server cannot serve; a stream that fails midway sends the error as an event,
-then `data: [DONE]`.
+Errors use OpenAI's body `{"error": {"message", "type", "param", "code": null}}`
+(http_common.openai_error_body): 400 for bad input, 503 when the server cannot serve; a stream
+that fails midway sends the error as an event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.http_server import (
-    busy_response,
+from srt.http_common import (
+    OPENAI_ERRORS,
+    manager,
     peek_refusal,
     queue_refusal,
     read_json_object,
     refusals_possible,
     sse,
-    unavailable_response,
+    sse_stream,
 )
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
 from srt.reasoning import ReasoningSplit
-from srt.tokenizer_manager import ServiceUnavailableError, TokenizerManager
+from srt.request_state import ServiceUnavailableError
+from srt.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = "invalid_request_error" if status == 400 else "service_unavailable_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-def _manager(request: Request) -> TokenizerManager:
-    return request.app.state.tokenizer_manager
 
 
 def _model_name(tm: TokenizerManager) -> str:
@@ -220,77 +208,71 @@ def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> d
     }
 
 
-async def stream_chunks(
+def stream_chunks(
     call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None], model: str
 ) -> AsyncIterator[bytes]:
+    """The response's chunks as server-sent events, then [DONE] (an error midway: an error event)."""
+    return sse_stream(outputs, _chunks(call, outputs, model), OPENAI_ERRORS)
+
+
+async def _chunks(
+    call: OpenAICall, outputs: AsyncGenerator[dict[str, Any], None], model: str
+) -> AsyncGenerator[bytes, None]:
     created, chunk_id = int(time.time()), None
     progress: dict[int, ChoiceProgress] = {}
     last_metas: dict[int, dict[str, Any]] = {}
-    async with aclosing(outputs):  # a disconnect closes this generator; close (and abort) the request too
-        try:
-            async for out in outputs:
-                index = out.get("index", 0)
-                last_metas[index] = out["meta_info"]
-                chunk_id = chunk_id or out["meta_info"]["id"]  # one id for every chunk of the response
-                choice = _choice(call, out, progress.setdefault(index, ChoiceProgress()), chunk=True)
-                chunk = {**_envelope(call, chunk_id, created, model, chunk=True), "choices": [choice]}
-                if call.include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-        except ValueError as error:
-            yield sse(error_body(400, str(error), getattr(error, "param", None)))
-        except ServiceUnavailableError as error:
-            yield sse(error_body(503, str(error)))
-        else:
-            if call.include_usage and chunk_id is not None:
-                yield sse(
-                    {
-                        **_envelope(call, chunk_id, created, model, chunk=True),
-                        "choices": [],
-                        "usage": _usage([last_metas[i] for i in sorted(last_metas)], call.n),
-                    }
-                )
-    yield b"data: [DONE]\n\n"
+    async for out in outputs:
+        index = out.get("index", 0)
+        last_metas[index] = out["meta_info"]
+        chunk_id = chunk_id or out["meta_info"]["id"]  # one id for every chunk of the response
+        choice = _choice(call, out, progress.setdefault(index, ChoiceProgress()), chunk=True)
+        chunk = {**_envelope(call, chunk_id, created, model, chunk=True), "choices": [choice]}
+        if call.include_usage:
+            chunk["usage"] = None
+        yield sse(chunk)
+    if call.include_usage and chunk_id is not None:
+        yield sse(
+            {
+                **_envelope(call, chunk_id, created, model, chunk=True),
+                "choices": [],
+                "usage": _usage([last_metas[i] for i in sorted(last_metas)], call.n),
+            }
+        )
 
 
 async def _serve(request: Request, chat: bool) -> Response:
-    tm = _manager(request)
+    tm = manager(request)
     renamed: dict[str, str] = {}
     try:
         body = await read_json_object(request)
         call = parse_chat(tm, body) if chat else parse_completion(tm, body)
         renamed = call.renamed
         generate_call = tm.parse_generate(call.generate_body)
-    except ValueError as error:
-        param = getattr(error, "param", None)
-        return error_response(400, str(error), renamed.get(param, param) if param else None)
-    except ServiceUnavailableError as error:
-        return unavailable_response(error, error_body)
+    except (ValueError, ServiceUnavailableError) as error:
+        return OPENAI_ERRORS.of(error, renamed)
     outputs = tm.generate(generate_call, request)
     model = _model_name(tm)
     if call.stream:
         if refusals_possible(tm.server_args):
             outputs, refusal = await peek_refusal(outputs)
             if refusal is not None:
-                return busy_response(refusal, error_body)
+                return OPENAI_ERRORS.busy(refusal)
         return StreamingResponse(stream_chunks(call, outputs, model), media_type="text/event-stream")
     try:
         results = [out async for out in outputs]
-    except ValueError as error:
-        return error_response(400, str(error), getattr(error, "param", None))
-    except ServiceUnavailableError as error:
-        return unavailable_response(error, error_body)
+    except (ValueError, ServiceUnavailableError) as error:
+        return OPENAI_ERRORS.of(error)
     if len(results) < call.choices:  # the client went away; nobody reads this
-        return error_response(400, "the client disconnected")
+        return OPENAI_ERRORS.response(400, "the client disconnected")
     refusals = [r for r in map(queue_refusal, results) if r is not None]
     if refusals:  # one response for all the choices: none can be given
-        return busy_response(refusals[0], error_body)
+        return OPENAI_ERRORS.busy(refusals[0])
     return JSONResponse(full_response(call, results, model))
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    tm = _manager(request)
+    tm = manager(request)
     return JSONResponse(
         {
             "object": "list",

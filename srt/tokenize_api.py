@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from srt.generate_parse import RequestError
-from srt.http_server import bad_request, read_json_object
+from srt.http_common import NATIVE_ERRORS, manager, read_json_object
 from srt.openai_parse import reject_unknown
 from srt.tokenizer_manager import TokenizerManager
 
@@ -71,9 +71,9 @@ async def _answer(
     request: Request, handler: Callable[[TokenizerManager, dict[str, Any]], dict[str, Any]]
 ) -> Response:
     try:
-        return JSONResponse(handler(request.app.state.tokenizer_manager, await read_json_object(request)))
+        return JSONResponse(handler(manager(request), await read_json_object(request)))
     except ValueError as error:
-        return bad_request(error)
+        return NATIVE_ERRORS.of(error)
 
 
 @router.post("/tokenize")

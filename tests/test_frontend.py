@@ -27,7 +27,8 @@ from transformers import AutoTokenizer
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from srt.detokenizer import DetokenizerManager
-from srt.http_server import create_app, sse, uvicorn_config
+from srt.http_common import sse
+from srt.http_server import create_app, uvicorn_config
 from srt.io_struct import (
     AbortReq,
     BatchTokenIDOut,
