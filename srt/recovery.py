@@ -6,8 +6,8 @@ server down. Fewer than N restarts within the last S seconds: the restart goes a
 Supervisor's thread, which lives as long as the server (the children's parent-death signal is
 tied to the thread that spawned them):
 
-1. the front end holds new requests back and /health says 503 (FrontendRecovery.begin_recovery,
-   the TokenizerManager's restart half, below);
+1. the front end holds new requests back and /health says 503 (FrontendRecovery.begin, the
+   TokenizerManager's restart half, srt/frontend_recovery.py);
 2. every child of the engine is killed, then the front end's sockets are replaced, so nothing the
    old processes sent late is read and nothing queued for the old rank 0 reaches the new one;
 3. the children start again, with ENGINE_START_ENV telling them which start this is: the ranks
@@ -39,15 +39,11 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from srt.request_state import ServiceUnavailableError
 from srt.utils import ENGINE_START_ENV
 
 if TYPE_CHECKING:
-    import zmq.asyncio
-
     from launcher.peers import PeerWatch
     from launcher.process import ChildProcess
-    from srt.request_state import ControlCalls, ReqState
     from srt.server_args import ServerArgs
     from srt.tokenizer_manager import TokenizerManager
 
@@ -149,7 +145,7 @@ class EngineRestarter:
                     what = f"the restarted engine failed to start: {error}"
                     continue
                 break
-            replayed = self._on_loop(lambda tm: tm.resume()) or 0
+            replayed = self._on_loop(lambda tm: tm.recovery.resume()) or 0
             seconds = time.monotonic() - began
             self._on_loop(
                 lambda tm: tm.metrics.on_restart(replayed, seconds) if tm.metrics is not None else None
@@ -199,7 +195,7 @@ class EngineRestarter:
         self.starts = start
         if self.peers is not None:
             self.peers.enter(start)
-        self._on_loop(lambda tm: tm.begin_recovery(reason))
+        self._on_loop(lambda tm: tm.recovery.begin(reason))
         stop_children(children)
         self._on_loop_async(lambda tm: tm.reset_channels())
         os.environ[ENGINE_START_ENV] = str(start)
@@ -224,79 +220,3 @@ class EngineRestarter:
         if tm is None or tm.loop is None or not tm.loop.is_running():
             return
         asyncio.run_coroutine_threadsafe(fn(tm), tm.loop).result(LOOP_CALL_TIMEOUT_S)
-
-
-class FrontendRecovery:
-    """The TokenizerManager's half of a restart, run on its event loop (EngineRestarter gets there
-    from its thread): begin_recovery turns /health to 503 and holds new requests back (at most
-    --max-running-requests of them; beyond that 503); reset_channels replaces the sockets once the
-    old processes are dead, so nothing of theirs is read or delivered later; resume replays every
-    request in flight with the output the client already has (ResumeState) and lets the held-back
-    ones through. A mixin: the sockets and the requests in flight are the manager's."""
-
-    if TYPE_CHECKING:  # the manager's, used here
-        rid_to_state: dict[str, ReqState]
-        failure: str | None
-        _zmq: zmq.asyncio.Context | None
-        _send_sock: zmq.asyncio.Socket | None
-        _recv_sock: zmq.asyncio.Socket | None
-        _handle_task: asyncio.Task[None] | None
-        _control_calls: ControlCalls
-
-        def _open_sockets(self) -> None: ...
-        def _send_nowait(self, msg: Any) -> None: ...
-
-    def _init_recovery(self, max_held_back: int) -> None:
-        self.recovering: str | None = None  # why the engine is restarting; new requests wait meanwhile
-        self._recovered: asyncio.Event | None = None  # set when not recovering (created on the loop)
-        self.held_back = 0  # requests waiting for the recovery to end
-        self.max_held_back = max_held_back
-
-    def begin_recovery(self, reason: str) -> None:
-        """The engine is going down to restart: /health 503, new requests wait, control calls fail."""
-        self.recovering = reason
-        if self._recovered is not None:
-            self._recovered.clear()
-        self._control_calls.fail_all(f"recovering: {reason}")
-
-    async def reset_channels(self) -> None:
-        """Call once the old engine's processes are dead and before the new ones start: whatever
-        they sent and was not read yet is dropped (those tokens are generated again), and no
-        message queued for the old rank 0 reaches the new one."""
-        if self._zmq is None:
-            return
-        if self._handle_task is not None:
-            self._handle_task.cancel()
-            await asyncio.gather(self._handle_task, return_exceptions=True)
-        for sock in (self._send_sock, self._recv_sock):
-            if sock is not None:
-                sock.close(linger=0)
-        self._open_sockets()
-
-    def resume(self) -> int:
-        """The new engine is up: replay every request in flight (with what its client already has),
-        let the held-back ones through. Returns how many were replayed."""
-        replays = [
-            state
-            for state in self.rid_to_state.values()
-            if state.sent is not None and state.finish_reason is None
-        ]
-        for state in replays:
-            state.replays += 1
-            self._send_nowait(state.replay())
-        self.recovering = None
-        if self._recovered is not None:
-            self._recovered.set()
-        return len(replays)
-
-    async def _until_recovered(self) -> None:
-        """Hold a new request back while the engine restarts (bounded by max_held_back)."""
-        while self.recovering is not None and self.failure is None:
-            assert self._recovered is not None
-            self.held_back += 1
-            try:
-                await self._recovered.wait()
-            finally:
-                self.held_back -= 1
-        if self.failure is not None:
-            raise ServiceUnavailableError(self.failure)

@@ -11,8 +11,8 @@ text, output ids and logprobs so far (SGLang's /generate default; with `incremen
 non-streaming yields each request's final dict. Batch items carry "index". When the client disconnects, every unfinished
 request is aborted. With --enable-metrics it records the front end's series (metrics.py).
 
-Engine restarts: the FrontendRecovery mixin (srt/recovery.py) holds new requests back and replays
-the ones in flight; a request in flight never notices.
+Engine restarts: the manager's FrontendRecovery (srt/frontend_recovery.py, driven by recovery.py)
+holds new requests back and replays the ones in flight; a request in flight never notices.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from fastapi import Request
 from transformers import AutoTokenizer
 
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
+from srt.frontend_recovery import FrontendRecovery
 from srt.generate_parse import GenerateCall, GenerateParser, RequestError
 from srt.io_struct import (
     AbortReq,
@@ -52,7 +53,6 @@ from srt.memory_watch import (
     process_memory,
 )
 from srt.metrics import FrontendMetrics, metrics_dir
-from srt.recovery import FrontendRecovery
 from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
@@ -65,7 +65,7 @@ SHUTTING_DOWN = "server is shutting down"
 DISCONNECT_CHECK_S = 0.5
 
 
-class TokenizerManager(FrontendRecovery):
+class TokenizerManager:
     def __init__(
         self, server_args: ServerArgs, port_args: PortArgs, tokenizer_path: str, model_info: dict[str, Any]
     ) -> None:
@@ -101,9 +101,15 @@ class TokenizerManager(FrontendRecovery):
         self.rid_to_state: dict[str, ReqState] = {}
         self.failure: str | None = None  # set once by fail_all; every request gets 503 from then on
         self.draining = False  # set by begin_drain: new requests get 503, in-flight ones run on
-        self._init_recovery(server_args.max_running_requests)
         self._seed_counter = itertools.count()
         self._control_calls = ControlCalls()
+        self.recovery = FrontendRecovery(
+            server_args.max_running_requests,
+            self.rid_to_state,
+            self._send_nowait,
+            lambda: self.failure,
+            self._control_calls,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._send_sock: zmq.asyncio.Socket | None = None
@@ -126,8 +132,8 @@ class TokenizerManager(FrontendRecovery):
     @property
     def unhealthy(self) -> str | None:
         """Why /health says 503 (a failure, a shutdown, a restart under way); None while serving."""
-        if self.refusal is None and self.recovering is not None:
-            return f"recovering: {self.recovering}"
+        if self.refusal is None and self.recovery.reason is not None:
+            return f"recovering: {self.recovery.reason}"
         return self.refusal
 
     @property
@@ -148,9 +154,6 @@ class TokenizerManager(FrontendRecovery):
                 raise RuntimeError("TokenizerManager was started on another event loop")
             return
         self._loop = loop
-        self._recovered = asyncio.Event()
-        if self.recovering is None:
-            self._recovered.set()
         self._zmq = zmq.asyncio.Context()
         self._open_sockets()
         if self.memory_watch.threshold > 0:
@@ -184,6 +187,21 @@ class TokenizerManager(FrontendRecovery):
             self._zmq.destroy(linger=0)
         self._loop = self._zmq = self._send_sock = self._recv_sock = self._handle_task = None
 
+    async def reset_channels(self) -> None:
+        """Replace the sockets (an engine restart, recovery.py): call once the old engine's processes
+        are dead and before the new ones start. Whatever they sent and was not read yet is dropped
+        (those tokens are generated again), and no message queued for the old rank 0 reaches the new
+        one."""
+        if self._zmq is None:
+            return
+        if self._handle_task is not None:
+            self._handle_task.cancel()
+            await asyncio.gather(self._handle_task, return_exceptions=True)
+        for sock in (self._send_sock, self._recv_sock):
+            if sock is not None:
+                sock.close(linger=0)
+        self._open_sockets()
+
     def begin_drain(self) -> None:
         """A graceful shutdown begins: new requests and control calls get 503 SHUTTING_DOWN, while
         the requests in flight run to completion (or until fail_all ends them)."""
@@ -212,8 +230,7 @@ class TokenizerManager(FrontendRecovery):
     def _wake_all(self) -> None:
         for state in self.rid_to_state.values():
             state.wake.set()
-        if self._recovered is not None:
-            self._recovered.set()  # the held-back requests see the failure
+        self.recovery.wake()  # the held-back requests see the failure
         self._control_calls.fail_all(self.failure or "")
 
     # ---- validation ----
@@ -223,11 +240,9 @@ class TokenizerManager(FrontendRecovery):
             raise ServiceUnavailableError(self.refusal)
         if self.memory_watch.pressure is not None:
             raise ServiceUnavailableError(self.memory_watch.pressure, retry_after=True)
-        if self.recovering is not None and self.held_back >= self.max_held_back:
-            raise ServiceUnavailableError(
-                f"recovering: {self.recovering}; {self.held_back} requests are waiting already",
-                retry_after=True,
-            )
+        overflow = self.recovery.overflow()
+        if overflow is not None:
+            raise ServiceUnavailableError(overflow, retry_after=True)
         return self.parser.parse(obj, self.rid_to_state)
 
     def _check_rids_free(self, rids: list[str]) -> None:
@@ -276,7 +291,7 @@ class TokenizerManager(FrontendRecovery):
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
             for req, state in zip(call.reqs, states):
-                await self._until_recovered()
+                await self.recovery.until_recovered()
                 state.sent = req  # with the send, no await between: a restart replays exactly the sent ones
                 self._send_nowait(req)
             pending = list(states)
