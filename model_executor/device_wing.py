@@ -11,7 +11,7 @@ DEVICE_WINGS.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +19,6 @@ from model_executor.step_runner import NoStepRunner, StepRunner
 
 if TYPE_CHECKING:
     from model_executor.attention.base import AttentionBackend
-    from model_executor.cpu.thread_governor import ThreadGovernor
     from model_executor.distributed.parallel_state import ParallelState
     from model_executor.model_runner import RunnerConfig
     from model_executor.models.base import CausalLM
@@ -30,9 +29,6 @@ class DeviceWing:
         """May set up the process for the device (the CPU wing: glibc keeps freed memory)."""
         self.config = config
         self.parallel = parallel
-        # The CPU wing's (set by its step_runner, with --disable-adaptive-cpu-threads off); None on
-        # every other device. /server_info reports it and the offline Engine restores the threads.
-        self.thread_governor: ThreadGovernor | None = None
 
     def check(self) -> None:
         """Raises ValueError naming what the configuration asks and this device lacks. Mutates
@@ -53,6 +49,14 @@ class DeviceWing:
     def step_runner(self, model: CausalLM, attn_backend: AttentionBackend) -> StepRunner:
         """The runner ModelRunner asks for each batch, not yet prepared. Called once."""
         return NoStepRunner()
+
+    def state(self) -> dict[str, Any]:
+        """What the steps run on now, for /server_info. Mutates nothing."""
+        return {"cpu_threads": {"configured": torch.get_num_threads(), "adaptive": False}}
+
+    def restore_threads(self) -> None:
+        """The offline Engine's call is over: the caller's torch threads as it set them, whatever the
+        wing chose per step. Default: the wing never changes them."""
 
 
 def _cpu(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:

@@ -188,12 +188,6 @@ class ModelRunner:
     def _init_step_runner(self) -> None:
         self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend)
         self.step_runner.prepare()
-        self.thread_governor = self.wing.thread_governor
-
-    @property
-    def decode_runner(self) -> StepRunner:
-        """The step runner, by the name tests knew the CPU's fused decode runner by."""
-        return self.step_runner
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -280,20 +274,8 @@ class ModelRunner:
         return [int(i) for i in self.stage_link.recv_ids(batch_size).tolist()]
 
     def state(self) -> dict[str, Any]:
-        """What the step runs on now, for /server_info: the torch threads (configured, and with the
-        thread governor on, what the steps in our kernels run on and the cores other processes kept
-        busy in its last window)."""
-        gov = self.thread_governor
-        if gov is None:
-            threads: dict[str, Any] = {"configured": torch.get_num_threads(), "adaptive": False}
-        else:
-            threads = {
-                "configured": gov.threads,
-                "adaptive": True,
-                "governed": gov.current,
-                "others_busy_cores": gov.others,
-            }
-        return {"cpu_threads": threads}
+        """What the steps run on now, for /server_info (the device wing's: on the CPU, the threads)."""
+        return self.wing.state()
 
     def info(self) -> dict[str, Any]:
         return {

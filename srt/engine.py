@@ -291,8 +291,8 @@ class Engine:
                     if not (outputs.done or self.scheduler.has_work()):
                         raise RuntimeError("the scheduler went idle before every request finished")
             finally:  # the caller's torch threads as it set them, whatever the governor chose
-                if self.runner is not None and self.runner.thread_governor is not None:
-                    self.runner.thread_governor.restore()
+                if self.runner is not None:
+                    self.runner.wing.restore_threads()
             return outputs.results()
         if not self._procs:
             raise RuntimeError("the engine is shut down")

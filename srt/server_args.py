@@ -26,7 +26,7 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_execu
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names srt has (srt/reasoning.py)
 TOOL_CALL_PARSERS = ("qwen25", "llama3")  # SGLang's names srt has (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
-QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/linear.py
+QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/weights.py
 
 
 DEFAULT_MEM_FRACTION_STATIC = 0.8

@@ -1,4 +1,4 @@
-"""CpuDecodeRunner (model_executor/cpu_decode_runner.py): the decode batches it runs as whole fused
+"""CpuDecodeRunner (model_executor/cpu/decode_runner.py): the decode batches it runs as whole fused
 layers and the ones it leaves to the model's layers; the attention backends chosen by name."""
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def test_takes_a_bf16_decode_batch_on_one_rank_and_gives_the_layers_logits(
     lens = [3, 30]
     rows = prefill(runner, lens)
     batch = decode_step(runner, rows, lens)
-    assert runner.decode_runner.can_run(batch)
+    assert runner.step_runner.can_run(batch)
     fused = runner.forward(batch)
     assert calls == [1]  # one fused call for the whole step (every layer in it)
     # The same step again, op by op through the model's layers and the attention backend.
-    monkeypatch.setattr(runner.decode_runner, "can_run", lambda batch: False)
+    monkeypatch.setattr(runner.step_runner, "can_run", lambda batch: False)
     again = decode_step(runner, rows, lens)
     layers = runner.forward(again)
     assert calls == [1]
@@ -104,7 +104,7 @@ def test_declines_prefill_and_runs_it_on_the_layers(
     rows = [int(pool.alloc())]  # type: ignore[arg-type]
     loc = runner.allocator.alloc_extend(pool.req_to_token, rows, [0], [4])
     batch = make_forward_batch(ForwardMode.EXTEND, [5, 6, 7, 8], rows, [0], [4], loc)
-    assert not runner.decode_runner.can_run(batch)
+    assert not runner.step_runner.can_run(batch)
     assert torch.isfinite(runner.forward(batch)).all()
     assert not calls
 
@@ -120,9 +120,9 @@ def test_declines_a_decode_batch_above_its_limit(
     calls = count_fused_calls(monkeypatch)
     lens = [3, 30, 7]
     rows = prefill(runner, lens)
-    assert runner.decode_runner.can_run(decode_step(runner, rows[:2], lens[:2]))
+    assert runner.step_runner.can_run(decode_step(runner, rows[:2], lens[:2]))
     batch = decode_step(runner, rows, lens)
-    assert not runner.decode_runner.can_run(batch)
+    assert not runner.step_runner.can_run(batch)
     assert torch.isfinite(runner.forward(batch)).all()
     assert not calls
 
@@ -140,7 +140,7 @@ def test_declines_every_step_in_deterministic_mode(
         calls = count_fused_calls(monkeypatch)
         rows = prefill(runner, [3])
         batch = decode_step(runner, rows, [3])
-        assert not runner.decode_runner.can_run(batch)
+        assert not runner.step_runner.can_run(batch)
         runner.forward(batch)
         assert not calls
     finally:
@@ -166,7 +166,7 @@ def test_declines_what_the_fused_layer_does_not_compute(
     calls = count_fused_calls(monkeypatch)
     rows = prefill(runner, [3])
     batch = decode_step(runner, rows, [3])
-    assert not runner.decode_runner.can_run(batch)
+    assert not runner.step_runner.can_run(batch)
     assert torch.isfinite(runner.forward(batch)).all()
     assert not calls
 
@@ -178,7 +178,7 @@ def test_declines_tensor_and_pipeline_parallel_ranks(tiny_model_dirs: dict[str, 
     runner = runner_for(model_dir)
     rows = prefill(runner, [3])
     batch = decode_step(runner, rows, [3])
-    assert runner.decode_runner.can_run(batch)
+    assert runner.step_runner.can_run(batch)
     for tp_size, pp_size in ((2, 1), (1, 2)):
         other = CpuDecodeRunner(
             runner.model, runner.attn_backend, tp_size=tp_size, pp_size=pp_size, deterministic=False

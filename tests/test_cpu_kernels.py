@@ -1,4 +1,4 @@
-"""The fused CPU kernels (model_executor/kernels) against the torch ops they replace, and a bf16
+"""The fused CPU kernels (model_executor/cpu/kernels) against the torch ops they replace, and a bf16
 model with them against the same model on torch ops, both measured against fp32 transformers."""
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(
         decode_layers.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1]
     )
     fused = decode_logits(runner, prompts, forced)
-    assert len(calls) == 6 and runner.decode_runner.layers().q4  # every decode step fused, on Q4_1 weights
+    assert len(calls) == 6 and runner.step_runner.layers().q4  # every decode step fused, on Q4_1 weights
 
     monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q4_linear
     q4_calls: list[int] = []

@@ -150,7 +150,7 @@ def test_the_default_path_keeps_its_bits_at_any_thread_count(lens: tuple[int, in
         with Engine(None, max_total_tokens=4096) as engine:
             runner = engine.runner
             assert runner is not None
-            gov = runner.thread_governor
+            gov = runner.wing.thread_governor  # type: ignore[attr-defined]
             assert gov is not None and gov.threads == 2
             seen: list[int] = []
 

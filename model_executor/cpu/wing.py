@@ -6,7 +6,7 @@ thread_governor.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
@@ -26,6 +26,8 @@ class CpuWing(DeviceWing):
     def __init__(self, config: RunnerConfig, parallel: ParallelState) -> None:
         super().__init__(config, parallel)
         keep_freed_memory()
+        # Set by step_runner with adaptive threads (--disable-adaptive-cpu-threads off).
+        self.thread_governor: ThreadGovernor | None = None
 
     def check(self) -> None:
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
@@ -49,3 +51,22 @@ class CpuWing(DeviceWing):
             deterministic=self.config.deterministic,
             thread_governor=self.thread_governor,
         )
+
+    def state(self) -> dict[str, Any]:
+        """The torch threads: configured, and with the governor on, what the steps in our kernels run
+        on now and the cores other processes kept busy in its last window."""
+        gov = self.thread_governor
+        if gov is None:
+            return super().state()
+        return {
+            "cpu_threads": {
+                "configured": gov.threads,
+                "adaptive": True,
+                "governed": gov.current,
+                "others_busy_cores": gov.others,
+            }
+        }
+
+    def restore_threads(self) -> None:
+        if self.thread_governor is not None:
+            self.thread_governor.restore()
