@@ -1,8 +1,8 @@
 """Write docs/server_args.md, the flag reference, from the flags launch_server parses.
 
-The parser is built as launch_server builds it (`ServerArgs.add_cli_args`); each flag's default,
+The parser is built as launch_server builds it (`srt.cli_args.add_cli_args`); each flag's default,
 values and help text come from its argparse action, its topic from `CLI_FLAGS` in
-srt/server_args.py, and where argparse has no help text, the table's note stands in.
+srt/cli_args.py, and where argparse has no help text, the table's note stands in.
 
     python scripts/gen_server_args_doc.py           # write docs/server_args.md
     python scripts/gen_server_args_doc.py --check   # exit 1 if the page differs from what this writes
@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from srt.server_args import CLI_FLAGS, ENV_DEFAULTS, Flag, ServerArgs  # noqa: E402
+from srt.cli_args import CLI_FLAGS, Flag, add_cli_args  # noqa: E402
+from srt.server_args import ENV_DEFAULTS  # noqa: E402
 
 DOC = ROOT / "docs" / "server_args.md"
 COMMAND = "python scripts/gen_server_args_doc.py"
@@ -30,7 +31,7 @@ checked once at start-up, and a bad one fails naming its flag. `launch_server --
 same flags in the same order. Where a default names an environment variable, that variable gives
 the value when the flag is not given.
 
-Generated from `srt/server_args.py` by `{COMMAND}`: do not edit this page
+Generated from `srt/cli_args.py` and `srt/server_args.py` by `{COMMAND}`: do not edit this page
 by hand; `tests/test_docs.py` fails when it differs from what the script writes.
 """
 
@@ -70,7 +71,7 @@ def _row(action: argparse.Action, flag: Flag) -> str:
 def render() -> str:
     """The page as this tree's parser defines the flags."""
     parser = argparse.ArgumentParser(prog="launch_server", add_help=False)
-    ServerArgs.add_cli_args(parser)
+    add_cli_args(parser)
     actions = {action.option_strings[0]: action for action in parser._actions}
     listed = [flag.names[0] for group in CLI_FLAGS for flag in group.flags]
     if sorted(listed) != sorted(actions):

@@ -57,6 +57,7 @@ from launcher.process import ChildProcess, LaunchError, spawn_child, stop_childr
 from launcher.rendezvous import USE_AGENT_STORE, Rendezvous
 from launcher.supervisor import Supervisor
 from launcher.teardown import become_subreaper, kill_process_tree
+from srt.cli_args import parse_server_args
 from srt.metrics import metrics_dir, render_rank_metrics
 from srt.recovery import EngineRestarter
 from srt.server_args import PortArgs, ServerArgs
@@ -370,7 +371,7 @@ def serve(
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        server_args = ServerArgs.from_cli(argv)
+        server_args = parse_server_args(argv)
         replica = dp_rank_label()
         configure_logging(server_args.log_level, f"main_{replica}" if replica else "main")
         if server_args.dp_size > 1:

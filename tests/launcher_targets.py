@@ -159,11 +159,11 @@ def install_fake_frontend() -> None:
 def fake_node(argv: list[str]) -> int:
     """launch_server's real flow with fake scheduler / detokenizer targets and fake front end."""
     from launcher.log import configure_logging
+    from srt.cli_args import parse_server_args
     from srt.launch_server import plan_launch, run
-    from srt.server_args import ServerArgs
 
     install_fake_frontend()
-    server_args = ServerArgs.from_cli(argv)
+    server_args = parse_server_args(argv)
     configure_logging(server_args.log_level, "main")
     return run(
         plan_launch(server_args), "launcher_targets:fake_scheduler", "launcher_targets:fake_detokenizer"

@@ -18,6 +18,7 @@ from tiny_models import hf_float32, hf_forced_logits
 from model_executor.cpu.kernels import build, decode_layers, ops, packing
 from model_executor.cpu.weights import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
+from srt.cli_args import parse_server_args
 from srt.server_args import ServerArgs
 
 needs_q4 = pytest.mark.skipif(
@@ -337,7 +338,7 @@ def test_gguf_smollm2_decodes_as_close_to_fp32_as_bf16_does(smollm2_dir: Path) -
 
 
 def test_gguf_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ServerArgs.from_cli(["--quantization", "gguf"]).quantization == "gguf"
+    assert parse_server_args(["--quantization", "gguf"]).quantization == "gguf"
     with pytest.raises(ValueError, match="--quantization gguf needs --device cpu and --dtype bfloat16"):
         ServerArgs(quantization="gguf", dtype="float32")
     monkeypatch.setattr(build, "q4_available", lambda: False)

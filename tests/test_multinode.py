@@ -30,6 +30,7 @@ from launcher.fingerprint import fingerprint_diff, launch_fingerprint
 from launcher.layout import RendezvousAddress, check_device_count, rendezvous_address
 from launcher.peers import HEARTBEAT_S, LOST_AFTER_S, PeerWatch
 from launcher.rendezvous import Rendezvous, RendezvousError
+from srt.cli_args import parse_server_args
 from srt.launch_server import plan_launch
 from srt.server_args import ServerArgs
 from srt.server_process import kill_all
@@ -313,7 +314,7 @@ def test_bad_layout_fails_before_anything_starts(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError) as error:
-        plan_launch(ServerArgs.from_cli(["--port", str(free_port()), *argv]))
+        plan_launch(parse_server_args(["--port", str(free_port()), *argv]))
     assert message in str(error.value)
 
 

@@ -15,6 +15,7 @@ from tiny_models import hf_float32, hf_forced_logits
 from model_executor.cpu.kernels import build, decode_layers, ops, packing
 from model_executor.cpu.weights import check_quantization
 from model_executor.model_runner import ModelRunner, RunnerConfig
+from srt.cli_args import parse_server_args
 from srt.server_args import ServerArgs
 
 needs_int8 = pytest.mark.skipif(
@@ -130,8 +131,8 @@ def test_quantization_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyP
     with pytest.raises(ValueError, match="--quantization must be one of w8a8_int8, gguf; got 'fp8'"):
         ServerArgs(quantization="fp8")
     with pytest.raises(SystemExit):
-        ServerArgs.from_cli(["--quantization", "int4"])
-    assert ServerArgs.from_cli(["--quantization", "w8a8_int8"]).quantization == "w8a8_int8"
+        parse_server_args(["--quantization", "int4"])
+    assert parse_server_args(["--quantization", "w8a8_int8"]).quantization == "w8a8_int8"
     with pytest.raises(ValueError, match="runs on --device cpu with bfloat16 activations"):
         check_quantization("w8a8_int8", torch.float32, "cpu")
     monkeypatch.setattr(build, "int8_available", lambda: False)

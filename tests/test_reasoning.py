@@ -16,6 +16,7 @@ import requests
 from server_fixture import Server
 from tiny_models import make_tiny_model
 
+from srt.cli_args import parse_server_args
 from srt.reasoning import ReasoningSplit
 from srt.server_args import ServerArgs
 
@@ -133,6 +134,4 @@ def test_the_split_streams_a_prefix_of_the_finished_split(
 def test_the_parser_flag_is_validated() -> None:
     with pytest.raises(ValueError, match="--reasoning-parser"):
         ServerArgs(model_path="m", reasoning_parser="gpt-5")
-    assert (
-        ServerArgs.from_cli(["--model-path", "m", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
-    )
+    assert parse_server_args(["--model-path", "m", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from srt.cli_args import parse_server_args
 from srt.server_args import ServerArgs
 
 
 def test_sglang_flag_names_and_aliases() -> None:
-    args = ServerArgs.from_cli(
+    args = parse_server_args(
         [
             "--tp",
             "2",
@@ -48,26 +49,26 @@ def test_sglang_flag_names_and_aliases() -> None:
 )
 def test_bad_values_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
-        ServerArgs.from_cli(argv)
+        parse_server_args(argv)
 
 
 def test_deterministic_inference_is_asked_for_or_needed_by_restarts() -> None:
-    assert not ServerArgs.from_cli([]).deterministic
-    assert ServerArgs.from_cli(["--enable-deterministic-inference"]).deterministic
-    assert ServerArgs.from_cli(
+    assert not parse_server_args([]).deterministic
+    assert parse_server_args(["--enable-deterministic-inference"]).deterministic
+    assert parse_server_args(
         ["--restart-on-failure", "2"]
     ).deterministic  # its replays re-prefill decoded tokens
-    assert not ServerArgs.from_cli(["--restart-on-failure", "2", "--quantization", "gguf"]).deterministic
+    assert not parse_server_args(["--restart-on-failure", "2", "--quantization", "gguf"]).deterministic
     with pytest.raises(
         ValueError, match="--enable-deterministic-inference cannot hold with --quantization gguf"
     ):
-        ServerArgs.from_cli(["--enable-deterministic-inference", "--quantization", "gguf"])
+        parse_server_args(["--enable-deterministic-inference", "--quantization", "gguf"])
 
 
 def test_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNC_TOKEN_IDS_ACROSS_TP", "1")
     monkeypatch.setenv("SRT_ENABLE_RANK_CONSENSUS_CHECKER", "true")
-    args = ServerArgs.from_cli([])
+    args = parse_server_args([])
     assert args.sync_token_ids_across_tp and args.enable_rank_consensus_checker
     with pytest.raises(dataclass_error()):
         args.port = 1  # type: ignore[misc]
@@ -86,36 +87,34 @@ def test_the_api_names_the_model_as_given() -> None:
 
 
 def test_request_deadlines_from_sglang_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ServerArgs.from_cli([]).req_waiting_timeout is None  # off by default, as SGLang's -1
+    assert parse_server_args([]).req_waiting_timeout is None  # off by default, as SGLang's -1
     monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "30")
     monkeypatch.setenv("SGLANG_REQ_RUNNING_TIMEOUT", "-1")
-    args = ServerArgs.from_cli([])
+    args = parse_server_args([])
     assert args.req_waiting_timeout == 30.0 and args.req_running_timeout is None
-    assert ServerArgs.from_cli(["--req-running-timeout", "5"]).req_running_timeout == 5.0
+    assert parse_server_args(["--req-running-timeout", "5"]).req_running_timeout == 5.0
     with pytest.raises(ValueError, match="--req-waiting-timeout"):
-        ServerArgs.from_cli(["--req-waiting-timeout", "0"])
+        parse_server_args(["--req-waiting-timeout", "0"])
 
 
 def test_kv_space_flag_and_vllm_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    args = ServerArgs.from_cli([])
+    args = parse_server_args([])
     assert args.cpu_kvcache_space is None and args.mem_fraction_static is None and args.uses_cpu_kvcache_space
-    assert ServerArgs.from_cli(["--cpu-kvcache-space", "0.5"]).cpu_kvcache_space == 0.5
-    assert not ServerArgs.from_cli(
-        ["--max-total-tokens", "4096"]
-    ).uses_cpu_kvcache_space  # SGLang's flag alone
+    assert parse_server_args(["--cpu-kvcache-space", "0.5"]).cpu_kvcache_space == 0.5
+    assert not parse_server_args(["--max-total-tokens", "4096"]).uses_cpu_kvcache_space  # SGLang's flag alone
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
-    assert ServerArgs.from_cli([]).cpu_kvcache_space == 8.0
-    assert ServerArgs.from_cli(["--cpu-kvcache-space", "2"]).cpu_kvcache_space == 2.0  # the flag wins
+    assert parse_server_args([]).cpu_kvcache_space == 8.0
+    assert parse_server_args(["--cpu-kvcache-space", "2"]).cpu_kvcache_space == 2.0  # the flag wins
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "unset"
-    assert ServerArgs.from_cli([]).cpu_kvcache_space is None
+    assert parse_server_args([]).cpu_kvcache_space is None
 
 
 def test_cpu_threads_flag_and_sglang_binding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
-    assert ServerArgs.from_cli([]).cpu_threads is None  # the usable CPUs divided by this node's ranks
-    args = ServerArgs.from_cli(["--cpu-threads", "3", "--dp-size", "2"])
+    assert parse_server_args([]).cpu_threads is None  # the usable CPUs divided by this node's ranks
+    args = parse_server_args(["--cpu-threads", "3", "--dp-size", "2"])
     argv = args.to_cli(dp_size=1)  # a replica's: its ranks take 3 threads each too
     assert args.cpu_threads == 3 and argv[argv.index("--cpu-threads") + 1] == "3"
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1|2-3")
     with pytest.raises(ValueError, match="SGLANG_CPU_OMP_THREADS_BIND pins the ranks of one replica"):
-        ServerArgs.from_cli(["--dp-size", "2"])
+        parse_server_args(["--dp-size", "2"])

@@ -1,0 +1,484 @@
+"""The launch_server command line: one table of flags grouped by topic (CLI_FLAGS), the parser built
+from it, and ServerArgs parsed from argv. The flag reference (docs/server_args.md) is generated
+from the same table by scripts/gen_server_args_doc.py."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from srt.server_args import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    GRAMMAR_BACKENDS,
+    LOG_LEVELS,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    ROUTER_POLICIES,
+    SCHEDULE_POLICIES,
+    TOOL_CALL_PARSERS,
+    ServerArgs,
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of CLI_FLAGS, in its order (the flat list `launch_server --help` prints)."""
+    for group in CLI_FLAGS:
+        for flag in group.flags:
+            parser.add_argument(*flag.names, **flag.options)
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="launch_server", description="srt inference server")
+    add_cli_args(parser)
+    ns = vars(parser.parse_args(argv))
+    ns = {k: v for k, v in ns.items() if v is not None or k in ("model_path",)}
+    if ns.get("cpu_kvcache_space") is not None and ns.get("device") != "cpu":
+        raise ValueError(
+            "--cpu-kvcache-space sizes the KV cache on --device cpu; on CUDA use "
+            "--mem-fraction-static or --max-total-tokens"
+        )
+    return ServerArgs(**ns)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One launch_server flag: argparse's names and keyword arguments, and `note`, the flag
+    reference's line (docs/server_args.md) where argparse has no help text."""
+
+    names: tuple[str, ...]
+    options: dict[str, Any]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FlagGroup:
+    title: str
+    pages: tuple[str, ...]  # the docs/ pages that explain these flags
+    flags: tuple[Flag, ...]
+
+
+def _flag(*names: str, note: str = "", **options: Any) -> Flag:
+    return Flag(names, options, note)
+
+
+def _default(name: str) -> Any:
+    return ServerArgs.__dataclass_fields__[name].default
+
+
+CLI_FLAGS: tuple[FlagGroup, ...] = (
+    FlagGroup(
+        "Model and weights",
+        ("quantization.md", "usage.md"),
+        (
+            _flag(
+                "--model-path",
+                "--model",
+                default=None,
+                help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+            ),
+            _flag("--tokenizer-path", default=None, help="defaults to --model-path"),
+            _flag(
+                "--dtype",
+                default=_default("dtype"),
+                choices=DTYPES,
+                note="auto is bfloat16; --quantization needs auto or bfloat16",
+            ),
+            _flag(
+                "--device",
+                default=_default("device"),
+                choices=DEVICES,
+                note="cpu runs srt's C kernels where they apply; cuda runs the torch-native attention",
+            ),
+            _flag(
+                "--quantization",
+                default=None,
+                choices=QUANTIZATIONS,
+                help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) "
+                "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for "
+                "decode batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy "
+                "for more rows); CPU only",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "HTTP server",
+        ("usage.md",),
+        (
+            _flag(
+                "--host",
+                default=_default("host"),
+                note="the address the HTTP server listens on (0.0.0.0: every interface)",
+            ),
+            _flag(
+                "--port",
+                type=int,
+                default=_default("port"),
+                note="the HTTP port (with --dp-size > 1, the router's)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Parallelism and CPU threads",
+        ("deploy.md", "cpu.md"),
+        (
+            _flag(
+                "--tp-size",
+                "--tp",
+                dest="tp_size",
+                type=int,
+                default=1,
+                note="tensor-parallel ranks (SmolLM2 has 9 attention heads: 1, 3 or 9)",
+            ),
+            _flag(
+                "--pp-size",
+                "--pp",
+                dest="pp_size",
+                type=int,
+                default=1,
+                note="pipeline stages, each a contiguous range of layers (SRT_PP_LAYER_PARTITION=16,14 "
+                "overrides the split); T x P ranks with --tp-size T",
+            ),
+            _flag(
+                "--dp-size",
+                "--dp",
+                dest="dp_size",
+                type=int,
+                default=1,
+                help="independent replicas of the TP x PP group on this node, the cores divided between them, "
+                "behind SGLang's router on --port (needs the router extra: pip install -e '.[router]')",
+            ),
+            _flag(
+                "--router-policy",
+                default=_default("router_policy"),
+                choices=ROUTER_POLICIES,
+                help="sglang-router's policy with --dp-size > 1",
+            ),
+            _flag(
+                "--pp-micro-batches",
+                type=int,
+                default=None,
+                help="micro-batches in flight with --pp-size > 1 (default: --pp-size; 1: the stages take turns)",
+            ),
+            _flag(
+                "--cpu-threads",
+                type=int,
+                default=None,
+                help="torch intra-op threads per rank (default: the usable CPUs divided by this node's ranks, or "
+                "with SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3 the size of each rank's CPU range, which pins it)",
+            ),
+            _flag(
+                "--disable-adaptive-cpu-threads",
+                action="store_true",
+                help="keep every rank at its --cpu-threads even while other processes load its CPUs "
+                "(by default a rank gives up one thread per core others keep busy, and takes it back after)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Multi-node",
+        ("deploy.md",),
+        (
+            _flag(
+                "--nnodes",
+                type=int,
+                default=1,
+                note="machines the TP x PP ranks span, an equal share on each; node 0 serves HTTP",
+            ),
+            _flag("--node-rank", type=int, default=0, note="this machine's index, 0 to --nnodes - 1"),
+            _flag("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// "),
+            _flag(
+                "--dist-timeout",
+                type=float,
+                default=_default("dist_timeout"),
+                note="seconds the nodes wait for each other at the rendezvous (an unreachable address fails "
+                "after it)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Memory",
+        ("cpu.md",),
+        (
+            _flag(
+                "--mem-fraction-static",
+                type=float,
+                default=None,
+                help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
+                "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space",
+            ),
+            _flag(
+                "--max-total-tokens",
+                type=int,
+                default=None,
+                help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space",
+            ),
+            _flag(
+                "--cpu-kvcache-space",
+                type=float,
+                default=None,
+                help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
+                "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)",
+            ),
+            _flag(
+                "--min-available-memory",
+                type=float,
+                default=_default("min_available_memory"),
+                help="GiB: while the host has less RAM available, new requests get 503 and the prefix cache is "
+                "evicted and given back to the OS (0: off)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Scheduling",
+        ("architecture.md",),
+        (
+            _flag(
+                "--max-running-requests",
+                type=int,
+                default=_default("max_running_requests"),
+                note="requests in the running batch at once (the request slots)",
+            ),
+            _flag(
+                "--max-prefill-tokens",
+                type=int,
+                default=_default("max_prefill_tokens"),
+                note="new prompt tokens in one step, all requests together",
+            ),
+            _flag(
+                "--chunked-prefill-size",
+                type=int,
+                default=_default("chunked_prefill_size"),
+                note="new prompt tokens of one request in one step; a longer prompt is prefilled in chunks",
+            ),
+            _flag("--page-size", type=int, default=_default("page_size"), note="tokens per KV cache page"),
+            _flag(
+                "--schedule-policy",
+                default=_default("schedule_policy"),
+                choices=SCHEDULE_POLICIES,
+                note="fcfs: arrival order; lpm: longest cached prefix first",
+            ),
+            _flag(
+                "--enable-priority-scheduling",
+                action="store_true",
+                help="order the waiting queue by each request's `priority` (larger first; requests without one "
+                "last), then by --schedule-policy; without it a request that sets priority gets a 400",
+            ),
+            _flag(
+                "--schedule-low-priority-values-first",
+                action="store_true",
+                help="with --enable-priority-scheduling: smaller priority values go first",
+            ),
+            _flag(
+                "--disable-radix-cache",
+                action="store_true",
+                note="no prefix cache: every prompt is prefilled whole",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Requests, streaming and logs",
+        ("usage.md",),
+        (
+            _flag(
+                "--random-seed",
+                type=int,
+                default=_default("random_seed"),
+                note="with the request's order, gives the seed of each request that sets none",
+            ),
+            _flag(
+                "--context-length",
+                type=int,
+                default=None,
+                note="the longest prompt plus output (default and most: the model's max_position_embeddings)",
+            ),
+            _flag(
+                "--served-model-name",
+                default=None,
+                note="the model's name in the OpenAI routes (default: --model-path as given, else "
+                "SmolLM2-135M-Instruct)",
+            ),
+            _flag(
+                "--log-level",
+                default=_default("log_level"),
+                choices=LOG_LEVELS,
+                note="the lowest level of log line printed",
+            ),
+            _flag(
+                "--stream-interval",
+                type=int,
+                default=_default("stream_interval"),
+                note="a stream sends a chunk every this many new tokens",
+            ),
+            _flag(
+                "--incremental-streaming-output",
+                action="store_true",
+                help="each streamed /generate chunk carries only the text, output_ids and output logprobs new "
+                "since the previous chunk (default: everything so far)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Attention, grammars, tool calls and reasoning",
+        ("usage.md",),
+        (
+            _flag(
+                "--attention-backend",
+                default=_default("attention_backend"),
+                choices=ATTENTION_BACKENDS,
+                note="auto: cpu_kernels on the CPU, torch_native elsewhere (flashinfer is a placeholder)",
+            ),
+            _flag(
+                "--grammar-backend",
+                default=_default("grammar_backend"),
+                choices=GRAMMAR_BACKENDS,
+                help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
+            ),
+            _flag(
+                "--tool-call-parser",
+                default=None,
+                choices=TOOL_CALL_PARSERS,
+                help="the model's tool-call format, parsed into tool_calls for tool_choice auto",
+            ),
+            _flag(
+                "--reasoning-parser",
+                default=None,
+                choices=REASONING_PARSERS,
+                help="the model's <think> format: chat replies carry it as reasoning_content, apart from content",
+            ),
+            _flag(
+                "--constrained-json-disable-any-whitespace",
+                action="store_true",
+                help="JSON-constrained outputs take the compact form (no whitespace between tokens)",
+            ),
+            _flag(
+                "--constrained-json-max-whitespace-cnt",
+                type=int,
+                default=None,
+                help="at most this many consecutive whitespace characters in JSON-constrained outputs",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Guards against ranks that disagree or hang",
+        ("deploy.md", "architecture.md"),
+        (
+            _flag(
+                "--watchdog-timeout",
+                type=float,
+                default=_default("watchdog_timeout"),
+                note="seconds without a forward step while work is pending before a rank logs its stacks and "
+                "exits (code 75), which takes the server down",
+            ),
+            _flag(
+                "--soft-watchdog-timeout",
+                type=float,
+                default=None,
+                note="seconds without a forward step while work is pending before a rank logs its stacks and "
+                "goes on serving",
+            ),
+            _flag(
+                "--sync-token-ids-across-tp",
+                action="store_true",
+                default=None,
+                note="TP ranks MIN-all-reduce every step's sampled ids (constrained requests' always)",
+            ),
+            _flag(
+                "--enable-rank-consensus-checker",
+                action="store_true",
+                default=None,
+                note="each rank digests its decisions; a thread compares them every second, names the first "
+                "divergence and exits 70",
+            ),
+            _flag(
+                "--shutdown-timeout",
+                type=float,
+                default=_default("shutdown_timeout"),
+                note="seconds a SIGTERM lets the requests in flight finish before they get 503",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Monitoring",
+        ("usage.md",),
+        (
+            _flag("--enable-metrics", action="store_true", help="serve Prometheus metrics on GET /metrics"),
+            _flag(
+                "--decode-log-interval",
+                type=int,
+                default=_default("decode_log_interval"),
+                help="log a decode stats line every this many decode steps",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Restarts and deterministic inference",
+        ("deploy.md", "usage.md"),
+        (
+            _flag(
+                "--restart-on-failure",
+                type=int,
+                default=_default("restart_on_failure"),
+                help="when a rank or the detokenizer dies, restart the engine and replay the requests in "
+                "flight, up to this many times within --restart-window (0: the server goes down)",
+            ),
+            _flag(
+                "--enable-deterministic-inference",
+                action="store_true",
+                help="the same tokens for a request whatever its batch, its chunking and its prefix-cache hits: "
+                "prefill runs each token with decode's arithmetic (on by itself with --restart-on-failure)",
+            ),
+            _flag(
+                "--restart-window",
+                type=float,
+                default=_default("restart_window"),
+                help="seconds over which --restart-on-failure counts restarts",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Facing real traffic",
+        ("deploy.md",),
+        (
+            _flag(
+                "--api-key",
+                default=None,
+                help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' "
+                "(or SRT_API_KEY)",
+            ),
+            _flag(
+                "--admin-api-key",
+                default=None,
+                help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)",
+            ),
+            _flag(
+                "--max-queued-requests",
+                type=int,
+                default=None,
+                help="a request that finds this many waiting gets 503 with Retry-After at once",
+            ),
+            _flag(
+                "--max-request-bytes",
+                type=int,
+                default=_default("max_request_bytes"),
+                help="a request body over this many bytes gets 413",
+            ),
+            _flag(
+                "--req-waiting-timeout",
+                type=float,
+                default=None,
+                help="a request without its first token after this many seconds is aborted with 503 "
+                "(default: SGLang's SGLANG_REQ_WAITING_TIMEOUT, else off)",
+            ),
+            _flag(
+                "--req-running-timeout",
+                type=float,
+                default=None,
+                help="a request still generating this many seconds after its first token is aborted with 503 "
+                "(default: SGLang's SGLANG_REQ_RUNNING_TIMEOUT, else off)",
+            ),
+        ),
+    ),
+)
