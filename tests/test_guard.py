@@ -166,6 +166,7 @@ def test_the_router_takes_the_key_from_clients_and_gives_it_to_workers(server: S
         assert via.json()["output_ids"] == call(server, "POST", "/generate", body, KEY).json()["output_ids"]
 
 
+@pytest.mark.slow  # two TP=2 servers, about 40 s: keeps the default tier under 20 minutes
 def test_a_burst_past_max_queued_requests(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> None:
     prompts = [[(7 * i + j) % 300 + 10 for j in range(10)] for i in range(32)]
 
