@@ -42,45 +42,31 @@ ENV_DEFAULTS = {
     "req_running_timeout": "SGLANG_REQ_RUNNING_TIMEOUT",
 }
 
-# Fields that must be positive, checked in this order; those in OPTIONAL_POSITIVE_FIELDS may be None.
-POSITIVE_FIELDS = (
-    "tp_size",
-    "pp_size",
-    "dp_size",
-    "nnodes",
-    "max_running_requests",
-    "max_prefill_tokens",
-    "chunked_prefill_size",
-    "page_size",
-    "stream_interval",
-    "decode_log_interval",
-    "max_total_tokens",
-    "context_length",
-    "cpu_threads",
-    "soft_watchdog_timeout",
-    "pp_micro_batches",
-    "max_queued_requests",
-    "max_request_bytes",
-    "constrained_json_max_whitespace_cnt",
-    "req_waiting_timeout",
-    "req_running_timeout",
-    "watchdog_timeout",
-    "dist_timeout",
-    "restart_window",
-)
-OPTIONAL_POSITIVE_FIELDS = frozenset(
-    {
-        "max_total_tokens",
-        "context_length",
-        "cpu_threads",
-        "soft_watchdog_timeout",
-        "pp_micro_batches",
-        "max_queued_requests",
-        "max_request_bytes",
-        "constrained_json_max_whitespace_cnt",
-        "req_waiting_timeout",
-        "req_running_timeout",
-    }
+# Fields that must be positive, checked in this order, and whether each may be None (off).
+POSITIVE_FIELDS: tuple[tuple[str, bool], ...] = (
+    ("tp_size", False),
+    ("pp_size", False),
+    ("dp_size", False),
+    ("nnodes", False),
+    ("max_running_requests", False),
+    ("max_prefill_tokens", False),
+    ("chunked_prefill_size", False),
+    ("page_size", False),
+    ("stream_interval", False),
+    ("decode_log_interval", False),
+    ("max_total_tokens", True),
+    ("context_length", True),
+    ("cpu_threads", True),
+    ("soft_watchdog_timeout", True),
+    ("pp_micro_batches", True),
+    ("max_queued_requests", True),
+    ("max_request_bytes", True),
+    ("constrained_json_max_whitespace_cnt", True),
+    ("req_waiting_timeout", True),
+    ("req_running_timeout", True),
+    ("watchdog_timeout", False),
+    ("dist_timeout", False),
+    ("restart_window", False),
 )
 
 
@@ -205,9 +191,9 @@ class ServerArgs:
         self._check_choices()
 
     def _check_positive(self) -> None:
-        for name in POSITIVE_FIELDS:
+        for name, optional in POSITIVE_FIELDS:
             value = getattr(self, name)
-            if value is None and name in OPTIONAL_POSITIVE_FIELDS:
+            if value is None and optional:
                 continue
             if value is None or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
