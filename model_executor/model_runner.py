@@ -271,7 +271,8 @@ class ModelRunner:
         """On an earlier pipeline stage: the ids the last stage sampled for a step launched before,
         in launch order."""
         assert self.stage_link is not None and not self.stage.is_last, "only earlier stages receive ids"
-        return [int(i) for i in self.stage_link.recv_ids(batch_size).tolist()]
+        ids: list[int] = self.stage_link.recv_ids(batch_size).tolist()
+        return ids
 
     def state(self) -> dict[str, Any]:
         """What the steps run on now, for /server_info (the device wing's: on the CPU, the threads)."""
