@@ -96,6 +96,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.wing.check()
         model_cls = get_model_class(self.hf_config)
+        model_cls.check_config(self.hf_config, self.context_length)  # refuses, by name, what it lacks
         pp = self.parallel.pp
         self.stage = PipelineStage.of(
             int(self.hf_config.num_hidden_layers),

@@ -11,6 +11,8 @@ from torch import nn
 
 from model_executor.cpu.kernels import ops
 
+ROPE_TYPES = ("default", "linear", "llama3")  # the rope_type values _inv_freq computes
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """Rope settings from a transformers config, old style (rope_theta + rope_scaling) or new
@@ -45,7 +47,7 @@ def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
 class RotaryEmbedding(nn.Module):

@@ -16,6 +16,7 @@ from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
+from model_executor.models.config_check import ConfigFields, check_config
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class DecoderStack:
 class CausalLM(nn.Module):
     # checkpoint name part -> (parameter name part, shard id), e.g. q_proj -> (qkv_proj, "q")
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
+    # The architecture-specific config.json fields transformers reads for it (models/config_check.py)
+    config_fields = ConfigFields()
+
+    @classmethod
+    def check_config(cls, config: Any, context_length: int) -> None:
+        """Raises ValueError naming each config.json field whose value asks for math this model does
+        not implement (served with `context_length` tokens); called before anything is built."""
+        check_config(cls.__name__, cls.config_fields, config, context_length)
 
     @abstractmethod
     def forward(

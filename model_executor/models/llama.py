@@ -1,10 +1,13 @@
-"""Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral-style dense models).
+"""Llama family (Llama 2/3, SmolLM2, TinyLlama).
 
-Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) reuse these blocks with two switches.
+Mistral (no attention_bias, a sliding window), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm)
+reuse these blocks: AttentionSwitches says how their attention differs, `config_fields` which
+config.json fields transformers reads for each (models/config_check.py refuses what srt lacks).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +23,17 @@ from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallel
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
+from model_executor.models.config_check import ConfigFields
 from model_executor.models.registry import register_model
+
+
+@dataclass(frozen=True)
+class AttentionSwitches:
+    """Where an architecture's attention differs from plain Llama's (no biases, no q/k norm)."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # a per-head RMSNorm on q and k before rotary
 
 
 def head_dim_of(config: Any) -> int:
@@ -35,8 +48,7 @@ class LlamaAttention(nn.Module):
         comm: Communicator,
         dtype: torch.dtype,
         *,
-        qkv_bias: bool,
-        qk_norm: bool,
+        switches: AttentionSwitches,
         rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
@@ -46,21 +58,21 @@ class LlamaAttention(nn.Module):
             head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
-            qkv_bias,
+            switches.qkv_bias,
             comm,
             params_dtype=dtype,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim,
             config.hidden_size,
-            bool(getattr(config, "o_proj_bias", False)),
+            switches.o_bias,
             comm,
             params_dtype=dtype,
             what="number of attention heads x head_dim",
         )
         self.head_dim = head_dim
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if switches.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if switches.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(
             layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, scaling=head_dim**-0.5
@@ -111,13 +123,12 @@ class LlamaDecoderLayer(nn.Module):
         comm: Communicator,
         dtype: torch.dtype,
         *,
-        qkv_bias: bool,
-        qk_norm: bool,
+        switches: AttentionSwitches,
         rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
-            config, layer_id, comm, dtype, qkv_bias=qkv_bias, qk_norm=qk_norm, rotary_emb=rotary_emb
+            config, layer_id, comm, dtype, switches=switches, rotary_emb=rotary_emb
         )
         self.mlp = LlamaMLP(config, comm, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
@@ -151,8 +162,7 @@ class LlamaModel(nn.Module):
         comm: Communicator,
         dtype: torch.dtype,
         *,
-        qkv_bias: bool,
-        qk_norm: bool,
+        switches: AttentionSwitches,
         stage: PipelineStage,
     ) -> None:
         super().__init__()
@@ -171,8 +181,7 @@ class LlamaModel(nn.Module):
                 i - stage.start_layer,
                 comm,
                 dtype,
-                qkv_bias=qkv_bias,
-                qk_norm=qk_norm,
+                switches=switches,
                 rotary_emb=rotary_emb,
             )
             if stage.owns_layer(i)
@@ -210,10 +219,11 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-@register_model("LlamaForCausalLM", "MistralForCausalLM")
+@register_model("LlamaForCausalLM")
 class LlamaForCausalLM(CausalLM):
-    qkv_bias = False
+    qkv_bias = False  # True: q/k/v biases whatever attention_bias says (Qwen2)
     qk_norm = False
+    config_fields = ConfigFields(attention_bias=True, mlp_bias=True)
     # checkpoint name part -> (parameter name part, shard id)
     packed_modules_mapping: dict[str, tuple[str, object]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -229,8 +239,9 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.stage = stage = stage or PipelineStage()
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, comm, dtype, qkv_bias=qkv_bias, qk_norm=self.qk_norm, stage=stage)
+        attention_bias = self.config_fields.attention_bias and bool(getattr(config, "attention_bias", False))
+        switches = AttentionSwitches(self.qkv_bias or attention_bias, attention_bias, self.qk_norm)
+        self.model = LlamaModel(config, comm, dtype, switches=switches, stage=stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A last stage that is not also the first has no embedding to share: its head loads a copy.
         self.lm_head = (
