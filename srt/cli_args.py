@@ -340,7 +340,8 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--tool-call-parser",
                 default=None,
                 choices=TOOL_CALL_PARSERS,
-                help="the model's tool-call format, parsed into tool_calls for tool_choice auto",
+                help="the model's tool-call format, parsed into tool_calls for tool_choice auto (default: chosen from "
+                "the chat template; generic where it renders no tools, srt then writes the tools prompt)",
             ),
             _flag(
                 "--reasoning-parser",

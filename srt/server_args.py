@@ -23,7 +23,7 @@ ATTENTION_BACKENDS = (
 )  # model_executor/attention/registry.py
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_executor/constrained)
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names srt has (srt/reasoning.py)
-TOOL_CALL_PARSERS = ("qwen25", "llama3")  # SGLang's names srt has (srt/tool_calls.py)
+TOOL_CALL_PARSERS = ("qwen25", "llama3", "generic")  # SGLang's two, and srt's own (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/weights.py
 
@@ -141,7 +141,7 @@ class ServerArgs:
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative output
     attention_backend: str = "auto"
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
-    tool_call_parser: str | None = None  # "qwen25" | "llama3": tool_choice auto parses the model's calls
+    tool_call_parser: str | None = None  # "qwen25" | "llama3" | "generic"; None: from the chat template
     reasoning_parser: str | None = None  # "deepseek-r1" | "qwen3" | "qwen3-thinking": chat splits off <think>
     constrained_json_disable_any_whitespace: bool = False  # JSON outputs compact (SGLang's flag)
     constrained_json_max_whitespace_cnt: int | None = None  # at most this many whitespace chars in a row

@@ -1,12 +1,14 @@
 """Tool calls on /v1/chat/completions: `tools` and `tool_choice` validated, the grammar that makes
 `required` and a named function always parse, and the model's text parsed back into `tool_calls`.
 
-As SGLang: the tools are rendered by the model's own chat template; `tool_choice` "required" or a
-named function constrains the output to a JSON array of {"name", "parameters"} objects (SGLang's
-`get_json_schema_constraint`), parsed as such; "auto" parses the model's own format with the
-`--tool-call-parser` named (SGLang's names): `qwen25` (`<tool_call>{...}</tool_call>` blocks, Qwen
-2.5 and 3) or `llama3` (`<|python_tag|>` and/or JSON objects with "name" and "parameters",
-separated by ";"). "none" renders the tools but parses nothing.
+As SGLang: the tools are rendered by the model's chat template (or by srt's generic prompt where
+the template renders none, srt/tool_template.py); `tool_choice` "required" or a named function
+constrains the output to a JSON array of {"name", "parameters"} objects (SGLang's
+`get_json_schema_constraint`), parsed as such; "auto" parses the format the template asks for, or
+the one `--tool-call-parser` names: `qwen25` (SGLang's name: `<tool_call>{...}</tool_call>` blocks,
+Qwen 2.5 and 3), `llama3` (SGLang's: `<|python_tag|>` and/or JSON objects with "name" and
+"parameters", separated by ";") or srt's `generic` (llama.cpp's idea: the constrained array, after
+any text, its calls naming the request's functions). "none" renders the tools but parses nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ToolPlan:
     choice: str  # "none" | "auto" | "required" | "function"
     function: str | None = None  # the named function (choice "function")
     parallel: bool = True
-    parser: str | None = None  # --tool-call-parser, for "auto"
+    parser: str | None = None  # for "auto": --tool-call-parser, or the template's
     names: list[str] = field(default_factory=list)
 
     @property
@@ -83,6 +85,8 @@ class ToolPlan:
             return _parse_qwen25(text)
         if self.parser == "llama3":
             return _parse_llama3(text)
+        if self.parser == "generic":
+            return _parse_generic(text, self.names)
         return text, []
 
     def complete_calls(self, text: str) -> list[ToolCall]:
@@ -99,6 +103,8 @@ class ToolPlan:
                 for c in (_one_call(m.group(1)) for m in _QWEN_CLOSED_CALL.finditer(text, start))
                 if c is not None
             ]
+        if self.parser == "generic":
+            return _generic_calls(text, self.names)[1]
         return []  # llama3: a call ends where the output does, or at a ";" the grammar does not promise
 
     def stream_safe_prefix(self, text: str) -> int:
@@ -106,13 +112,16 @@ class ToolPlan:
         begun (the constrained array is never content)."""
         if self.constrained:
             return 0
-        if not self.parses:
+        if self.parser is None or not self.parses:
             return len(text)
-        starts = ["<tool_call>"] if self.parser == "qwen25" else ["<|python_tag|>", "{"]
-        cut = stop_holdback_start(text, 0, starts)  # before a call's marker, or a partial one at the end
-        if self.parser == "llama3" and text[:cut].strip() == "" and cut < len(text):
+        cut = stop_holdback_start(text, 0, _CALL_STARTS[self.parser])  # before a call could begin
+        if self.parser != "qwen25" and text[:cut].strip() == "" and cut < len(text):
             return 0
         return cut
+
+
+_CALL_STARTS = {"qwen25": ["<tool_call>"], "llama3": ["<|python_tag|>", "{"], "generic": ["["]}
+assert set(_CALL_STARTS) == set(TOOL_CALL_PARSERS)
 
 
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -223,6 +232,26 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
+_GENERIC_START = re.compile(r"\[\s*\{")
+
+
+def _generic_calls(text: str, names: list[str]) -> tuple[int, list[ToolCall]]:
+    """Where the first array of objects begins in (perhaps partial) text (-1: none), and its complete
+    calls that name one of the functions."""
+    found = _GENERIC_START.search(text)
+    if found is None:
+        return -1, []
+    return found.start(), [c for c in _array_items(text[found.start() :]) if c.name in names]
+
+
+def _parse_generic(text: str, names: list[str]) -> tuple[str | None, list[ToolCall]]:
+    start, calls = _generic_calls(text, names)
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
 def plan_tools(body: dict[str, Any], parser: str | None) -> ToolPlan | None:
     """The request's ToolPlan (None without tools); RequestError naming tools / tool_choice /
     parallel_tool_calls when they are malformed."""
@@ -275,8 +304,8 @@ def plan_tools(body: dict[str, Any], parser: str | None) -> ToolPlan | None:
         )
     if choice == "auto" and parser is None:
         raise RequestError(
-            "tool_choice auto needs a server started with --tool-call-parser "
-            f"({' or '.join(TOOL_CALL_PARSERS)}); use required or a named function",
+            "tool_choice auto: srt does not know the call format of this chat template; start the "
+            f"server with --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}) or use required or a named function",
             "tool_choice",
         )
     return ToolPlan(tools, choice, function, parallel is not False, parser, names)
