@@ -12,7 +12,8 @@ import orjson
 
 from srt.generate_parse import RequestError
 from srt.reasoning import ReasoningSplit
-from srt.tool_calls import ToolPlan, plan_tools
+from srt.tool_calls import ToolPlan
+from srt.tool_template import chat_tools
 from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
 
 if TYPE_CHECKING:
@@ -370,11 +371,12 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         raise RequestError("messages must be a non-empty list", "messages")
     conversation = [_message_text(m, i) for i, m in enumerate(messages)]
     options = _template_options(body, conversation)
-    tools = plan_tools(body, tm.server_args.tool_call_parser)
-    if tools is not None:
-        options["tools"] = tools.tools
+    prepared = chat_tools(tm.tokenizer, tm.server_args.tool_call_parser, body, conversation)
+    tools = prepared.plan
+    if prepared.template_tools is not None:
+        options["tools"] = prepared.template_tools
     try:
-        text = tm.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+        text = tm.tokenizer.apply_chat_template(prepared.conversation, tokenize=False, **options)
     except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
         raise RequestError(f"cannot apply the chat template: {error}", "messages") from None
     # The template already wrote the special tokens (BOS included), so do not add them again.

@@ -148,10 +148,6 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tool_choice",
-        ),  # auto needs --tool-call-parser
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {"extra_body": {"continue_final_message": True}},

@@ -1,7 +1,8 @@
 """Tool calls on /v1/chat/completions: a tiny Qwen-shaped model (random weights, SmolLM2's
 vocabulary) behind a Qwen 2.5 chat template, `--tool-call-parser qwen25`. `tool_choice` required
 and a named function always return calls whose arguments match the function's schema (the grammar
-sees to it, whatever the weights); the parsers and validation without a server."""
+sees to it, whatever the weights); the parsers, validation, and how a chat template's tool support
+is told (and srt's generic tool prompt written where it has none) without a server."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import openai
 import pytest
 from server_fixture import Server
 from tiny_models import make_tiny_model
+from transformers import AutoTokenizer
 
 from srt.generate_parse import RequestError
 from srt.tool_calls import plan_tools
+from srt.tool_template import calls_text, chat_tools, probe_template
 
 # Qwen 2.5's template, shortened (its tool block and turns as the model was trained on them)
 QWEN_TEMPLATE = (
@@ -261,23 +264,180 @@ def test_qwen25_and_llama3_parsers() -> None:
     assert json.loads(calls[0].arguments) == {"hour": 6, "loud": False}
 
 
+def test_generic_parser_reads_the_array_after_any_text_and_leaves_other_text_content() -> None:
+    plan = plan_tools({"tools": TOOLS}, "generic")
+    assert plan is not None and plan.parses
+    content, calls = plan.parse(
+        'Let me look.\n[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}]'
+    )
+    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 1})
+    ]
+    content, calls = plan.parse('[{"name": "set_alarm", "arguments": {"hour": 7, "loud": true}}]')
+    assert content is None and [c.name for c in calls] == ["set_alarm"]  # "arguments" is read too
+    for text in (
+        "It will rain in Oslo tomorrow.",  # no call: all content
+        'The cities: [{"name": "Oslo"}, {"name": "Rome"}]',  # an array naming none of the functions
+        "See [1] and [2].",
+    ):
+        assert plan.parse(text) == (text, [])
+    assert plan.stream_safe_prefix("Sure. [") == len("Sure. ")
+    assert plan.stream_safe_prefix(' [{"name"') == 0  # a reply that opens with a call streams nothing
+    assert plan.stream_safe_prefix("No call here") == len("No call here")
+
+
+def test_the_constrained_output_and_the_generic_prompts_format_agree() -> None:
+    # a call written as the generic prompt says (and as past calls are rendered) is valid under
+    # the grammar of tool_choice required; and the generic parser reads the constrained output
+    required = plan_tools({"tools": TOOLS, "tool_choice": "required"}, "generic")
+    assert required is not None
+    past = [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "set_alarm", "arguments": {"hour": 7, "loud": True}},
+        }
+    ]
+    jsonschema.validate(json.loads(calls_text(past)), json.loads(required.json_schema() or ""))
+    auto = plan_tools({"tools": TOOLS}, "generic")
+    assert auto is not None
+    assert auto.parse(calls_text(past))[1] == required.parse(calls_text(past))[1]
+
+
+# a template that renders tools in a format srt does not know, and one that refuses them
+OWN_FORMAT_TEMPLATE = (
+    "{%- if tools %}Functions: {{ tools | tojson }}\n{%- endif %}"
+    "{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{%- endfor %}assistant:"
+)
+REFUSING_TEMPLATE = (
+    "{%- if tools %}{{ raise_exception('no tools here') }}{%- endif %}"
+    "{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{%- endfor %}assistant:"
+)
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "{%- for t in tools %}{{ t | tojson }}{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}"
+    "<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- endfor %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+
+
+@pytest.fixture
+def tokenizer_with(smollm2_dir: Path) -> Any:
+    def make(template: str | None) -> Any:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+        if template is not None:
+            tokenizer.chat_template = template
+        return tokenizer
+
+    return make
+
+
 @pytest.mark.parametrize(
-    "choice,text",
+    ("template", "renders_tools", "parser"),
+    [
+        (None, False, "generic"),  # SmolLM2's own: the tools would be dropped
+        (QWEN_TEMPLATE, True, "qwen25"),
+        (LLAMA3_TEMPLATE, True, "llama3"),
+        (OWN_FORMAT_TEMPLATE, True, None),
+        (REFUSING_TEMPLATE, False, "generic"),
+    ],
+)
+def test_a_template_is_probed_for_tools_and_its_parser(
+    tokenizer_with: Any, template: str | None, renders_tools: bool, parser: str | None
+) -> None:
+    probed = probe_template(tokenizer_with(template))
+    assert (probed.renders_tools, probed.parser) == (renders_tools, parser)
+
+
+def test_the_parser_comes_from_the_template_unless_the_flag_names_one(tokenizer_with: Any) -> None:
+    qwen = tokenizer_with(QWEN_TEMPLATE)
+    renders = 0
+    apply = qwen.apply_chat_template
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal renders
+        renders += 1
+        return apply(*args, **kwargs)
+
+    qwen.apply_chat_template = counting
+    body = {"tools": TOOLS}
+    for _ in range(3):
+        found = chat_tools(qwen, None, body, MESSAGES)
+        assert found.plan is not None and found.plan.parser == "qwen25" and found.template_tools == TOOLS
+    assert renders == 2  # probed once, with and without a tool
+    assert chat_tools(qwen, None, {"tools": TOOLS, "tool_choice": "none"}, MESSAGES).template_tools == TOOLS
+    flagged = chat_tools(qwen, "llama3", body, MESSAGES)
+    assert flagged.plan is not None and flagged.plan.parser == "llama3" and flagged.template_tools == TOOLS
+    forced = chat_tools(qwen, "generic", body, MESSAGES)  # srt's prompt even where the template has one
+    assert forced.plan is not None and forced.plan.parser == "generic" and forced.template_tools is None
+    assert forced.conversation[0]["role"] == "system" and "get_weather" in forced.conversation[0]["content"]
+    with pytest.raises(RequestError, match="--tool-call-parser") as info:  # auto in a format srt cannot read
+        chat_tools(tokenizer_with(OWN_FORMAT_TEMPLATE), None, body, MESSAGES)
+    assert info.value.param == "tool_choice"
+
+
+def test_calls_and_results_render_as_plain_turns_on_a_template_without_tools(tokenizer_with: Any) -> None:
+    smollm2 = tokenizer_with(None)
+    call = {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}
+    conversation: Any = [
+        {"role": "system", "content": "Be brief."},
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "Rain, 9 C"},
+        {"role": "tool", "name": "get_weather", "content": "Sun, 14 C"},
+    ]
+    found = chat_tools(smollm2, None, {"tools": TOOLS}, conversation)
+    assert found.plan is not None and found.plan.parser == "generic" and found.template_tools is None
+    text = smollm2.apply_chat_template(found.conversation, tokenize=False, add_generation_prompt=True)
+    system, user, assistant, results, prompt = text.split("<|im_start|>")[1:]
+    assert system.startswith("system\nBe brief.\n\nYou can call these functions")
+    assert json.dumps(TOOLS[0]["function"]) in system and '"parameters": {<arguments' in system
+    assert (
+        assistant
+        == 'assistant\n[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}]<|im_end|>\n'
+    )
+    assert results == (
+        "user\nFunction results:\nget_weather returned: Rain, 9 C\nget_weather returned: Sun, 14 C<|im_end|>\n"
+    )
+    assert prompt == "assistant\n"
+    # tool_choice none: the history still renders, with no tools prompt
+    none = chat_tools(smollm2, None, {"tools": TOOLS, "tool_choice": "none"}, conversation)
+    assert none.conversation[0] == {"role": "system", "content": "Be brief."}
+    assert len(none.conversation) == 4 and "tool_calls" not in none.conversation[2]
+
+
+@pytest.mark.parametrize(
+    "choice,parser,text",
     [
         (
             "required",
+            "qwen25",
             '[{"name":"get_weather","parameters":{"city":"Oslo","days":2}}, '
             '{"name":"set_alarm","parameters":{"hour":7,"loud":true}}]',
         ),
         (
             "auto",
+            "generic",
+            'Let me check. [{"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}, '
+            '{"name": "set_alarm", "parameters": {"hour": 6, "loud": false}}]',
+        ),
+        (
+            "auto",
+            "qwen25",
             'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}\n'
             '</tool_call>\n<tool_call>\n{"name": "set_alarm", "arguments": {"hour": 6, "loud": false}}\n</tool_call>',
         ),
     ],
 )
-def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(choice: str, text: str) -> None:
-    plan = plan_tools({"tools": TOOLS, "tool_choice": choice}, "qwen25")
+def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(
+    choice: str, parser: str, text: str
+) -> None:
+    plan = plan_tools({"tools": TOOLS, "tool_choice": choice}, parser)
     assert plan is not None
     finished = plan.parse(text)[1]
     assert [c.name for c in finished] == ["get_weather", "set_alarm"]
