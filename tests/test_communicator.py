@@ -46,7 +46,7 @@ def _rank(rank: int, init_method: str, out: Any) -> None:
             link.send_stage_output(
                 StageOutput(
                     torch.full((3, 4), 1.5, dtype=torch.bfloat16),
-                    torch.arange(12, dtype=torch.bfloat16).view(3, 4),
+                    torch.arange(12, dtype=torch.float32).view(3, 4) + 0.125,  # the float32 stream
                 )
             )
             ids = link.recv_ids(3).tolist()
@@ -60,7 +60,8 @@ def _rank(rank: int, init_method: str, out: Any) -> None:
                 "broadcasts": broadcasts,
                 "objects": objects,
                 "hidden": stage.hidden.float().tolist(),
-                "residual": stage.residual.float().tolist(),
+                "residual": stage.residual.tolist(),
+                "residual_dtype": str(stage.residual.dtype),
             }
         dist.barrier()
         destroy_distributed()
@@ -86,5 +87,6 @@ def test_broadcasts_and_stage_traffic_on_two_gloo_ranks() -> None:
         assert results[rank]["broadcasts"] == 3 * 1 + 2 * 2
     assert results[1]["objects"] == OBJECTS
     assert results[1]["hidden"] == [[1.5] * 4] * 3
-    assert results[1]["residual"] == [[float(4 * i + j) for j in range(4)] for i in range(3)]
+    assert results[1]["residual"] == [[4 * i + j + 0.125 for j in range(4)] for i in range(3)]
+    assert results[1]["residual_dtype"] == "torch.float32"
     assert results[0]["ids"] == [7, 8, 9]

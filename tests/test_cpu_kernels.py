@@ -163,9 +163,18 @@ def test_rmsnorm_with_and_without_residual(rows: int, dim: int) -> None:
     out, none = ops.rmsnorm(x, weight, 1e-5)
     assert none is None
     assert_bf16_close(out, F.rms_norm(x.float(), (dim,), weight.float(), 1e-5))
-    out, new_residual = ops.rmsnorm(x, weight, 1e-5, residual)
-    assert new_residual is not None and torch.equal(new_residual, x + residual)  # same bf16 rounding as torch
-    assert_bf16_close(out, F.rms_norm(new_residual.float(), (dim,), weight.float(), 1e-5))
+    out, started = ops.rmsnorm(x, weight, 1e-5, keep_residual=True)  # a first layer starts the stream
+    assert started is not None and started.dtype == torch.float32 and torch.equal(started, x.float())
+    assert_bf16_close(out, F.rms_norm(x.float(), (dim,), weight.float(), 1e-5))
+    stream = residual.float() + rand(rows, dim, seed=4).float() / 256  # a float32 stream, off the bf16 grid
+    out, new_residual = ops.rmsnorm(x, weight, 1e-5, stream)
+    # the sum is kept unrounded: float32, exactly torch's float32 add
+    assert new_residual is not None and new_residual.dtype == torch.float32
+    assert torch.equal(new_residual, x.float() + stream)
+    assert not torch.equal(new_residual, new_residual.bfloat16().float())
+    assert_bf16_close(out, F.rms_norm(new_residual, (dim,), weight.float(), 1e-5))
+    with pytest.raises(ValueError, match="^residual must be torch.float32"):
+        ops.rmsnorm(x, weight, 1e-5, residual)
 
 
 @pytest.mark.parametrize(("rows", "d"), [(1, 1536), (33, 1536), (2, 20), (4096, 1536)])

@@ -111,16 +111,24 @@ def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
 
 @needs_packed
 @pytest.mark.parametrize("m", [1, 17, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
-def test_float32_logits_are_the_bf16_outputs_widened(m: int) -> None:
-    """An LM head's logits straight from the kernel as float32 are exactly .float() of its bf16
-    output (every value rounded to bf16 once), with and without a bias, on the kernel's path and past it."""
+def test_float32_logits_are_the_sums_unrounded(m: int) -> None:
+    """An LM head's logits straight from the kernel are its float32 sums, not rounded to bf16 (a
+    logit of 16 in bf16 is 0.06 from the next): rounded, they are the bf16 output; with and without
+    a bias. Past the kernel's rows (F.linear, on AMX) they are the bf16 output widened."""
     weight, bias, x, packed = kernel_case(m, 160, 96)
     for b in (None, bias):
         got = linear(x, weight, b, packed, out_dtype=torch.float32)
         assert got.dtype == torch.float32 and got.is_contiguous() and got.shape == (m, 160)
-        assert torch.equal(got, linear(x, weight, b, packed).float())
+        bf16_out = linear(x, weight, b, packed)
+        assert torch.equal(got.bfloat16(), bf16_out)
+        if m > packed_max_rows():
+            assert torch.equal(got, bf16_out.float())
+            continue
+        want = x.float() @ weight.float().T + (0 if b is None else b.float())
+        assert (got - want).abs().max().item() < 1e-4
+        assert not torch.equal(got, bf16_out.float())
     assert torch.equal(
-        ops.bf16_linear(x, packed, bias, out_dtype=torch.float32), ops.bf16_linear(x, packed, bias).float()
+        ops.bf16_linear(x, packed, bias, out_dtype=torch.float32).bfloat16(), ops.bf16_linear(x, packed, bias)
     )
 
 
@@ -137,7 +145,7 @@ def test_float32_logits_into_an_unaligned_buffer(m: int) -> None:
     out = buffer[1:]  # 4 bytes past a 64-byte boundary
     assert out.data_ptr() % 64 == 4
     lib.srt_bf16_linear_f32(x.data_ptr(), m, packed.data_ptr(), bias.data_ptr(), out.data_ptr(), 160, 96)
-    assert torch.equal(out.view(m, 160), ops.bf16_linear(x, packed, bias).float())
+    assert torch.equal(out.view(m, 160), ops.bf16_linear(x, packed, bias, out_dtype=torch.float32))
 
 
 @needs_packed

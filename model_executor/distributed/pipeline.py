@@ -110,8 +110,8 @@ class PipelineStage:
 class StageOutput:
     """What a non-last stage hands the next: its last layer's output and the residual stream."""
 
-    hidden: torch.Tensor  # [num_tokens, hidden_size]
-    residual: torch.Tensor  # [num_tokens, hidden_size]
+    hidden: torch.Tensor  # [num_tokens, hidden_size], the model dtype
+    residual: torch.Tensor  # [num_tokens, hidden_size] float32 (layers/layernorm.py)
 
 
 class StageLink:
@@ -172,7 +172,7 @@ class StageLink:
         self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
     ) -> StageOutput:
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-        residual = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+        residual = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
         self._recv(hidden, self.prev, TAG_HIDDEN)
         self._recv(residual, self.prev, TAG_HIDDEN)
         return StageOutput(hidden, residual)

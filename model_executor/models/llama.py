@@ -142,8 +142,7 @@ class LlamaDecoderLayer(nn.Module):
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden, residual = self.input_layernorm.start(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, batch)

@@ -81,8 +81,8 @@ static inline void prefetch_tile(const bf16 *tile) {
     for (int line = 0; line < 16; line++) _mm_prefetch((const char *)tile + 64 * line, _MM_HINT_T0);
 }
 
-/* the same, stored as fp32: each value rounded to bf16 first, so it equals the bf16 output widened
- * (an LM head's logits without a separate conversion pass). Each row's 16 values are one cache line
+/* the same, stored as fp32 unrounded (an LM head's logits: a bf16 logit of 16 is 0.06 from its
+ * neighbours, a loglikelihood's whole error budget). Each row's 16 values are one cache line
  * where `out` is 64-byte aligned (n % 16 == 0 always): written with non-temporal stores, which skip
  * reading the line in first: less time for SmolLM2's LM head followed by srt_argmax at 32-64 rows,
  * equal or less at 1-16 (docs/performance.md, "What bounds a step").
@@ -91,7 +91,7 @@ static inline void store_block_f32(const float *c, int64_t rows, const bf16 *bia
     const __m512 b = bias ? load16(bias) : _mm512_setzero_ps();
     const int aligned = ((uintptr_t)out & 63) == 0;
     for (int64_t r = 0; r < rows; r++) {
-        const __m512 v = round16(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b));
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b);
         if (aligned)
             _mm512_stream_ps(out + r * n, v);
         else
@@ -275,7 +275,7 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
     amx_linear(x, m, packed, bias, out, n, k, OUT_BF16);
 }
 
-/* The same with fp32 outputs, each the bf16 result widened (an LM head's logits) */
+/* The same with fp32 outputs, unrounded (an LM head's logits) */
 void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                         int64_t k) {
     amx_linear(x, m, packed, bias, out, n, k, OUT_F32);

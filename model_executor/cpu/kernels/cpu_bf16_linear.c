@@ -16,8 +16,8 @@
  * 30 layers with cold weights on a 2-core AMD EPYC (Zen 4, no AMX), against oneDNN's packed bf16
  * GEMM in the same process: see docs/performance.md.
  *
- * Outputs: bf16 (+ bias; rounded to nearest even), fp32 (each value rounded to bf16 first, so equal
- * to the bf16 output widened: an LM head's logits), or silu(gate) * up of a gate_up weight.
+ * Outputs: bf16 (+ bias; rounded to nearest even), fp32 (the sums unrounded: an LM head's logits),
+ * or silu(gate) * up of a gate_up weight.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,9 +57,9 @@ static inline __attribute__((always_inline)) void dp_store(__m512 acc[ROWS][GROU
             } else {
                 float *o = (float *)out + r * n + 16 * b;
                 if (((uintptr_t)o & 63) == 0)
-                    _mm512_stream_ps(o, round16(v));
+                    _mm512_stream_ps(o, v);
                 else
-                    _mm512_storeu_ps(o, round16(v));
+                    _mm512_storeu_ps(o, v);
             }
         }
     }
@@ -140,7 +140,7 @@ void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *b
         DP(OUT_BF16, x, m, packed, bias, out, n, k);
 }
 
-/* The same with fp32 outputs, each the bf16 result widened (an LM head's logits) */
+/* The same with fp32 outputs, unrounded (an LM head's logits) */
 void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                          int64_t k) {
     if (srt_amx_granted())

@@ -64,69 +64,49 @@ static inline float exp_f32(float x) {
 #define SIMD_ROWS 0
 #endif
 
-/* out = rmsnorm(x (+ residual)) * weight, rows of `dim`. With a residual, the sum is rounded to
- * bf16 (the residual stream's dtype), stored in residual_out and normalised. */
-static void rmsnorm_row(const bf16 *xr, const bf16 *rr, const bf16 *weight, bf16 *o, bf16 *ro, int64_t dim,
+/* out = rmsnorm(x (+ residual)) * weight, rows of `dim`. The residual stream is float32: with a
+ * residual, the sum x + residual is stored unrounded in residual_out and normalised; without one
+ * and with residual_out, x is widened into it (a decoder's first layer). Only `out` is rounded to
+ * bf16, once. */
+static void rmsnorm_row(const bf16 *xr, const float *rr, const bf16 *weight, bf16 *o, float *ro, int64_t dim,
                         float eps) {
     float ss = 0.0f;
 #if SIMD_ROWS
     __m512 acc = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 16 <= dim; i += 16) {
-        __m512 v = load16(xr + i);
-        if (rr) {
-            store16(ro + i, _mm512_add_ps(v, load16(rr + i)));
-            v = load16(ro + i);
-        }
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    if (i < dim) {
-        const __mmask16 m = (__mmask16)((1u << (dim - i)) - 1);
+    for (; i < dim; i += 16) {
+        const __mmask16 m = lanes16(dim - i);
         __m512 v = load16_tail(xr + i, m);
-        if (rr) {
-            store16_tail(ro + i, _mm512_add_ps(v, load16_tail(rr + i, m)), m);
-            v = load16_tail(ro + i, m);
-        }
+        if (rr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, rr + i));
+        if (ro) _mm512_mask_storeu_ps(ro + i, m, v);
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     ss = _mm512_reduce_add_ps(acc);
-    if (rr) xr = ro;
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dim + eps));
-    for (i = 0; i + 16 <= dim; i += 16)
-        store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), inv), load16(weight + i)));
-    if (i < dim) {
-        const __mmask16 m = (__mmask16)((1u << (dim - i)) - 1);
-        store16_tail(o + i, _mm512_mul_ps(_mm512_mul_ps(load16_tail(xr + i, m), inv), load16_tail(weight + i, m)), m);
+    for (i = 0; i < dim; i += 16) {
+        const __mmask16 m = lanes16(dim - i);
+        const __m512 v = ro ? _mm512_maskz_loadu_ps(m, ro + i) : load16_tail(xr + i, m);
+        store16_tail(o + i, _mm512_mul_ps(_mm512_mul_ps(v, inv), load16_tail(weight + i, m)), m);
     }
 #else
-    if (rr) {
 #pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++) {
-            bf16 s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
-            ro[i] = s;
-            float f = bf16_to_f32(s);
-            ss += f * f;
-        }
-        xr = ro;
-    } else {
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++) {
-            float f = bf16_to_f32(xr[i]);
-            ss += f * f;
-        }
+    for (int64_t i = 0; i < dim; i++) {
+        const float f = bf16_to_f32(xr[i]) + (rr ? rr[i] : 0.0f);
+        if (ro) ro[i] = f;
+        ss += f * f;
     }
-    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++)
+        o[i] = f32_to_bf16((ro ? ro[i] : bf16_to_f32(xr[i])) * inv * bf16_to_f32(weight[i]));
 #endif
 }
 
-void srt_rmsnorm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
+void srt_rmsnorm(const bf16 *x, const float *residual, const bf16 *weight, bf16 *out, float *residual_out,
                  int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         rmsnorm_row(x + r * dim, residual ? residual + r * dim : NULL, weight, out + r * dim,
-                    residual ? residual_out + r * dim : NULL, dim, eps);
+                    residual_out ? residual_out + r * dim : NULL, dim, eps);
 }
 
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up. */
@@ -677,13 +657,13 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
  * packed weights (bf16, int8 with scales, or Q4_1 with q4), at most GEMV_MAX_ROWS requests. In the layer's order:
- *   residual = hidden (+ residual unless first); x = rmsnorm(residual) * ln1
+ *   residual = hidden (+ residual unless first; float32); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
  *   out = silu_mul(x @ w_gate_up.T) @ w_down.T (one call for the first product and silu_mul with
  *   packed weights, the gate_up output never stored)
  * Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...] buffers of the caller's. */
-void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
+void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
@@ -693,12 +673,7 @@ void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const b
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
                       bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
-    if (first) {
-        memcpy(residual, hidden, (size_t)(m * hidden_size) * sizeof(bf16));
-        srt_rmsnorm(residual, NULL, ln1, x, NULL, m, hidden_size, eps);
-    } else {
-        srt_rmsnorm(hidden, residual, ln1, x, residual, m, hidden_size, eps);
-    }
+    srt_rmsnorm(hidden, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
     layer_linear(x, m, w_qkv, p_qkv, s_qkv, q4, b_qkv, qkv, qkv_size, hidden_size);
     /* q and k heads sit side by side at the start of each qkv row: rotate them in place */
     bf16 rotated[(hq + hkv) * d];

@@ -100,7 +100,8 @@ class DecodeLayers:
         def buf(n: int) -> torch.Tensor:
             return torch.empty(m, n, dtype=torch.bfloat16)
 
-        residual, out = buf(self.hidden_size), buf(self.hidden_size)
+        residual = torch.empty(m, self.hidden_size, dtype=torch.float32)  # the stream (RMSNorm)
+        out = buf(self.hidden_size)
         scratch = [
             buf(qkv_size),
             buf(q_size),

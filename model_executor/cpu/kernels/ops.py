@@ -79,16 +79,25 @@ def _need_gate_up(name: str, packed: torch.Tensor) -> None:
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    keep_residual: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rmsnorm(x + residual) * weight, x + residual); x and residual [rows, dim] contiguous."""
+    """(rmsnorm(x + residual) * weight, x + residual); x [rows, dim] bf16 and the residual stream
+    float32, contiguous. Only the first output is rounded to bf16. Without a residual the second is
+    None, or x widened with `keep_residual` (a decoder's first layer starts the stream)."""
     lib = _library()
     _need_contiguous("x", x)
     if residual is not None:
         _need_contiguous("residual", residual)
+        _need_dtype("residual", residual, torch.float32)
     dim = x.shape[-1]
     out = torch.empty_like(x)
-    residual_out = None if residual is None else torch.empty_like(x)
+    residual_out = (
+        torch.empty(x.shape, dtype=torch.float32) if residual is not None or keep_residual else None
+    )
     lib.srt_rmsnorm(
         x.data_ptr(),
         data_ptr(residual),
@@ -338,7 +347,7 @@ def bf16_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """x [.., k] bf16 -> x @ weight.T (+ bias) for the weight `packed` holds (see bf16_pack), in bf16,
-    or in float32 (the bf16 values widened: what .float() of the bf16 output gives, in one pass)."""
+    or in float32 (the fp32 sums unrounded: an LM head's logits)."""
     lib = _library()
     _need_contiguous("x", x)
     if out_dtype not in (torch.bfloat16, torch.float32):

@@ -15,7 +15,7 @@
 typedef uint16_t bf16;
 
 /* cpu_kernels.c: the elementwise ops, decode attention, the GEMV and the fused decoder layer */
-void srt_rmsnorm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
+void srt_rmsnorm(const bf16 *x, const float *residual, const bf16 *weight, bf16 *out, float *residual_out,
                  int64_t rows, int64_t dim, float eps);
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
@@ -27,7 +27,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
                           float scale, int64_t max_len);
 void srt_set_split_threads(int64_t threads);
 void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
-void srt_decode_layer(const bf16 *hidden, bf16 *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
+void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
