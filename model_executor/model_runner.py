@@ -224,7 +224,7 @@ class ModelRunner:
             previous = None
             if self.stage_link is not None and not self.stage.is_first:
                 previous = self.stage_link.recv_stage_output(
-                    batch.num_tokens, int(self.hf_config.hidden_size), self.config.dtype, self.device
+                    batch.num_tokens, int(self.hf_config.hidden_size), self.device
                 )
             hidden = self.model(batch.input_ids, batch.positions, batch, previous)
         if isinstance(hidden, StageOutput):

@@ -45,7 +45,7 @@ def _rank(rank: int, init_method: str, out: Any) -> None:
                 link.send_object(obj, link.next)
             link.send_stage_output(
                 StageOutput(
-                    torch.full((3, 4), 1.5, dtype=torch.bfloat16),
+                    torch.full((3, 4), 1.5, dtype=torch.float32),
                     torch.arange(12, dtype=torch.float32).view(3, 4) + 0.125,  # the float32 stream
                 )
             )
@@ -53,7 +53,7 @@ def _rank(rank: int, init_method: str, out: Any) -> None:
             result = {"got": got, "broadcasts": broadcasts, "ids": ids}
         else:  # the last stage
             objects = [link.recv_object(link.prev) for _ in OBJECTS]
-            stage = link.recv_stage_output(3, 4, torch.bfloat16, torch.device("cpu"))
+            stage = link.recv_stage_output(3, 4, torch.device("cpu"))
             link.send_ids(torch.tensor([7, 8, 9]))
             result = {
                 "got": got,

@@ -60,7 +60,7 @@ def test_every_kernel_is_declared_once_in_the_header_and_typed_from_it() -> None
         )
         defined |= set(re.findall(r"^(?:void|int64_t)\s+(srt_\w+)\(", text, re.M))
     assert defined == set(declared)
-    assert len(declared["srt_decode_layer"][1]) == 44  # the 44-argument fused layer, read from the header
+    assert len(declared["srt_decode_layer"][1]) == 46  # the 46-argument fused layer, read from the header
     lib = build.kernels()
     assert lib is not None
     for name, (restype, argtypes) in declared.items():
@@ -173,6 +173,12 @@ def test_rmsnorm_with_and_without_residual(rows: int, dim: int) -> None:
     assert torch.equal(new_residual, x.float() + stream)
     assert not torch.equal(new_residual, new_residual.bfloat16().float())
     assert_bf16_close(out, F.rms_norm(new_residual, (dim,), weight.float(), 1e-5))
+    # x float32 too: a row-parallel layer's output, its sums unrounded
+    x32 = x.float() + rand(rows, dim, seed=5).float() / 512
+    out, new_residual = ops.rmsnorm(x32, weight, 1e-5, stream)
+    assert new_residual is not None and torch.equal(new_residual, x32 + stream)
+    assert out.dtype == torch.bfloat16
+    assert_bf16_close(out, F.rms_norm(x32 + stream, (dim,), weight.float(), 1e-5))
     with pytest.raises(ValueError, match="^residual must be torch.float32"):
         ops.rmsnorm(x, weight, 1e-5, residual)
 

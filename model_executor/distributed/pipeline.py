@@ -110,7 +110,7 @@ class PipelineStage:
 class StageOutput:
     """What a non-last stage hands the next: its last layer's output and the residual stream."""
 
-    hidden: torch.Tensor  # [num_tokens, hidden_size], the model dtype
+    hidden: torch.Tensor  # [num_tokens, hidden_size] float32: the last layer's output (RowParallelLinear)
     residual: torch.Tensor  # [num_tokens, hidden_size] float32 (layers/layernorm.py)
 
 
@@ -168,10 +168,8 @@ class StageLink:
         self._isend(out.hidden, self.next, TAG_HIDDEN)
         self._isend(out.residual, self.next, TAG_HIDDEN)
 
-    def recv_stage_output(
-        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-    ) -> StageOutput:
-        hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+    def recv_stage_output(self, num_tokens: int, hidden_size: int, device: torch.device) -> StageOutput:
+        hidden = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
         residual = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
         self._recv(hidden, self.prev, TAG_HIDDEN)
         self._recv(residual, self.prev, TAG_HIDDEN)

@@ -159,7 +159,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Splits the input features; all-reduces partial outputs. Only rank 0 adds the bias, so the
-    sum carries it once."""
+    sum carries it once. The output is float32: in the models every row-parallel product (o_proj,
+    down_proj) is added to the float32 residual stream, so a kernel that keeps its float32 sums
+    (the CPU's packed bf16 one) hands them on unrounded and the partial sums add in float32."""
 
     def __init__(
         self,
@@ -198,5 +200,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.comm.rank_in_group == 0 else None
-        out = self.linear_method.apply(self, x, bias)
+        out = self.linear_method.apply(self, x, bias, torch.float32)
         return self.comm.all_reduce(out)

@@ -64,19 +64,23 @@ static inline float exp_f32(float x) {
 #define SIMD_ROWS 0
 #endif
 
-/* out = rmsnorm(x (+ residual)) * weight, rows of `dim`. The residual stream is float32: with a
+/* out = rmsnorm(x (+ residual)) * weight, rows of `dim`; x bf16, or float32 with x_f32 (a layer's
+ * output as the kernels' float32 epilogue left it). The residual stream is float32: with a
  * residual, the sum x + residual is stored unrounded in residual_out and normalised; without one
  * and with residual_out, x is widened into it (a decoder's first layer). Only `out` is rounded to
  * bf16, once. */
-static void rmsnorm_row(const bf16 *xr, const float *rr, const bf16 *weight, bf16 *o, float *ro, int64_t dim,
-                        float eps) {
+static inline __attribute__((always_inline)) void rmsnorm_row(const void *xv, const int x_f32, const float *rr,
+                                                              const bf16 *weight, bf16 *o, float *ro, int64_t dim,
+                                                              float eps) {
     float ss = 0.0f;
 #if SIMD_ROWS
+#define LOAD_X(i, m) \
+    (x_f32 ? _mm512_maskz_loadu_ps(m, (const float *)xv + (i)) : load16_tail((const bf16 *)xv + (i), m))
     __m512 acc = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i < dim; i += 16) {
         const __mmask16 m = lanes16(dim - i);
-        __m512 v = load16_tail(xr + i, m);
+        __m512 v = LOAD_X(i, m);
         if (rr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, rr + i));
         if (ro) _mm512_mask_storeu_ps(ro + i, m, v);
         acc = _mm512_fmadd_ps(v, v, acc);
@@ -85,28 +89,31 @@ static void rmsnorm_row(const bf16 *xr, const float *rr, const bf16 *weight, bf1
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dim + eps));
     for (i = 0; i < dim; i += 16) {
         const __mmask16 m = lanes16(dim - i);
-        const __m512 v = ro ? _mm512_maskz_loadu_ps(m, ro + i) : load16_tail(xr + i, m);
+        const __m512 v = ro ? _mm512_maskz_loadu_ps(m, ro + i) : LOAD_X(i, m);
         store16_tail(o + i, _mm512_mul_ps(_mm512_mul_ps(v, inv), load16_tail(weight + i, m)), m);
     }
+#undef LOAD_X
 #else
+#define X(i) (x_f32 ? ((const float *)xv)[i] : bf16_to_f32(((const bf16 *)xv)[i]))
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; i++) {
-        const float f = bf16_to_f32(xr[i]) + (rr ? rr[i] : 0.0f);
+        const float f = X(i) + (rr ? rr[i] : 0.0f);
         if (ro) ro[i] = f;
         ss += f * f;
     }
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++)
-        o[i] = f32_to_bf16((ro ? ro[i] : bf16_to_f32(xr[i])) * inv * bf16_to_f32(weight[i]));
+    for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16((ro ? ro[i] : X(i)) * inv * bf16_to_f32(weight[i]));
+#undef X
 #endif
 }
 
-void srt_rmsnorm(const bf16 *x, const float *residual, const bf16 *weight, bf16 *out, float *residual_out,
-                 int64_t rows, int64_t dim, float eps) {
+void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16 *weight, bf16 *out,
+                 float *residual_out, int64_t rows, int64_t dim, float eps) {
+    const size_t x_size = x_f32 ? sizeof(float) : sizeof(bf16);
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        rmsnorm_row(x + r * dim, residual ? residual + r * dim : NULL, weight, out + r * dim,
-                    residual_out ? residual_out + r * dim : NULL, dim, eps);
+        rmsnorm_row((const char *)x + (size_t)(r * dim) * x_size, (int)x_f32, residual ? residual + r * dim : NULL,
+                    weight, out + r * dim, residual_out ? residual_out + r * dim : NULL, dim, eps);
 }
 
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up. */
@@ -654,6 +661,19 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
         srt_gemv(x, m, w, bias, out, n, k);
 }
 
+/* A product that feeds the residual stream (o_proj, down_proj): into `out_f32` unrounded where the
+ * weight is bf16_pack'd for srt_bf16_linear (-> 1), else as layer_linear into `out` (-> 0), as
+ * PackedLinearMethod gives it to RowParallelLinear op by op. */
+static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
+                           int64_t q4, bf16 *out, float *out_f32, int64_t n, int64_t k) {
+    if (packed && !q4 && !scale) {
+        srt_bf16_linear_f32(x, m, (const bf16 *)packed, NULL, out_f32, n, k);
+        return 1;
+    }
+    layer_linear(x, m, w, packed, scale, q4, NULL, out, n, k);
+    return 0;
+}
+
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
  * packed weights (bf16, int8 with scales, or Q4_1 with q4), at most GEMV_MAX_ROWS requests. In the layer's order:
@@ -662,8 +682,11 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
  *   out = silu_mul(x @ w_gate_up.T) @ w_down.T (one call for the first product and silu_mul with
  *   packed weights, the gate_up output never stored)
- * Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...] buffers of the caller's. */
-void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
+ * hidden is bf16, or float32 with hidden_f32; the o and down products go to `out_f32` unrounded
+ * where their weights are bf16_pack'd (residual_linear), else to `out`. Returns whether the layer's
+ * output is out_f32 (1) or out (0). Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...]
+ * buffers of the caller's. */
+int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
@@ -671,9 +694,9 @@ void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const 
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
-                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out) {
+                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
-    srt_rmsnorm(hidden, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
+    srt_rmsnorm(hidden, hidden_f32, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
     layer_linear(x, m, w_qkv, p_qkv, s_qkv, q4, b_qkv, qkv, qkv_size, hidden_size);
     /* q and k heads sit side by side at the start of each qkv row: rotate them in place */
     bf16 rotated[(hq + hkv) * d];
@@ -683,8 +706,8 @@ void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const 
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
-    layer_linear(attn, m, w_o, p_o, s_o, q4, NULL, out, hidden_size, hq * d);
-    srt_rmsnorm(out, residual, ln2, x, residual, m, hidden_size, eps);
+    const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, q4, out, out_f32, hidden_size, hq * d);
+    srt_rmsnorm(o_f32 ? (const void *)out_f32 : out, o_f32, residual, ln2, x, residual, m, hidden_size, eps);
     if (p_gate_up && q4) { /* Q4_1, int8, bf16: silu * up in the gate_up product's epilogue */
         srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && s_gate_up) {
@@ -695,7 +718,7 @@ void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const 
         layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, q4, NULL, gate_up, 2 * inter, hidden_size);
         srt_silu_mul(gate_up, act, m, inter);
     }
-    layer_linear(act, m, w_down, p_down, s_down, q4, NULL, out, hidden_size, inter);
+    return residual_linear(act, m, w_down, p_down, s_down, q4, out, out_f32, hidden_size, inter);
 }
 
 /* k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i] for n tokens of `width` values each (kv heads x

@@ -91,7 +91,8 @@ class DecodeLayers:
         seq_lens: torch.Tensor,
         max_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) after every layer, as the op-by-op layers would return them."""
+        """(hidden, residual) after every layer, as the op-by-op layers would return them (hidden
+        float32 where the down products store float32 sums, else bf16; the residual float32)."""
         lib = kernels()
         m = hidden.shape[0]
         assert lib is not None and (self.packed or m <= GEMV_MAX_ROWS) and hidden.is_contiguous()
@@ -102,6 +103,7 @@ class DecodeLayers:
 
         residual = torch.empty(m, self.hidden_size, dtype=torch.float32)  # the stream (RMSNorm)
         out = buf(self.hidden_size)
+        out_f32 = torch.empty(m, self.hidden_size, dtype=torch.float32)  # o / down sums, unrounded
         scratch = [
             buf(qkv_size),
             buf(q_size),
@@ -120,11 +122,21 @@ class DecodeLayers:
             max_len,
             m,
         )
-        scratch_ptrs = [t.data_ptr() for t in scratch]
-        hidden_ptr, residual_ptr = hidden.data_ptr(), residual.data_ptr()
+        scratch_ptrs = [t.data_ptr() for t in scratch] + [out_f32.data_ptr()]
+        hidden_ptr, hidden_f32, residual_ptr = hidden.data_ptr(), 0, residual.data_ptr()
         for i, (weights, kv, dims) in enumerate(self._args_q4 if m <= Q4_MAX_ROWS else self._args):
-            lib.srt_decode_layer(
-                hidden_ptr, residual_ptr, int(i == 0), *weights, *step, *kv, *batch, *dims, *scratch_ptrs
+            hidden_f32 = lib.srt_decode_layer(
+                hidden_ptr,
+                hidden_f32,
+                residual_ptr,
+                int(i == 0),
+                *weights,
+                *step,
+                *kv,
+                *batch,
+                *dims,
+                *scratch_ptrs,
             )
-            hidden_ptr = scratch_ptrs[-1]  # each layer's MLP output is the next layer's input
-        return out, residual
+            # each layer's MLP output (out_f32 where the down product stored its sums) is the next one's input
+            hidden_ptr = scratch_ptrs[-1] if hidden_f32 else scratch_ptrs[-2]
+        return (out_f32 if hidden_f32 else out), residual

@@ -85,21 +85,25 @@ def rmsnorm(
     residual: torch.Tensor | None = None,
     keep_residual: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rmsnorm(x + residual) * weight, x + residual); x [rows, dim] bf16 and the residual stream
-    float32, contiguous. Only the first output is rounded to bf16. Without a residual the second is
-    None, or x widened with `keep_residual` (a decoder's first layer starts the stream)."""
+    """(rmsnorm(x + residual) * weight, x + residual); x [rows, dim] bf16 or float32 (a layer's
+    float32 output), the residual stream float32, contiguous. Only the first output is rounded to
+    bf16. Without a residual the second is None, or x widened with `keep_residual` (a decoder's
+    first layer starts the stream)."""
     lib = _library()
     _need_contiguous("x", x)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be torch.bfloat16 or torch.float32; got {x.dtype}")
     if residual is not None:
         _need_contiguous("residual", residual)
         _need_dtype("residual", residual, torch.float32)
     dim = x.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
     residual_out = (
         torch.empty(x.shape, dtype=torch.float32) if residual is not None or keep_residual else None
     )
     lib.srt_rmsnorm(
         x.data_ptr(),
+        int(x.dtype == torch.float32),
         data_ptr(residual),
         weight.data_ptr(),
         out.data_ptr(),

@@ -15,8 +15,8 @@
 typedef uint16_t bf16;
 
 /* cpu_kernels.c: the elementwise ops, decode attention, the GEMV and the fused decoder layer */
-void srt_rmsnorm(const bf16 *x, const float *residual, const bf16 *weight, bf16 *out, float *residual_out,
-                 int64_t rows, int64_t dim, float eps);
+void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16 *weight, bf16 *out,
+                 float *residual_out, int64_t rows, int64_t dim, float eps);
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
               const int64_t *positions, const bf16 *cos, const bf16 *sin);
@@ -27,7 +27,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
                           float scale, int64_t max_len);
 void srt_set_split_threads(int64_t threads);
 void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
-void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
+int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
@@ -35,7 +35,7 @@ void srt_decode_layer(const bf16 *hidden, float *residual, int64_t first, const 
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
-                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out);
+                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32);
 void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride, bf16 *k_cache, bf16 *v_cache,
                   const int64_t *loc, int64_t n, int64_t width);
 void srt_argmax(const float *logits, int64_t rows, int64_t n, int64_t *out);
