@@ -80,10 +80,6 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
 
     def forward(self, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab_size] on every TP rank, in `out_dtype` if given
-        (converted after the gather: the gather moves the weight's dtype)."""
-        if self.comm.world_size == 1:
-            logits = self.linear_method.apply(self, hidden, None, out_dtype)
-        else:
-            logits = self.comm.all_gather(self.linear_method.apply(self, hidden, None), dim=-1)
-            logits = logits if out_dtype is None else logits.to(out_dtype)
+        (float32: each rank's kernel keeps its sums unrounded, and the gather moves them as they are)."""
+        logits = self.comm.all_gather(self.linear_method.apply(self, hidden, None, out_dtype), dim=-1)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size].contiguous()
