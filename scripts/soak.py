@@ -2,6 +2,8 @@
 resident memory, and the KV cache's integrity at the end.
 
     python scripts/soak.py --minutes 10 -- --cpu-kvcache-space 0.25
+    python scripts/soak.py --minutes 10 --min-prompt-tokens 16 --max-prompt-tokens 4000 \
+        --rss-margin-mb 256 -- --cpu-kvcache-space 0.25
     python scripts/soak.py --minutes 10 --url http://127.0.0.1:30000
 
 The first starts `launch_server` with the flags after `--` (none: the default server, bundled
@@ -10,19 +12,22 @@ SmolLM2 in bf16); the second soaks a server already running (its key in --api-ke
 /generate completions and streams read to their end, /v1/completions (half of them streamed),
 streams the client drops after a few chunks, streams ended by /abort_request, and bad requests of
 several sorts (each must be a 400 naming the bad parameter). Prompts are random token ids, short,
-medium or long (up to the context length or the KV cache, whichever is smaller, less the new
-tokens), a quarter of them after one of a few shared prefixes. Every answer is checked (a
-well-formed body or stream, `data: [DONE]` at its end, a finish reason that fits the request) and
-counted by outcome (soak_report.py).
+medium or long (up to the context length or the KV cache, whichever is smaller, less the new tokens;
+`--min-prompt-tokens` / `--max-prompt-tokens` narrow that), a quarter of them after one of a few
+shared prefixes. Every answer is checked (a well-formed body or stream, `data: [DONE]` at its end, a
+finish reason that fits the request) and counted by outcome (soak_report.py).
 
 Every `--interval` seconds it prints a row: the requests that ended in the interval, how many were
 unexpected, their p50 / p99 end-to-end latency and time to first token, the KV pages cached and
 free, and each process's RSS (as the server's /server_info reports it). After the traffic it waits
-for the server to go idle and checks the KV cache: the server's own integrity check, every page
-free or cached, and after /flush_cache (`--no-flush`: not) every page free; a process replaced or
-an engine restart (from /metrics, where on) fails the soak too. Then it prints each process's RSS
-at the start and the end, the outcomes by traffic kind, and `KV integrity: ok` or what failed. The
-exit status is 1 on any unexpected outcome or failed check. `--json-out` keeps everything.
+for the server to go idle and checks the KV cache: the server's own integrity check, every page free
+or cached, and after /flush_cache (`--no-flush`: not) every page free; a process replaced or an
+engine restart (from /metrics, where on) fails the soak too. Then it prints each process's RSS at
+the start and the end, each process's growth over the run's last half with its bound, the outcomes
+by traffic kind, and `KV integrity: ok` or what failed. With `--rss-margin-mb MB` memory is judged
+too (`memory: PASS` or what failed): every process must grow at most `--rss-flat-pct` % over the
+last half and stay under its RSS at the start plus, for a rank, the KV cache, plus MB. The exit
+status is 1 on any unexpected outcome or failed check. `--json-out` keeps everything.
 """
 
 from __future__ import annotations
@@ -77,28 +82,40 @@ def bearer(key: str | None) -> dict[str, str]:
 
 
 class Prompts:
-    """Random token ids inside the vocabulary (above the low ids, where special tokens sit)."""
+    """Random token ids inside the vocabulary (above the low ids, where special tokens sit), each
+    prompt `min_tokens` to `max_tokens` long (None: as long as the limit allows)."""
 
-    def __init__(self, vocab_size: int, limit: int, rng: random.Random) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        limit: int,
+        rng: random.Random,
+        min_tokens: int = 1,
+        max_tokens: int | None = None,
+    ) -> None:
         self.low, self.high = min(100, vocab_size // 2), vocab_size
         self.limit = limit
-        self.prefixes = [self._ids(rng, min(rng.randint(64, 256), limit // 4)) for _ in range(4)]
+        self.min_tokens = min_tokens
+        self.max_tokens = limit if max_tokens is None else min(max_tokens, limit)
+        self.prefixes = [self._ids(rng, min(rng.randint(64, 256), self.max_tokens // 4)) for _ in range(4)]
 
     def _ids(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(self.low, self.high) for _ in range(max(n, 1))]
 
     def make(self, rng: random.Random, max_new: int) -> tuple[list[int], str, int]:
-        """(ids, shape, max_new capped) with len(ids) + max_new <= limit."""
+        """(ids, shape, max_new capped) with len(ids) + max_new <= limit and len(ids) within
+        [min_tokens, max_tokens] where the limit leaves room for min_tokens."""
         max_new = min(max_new, self.limit // 2)
-        room = self.limit - max_new
+        room = min(self.limit - max_new, self.max_tokens)
+        lo = min(self.min_tokens, room)
         shape = rng.choices(list(SHAPES), list(SHAPES.values()))[0]
         if shape == "short":
-            n = rng.randint(1, 32)
+            n = rng.randint(lo, max(lo, 32))
         elif shape == "medium":
-            n = rng.randint(16, max(16, min(600, room // 2)))
+            n = rng.randint(max(16, lo), max(16, lo, min(600, room // 2)))
         else:
             n = rng.randint(room * 9 // 10, room)
-        ids = self._ids(rng, n)
+        ids = self._ids(rng, min(max(n, lo), room))
         if rng.random() < PREFIX_SHARE:
             ids = rng.choice(self.prefixes) + ids
             shape += "+prefix"
@@ -118,14 +135,16 @@ class Call:
 class Traffic:
     """`concurrency` client threads until `finish`; one Record per request."""
 
-    def __init__(self, target: Target, concurrency: int, seed: int, request_timeout: float) -> None:
+    def __init__(
+        self, target: Target, concurrency: int, seed: int, request_timeout: float, prompts: Prompts
+    ) -> None:
         self.target = target
         self.timeout = request_timeout
         self.stop = threading.Event()
         self.records: list[Record] = []
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
-        self.prompts = Prompts(target.vocab_size, target.limit, random.Random(seed))
+        self.prompts = prompts
         self.bad = bad_requests(target)
         self.threads = [
             threading.Thread(target=self._client, args=(seed * 1000 + i,), daemon=True)
@@ -456,15 +475,24 @@ def soak(url: str, args: argparse.Namespace, budget_line: str | None) -> int:
     headers = bearer(args.api_key)
     target, info = describe(url, headers, bearer(args.admin_api_key or args.api_key))
     expected = report.expected_outcomes(info)
+    kv_bytes = int(info["internal_states"][0].get("kv_cache_bytes") or 0)
+    prompts = Prompts(
+        target.vocab_size,
+        target.limit,
+        random.Random(args.seed),
+        args.min_prompt_tokens,
+        args.max_prompt_tokens,
+    )
     print(budget_line or "(no KV budget line: the server's log is not ours)", flush=True)
     print(
         f"prompts up to {target.limit} tokens with their new tokens (context {info.get('context_length')}, "
-        f"KV cache {info.get('max_total_tokens')} tokens); vocabulary {target.vocab_size}; "
+        f"KV cache {info.get('max_total_tokens')} tokens), each prompt {prompts.min_tokens} to "
+        f"{prompts.max_tokens} tokens; vocabulary {target.vocab_size}; "
         f"{args.concurrency} clients for {args.minutes:g} min",
         flush=True,
     )
     restarts_before = engine_restarts(url, headers)
-    traffic = Traffic(target, args.concurrency, args.seed, args.request_timeout)
+    traffic = Traffic(target, args.concurrency, args.seed, args.request_timeout, prompts)
     samples = [sample(url, headers, time.monotonic())]
     samples[0]["t_s"] = 0.0
     names = list(samples[0]["processes"])
@@ -508,6 +536,14 @@ def soak(url: str, args: argparse.Namespace, budget_line: str | None) -> int:
 
     print("\nRSS at the start and the end (MB = 2^20 bytes):")
     print(report.rss_table(samples[0], samples[-1]))
+    margin = None if args.rss_margin_mb is None else args.rss_margin_mb * report.MB
+    memory = report.rss_verdict(samples, kv_bytes, margin, args.rss_flat_pct)
+    print(
+        f"\nRSS over the last half, from t = {memory['half_t_s']:.0f} s (flat: growing at most "
+        f"{args.rss_flat_pct:g}% from the half-way sample; bound: the start, plus the KV cache "
+        f"({kv_bytes / report.MB:.0f} MB) for a rank, plus --rss-margin-mb):"
+    )
+    print(report.rss_verdict_table(memory))
     print("\nOutcomes by traffic kind:")
     print(report.outcome_table(records, KINDS, expected))
     shapes = Counter(r.prompt for r in records if r.prompt)
@@ -517,7 +553,14 @@ def soak(url: str, args: argparse.Namespace, budget_line: str | None) -> int:
     print(f"rank consensus checker: {checker}; engine restarts: {restarts}")
     print("processes: " + ("ok" if not processes else "FAILED: " + "; ".join(processes)))
     kv = end_check["kv_problems"]
-    print("KV integrity: " + ("ok" if not kv else "FAILED: " + "; ".join(kv)), flush=True)
+    print("KV integrity: " + ("ok" if not kv else "FAILED: " + "; ".join(kv)))
+    if margin is None:
+        print("memory: not judged (no --rss-margin-mb)", flush=True)
+    else:
+        print(
+            "memory: " + ("PASS" if not memory["problems"] else "FAIL: " + "; ".join(memory["problems"])),
+            flush=True,
+        )
     unexpected = sum(r.outcome not in expected for r in records)
     if args.json_out is not None:
         args.json_out.write_text(
@@ -535,6 +578,8 @@ def soak(url: str, args: argparse.Namespace, budget_line: str | None) -> int:
                     "intervals": rows,
                     "samples": samples,
                     "process_problems": processes,
+                    "kv_cache_bytes": kv_bytes,
+                    "memory": memory,
                     "engine_restarts": restarts_after,
                     "rank_consensus_checker": checker == "on",
                     **end_check,
@@ -543,7 +588,8 @@ def soak(url: str, args: argparse.Namespace, budget_line: str | None) -> int:
                 indent=1,
             )
         )
-    return 1 if unexpected or kv or processes else 0
+    memory_failed = margin is not None and bool(memory["problems"])
+    return 1 if unexpected or kv or processes or memory_failed else 0
 
 
 def main() -> int:
@@ -564,12 +610,34 @@ def main() -> int:
         default=os.environ.get("SRT_ADMIN_API_KEY"),
         help="for /flush_cache; default: SRT_ADMIN_API_KEY",
     )
+    parser.add_argument("--min-prompt-tokens", type=int, default=1, help="the shortest prompt")
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="the longest prompt (default: the limit)"
+    )
+    parser.add_argument(
+        "--rss-margin-mb",
+        type=float,
+        default=None,
+        help="judge memory: each process must stay under its start (+ the KV cache for a rank) + this",
+    )
+    parser.add_argument(
+        "--rss-flat-pct",
+        type=float,
+        default=5.0,
+        help="with --rss-margin-mb: the most a process may grow over the last half, in %% (default 5)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("server_args", nargs="*", help="launch_server flags (after --)")
     args = parser.parse_args()
     if args.minutes <= 0 or args.interval <= 0 or args.concurrency < 1:
         parser.error("--minutes and --interval must be positive, --concurrency at least 1")
+    if args.min_prompt_tokens < 1 or (
+        args.max_prompt_tokens is not None and args.max_prompt_tokens < args.min_prompt_tokens
+    ):
+        parser.error("--min-prompt-tokens must be at least 1 and --max-prompt-tokens at least that")
+    if (args.rss_margin_mb is not None and args.rss_margin_mb < 0) or args.rss_flat_pct < 0:
+        parser.error("--rss-margin-mb and --rss-flat-pct must not be negative")
     if args.url is not None and args.server_args:
         parser.error("--url soaks a running server: it takes no launch_server flags")
     if args.url is not None:

@@ -1,5 +1,6 @@
 """What scripts/soak.py judges and prints: each request's outcome and whether a healthy server gives
-it, latency over time, each process's resident memory at the start and the end, and the KV cache's
+it, latency over time, each process's resident memory at the start and the end and whether it levelled
+off under its bound, and the KV cache's
 integrity once the server is idle. Pure functions of what the soak recorded, so that a test can feed
 them a bad sample."""
 
@@ -253,6 +254,75 @@ def rss_table(first: dict[str, Any], last: dict[str, Any]) -> str:
         end = f"{b['rss_bytes'] / MB:>9.0f}" if b else f"{'-':>9}"
         change = f"{(b['rss_bytes'] - a['rss_bytes']) / MB:>+10.0f}" if a and b else f"{'-':>10}"
         lines.append(f"{name:<16} {pid:>16} {start} {end} {change}")
+    return "\n".join(lines)
+
+
+def rss_verdict(
+    samples: list[dict[str, Any]], kv_bytes: int, margin_bytes: float | None, flat_pct: float
+) -> dict[str, Any]:
+    """Whether each process's RSS levelled off under its bound. The last half of the run is the
+    samples from the last one at or before half the last sample's time; a process is flat when its
+    highest RSS there is at most `flat_pct` % above its RSS at that half-way sample, and under its
+    bound when its highest RSS of the whole run is at most its first RSS (the model loaded, the KV
+    pool not yet written) plus `kv_bytes` for a rank ("scheduler ..." processes) plus
+    `margin_bytes`. Returns {"half_t_s", "rows" (one per process of the first sample, bytes),
+    "problems"}: the problems say what failed, with the bound only where `margin_bytes` is given."""
+    half_t = samples[-1]["t_s"] / 2
+    half = [s for s in samples if s["t_s"] <= half_t][-1]
+    rows, problems = [], []
+    for name, first in samples[0]["processes"].items():
+        seen = [s["processes"][name]["rss_bytes"] for s in samples if name in s["processes"]]
+        later = [
+            s["processes"][name]["rss_bytes"]
+            for s in samples
+            if s["t_s"] >= half["t_s"] and name in s["processes"]
+        ]
+        if name not in half["processes"] or not later:
+            problems.append(f"{name}: no sample in the last half")
+            continue
+        at_half = half["processes"][name]["rss_bytes"]
+        growth = max(later) - at_half
+        bound = None
+        if margin_bytes is not None:
+            bound = first["rss_bytes"] + (kv_bytes if name.startswith("scheduler") else 0) + margin_bytes
+        row = {
+            "name": name,
+            "start": first["rss_bytes"],
+            "half": at_half,
+            "end": seen[-1],
+            "peak": max(seen),
+            "growth": growth,
+            "growth_pct": 100.0 * growth / at_half,
+            "bound": bound,
+        }
+        row["flat"] = row["growth_pct"] <= flat_pct
+        row["under"] = bound is None or row["peak"] <= bound
+        rows.append(row)
+        if not row["flat"]:
+            problems.append(
+                f"{name} grew {growth / MB:.0f} MB ({row['growth_pct']:.1f}%) over the last half, "
+                f"more than {flat_pct:g}%"
+            )
+        if not row["under"]:
+            problems.append(
+                f"{name} reached {row['peak'] / MB:.0f} MB, above its bound of {bound / MB:.0f} MB"
+            )
+    return {"half_t_s": half["t_s"], "rows": rows, "problems": problems}
+
+
+def rss_verdict_table(verdict: dict[str, Any]) -> str:
+    """rss_verdict's rows, in MB: start, half-way, end, peak, growth over the last half, bound."""
+    lines = [
+        f"{'process':<16} {'start':>7} {'half':>7} {'end':>7} {'peak':>7} {'last half':>15} {'bound':>7}  verdict"
+    ]
+    for r in verdict["rows"]:
+        bound = "-" if r["bound"] is None else f"{r['bound'] / MB:.0f}"
+        growth = f"{r['growth'] / MB:+.0f} ({r['growth_pct']:+.1f}%)"
+        verdict_word = ("flat" if r["flat"] else "GROWING") + ("" if r["under"] else ", OVER BOUND")
+        lines.append(
+            f"{r['name']:<16} {r['start'] / MB:>7.0f} {r['half'] / MB:>7.0f} {r['end'] / MB:>7.0f} "
+            f"{r['peak'] / MB:>7.0f} {growth:>15} {bound:>7}  {verdict_word}"
+        )
     return "\n".join(lines)
 
 

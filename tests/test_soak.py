@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "soak.py"
 sys.path.insert(0, str(SCRIPT.parent))  # scripts/ is not a package
 
+import soak  # noqa: E402
 import soak_report as report  # noqa: E402
 from soak_report import Record  # noqa: E402
 
@@ -147,6 +149,66 @@ def test_a_replaced_or_vanished_process_fails_the_soak() -> None:
     text = 'srt:engine_restarts_total 2.0\nsrt:engine_restarts_created 1.7e9\nx{a="1"} 3\nx{a="2"} 4\n'
     assert report.metric_total(text, "srt:engine_restarts_total") == 2.0
     assert report.metric_total(text, "x") == 7.0 and report.metric_total(text, "y") is None
+
+
+def test_prompts_stay_within_the_lengths_asked() -> None:
+    rng = random.Random(0)
+    prompts = soak.Prompts(49152, 8192, rng, min_tokens=16, max_tokens=4000)
+    made = [prompts.make(rng, rng.choice([8, 64, 256])) for _ in range(2000)]
+    lengths = [len(ids) for ids, _, _ in made]
+    assert min(lengths) >= 16 and max(lengths) == 4000, (min(lengths), max(lengths))
+    assert {shape for _, shape, _ in made} == {"short", "medium", "long"} | {
+        s + "+prefix" for s in ("short", "medium", "long")
+    }
+    assert all(100 <= i < 49152 for ids, _, _ in made for i in ids)
+    # a limit below the longest prompt asked caps it, new tokens included
+    tight = soak.Prompts(49152, 512, rng, min_tokens=16, max_tokens=4000)
+    assert all(
+        16 <= len(ids) and len(ids) + new <= 512 for ids, _, new in (tight.make(rng, 64) for _ in range(500))
+    )
+
+
+def samples_of(rss_mb: dict[str, list[float]], every_s: float = 60.0) -> list[dict[str, object]]:
+    """One sample per interval with each process's RSS (MB) from `rss_mb`, as soak.py samples."""
+    n = len(next(iter(rss_mb.values())))
+    return [
+        {
+            "t_s": i * every_s,
+            "processes": {
+                name: {"pid": 1 + k, "rss_bytes": int(values[i] * report.MB)}
+                for k, (name, values) in enumerate(rss_mb.items())
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def test_memory_passes_only_when_every_process_levels_off_under_its_bound() -> None:
+    kv, margin = 256 * report.MB, 100 * report.MB
+    # 0..600 s: the rank fills its KV cache in the first half, then holds (within 5%); main is flat
+    plateau = {
+        "main": [380.0] * 11,
+        "scheduler TP0": [860, 1000, 1100, 1150, 1160, 1165, 1170, 1180, 1190, 1200, 1195],
+    }
+    verdict = report.rss_verdict(samples_of(plateau), kv, margin, 5.0)
+    assert verdict["half_t_s"] == 300 and verdict["problems"] == [], verdict
+    rank = verdict["rows"][1]
+    assert (rank["half"], rank["peak"]) == (1165 * report.MB, 1200 * report.MB)
+    assert rank["growth"] == 35 * report.MB and rank["bound"] == (860 + 256 + 100) * report.MB
+    # the soak of issue 36: still rising 40-50 MB a minute at the end
+    rising = {**plateau, "scheduler TP0": [856, 1354, 1398, 1534, 1669, 1750, 1804, 1838, 1882, 1924, 1975]}
+    problems = report.rss_verdict(samples_of(rising), kv, 10_000 * report.MB, 5.0)["problems"]
+    assert problems == ["scheduler TP0 grew 225 MB (12.9%) over the last half, more than 5%"]
+    # flat at the end but above the start + KV + margin; the main process has no KV allowance
+    high = {"main": [380, 500, 500, 500, 500, 500], "scheduler TP0": [860, 1300, 1300, 1300, 1300, 1300]}
+    problems = report.rss_verdict(samples_of(high), kv, margin, 5.0)["problems"]
+    assert problems == [
+        "main reached 500 MB, above its bound of 480 MB",
+        "scheduler TP0 reached 1300 MB, above its bound of 1216 MB",
+    ]
+    assert report.rss_verdict(samples_of(high), kv, None, 5.0)["problems"] == []  # no bound without a margin
+    table = report.rss_verdict_table(report.rss_verdict(samples_of(rising), kv, None, 5.0)).splitlines()
+    assert table[2].split()[-5:] == ["1975", "+225", "(+12.9%)", "-", "GROWING"], table
 
 
 # ---- a short soak of a real server ----
