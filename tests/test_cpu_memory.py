@@ -1,11 +1,16 @@
-"""A rank process keeps freed activation memory in its heap instead of unmapping it."""
+"""A rank process keeps freed activation memory in its heap instead of unmapping it, and oneDNN's
+per-shape caches stay bounded however many shapes its matmuls see."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from model_executor.cpu.memory import ONEDNN_CACHE_SHAPES, bound_onednn_caches
 
 PROBE = """
 import sys, psutil, torch
@@ -29,3 +34,53 @@ def released_mib(mode: str) -> int:
 def test_freed_tensors_stay_in_the_heap_only_when_tuned() -> None:
     assert released_mib("default") >= 60  # glibc unmaps a block this large on free
     assert released_mib("tuned") < 4
+
+
+# bf16 matmuls of 400 row counts (a prefill's rows are its step's tokens): the heap's bytes in use after
+CACHE_PROBE = """
+import ctypes, sys, torch, torch.nn.functional as F
+from model_executor.cpu.memory import bound_onednn_caches
+if sys.argv[1] == "bounded":
+    bound_onednn_caches()
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = Info
+weight = torch.randn(256, 256, dtype=torch.bfloat16)
+F.linear(torch.randn(1, 256, dtype=torch.bfloat16), weight)
+before = libc.mallinfo2().uordblks
+for rows in range(2, 402):
+    F.linear(torch.randn(rows, 256, dtype=torch.bfloat16), weight)
+print((libc.mallinfo2().uordblks - before) // 2**20)
+"""
+
+
+def held_mib(mode: str) -> int:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE, mode], capture_output=True, text=True, check=True, env=env
+    )
+    return int(out.stdout.strip())
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="glibc mallinfo2; oneDNN bf16 matmuls",
+)
+def test_onednn_keeps_a_bounded_number_of_shapes() -> None:
+    unbounded, bounded = held_mib("default"), held_mib("bounded")
+    assert bounded <= ONEDNN_CACHE_SHAPES, (unbounded, bounded)  # under 1 MiB a shape kept
+    assert unbounded > 2 * bounded, (unbounded, bounded)  # torch's defaults keep 1024 shapes
+
+
+def test_a_cache_capacity_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)  # restored after the test
+    assert bound_onednn_caches() == {
+        "LRU_CACHE_CAPACITY": "7",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE_SHAPES),
+    }

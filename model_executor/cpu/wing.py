@@ -1,7 +1,7 @@
-"""CpuWing: the CPU's DeviceWing. glibc keeps freed memory (memory.py); --quantization is checked
-and the weights packed for the kernels (weights.py); the step runner is the fused decode runner,
-which with adaptive threads also applies the thread governor's count (decode_runner.py,
-thread_governor.py)."""
+"""CpuWing: the CPU's DeviceWing. glibc keeps freed memory and oneDNN's caches are bounded
+(memory.py); --quantization is checked and the weights packed for the kernels (weights.py); the step
+runner is the fused decode runner, which with adaptive threads also applies the thread governor's
+count (decode_runner.py, thread_governor.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
-from model_executor.cpu.memory import keep_freed_memory
+from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.cpu.weights import check_quantization, prepare_weights
 from model_executor.device_wing import DeviceWing
@@ -26,6 +26,7 @@ class CpuWing(DeviceWing):
     def __init__(self, config: RunnerConfig, parallel: ParallelState) -> None:
         super().__init__(config, parallel)
         keep_freed_memory()
+        bound_onednn_caches()
         # Set by step_runner with adaptive threads (--disable-adaptive-cpu-threads off).
         self.thread_governor: ThreadGovernor | None = None
 
