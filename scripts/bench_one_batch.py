@@ -60,6 +60,7 @@ from model_executor.cpu.linear import set_one_arithmetic  # noqa: E402
 from model_executor.cpu.weights import QUANTIZATIONS  # noqa: E402
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
+from model_executor.layers.moe import SparseMoeBlock  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
 from model_executor.sampling_inputs import SamplingInputs  # noqa: E402
@@ -425,10 +426,24 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float) -> str:
+def inactive_expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the experts a batch-1 decode step does not read: in each mixture-of-experts layer,
+    all but num_experts_per_tok of its experts (every expert the same size)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            per_expert = model_weight_bytes(module.experts[0])
+            total += per_expert * (module.num_experts - module.top_k)
+    return total
+
+
+def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float, moe: bool = False) -> str:
     floor_s = weight_bytes / bandwidth
+    what = "active-weight floor (batch 1 decode: attention, router and top-k experts)" if moe else (
+        "weight-bandwidth floor (batch 1 decode)"
+    )
     return (
-        f"weight-bandwidth floor (batch 1 decode): {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
+        f"{what}: {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
         f"({weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s, the read bandwidth measured between srt's runs); "
         f"srt batch-1 decode at {floor_s / decode_step_s * 100:.0f}% of it"
     )
@@ -541,7 +556,8 @@ def main(argv: list[str] | None = None) -> None:
         llm = load_llama_cpp(gguf, args.input_len + args.output_len + 8, torch.get_num_threads())
     if args.tp_size == 1:
         runner = ModelRunner(config)
-        weight_bytes = streamed_weight_bytes(runner.model)
+        inactive = inactive_expert_bytes(runner.model)
+        weight_bytes = streamed_weight_bytes(runner.model) - inactive
         # A prompt token runs every layer; the LM head only the last token of each prompt.
         num_params = sum(
             p.numel()
@@ -595,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     batch_1 = next((r for r in srt if r.batch_size == 1), None)
     if weight_bytes and batch_1 is not None:
-        print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s))
+        print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s, moe=inactive > 0))
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes"] = weight_bytes
     if num_params:

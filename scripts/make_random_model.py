@@ -1,13 +1,14 @@
 """A random-weight checkpoint shaped like the bundled SmolLM2-135M, with a head layout you choose.
 
-    python scripts/make_random_model.py OUT_DIR [--num-heads 6] [--num-kv-heads 2] [--seed 0]
+    python scripts/make_random_model.py OUT_DIR [--num-heads 6] [--num-kv-heads 2] [--seed 0] [--moe]
 
 SmolLM2-135M has 9 attention heads and 3 KV heads, so it cannot run at --tp-size 2. This writes a
 LlamaForCausalLM with its configuration (hidden 576, 30 layers, intermediate 1536, vocab 49152,
 tied embeddings) except the heads (default 6 heads of 96 and 2 KV heads: TP=2 divides both), random
 bf16 weights, and SmolLM2's tokenizer, for benchmarks that need an even head count at the same size
 and cost per step (e.g. `bench_control_plane.py --tp-size 2 --model-path OUT_DIR`). Its outputs are
-meaningless text; nothing is downloaded.
+meaningless text; nothing is downloaded. With --moe: a mid-size random Qwen3-MoE instead
+(make_random_moe_model), for the mixture-of-experts benchmarks.
 """
 
 from __future__ import annotations
@@ -67,6 +68,55 @@ def make_random_model(
     return out
 
 
+def make_random_moe_model(
+    out: Path,
+    *,
+    num_experts: int = 32,
+    top_k: int = 4,
+    hidden_size: int = 1024,
+    moe_intermediate_size: int = 512,
+    num_layers: int = 8,
+    num_heads: int = 16,
+    num_kv_heads: int = 4,
+    seed: int = 0,
+) -> Path:
+    """A random bf16 Qwen3-MoE (head_dim 64) with SmolLM2's vocabulary and tokenizer: the mid-size
+    mixture of experts of issue 37's benchmark by default (32 experts, top 4, hidden 1024, 8 layers)."""
+    import transformers
+
+    from model_executor.loader.weight_source import load_hf_config, resolve_model_path
+
+    smollm2 = resolve_model_path(None)
+    base = load_hf_config(smollm2)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=hidden_size,
+        intermediate_size=4 * moe_intermediate_size,
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=64,
+        vocab_size=base.vocab_size,
+        max_position_embeddings=base.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2 / name).exists():
+            shutil.copy(smollm2 / name, out / name)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -75,9 +125,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-heads", type=int, default=6, help="default: %(default)s")
     parser.add_argument("--num-kv-heads", type=int, default=2, help="default: %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a Qwen3-MoE instead: 32 experts, top 4, hidden 1024, 8 layers, 16 heads of 64, 4 KV heads "
+        "(--num-heads / --num-kv-heads ignored)",
+    )
     args = parser.parse_args(argv)
     try:
-        path = make_random_model(args.out, args.num_heads, args.num_kv_heads, args.seed)
+        if args.moe:
+            path = make_random_moe_model(args.out, seed=args.seed)
+        else:
+            path = make_random_model(args.out, args.num_heads, args.num_kv_heads, args.seed)
     except ValueError as error:
         parser.error(str(error))
     print(f"wrote {path}")

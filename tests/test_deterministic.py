@@ -166,6 +166,15 @@ def det_server() -> Any:
 @pytest.mark.slow  # one SmolLM2 bf16 server, ~45 s
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_one_prompt_gives_one_completion_in_any_batch(det_server: Server, seeded: bool) -> None:
+    check_single_mode(det_server, seeded)
+
+
+@pytest.mark.slow  # one SmolLM2 bf16 server, ~45 s
+def test_cached_prefixes_give_the_tokens_of_a_flushed_cache(det_server: Server) -> None:
+    check_prefix_mode(det_server)
+
+
+def check_single_mode(det_server: Server, seeded: bool) -> None:
     """SGLang's "single" mode: the prompt alone, then inside batches of 3 and 6 of other prompts
     (other lengths, so its rows, chunks and decode batches differ each time)."""
     assert "deterministic inference: every token on the decode kernel's arithmetic" in det_server.output()
@@ -181,8 +190,7 @@ def test_one_prompt_gives_one_completion_in_any_batch(det_server: Server, seeded
         assert out[-1]["text"] == alone["text"]
 
 
-@pytest.mark.slow  # one SmolLM2 bf16 server, ~45 s
-def test_cached_prefixes_give_the_tokens_of_a_flushed_cache(det_server: Server) -> None:
+def check_prefix_mode(det_server: Server) -> None:
     """SGLang's "prefix" mode: a prompt whose start is in the radix cache, written by a prefill and
     (a second turn after the model's own answer) by decode steps, against the same prompt after
     /flush_cache."""

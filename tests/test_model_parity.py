@@ -60,6 +60,7 @@ def test_tiny_model_matches_transformers(arch: str, tiny_model_dirs: dict[str, P
     check_model(tiny_model_dirs[arch], prompts_for(320), atol=LOGIT_ATOL)
 
 
+@pytest.mark.slow  # ~30 s in float32; the default path on SmolLM2 is held to transformers in the default run by test_reference_bf16
 def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     texts = [

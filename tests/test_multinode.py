@@ -707,6 +707,7 @@ def node_rank_pid(node: Node, title: str) -> int:
     raise AssertionError(f"no process titled {title} on {node.log_path.stem}")
 
 
+@pytest.mark.slow  # ~50 s; the restart of one node's engine is covered in the default run by test_restart
 @pytest.mark.timeout(400)
 def test_a_rank_killed_on_node_1_restarts_every_node_and_every_stream_continues(
     nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path

@@ -106,6 +106,7 @@ def generate_all(server: Server, prompts: list[list[int]], max_new_tokens: int) 
         return list(pool.map(one, prompts))
 
 
+@pytest.mark.slow  # ~30 s; PP=2 on SmolLM2 in bf16 runs in the default run (test_reference_bf16), PP in float32 there on a tiny model
 def test_pp2_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     prompts = [
         [1, 504, 3458, 282, 4649, 314],

@@ -43,6 +43,7 @@ def test_tp2_seeded_sampling_equals_tp1(tiny_model_dirs: dict[str, Path]) -> Non
     assert run(tiny_model_dirs["llama"], 2, ids, SEEDED) == run(tiny_model_dirs["llama"], 1, ids, SEEDED)
 
 
+@pytest.mark.slow  # TP=3 on SmolLM2 runs in the default run through test_reference_bf16
 def test_tp3_smollm2_equals_tp1(smollm2_dir: Path) -> None:
     ids = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 2287, 3314, 30, 1], [42] * 12]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)

@@ -64,7 +64,69 @@ ARCHS = {
         transformers.Qwen2ForCausalLM,
         {"vocab_size": 49152, "max_position_embeddings": 4096},
     ),
+    # Mixtures of experts (model_executor/models/moe.py); every expert's linears packable (multiples of 32)
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        # 32 experts (the router packable too), layer 1 dense
+        {
+            "head_dim": 32,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+    ),
+    # one KV head: at TP=2 both ranks hold it, and k's norm across heads counts it once
+    "olmoe": (
+        transformers.OlmoeConfig,
+        transformers.OlmoeForCausalLM,
+        {
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "intermediate_size": 64,
+            "num_key_value_heads": 1,
+            "pad_token_id": 0,
+            "eos_token_id": 2,
+        },
+    ),
+    # a MoE model on the default path's shapes: SmolLM2's vocabulary, heads of 64 (the attention
+    # kernels'), text prompts through SmolLM2's tokenizer
+    "qwen3_moe_smollm2_vocab": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "num_experts": 24,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "vocab_size": 49152,
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
@@ -74,9 +136,11 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
     model = model_cls(config).to(torch.float32)
     # Larger-than-init weights make the logits spread out, so greedy ties are rare.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.1)
+                # A MoE router 10x wider: its choices clear, so that a near-tie flipped by rounding
+                # (chance, on either side of a comparison) seldom decides a test of precision.
+                p.normal_(0.0, 1.0 if name.endswith(".gate.weight") else 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

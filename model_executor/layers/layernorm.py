@@ -62,3 +62,46 @@ class RMSNorm(nn.Module):
             assert residual is not None
             return out, residual
         return self._norm(x), x.float()
+
+
+class HeadsRMSNorm(nn.Module):
+    """An RMSNorm over all the heads of q (or k) at once, not per head (OLMoE's q_norm and k_norm),
+    where tensor parallelism gives each rank `local_size` of the `full_size` columns: the rank's
+    slice `shard` of the weight. The mean of squares spans every rank's columns, so the ranks'
+    sums of squares are all-reduced (`scale`'s caller does it once for q and k together); a slice
+    held by `replicas` ranks (k with fewer KV heads than ranks) counts once."""
+
+    def __init__(
+        self,
+        full_size: int,
+        local_size: int,
+        shard: int,
+        replicas: int,
+        eps: float,
+        *,
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.full_size = full_size
+        self.shard = shard
+        self.replicas = replicas
+        self.weight = nn.Parameter(torch.ones(local_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: object = None) -> None:
+        size = param.shape[0]
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ValueError(f"expected ({self.full_size},), got {tuple(loaded.shape)}")
+        with torch.no_grad():
+            param.copy_(loaded.narrow(0, self.shard * size, size))
+
+    def sum_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, local_size] -> float32 [n, 1]: this rank's share of the rows' sums of squares."""
+        return x.float().pow(2).sum(dim=-1, keepdim=True) / self.replicas
+
+    def scale(self, x: torch.Tensor, sum_squares: torch.Tensor) -> torch.Tensor:
+        """x normalized by every rank's sum of squares (all-reduced), times the weight, as
+        transformers' RMSNorm rounds it: the normalized row in x's dtype, then the weight."""
+        inv = torch.rsqrt(sum_squares / self.full_size + self.eps)
+        return self.weight * (x.float() * inv).to(x.dtype)

@@ -1,7 +1,7 @@
 """The config.json fields that change a model's math, and the start-up check that refuses a value srt
 does not implement, naming the field, instead of serving a different model than the one trained.
 
-Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3}.py. Each model class declares in
+Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe}.py. Each model class declares in
 `config_fields` which architecture-specific fields its transformers code reads; the rest of the
 table holds for every registered architecture.
 
@@ -17,6 +17,12 @@ table holds for every registered architecture.
 | layer_types (where config.json has none: from use_sliding_window, sliding_window, max_window_layers) | Qwen2, Qwen3 | "sliding_attention" layers as Mistral's; other kinds refused |
 | attn_logit_softcapping, final_logit_softcapping | none of them (Gemma 2's) | refused when set: a checkpoint that sets one was trained with it |
 | head_dim | all | implemented |
+| num_experts / num_local_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob | the MoE models | implemented (models/moe.py) |
+| decoder_sparse_step, mlp_only_layers | Qwen2-MoE, Qwen3-MoE: which layers are sparse | implemented |
+| shared_expert_intermediate_size | Qwen2-MoE: the gated shared expert | implemented |
+| qkv_bias | Qwen2-MoE: biases on q, k, v | implemented |
+| clip_qkv | OLMoE: q, k and v clamped to +-clip_qkv | refused when set |
+| router_aux_loss_coef, output_router_logits, router_jitter_noise | training only (the load-balancing loss, jitter while training) | ignored |
 | attention_dropout | training only | ignored |
 | pretraining_tp | none of them (transformers 4 split the matmuls, same math) | ignored |
 
@@ -46,6 +52,7 @@ class ConfigFields:
     # "every_layer": every layer attends within sliding_window where it is not null (Mistral);
     # "layer_types": the layers layer_types marks "sliding_attention" do (Qwen2, Qwen3)
     sliding_window: Literal["ignored", "every_layer", "layer_types"] = "ignored"
+    clip_qkv: bool = False  # q, k and v clamped where clip_qkv is set (OLMoE)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ def check_config(architecture: str, fields: ConfigFields, config: Any, context_l
         *_activation(config),
         *_rope(config),
         *_biases(fields, config),
+        *_clip_qkv(fields, config),
         *_sliding_window(fields, config, context_length),
         *_softcapping(config),
     ]
@@ -111,6 +119,13 @@ def _biases(fields: ConfigFields, config: Any) -> list[Refusal]:
     mlp_bias = getattr(config, "mlp_bias", False)
     if fields.mlp_bias and mlp_bias:
         return [Refusal("mlp_bias", mlp_bias, "biases on gate_proj, up_proj and down_proj")]
+    return []
+
+
+def _clip_qkv(fields: ConfigFields, config: Any) -> list[Refusal]:
+    clip = getattr(config, "clip_qkv", None)
+    if fields.clip_qkv and clip is not None:
+        return [Refusal("clip_qkv", clip, "q, k and v clamped to +-clip_qkv")]
     return []
 
 

@@ -7,6 +7,7 @@ config.json fields transformers reads for each (models/config_check.py refuses w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.layernorm import RMSNorm
+from model_executor.layers.layernorm import HeadsRMSNorm, RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -34,6 +35,7 @@ class AttentionSwitches:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool  # a per-head RMSNorm on q and k before rotary
+    qk_norm_across_heads: bool = False  # one RMSNorm over all of q's heads, one over k's (OLMoE)
 
 
 def head_dim_of(config: Any) -> int:
@@ -71,8 +73,29 @@ class LlamaAttention(nn.Module):
             what="number of attention heads x head_dim",
         )
         self.head_dim = head_dim
+        self.comm = comm
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if switches.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if switches.qk_norm else None
+        self.heads_norms: tuple[HeadsRMSNorm, HeadsRMSNorm] | None = None
+        if switches.qk_norm_across_heads:
+            qkv, rank = self.qkv_proj, comm.rank_in_group
+            self.q_heads_norm = HeadsRMSNorm(
+                config.num_attention_heads * head_dim,
+                qkv.q_size,
+                rank,
+                1,
+                config.rms_norm_eps,
+                params_dtype=dtype,
+            )
+            self.k_heads_norm = HeadsRMSNorm(
+                config.num_key_value_heads * head_dim,
+                qkv.kv_size,
+                rank // qkv.kv_replicas,
+                qkv.kv_replicas,
+                config.rms_norm_eps,
+                params_dtype=dtype,
+            )
+            self.heads_norms = (self.q_heads_norm, self.k_heads_norm)
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(
             layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, scaling=head_dim**-0.5
@@ -86,6 +109,12 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(n, -1, self.head_dim)).view(n, -1)
             k = self.k_norm(k.reshape(n, -1, self.head_dim)).view(n, -1)
             q, k = self.rotary_emb(positions, q, k)
+        elif self.heads_norms is not None:
+            q, k, v = self.qkv_proj.split(qkv)
+            q_norm, k_norm = self.heads_norms
+            # one all-reduce for both norms' sums of squares
+            sums = self.comm.all_reduce(torch.cat([q_norm.sum_squares(q), k_norm.sum_squares(k)], dim=1))
+            q, k = self.rotary_emb(positions, q_norm.scale(q, sums[:, :1]), k_norm.scale(k, sums[:, 1:]))
         else:
             # q and k sit side by side in the qkv output: rotate both heads' sets in one pass.
             qk = self.rotary_emb.rotate(
@@ -125,12 +154,13 @@ class LlamaDecoderLayer(nn.Module):
         *,
         switches: AttentionSwitches,
         rotary_emb: RotaryEmbedding,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
             config, layer_id, comm, dtype, switches=switches, rotary_emb=rotary_emb
         )
-        self.mlp = LlamaMLP(config, comm, dtype)
+        self.mlp = mlp  # LlamaMLP, or a mixture of experts (layers/moe.py): float32 out, all-reduced
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
 
@@ -163,6 +193,7 @@ class LlamaModel(nn.Module):
         *,
         switches: AttentionSwitches,
         stage: PipelineStage,
+        make_mlp: Callable[[int], nn.Module],
     ) -> None:
         super().__init__()
         self.stage = stage
@@ -182,6 +213,7 @@ class LlamaModel(nn.Module):
                 dtype,
                 switches=switches,
                 rotary_emb=rotary_emb,
+                mlp=make_mlp(i),
             )
             if stage.owns_layer(i)
             else MissingLayer()
@@ -222,6 +254,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     qkv_bias = False  # True: q/k/v biases whatever attention_bias says (Qwen2)
     qk_norm = False
+    qk_norm_across_heads = False
     config_fields = ConfigFields(attention_bias=True, mlp_bias=True)
     # checkpoint name part -> (parameter name part, shard id)
     packed_modules_mapping: dict[str, tuple[str, object]] = {
@@ -238,9 +271,14 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.stage = stage = stage or PipelineStage()
-        attention_bias = self.config_fields.attention_bias and bool(getattr(config, "attention_bias", False))
-        switches = AttentionSwitches(self.qkv_bias or attention_bias, attention_bias, self.qk_norm)
-        self.model = LlamaModel(config, comm, dtype, switches=switches, stage=stage)
+        self.model = LlamaModel(
+            config,
+            comm,
+            dtype,
+            switches=self.attention_switches(config),
+            stage=stage,
+            make_mlp=lambda layer_id: self.make_mlp(config, layer_id, comm, dtype),
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A last stage that is not also the first has no embedding to share: its head loads a copy.
         self.lm_head = (
@@ -255,24 +293,38 @@ class LlamaForCausalLM(CausalLM):
             else None
         )
 
+    def attention_switches(self, config: Any) -> AttentionSwitches:
+        attention_bias = self.config_fields.attention_bias and bool(getattr(config, "attention_bias", False))
+        return AttentionSwitches(
+            self.qkv_bias or attention_bias, attention_bias, self.qk_norm, self.qk_norm_across_heads
+        )
+
+    def make_mlp(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype) -> nn.Module:
+        """Layer `layer_id`'s MLP (a mixture-of-experts model's sparse block where it has one)."""
+        return LlamaMLP(config, comm, dtype)
+
     def decoder_stack(self) -> DecoderStack | None:
         model = self.model
         if model.embed_tokens is None or model.norm is None:  # a pipeline stage
             return None
-        layers = [
-            PreNormLayer(
-                layer.input_layernorm,
-                layer.post_attention_layernorm,
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-                layer.self_attn.attn,
-                layer.self_attn.q_norm,
-                layer.self_attn.k_norm,
+        layers = []
+        for layer in model.local_layers:
+            mlp, attn = layer.mlp, layer.self_attn
+            if not isinstance(mlp, LlamaMLP) or attn.heads_norms is not None:
+                return None  # experts, or norms across heads: the fused decode layer has neither
+            layers.append(
+                PreNormLayer(
+                    layer.input_layernorm,
+                    layer.post_attention_layernorm,
+                    attn.qkv_proj,
+                    attn.o_proj,
+                    mlp.gate_up_proj,
+                    mlp.down_proj,
+                    attn.attn,
+                    attn.q_norm,
+                    attn.k_norm,
+                )
             )
-            for layer in model.local_layers
-        ]
         return DecoderStack(model.embed_tokens, layers, model.norm, model.rotary_emb)
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
