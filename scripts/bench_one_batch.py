@@ -426,21 +426,29 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def inactive_expert_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the experts a batch-1 decode step does not read: in each mixture-of-experts layer,
-    all but num_experts_per_tok of its experts (every expert the same size)."""
-    total = 0
+def unread_weights(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the weights a batch-1 decode step does not read, how many of them are experts'
+    parameters): in each mixture-of-experts layer all but num_experts_per_tok of its experts (every
+    expert the same size), and an untied token embedding (a step reads one row of it)."""
+    unread_bytes = expert_params = 0
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            per_expert = model_weight_bytes(module.experts[0])
-            total += per_expert * (module.num_experts - module.top_k)
-    return total
+            unread = module.num_experts - module.top_k
+            expert_params += unread * sum(p.numel() for p in module.experts[0].parameters())
+            unread_bytes += unread * model_weight_bytes(module.experts[0])
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is not embed.weight:
+        unread_bytes += embed.weight.numel() * embed.weight.element_size()
+    return unread_bytes, expert_params
 
 
 def roofline_line(weight_bytes: int, bandwidth: float, decode_step_s: float, moe: bool = False) -> str:
     floor_s = weight_bytes / bandwidth
-    what = "active-weight floor (batch 1 decode: attention, router and top-k experts)" if moe else (
-        "weight-bandwidth floor (batch 1 decode)"
+    what = (
+        "active-weight floor (batch 1 decode: attention, router and top-k experts)"
+        if moe
+        else ("weight-bandwidth floor (batch 1 decode)")
     )
     return (
         f"{what}: {floor_s * 1e3:.2f} ms/step = {1 / floor_s:.0f} steps/s "
@@ -556,13 +564,17 @@ def main(argv: list[str] | None = None) -> None:
         llm = load_llama_cpp(gguf, args.input_len + args.output_len + 8, torch.get_num_threads())
     if args.tp_size == 1:
         runner = ModelRunner(config)
-        inactive = inactive_expert_bytes(runner.model)
-        weight_bytes = streamed_weight_bytes(runner.model) - inactive
-        # A prompt token runs every layer; the LM head only the last token of each prompt.
-        num_params = sum(
-            p.numel()
-            for name, p in runner.model.named_parameters()
-            if "embed_tokens" not in name and "lm_head" not in name
+        unread_bytes, unread_expert_params = unread_weights(runner.model)
+        weight_bytes = streamed_weight_bytes(runner.model) - unread_bytes
+        moe = unread_expert_params > 0
+        # A prompt token runs every layer (a MoE layer: its top-k experts); the LM head only the last token of each prompt.
+        num_params = (
+            sum(
+                p.numel()
+                for name, p in runner.model.named_parameters()
+                if "embed_tokens" not in name and "lm_head" not in name
+            )
+            - unread_expert_params
         )
         hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
         det_runner = ModelRunner(replace(config, deterministic=True)) if args.compare_deterministic else None
@@ -611,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     batch_1 = next((r for r in srt if r.batch_size == 1), None)
     if weight_bytes and batch_1 is not None:
-        print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s, moe=inactive > 0))
+        print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s, moe=moe))
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes"] = weight_bytes
     if num_params:

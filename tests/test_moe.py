@@ -21,9 +21,11 @@ from test_pipeline import generate_all
 from test_restart import smollm2_payloads, streams_through_a_kill
 from tiny_models import ARCHS, MOE_ARCHS, hf_float32, hf_greedy, make_tiny_model
 
+from model_executor.cpu.kernels import build
 from model_executor.cpu.linear import set_one_arithmetic
+from model_executor.cpu.moe import FusedExperts
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.layers.moe import select_experts
+from model_executor.layers.moe import SparseMoeBlock, select_experts
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.engine import Engine
 
@@ -263,3 +265,23 @@ def test_moe_streams_survive_sigkill_with_their_exact_tokens(
             assert ids == want["output_ids"], f"stream {i}"
             assert text == want["text"]
             assert logprobs == want["meta_info"]["output_token_logprobs"], f"stream {i}'s logprobs"
+
+
+@pytest.mark.skipif(not build.bf16_linear_available(), reason="the packed bf16 kernels did not build here")
+def test_one_kernel_call_per_layer_equals_the_expert_loop(moe_dirs: dict[str, Path]) -> None:
+    """The CPU wing runs each layer's active experts in one C call (cpu/moe.py); it adds what the
+    torch loop over the experts' linear methods adds, to float32 rounding (the C loop may fuse the
+    weight's multiply with the add)."""
+    engine = Engine(str(moe_dirs["qwen2_moe"]), dtype="bfloat16", max_total_tokens=256)
+    assert engine.runner is not None
+    blocks = [m for m in engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(isinstance(b.experts_method, FusedExperts) for b in blocks)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for block in blocks:
+        fused = block(x)
+        method, block.experts_method = block.experts_method, None
+        try:
+            loop = block(x)
+        finally:
+            block.experts_method = method
+        torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-6)

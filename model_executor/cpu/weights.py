@@ -13,6 +13,7 @@ from torch import nn
 
 from model_executor.cpu.kernels import build, packing
 from model_executor.cpu.linear import PackedLinearMethod, pack_weight, packed_of, set_one_arithmetic
+from model_executor.cpu.moe import fuse_experts
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.linear_method import UNQUANTIZED
 
@@ -97,6 +98,7 @@ def prepare_weights(
     float32_model = load_float32() if quantization == "gguf" else None
     packed = pack_model(model, quantization, float32_model)
     del float32_model
+    fuse_experts(model)  # a mixture of experts: each layer's experts in one kernel call
     if packed:
         weights = [packed_of(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)]
         quantized = sum(isinstance(w, (packing.Int8Weight, packing.Q4Weight)) for w in weights)

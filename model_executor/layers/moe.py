@@ -18,6 +18,8 @@ mode).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -96,6 +98,26 @@ class Expert(nn.Module):
         return down.linear_method.apply(down, act, None, torch.float32)
 
 
+class ExpertsMethod(ABC):
+    """How a SparseMoeBlock runs its experts where a device's wing gives it one (the CPU's: every
+    active expert in one kernel call, cpu/moe.py); without one, a torch loop over the experts'
+    linear methods. Set after the weights are packed."""
+
+    @abstractmethod
+    def apply(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        rows: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Adds to out [n, hidden] (float32) each active expert's output for its rows of x, times
+        their routing weights, expert by expert in ascending id: counts [experts] tokens each; rows
+        and weights list them expert after expert (tokens ascending). This rank's part, not
+        all-reduced."""
+
+
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one decoder layer: `gate` (the router, [experts, hidden]), `experts`, and where
     `shared_intermediate_size` is set Qwen2-MoE's `shared_expert` with its `shared_expert_gate`
@@ -127,6 +149,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             Expert(hidden_size, intermediate_size, comm, dtype, what) for _ in range(num_experts)
         )
+        self.experts_method: ExpertsMethod | None = None  # set by a device's wing (cpu/moe.py)
         self.shared_expert: Expert | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
         if shared_intermediate_size:
@@ -144,23 +167,32 @@ class SparseMoeBlock(nn.Module):
         out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
         if n:
             weights, ids = self.route(x)
-            # the tokens of each expert: (token, slot) pairs grouped by expert id, tokens ascending
+            # each expert's (token, slot) pairs, expert after expert, tokens ascending
             flat = ids.flatten()
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-            tokens = order // self.top_k
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            rows = order // self.top_k
             slot_weights = weights.flatten()[order]
-            start = 0
-            for expert_id, count in enumerate(counts):  # ascending id: a token's sum in a fixed order
-                if not count:
-                    continue
-                rows = tokens[start : start + count]
-                expert = self.experts[expert_id]
-                assert isinstance(expert, Expert)
-                partial = expert.partial(x[rows])
-                out.index_add_(0, rows, partial * slot_weights[start : start + count, None])
-                start += count
+            if self.experts_method is not None:
+                self.experts_method.apply(x, counts, rows, slot_weights, out)
+            else:
+                self._experts_loop(x, counts.tolist(), rows, slot_weights, out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert.partial(x)
         return self.comm.all_reduce(out)
+
+    def _experts_loop(
+        self, x: torch.Tensor, counts: list[int], rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """ExpertsMethod.apply in torch, expert by expert through their linear methods."""
+        start = 0
+        for expert_id, count in enumerate(counts):  # ascending id: a token's sum in a fixed order
+            if not count:
+                continue
+            expert = self.experts[expert_id]
+            assert isinstance(expert, Expert)
+            expert_rows = rows[start : start + count]
+            partial = expert.partial(x if count == x.shape[0] == 1 else x[expert_rows])
+            out.index_add_(0, expert_rows, partial * weights[start : start + count, None])
+            start += count

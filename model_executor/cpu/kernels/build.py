@@ -46,6 +46,7 @@ SOURCES = tuple(
         "cpu_q4_linear.c",
         "cpu_q8_linear.c",
         "cpu_prefill_attention.c",
+        "cpu_moe.c",
     )
 )
 HEADERS = (

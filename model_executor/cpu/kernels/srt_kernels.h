@@ -64,6 +64,11 @@ void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf1
                          int64_t k);
 void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
 
+/* cpu_moe.c: a mixture-of-experts layer's experts on bf16_pack's layout, one call a layer */
+void srt_moe_experts_bf16(const bf16 *x, int64_t m, int64_t k, int64_t d, int64_t num_experts,
+                          const int64_t *gate_up, const int64_t *down, const int64_t *counts, const int64_t *rows,
+                          const float *weights, bf16 *xg, bf16 *act, float *y, float *out);
+
 /* cpu_int8_linear.c: W8A8 int8 linears (AMX int8 where granted, else AVX-512 VNNI) */
 int64_t srt_vnni_linear_available(void);
 void srt_quantize_rows(const bf16 *x, int64_t m, int64_t k, int8_t *q, float *scales, int32_t *sums);
