@@ -1,4 +1,5 @@
-"""One rank's KV memory as the scheduler is handed it: request rows, the paged pool, its allocator."""
+"""One rank's KV memory as the scheduler is handed it: request rows, the paged pool, its allocator
+(and each token's routed experts where the server keeps them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from mem_cache.allocator import PageAllocator
 from mem_cache.budget import KVBudget
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
+from mem_cache.routes_pool import RoutesPool
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class KVMemory:
     kv_pool: PagedKVPool
     allocator: PageAllocator
     budget: KVBudget
+    routes: RoutesPool | None = None  # each token's experts (--enable-return-routed-experts)
 
     @property
     def page_size(self) -> int:

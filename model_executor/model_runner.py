@@ -32,6 +32,7 @@ from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, 
 from model_executor.logits_processor import process_logits, score_tokens
 from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
+from model_executor.routed_experts import RouteCapture
 from model_executor.sampler import Sampler
 from model_executor.sampling_inputs import SamplingInputs, StepOutput
 from model_executor.step_runner import StepRunner
@@ -59,6 +60,7 @@ class RunnerConfig:
     )
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
     adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
+    return_routed_experts: bool = False  # keep every token's experts (--enable-return-routed-experts)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -164,7 +166,21 @@ class ModelRunner:
             self.num_pages, page_size, num_layers, kv_heads, head_dim, self.config.dtype, self.device
         )
         self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
-        self.memory = KVMemory(self.req_to_token_pool, self.kv_pool, self.allocator, self.kv_budget)
+        self.routes: RouteCapture | None = None
+        if config.return_routed_experts:
+            if self.parallel.pp.world_size > 1:
+                raise ValueError(
+                    "--enable-return-routed-experts runs with --pp-size 1 (each stage routes its own layers)"
+                )
+            layers = int(self.hf_config.num_hidden_layers)
+            self.routes = RouteCapture(self.model, self.kv_pool.num_slots, layers)
+        self.memory = KVMemory(
+            self.req_to_token_pool,
+            self.kv_pool,
+            self.allocator,
+            self.kv_budget,
+            self.routes.pool if self.routes is not None else None,
+        )
         if self.parallel.world.is_first:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
@@ -215,6 +231,8 @@ class ModelRunner:
         (receiving the previous stage's hand-over unless first); then either sends the hand-over on
         (-> None) or, on the last stage, returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
+        if self.routes is not None:
+            self.routes.begin(batch.out_cache_loc)
         runs = self.step_runner.can_run(batch)
         self.step_runner.begin_step(batch, runs)
         if runs:

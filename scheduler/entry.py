@@ -42,6 +42,7 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         quantization=args.quantization,
         deterministic=args.deterministic,
         adaptive_threads=not args.disable_adaptive_cpu_threads,
+        return_routed_experts=args.enable_return_routed_experts,
     )
 
 

@@ -100,6 +100,16 @@ class KVManager:
         self.last_out_cache_loc = out
         return True
 
+    def routed_experts(self, req: Req) -> str | None:
+        """base64 of the int32 experts [tokens, layers, top_k] of the tokens req fed through the model
+        (the prompt from routed_experts_start_len, every output token but the last), from their KV
+        slots; None where the request holds no KV. Call before `release`."""
+        routes = self.memory.routes
+        if routes is None or req.req_pool_idx is None:
+            return None
+        fed = min(req.kv_len, len(req.origin_input_ids) + len(req.output_ids) - 1)
+        return routes.read(self.req_to_token[req.req_pool_idx, req.routed_experts_start_len : fed])
+
     @rank_consensus(args={"req": lambda r: (r.rid, r.kv_len), "insert": bool}, name="radix_release")
     def release(self, req: Req, *, insert: bool) -> None:
         """Frees the request's row; its computed KV goes into the prefix cache (insert=True) or

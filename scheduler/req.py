@@ -47,6 +47,9 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens k.. as well
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts: str | None = None  # read from the runner when the request finishes
     priority: int | None = None  # with --enable-priority-scheduling (scheduler/policy.py order_waiting)
     grammar: Matcher | None = None  # a constrained request's matcher (scheduler/grammar.py), on every rank
     # Logprobs, filled on the output rank only (no rank decides anything from them).

@@ -197,6 +197,8 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
             priority=msg.priority,
+            return_routed_experts=msg.return_routed_experts,
+            routed_experts_start_len=msg.routed_experts_start_len,
         )
         refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
         if refused is not None:
@@ -368,6 +370,8 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
+        if req.return_routed_experts and self.send_output is not None:
+            req.routed_experts = self.kv.routed_experts(req)
         self.kv.release(req, insert=True)
         self.outbox.append(req)
 
@@ -385,9 +389,12 @@ class Scheduler:
         with_logprobs = any(req.return_logprob for req in reqs)
         with_resumes = any(req.resume is not None for req in reqs)
         with_specs = not all(req.decode_spec_sent for req in reqs)
+        with_routes = any(req.return_routed_experts for req in reqs)
         for req in reqs:
             if with_logprobs:
                 attach_logprobs(out, req)
+            if with_routes:
+                out.routed_experts.append(req.routed_experts if req.finished_reason is not None else None)
             if with_resumes:
                 out.resumes.append(req.resume)
             req.resume = None

@@ -267,6 +267,13 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "last), then by --schedule-policy; without it a request that sets priority gets a 400",
             ),
             _flag(
+                "--enable-return-routed-experts",
+                action="store_true",
+                help="keep the experts every token was routed to (a mixture-of-experts model, --pp-size 1), so a "
+                "request with return_routed_experts gets them in meta_info.routed_experts; without it such a "
+                "request gets a 400",
+            ),
+            _flag(
                 "--schedule-low-priority-values-first",
                 action="store_true",
                 help="with --enable-priority-scheduling: smaller priority values go first",

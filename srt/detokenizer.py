@@ -127,6 +127,7 @@ class DetokenizerManager:
             cached_tokens=list(out.cached_tokens),
             output_logprobs=out.output_logprobs,
             input_logprobs=out.input_logprobs,
+            routed_experts=out.routed_experts,
         )
 
     def _resumed(self, resume: ResumeState, spec: DecodeSpec) -> DecodeState:

@@ -73,6 +73,7 @@ class GenerateParser:
         resolve_seed: Callable[[SamplingParams], int],
         priority_scheduling: bool = False,
         grammars: LazyGrammarBackend | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -81,6 +82,7 @@ class GenerateParser:
         self.resolve_seed = resolve_seed
         self.priority_scheduling = priority_scheduling
         self.grammars = grammars  # None: grammars are refused (no backend)
+        self.return_routed_experts = return_routed_experts  # --enable-return-routed-experts
 
     def parse(self, obj: Any, busy_rids: Container[str]) -> GenerateCall:
         if not isinstance(obj, dict):
@@ -107,6 +109,7 @@ class GenerateParser:
             self._check_length(ids, sp, f"{prompt_key}[{i}]: " if is_batch else "", prompt_key)
         logprobs = self._logprob_options(obj, prompts, is_batch)
         priorities = self._priorities(obj, len(prompts), is_batch)
+        routes = self._routed_experts_options(obj, prompts, is_batch)
         seeds = [self.resolve_seed(sp) for sp in params]
         # n > 1: copy j of prompt i is request i * n + j, seeded from the prompt's seed
         expand = [(i, j) for i in range(len(prompts)) for j in range(n)]
@@ -122,6 +125,8 @@ class GenerateParser:
                 top_logprobs_num=logprobs[i][1],
                 logprob_start_len=logprobs[i][2],
                 priority=priorities[i],
+                return_routed_experts=routes[i][0],
+                routed_experts_start_len=routes[i][1],
             )
             for rid, (i, j) in zip(rids, expand)
         ]
@@ -317,6 +322,31 @@ class GenerateParser:
         return [
             (want, top if want else 0, start if want else -1) for want, top, start in zip(wants, tops, starts)
         ]
+
+    def _routed_experts_options(
+        self, obj: dict[str, Any], prompts: list[list[int]], is_batch: bool
+    ) -> list[tuple[bool, int]]:
+        """(return_routed_experts, routed_experts_start_len) per prompt, as SGLang takes them."""
+        n = len(prompts)
+        wants = self._per_item(obj, "return_routed_experts", False, n, is_batch)
+        starts = self._per_item(obj, "routed_experts_start_len", 0, n, is_batch)
+        for i, (want, start, ids) in enumerate(zip(wants, starts, prompts)):
+            where = f"[{i}]" if is_batch else ""
+            if not isinstance(want, bool):
+                raise RequestError(
+                    f"return_routed_experts{where} must be a boolean, got {want!r}", "return_routed_experts"
+                )
+            if want and not self.return_routed_experts:
+                raise RequestError(
+                    "return_routed_experts needs the server started with --enable-return-routed-experts",
+                    "return_routed_experts",
+                )
+            if not _is_int(start) or not 0 <= start <= len(ids):
+                raise RequestError(
+                    f"routed_experts_start_len{where} must be a prompt position in [0, {len(ids)}], got {start!r}",
+                    "routed_experts_start_len",
+                )
+        return [(want, start if want else 0) for want, start in zip(wants, starts)]
 
     @staticmethod
     def _per_item(obj: dict[str, Any], name: str, default: Any, n: int, is_batch: bool) -> list[Any]:

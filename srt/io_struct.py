@@ -35,6 +35,10 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens from position k too
     resume: ResumeState | None = None  # set on a replay after a restart
     priority: int | None = None  # the waiting queue's order with --enable-priority-scheduling
+    return_routed_experts: bool = (
+        False  # with --enable-return-routed-experts (model_executor/routed_experts.py)
+    )
+    routed_experts_start_len: int = 0  # the first token whose experts are returned
 
 
 @dataclass
@@ -147,6 +151,9 @@ class BatchTokenIDOut:
     # Per request (empty when no request of the message is a replay's first output): what the
     # client already had, so the restarted detokenizer continues its text.
     resumes: list[ResumeState | None] = field(default_factory=list)
+    # Per request (empty when no request of the message asked for them): the experts its tokens
+    # were routed to, base64 of int32 [tokens, layers, top_k], with its last message only.
+    routed_experts: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -172,3 +179,4 @@ class BatchStrOut:
     cached_tokens: list[int]
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # as in BatchTokenIDOut
     input_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    routed_experts: list[str | None] = field(default_factory=list)

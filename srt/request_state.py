@@ -54,6 +54,7 @@ class ReqState:
     log_metrics: bool = True  # SGLang's log_metrics: false leaves the request out of /metrics
     first_output_at: float | None = None  # perf_counter time of the first output token (deadlines)
     deadline_abort_sent: bool = False
+    routed_experts: str | None = None  # base64 int32 [tokens, layers, top_k], with the last output
 
     def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
         """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
@@ -67,6 +68,8 @@ class ReqState:
         self.finish_reason = out.finished_reasons[i]
         if self.logprobs is not None and out.output_logprobs:
             self.logprobs.add(out.output_logprobs[i], out.input_logprobs[i])
+        if out.routed_experts and out.routed_experts[i] is not None:
+            self.routed_experts = out.routed_experts[i]
         if metrics is not None and self.log_metrics:
             self._record_metrics(metrics)
         self.updated = True
@@ -103,6 +106,8 @@ class ReqState:
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
             "e2e_latency": time.perf_counter() - self.timing.created,
         }
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         ids_from, text_from = (self.streamed_ids, self.streamed_text) if incremental else (0, 0)
         if self.logprobs is not None:
             meta.update(self.logprobs.meta_info(ids_from))

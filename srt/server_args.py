@@ -131,6 +131,7 @@ class ServerArgs:
     page_size: int = 1
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False  # requests' `priority` orders the waiting queue
+    enable_return_routed_experts: bool = False  # requests may ask for their tokens' experts
     schedule_low_priority_values_first: bool = False  # with it, smaller priority values go first
     disable_radix_cache: bool = False
     random_seed: int = 0

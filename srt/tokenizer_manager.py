@@ -92,6 +92,7 @@ class TokenizerManager:
             self._seed,
             server_args.enable_priority_scheduling,
             grammars,
+            server_args.enable_return_routed_experts,
         )
         self.metrics = (
             FrontendMetrics(metrics_dir(port_args), server_args.model_name, self.max_total_tokens)

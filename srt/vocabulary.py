@@ -99,8 +99,8 @@ GENERATE: dict[str, Field] = {
     "return_flat_raw_output_top_logprobs": off(False),
     "return_flat_raw_top_logprobs_b64": off(False),
     "return_hidden_states": off(False),
-    "return_routed_experts": off(False),
-    "routed_experts_start_len": off(0),
+    "return_routed_experts": impl(False),  # with --enable-return-routed-experts
+    "routed_experts_start_len": impl(0),
     "return_indexer_topk": off(False),
     "modalities": NONE,
     "lora_path": NONE,

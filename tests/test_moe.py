@@ -5,10 +5,12 @@ and the routing every rank agrees on."""
 
 from __future__ import annotations
 
+import base64
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 import torch
@@ -285,3 +287,76 @@ def test_one_kernel_call_per_layer_equals_the_expert_loop(moe_dirs: dict[str, Pa
         finally:
             block.experts_method = method
         torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- return_routed_experts (SGLang's)
+
+
+def hf_routes(hf: Any, ids: list[int]) -> dict[int, list[list[int]]]:
+    """transformers' top-k experts of each token, by layer (layers with a router only), each sorted."""
+    routes: dict[int, list[list[int]]] = {}
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+
+            def hook(module: Any, args: Any, out: Any, i: int = i) -> None:
+                routes[i] = sorted_rows(out[2])
+
+            hooks.append(gate.register_forward_hook(hook))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return routes
+
+
+def sorted_rows(ids: Any) -> list[list[int]]:
+    return [sorted(row) for row in torch.as_tensor(ids).reshape(-1, ids.shape[-1]).tolist()]
+
+
+def test_routed_experts_are_transformers_routes(moe_dirs: dict[str, Path], smollm2_dir: Path) -> None:
+    """--enable-return-routed-experts (float32): meta_info.routed_experts, base64 int32 [tokens fed,
+    layers, top_k], holds transformers' experts for the prompt and every output token but the last
+    (-1 in the dense layer); routed_experts_start_len drops the first tokens; a prefix-cache hit
+    returns the same routes; without the flag the request is a 400 naming it."""
+    model_dir = moe_dirs["qwen3_moe"]  # 2 layers, layer 1 dense; top 4 of 32
+    prompt = [5, 17, 99, 3, 250, 41, 8, 77, 120]
+    body = {
+        "input_ids": prompt,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+    }
+    hf = hf_float32(model_dir)
+    args = ("--model-path", str(model_dir), "--tokenizer-path", str(smollm2_dir), "--dtype", "float32")
+    with Server(*args, "--enable-return-routed-experts") as server:
+        first = server.generate(body).json()
+        again = server.generate(body).json()
+        tail = server.generate({**body, "routed_experts_start_len": 4}).json()
+        plain = server.generate({k: v for k, v in body.items() if k != "return_routed_experts"}).json()
+    fed = prompt + first["output_ids"][:-1]
+    routes = np.frombuffer(base64.b64decode(first["meta_info"]["routed_experts"]), dtype=np.int32)
+    routes = routes.reshape(len(fed), 2, 4)
+    assert sorted_rows(torch.from_numpy(routes[:, 0].copy())) == hf_routes(hf, fed)[0]
+    assert (routes[:, 1] == -1).all()
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert again["meta_info"]["routed_experts"] == first["meta_info"]["routed_experts"]
+    assert base64.b64decode(tail["meta_info"]["routed_experts"]) == routes[4:].tobytes()
+    assert "routed_experts" not in plain["meta_info"]
+    with Server(*args) as server:
+        r = server.generate(body)
+    assert r.status_code == 400 and "--enable-return-routed-experts" in r.text, r.text
+
+
+def test_routed_experts_need_experts(tiny_model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(
+        ValueError, match="--enable-return-routed-experts: LlamaForCausalLM has no mixture-of-experts"
+    ):
+        ModelRunner(
+            RunnerConfig(
+                model_dir=tiny_model_dirs["llama"],
+                dtype=torch.float32,
+                max_total_tokens=256,
+                return_routed_experts=True,
+            )
+        )

@@ -19,6 +19,7 @@ mode).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -133,9 +134,13 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         comm: Communicator,
         dtype: torch.dtype,
+        layer_id: int,
         shared_intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
+        self.layer_id = layer_id
+        # called with (layer_id, expert ids [n, top_k]) each forward: return_routed_experts
+        self.route_hook: Callable[[int, torch.Tensor], None] | None = None
         if not 0 < top_k <= num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({num_experts})"
@@ -167,6 +172,8 @@ class SparseMoeBlock(nn.Module):
         out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
         if n:
             weights, ids = self.route(x)
+            if self.route_hook is not None:
+                self.route_hook(self.layer_id, ids)
             # each expert's (token, slot) pairs, expert after expert, tokens ascending
             flat = ids.flatten()
             order = torch.argsort(flat, stable=True)

@@ -45,6 +45,7 @@ class MoeCausalLM(LlamaForCausalLM):
             renormalize=self.always_renormalize or bool(getattr(config, "norm_topk_prob", False)),
             comm=comm,
             dtype=dtype,
+            layer_id=layer_id,
             shared_intermediate_size=(
                 int(config.shared_expert_intermediate_size) if self.shared_expert else None
             ),
