@@ -27,6 +27,7 @@ from model_executor.device_wing import device_wing
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.moe import SparseMoeBlock
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
 from model_executor.logits_processor import process_logits, score_tokens
@@ -113,6 +114,7 @@ class ModelRunner:
             self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first
         )
         self.model.eval()
+        self.moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
 
         def load_float32() -> CausalLM:  # the checkpoint's exact values, for a layout that needs them
             with torch.device(self.device):
@@ -294,8 +296,13 @@ class ModelRunner:
         return ids
 
     def state(self) -> dict[str, Any]:
-        """What the steps run on now, for /server_info (the device wing's: on the CPU, the threads)."""
-        return self.wing.state()
+        """What the steps run on now, for /server_info (the device wing's: on the CPU, the threads),
+        and with experts the tokens routed to each since start, summed over this rank's layers."""
+        state = self.wing.state()
+        if self.moe_blocks:
+            tokens = torch.stack([b.expert_tokens for b in self.moe_blocks]).sum(0)
+            state["moe_expert_tokens"] = tokens.tolist()
+        return state
 
     def info(self) -> dict[str, Any]:
         return {

@@ -75,6 +75,7 @@ class Scheduler:
             log_enabled=send_output is not None,
             decode_log_interval=server_args.decode_log_interval,
             metrics=metrics,
+            expert_tokens=lambda: self.runner.state().get("moe_expert_tokens", []),
         )
         self._init_sampling(eos_token_ids, tokenizer_loader)
 

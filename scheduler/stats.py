@@ -110,9 +110,11 @@ class SchedulerStats:
     log_enabled: bool  # the output rank logs; the others only count
     decode_log_interval: int
     metrics: RankMetrics | None = None
+    expert_tokens: Callable[[], list[int]] | None = None  # a MoE model's tokens per expert, since start
     decode_steps: int = 0
     generated_since_log: int = 0  # output tokens since the last decode line (or since idle)
     last_log_time: float = field(default_factory=time.perf_counter)
+    forward_steps: int = 0  # counted with metrics on
     prompt_tokens: int = 0  # of requests whose prompt is done, since start
     cache_hit_tokens: int = 0  # of those, served from the prefix cache
     timer: StepTimer = field(init=False)
@@ -168,9 +170,15 @@ class SchedulerStats:
             self.metrics.set(gen_throughput=throughput)
 
     def after_step(self, sampled: int) -> None:
-        """After a forward step that produced `sampled` output tokens."""
+        """After a forward step that produced `sampled` output tokens. Every --decode-log-interval
+        steps a MoE model's tokens per expert go to /metrics."""
         if self.metrics is not None:
             self.metrics.step()
+            self.forward_steps += 1
+            if self.expert_tokens is not None and self.forward_steps % self.decode_log_interval == 0:
+                tokens = self.expert_tokens()
+                if tokens:
+                    self.metrics.experts(tokens)
         self.generated_since_log += sampled
 
     def on_token_sync(self) -> None:

@@ -17,7 +17,8 @@ Two sources, one page:
   `srt:step_forward_seconds_total{rank}` (where busy steps spend their time: receive + broadcast,
   scheduling, forward + sample; scheduler/stats.py StepTimer); `srt:token_sync_steps_total{rank}`
   (steps whose sampled ids were MIN-all-reduced over TP: with --sync-token-ids-across-tp, or a
-  grammar in the batch). The output rank:
+  grammar in the batch); a mixture of experts' `srt:moe_expert_tokens{rank,expert}` and
+  `srt:moe_routing_skew{rank}` (gauges, every --decode-log-interval steps). The output rank:
   `srt:num_running_reqs`, `srt:num_queue_reqs`, `srt:num_used_tokens`, `srt:token_usage` (KV held
   by requests / KV capacity), `srt:cache_hit_rate` (prompt tokens served from the prefix cache /
   prompt tokens, since start), `srt:gen_throughput` (tokens/s, at the last decode stats log),
@@ -118,6 +119,20 @@ class RankMetrics:
             "TP (--sync-token-ids-across-tp, or a constrained request in the batch)",
             ["rank"],
         ).labels(str(rank))
+        self.rank = str(rank)
+        self.expert_tokens = Gauge(
+            "srt:moe_expert_tokens",
+            "Tokens routed to each expert since start, summed over this rank's mixture-of-experts layers",
+            ["rank", "expert"],
+            multiprocess_mode="mostrecent",
+        )
+        self.routing_skew = Gauge(
+            "srt:moe_routing_skew",
+            "Tokens routed to the busiest expert over the mean of all experts, since start, over this rank's "
+            "mixture-of-experts layers (1: balanced)",
+            ["rank"],
+            multiprocess_mode="mostrecent",
+        )
         self.is_output_rank = is_output_rank
         if not is_output_rank:
             return
@@ -144,6 +159,13 @@ class RankMetrics:
         self.step_seconds["broadcast"].inc(broadcast_s)
         self.step_seconds["schedule"].inc(schedule_s)
         self.step_seconds["forward"].inc(forward_s)
+
+    def experts(self, tokens: list[int]) -> None:
+        """Tokens routed to each expert since start (a mixture-of-experts model)."""
+        for expert, count in enumerate(tokens):
+            self.expert_tokens.labels(self.rank, str(expert)).set(count)
+        mean = sum(tokens) / len(tokens)
+        self.routing_skew.labels(self.rank).set(max(tokens) / mean if mean else 0.0)
 
     def set(self, **values: float) -> None:
         for name, value in values.items():

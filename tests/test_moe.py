@@ -360,3 +360,38 @@ def test_routed_experts_need_experts(tiny_model_dirs: dict[str, Path]) -> None:
                 return_routed_experts=True,
             )
         )
+
+
+def test_metrics_count_the_tokens_of_each_expert(moe_dirs: dict[str, Path], smollm2_dir: Path) -> None:
+    """/metrics: srt:moe_expert_tokens (each expert's tokens since start, over the rank's MoE
+    layers) and srt:moe_routing_skew (busiest over mean); /server_info has the same counts."""
+    prompts = [[5, 17, 99, 3, 250, 41, 8], [9, 11, 300, 2, 64]]  # 7 + 5 prompt tokens, no shared prefix
+    with Server(
+        "--model-path",
+        str(moe_dirs["mixtral"]),  # top 2 of 8 in both layers
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--enable-metrics",
+        "--decode-log-interval",
+        "1",
+    ) as server:
+        for ids in prompts:
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            }
+            assert server.generate(body).status_code == 200
+        text = requests.get(server.url + "/metrics", timeout=10).text
+        info = requests.get(server.url + "/server_info", timeout=10).json()
+    counts = {
+        int(line.split('expert="')[1].split('"')[0]): float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("srt:moe_expert_tokens{")
+    }
+    fed = sum(len(p) + 4 - 1 for p in prompts)  # every prompt token and every output token but the last
+    assert sorted(counts) == list(range(8)) and sum(counts.values()) == fed * 2 * 2  # top 2, 2 layers
+    skew = next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("srt:moe_routing_skew{")
+    )
+    assert skew == pytest.approx(max(counts.values()) / (sum(counts.values()) / 8))
+    assert str([int(counts[e]) for e in range(8)]) in str(info)

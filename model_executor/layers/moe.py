@@ -141,6 +141,8 @@ class SparseMoeBlock(nn.Module):
         self.layer_id = layer_id
         # called with (layer_id, expert ids [n, top_k]) each forward: return_routed_experts
         self.route_hook: Callable[[int, torch.Tensor], None] | None = None
+        # tokens routed to each expert since start (/metrics' routing skew)
+        self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64)
         if not 0 < top_k <= num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts ({num_experts})"
@@ -178,6 +180,7 @@ class SparseMoeBlock(nn.Module):
             flat = ids.flatten()
             order = torch.argsort(flat, stable=True)
             counts = torch.bincount(flat, minlength=self.num_experts)
+            self.expert_tokens += counts
             rows = order // self.top_k
             slot_weights = weights.flatten()[order]
             if self.experts_method is not None:
