@@ -17,6 +17,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_random(model_cls: Any, config: Any, out: Path, smollm2: Path, seed: int) -> Path:
+    """Random bf16 weights for `config` written to `out` with SmolLM2's tokenizer files; returns `out`."""
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (smollm2 / name).exists():
+            shutil.copy(smollm2 / name, out / name)
+    return out
 
 
 def make_random_model(
@@ -58,14 +71,7 @@ def make_random_model(
         eos_token_id=base.eos_token_id,
         pad_token_id=base.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2 / name).exists():
-            shutil.copy(smollm2 / name, out / name)
-    return out
+    return save_random(transformers.LlamaForCausalLM, config, out, smollm2, seed)
 
 
 def make_random_moe_model(
@@ -107,14 +113,7 @@ def make_random_moe_model(
         eos_token_id=base.eos_token_id,
         pad_token_id=base.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2 / name).exists():
-            shutil.copy(smollm2 / name, out / name)
-    return out
+    return save_random(transformers.Qwen3MoeForCausalLM, config, out, smollm2, seed)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -739,6 +739,7 @@ def test_a_rank_killed_on_node_1_restarts_every_node_and_every_stream_continues(
         assert server.generate(bodies[0], timeout=300).json()["output_ids"] == expected[0]["output_ids"]
 
 
+@pytest.mark.slow  # ~22 s; a lost node taking node 0 down stays in the default run
 @pytest.mark.timeout(400)
 def test_a_crash_loop_on_node_1_takes_every_node_down_after_node_0s_restarts(
     nodes: list[Node], tmp_path: Path, long_context_llama: Path, smollm2_dir: Path

@@ -284,6 +284,7 @@ def test_a_short_soak_of_a_running_server_is_clean(server: Server, tmp_path: Pat
     assert result["engine_restarts"] == 0  # read from /metrics (--enable-metrics)
 
 
+@pytest.mark.slow  # ~17 s; a soak against a running server stays in the default run
 @pytest.mark.timeout(180)
 def test_the_soak_starts_its_own_server_and_passes_the_api_key(
     tiny_model_dirs: dict[str, Path], smollm2_dir: Path, tmp_path: Path
