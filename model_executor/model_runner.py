@@ -175,7 +175,7 @@ class ModelRunner:
                     "--enable-return-routed-experts runs with --pp-size 1 (each stage routes its own layers)"
                 )
             layers = int(self.hf_config.num_hidden_layers)
-            self.routes = RouteCapture(self.model, self.kv_pool.num_slots, layers)
+            self.routes = RouteCapture(self.model, self.moe_blocks, self.kv_pool.num_slots, layers)
         self.memory = KVMemory(
             self.req_to_token_pool,
             self.kv_pool,

@@ -16,8 +16,10 @@ from model_executor.layers.moe import SparseMoeBlock
 
 
 class RouteCapture:
-    def __init__(self, model: nn.Module, num_slots: int, num_layers: int) -> None:
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    def __init__(
+        self, model: nn.Module, blocks: list[SparseMoeBlock], num_slots: int, num_layers: int
+    ) -> None:
+        """`blocks`: the model's MoE layers on this rank."""
         if not blocks:
             raise ValueError(
                 f"--enable-return-routed-experts: {type(model).__name__} has no mixture-of-experts layers"

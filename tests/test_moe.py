@@ -19,7 +19,7 @@ from server_fixture import Server
 from test_config_refusal import edited, runner, save_tiny
 from test_deterministic import check_prefix_mode, check_single_mode, ways
 from test_model_parity import LOGIT_ATOL, check_model, prompts_for
-from test_pipeline import generate_all
+from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
 from test_restart import smollm2_payloads, streams_through_a_kill
 from tiny_models import ARCHS, MOE_ARCHS, hf_float32, hf_greedy, make_tiny_model
 
@@ -115,27 +115,10 @@ def test_four_ranks_match_transformers(arch: str, moe_dirs: dict[str, Path], smo
     routing replicated; greedy tokens of six prompts (several micro-batches in flight) are
     transformers'. The rank-consensus checker sees no divergence."""
     model_dir = moe_dirs[arch]
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 3, 25, 14, 6, 31)]
+    prompts = tp2_pp2_prompts()
     hf = hf_float32(model_dir)
     expected = [hf_greedy(hf, p, 16) for p in prompts]
-    with Server(
-        "--model-path",
-        str(model_dir),
-        "--tokenizer-path",
-        str(smollm2_dir),
-        "--dtype",
-        "float32",
-        "--tp-size",
-        "2",
-        "--pp-size",
-        "2",
-        "--max-total-tokens",
-        "2048",
-        "--chunked-prefill-size",
-        "16",
-        "--enable-rank-consensus-checker",
-    ) as server:
+    with tp2_pp2_server(model_dir, smollm2_dir) as server:
         assert generate_all(server, prompts, 16) == expected
         # the logits behind them: each chosen token's logprob is transformers'
         r = server.generate(

@@ -153,18 +153,20 @@ def test_pp2_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     assert "divergence" not in log
 
 
-def test_tp2_pp2_tiny_matches_transformers(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> None:
-    """4 ranks: two stages of two TP ranks each; tied embeddings and one KV head replicated."""
-    model_dir = tiny_model_dirs["llama_mqa"]
+def tp2_pp2_prompts() -> list[list[int]]:
+    """Six prompts of a tiny model's vocabulary, of lengths that chunk and batch differently."""
     g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 3, 25, 14, 6, 31)]
-    hf = hf_float32(model_dir)
-    expected = [hf_greedy(hf, p, 20) for p in prompts]
-    with Server(
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 3, 25, 14, 6, 31)]
+
+
+def tp2_pp2_server(model_dir: Path, tokenizer_dir: Path) -> Server:
+    """4 ranks in float32: two stages of two TP ranks each, prefills in chunks of 16, the
+    rank-consensus checker on."""
+    return Server(
         "--model-path",
         str(model_dir),
         "--tokenizer-path",
-        str(smollm2_dir),
+        str(tokenizer_dir),
         "--dtype",
         "float32",
         "--tp-size",
@@ -176,6 +178,15 @@ def test_tp2_pp2_tiny_matches_transformers(tiny_model_dirs: dict[str, Path], smo
         "--chunked-prefill-size",
         "16",
         "--enable-rank-consensus-checker",
-    ) as server:
+    )
+
+
+def test_tp2_pp2_tiny_matches_transformers(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> None:
+    """4 ranks: two stages of two TP ranks each; tied embeddings and one KV head replicated."""
+    model_dir = tiny_model_dirs["llama_mqa"]
+    prompts = tp2_pp2_prompts()
+    hf = hf_float32(model_dir)
+    expected = [hf_greedy(hf, p, 20) for p in prompts]
+    with tp2_pp2_server(model_dir, smollm2_dir) as server:
         assert generate_all(server, prompts, 20) == expected
         assert "divergence" not in server.output()

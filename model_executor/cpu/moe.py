@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from model_executor.cpu.kernels import build
-from model_executor.cpu.kernels.packing import bf16_packable
 from model_executor.cpu.linear import is_kernel_packed, packed_of
 from model_executor.layers.moe import Expert, ExpertsMethod, SparseMoeBlock
 
@@ -35,9 +34,7 @@ class FusedExperts(ExpertsMethod):
             for linear, into in ((expert.gate_up_proj, gate_up), (expert.down_proj, down)):
                 packed = packed_of(linear.linear_method)
                 if not isinstance(packed, torch.Tensor) or not is_kernel_packed(packed):
-                    return None
-                if not bf16_packable(linear.weight):
-                    return None
+                    return None  # is_kernel_packed: bf16_pack's layout, so both sizes divide by 32
                 into.append(packed)
         return cls(block, gate_up, down)
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
+from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.linear_method import UNQUANTIZED, LinearMethod
 from model_executor.layers.sharding import TensorSource, check_shape, divide, set_weight_attrs
 
@@ -96,6 +97,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(dst, tuple(shard.shape))
         with torch.no_grad():
             dst.copy_(shard)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate/up layer's product: in one pass where the linear method has one
+        (the CPU kernels' packed weights), else the product then the activation."""
+        act = self.linear_method.apply_silu_mul(self, x, self.bias)
+        return act if act is not None else _SILU_AND_MUL(self(x))
+
+
+_SILU_AND_MUL = SiluAndMul()
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -198,7 +208,10 @@ class RowParallelLinear(LinearBase):
         with torch.no_grad():
             param.copy_(shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's float32 part of the product (the bias on rank 0 only), not yet all-reduced."""
         bias = self.bias if self.comm.rank_in_group == 0 else None
-        out = self.linear_method.apply(self, x, bias, torch.float32)
-        return self.comm.all_reduce(out)
+        return self.linear_method.apply(self, x, bias, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.partial(x))

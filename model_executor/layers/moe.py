@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
-from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from model_executor.layers.sharding import TensorSource, check_shape, read_all, set_weight_attrs
 
@@ -86,17 +85,11 @@ class Expert(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, False, comm, params_dtype=dtype, what=what
         )
-        self.act_fn = SiluAndMul()
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's float32 part of the expert's output for rows x (summed over ranks: the
         output), not yet all-reduced."""
-        gate_up = self.gate_up_proj
-        act = gate_up.linear_method.apply_silu_mul(gate_up, x, None)
-        if act is None:
-            act = self.act_fn(gate_up(x))
-        down = self.down_proj
-        return down.linear_method.apply(down, act, None, torch.float32)
+        return self.down_proj.partial(self.gate_up_proj.silu_mul(x))
 
 
 class ExpertsMethod(ABC):

@@ -17,7 +17,6 @@ from torch import nn
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
-from model_executor.layers.activation import SiluAndMul
 from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import HeadsRMSNorm, RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -76,7 +75,8 @@ class LlamaAttention(nn.Module):
         self.comm = comm
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if switches.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, params_dtype=dtype) if switches.qk_norm else None
-        self.heads_norms: tuple[HeadsRMSNorm, HeadsRMSNorm] | None = None
+        self.q_heads_norm: HeadsRMSNorm | None = None
+        self.k_heads_norm: HeadsRMSNorm | None = None
         if switches.qk_norm_across_heads:
             qkv, rank = self.qkv_proj, comm.rank_in_group
             self.q_heads_norm = HeadsRMSNorm(
@@ -95,7 +95,6 @@ class LlamaAttention(nn.Module):
                 config.rms_norm_eps,
                 params_dtype=dtype,
             )
-            self.heads_norms = (self.q_heads_norm, self.k_heads_norm)
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(
             layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, scaling=head_dim**-0.5
@@ -109,9 +108,9 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(n, -1, self.head_dim)).view(n, -1)
             k = self.k_norm(k.reshape(n, -1, self.head_dim)).view(n, -1)
             q, k = self.rotary_emb(positions, q, k)
-        elif self.heads_norms is not None:
+        elif self.q_heads_norm is not None and self.k_heads_norm is not None:
             q, k, v = self.qkv_proj.split(qkv)
-            q_norm, k_norm = self.heads_norms
+            q_norm, k_norm = self.q_heads_norm, self.k_heads_norm
             # one all-reduce for both norms' sums of squares
             sums = self.comm.all_reduce(torch.cat([q_norm.sum_squares(q), k_norm.sum_squares(k)], dim=1))
             q, k = self.rotary_emb(positions, q_norm.scale(q, sums[:, :1]), k_norm.scale(k, sums[:, 1:]))
@@ -135,13 +134,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, False, comm, params_dtype=dtype, what="intermediate size"
         )
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        # silu * up in one pass where the linear method has one (the CPU kernels' packed weights)
-        act = gate_up.linear_method.apply_silu_mul(gate_up, x, gate_up.bias)
-        return self.down_proj(act if act is not None else self.act_fn(gate_up(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -310,7 +305,7 @@ class LlamaForCausalLM(CausalLM):
         layers = []
         for layer in model.local_layers:
             mlp, attn = layer.mlp, layer.self_attn
-            if not isinstance(mlp, LlamaMLP) or attn.heads_norms is not None:
+            if not isinstance(mlp, LlamaMLP) or attn.q_heads_norm is not None:
                 return None  # experts, or norms across heads: the fused decode layer has neither
             layers.append(
                 PreNormLayer(
