@@ -1,11 +1,12 @@
 """What the HTTP server checks before a route runs: the API keys and the body size.
 
-Keys as SGLang has them: with `--api-key` every route needs `Authorization: Bearer <key>`; with
+Keys as SGLang has them: with `--api-key` every route needs `Authorization: Bearer <key>` (or
+`x-api-key: <key>`, as Anthropic's client sends it); with
 `--admin-api-key` the admin routes (ADMIN_PATHS) need that key instead (and the normal key does not
 open them); health, readiness and metrics probes stay open, so Kubernetes and Prometheus need no
 secret. Comparison is constant-time; a refusal is a 401 that never echoes the key. A body over
 --max-request-bytes is a 413 before it is read to the end. Both answer in OpenAI's error shape
-(http_common.openai_error_body), whatever the route, and run as plain ASGI middleware, so streamed
+(http_common.openai_error_body), Anthropic's on /v1/messages, and run as plain ASGI middleware, so streamed
 responses and client disconnects pass through untouched.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from srt.http_common import openai_error_body
+from srt.http_common import anthropic_error_body, openai_error_body
 
 ADMIN_PATHS = ("/flush_cache",)  # SGLang's admin-level routes that srt has
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # probes: never behind a key (as SGLang)
@@ -28,26 +29,38 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def _bearer_matches(header: str | None, key: str) -> bool:
-    if not header:
+ANTHROPIC_PREFIX = "/v1/messages"  # answered in Anthropic's error shape
+
+
+def _key_matches(authorization: str | None, x_api_key: str | None, key: str) -> bool:
+    if x_api_key and secrets.compare_digest(x_api_key.strip().encode(), key.encode()):
+        return True
+    if not authorization:
         return False
-    scheme, _, token = header.partition(" ")
+    scheme, _, token = authorization.partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
 
 
 def auth_refusal(
-    path: str, method: str, authorization: str | None, api_key: str | None, admin_api_key: str | None
+    path: str,
+    method: str,
+    authorization: str | None,
+    api_key: str | None,
+    admin_api_key: str | None,
+    x_api_key: str | None = None,
 ) -> str | None:
     """Why the request may not pass (a 401), or None. Pure: the tests call it directly."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return None
     if path in ADMIN_PATHS and admin_api_key:
-        return None if _bearer_matches(authorization, admin_api_key) else "this route needs the admin API key"
-    if api_key and not _bearer_matches(authorization, api_key):
+        if _key_matches(authorization, x_api_key, admin_api_key):
+            return None
+        return "this route needs the admin API key"
+    if api_key and not _key_matches(authorization, x_api_key, api_key):
         return (
-            "a valid API key is required (Authorization: Bearer <key>)"
-            if authorization
-            else "an API key is required (Authorization: Bearer <key>)"
+            "a valid API key is required (Authorization: Bearer <key>, or x-api-key)"
+            if authorization or x_api_key
+            else "an API key is required (Authorization: Bearer <key>, or x-api-key)"
         )
     return None
 
@@ -87,10 +100,18 @@ class RequestGuard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal = auth_refusal(
-            scope["path"], scope["method"], headers.get("authorization"), self.api_key, self.admin_api_key
+            scope["path"],
+            scope["method"],
+            headers.get("authorization"),
+            self.api_key,
+            self.admin_api_key,
+            headers.get("x-api-key"),
         )
         if refusal is not None:
-            body = openai_error_body(401, refusal, code="invalid_api_key")
+            if scope["path"].startswith(ANTHROPIC_PREFIX):
+                body = anthropic_error_body(401, refusal)
+            else:
+                body = openai_error_body(401, refusal, code="invalid_api_key")
             await _reply(send, 401, body, [(b"www-authenticate", b"Bearer")])
             return
         length = headers.get("content-length", "")

@@ -6,6 +6,7 @@ Each API family words every error through one function:
 
     native (SGLang's /generate and friends)   {"error": {"message", "code": status, "type"[, "param"]}}
     OpenAI (/v1, and the guard's 401 / 413)   {"error": {"message", "type", "param", "code"}}
+    Anthropic (/v1/messages)                  {"type": "error", "error": {"type", "message"}}
 
 An ErrorFamily turns that function into responses (400 for bad input, 503 when the server cannot
 serve, with Retry-After where the condition passes by itself) and into a stream's error event.
@@ -77,6 +78,23 @@ def openai_error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error, which has no param field: the message names the field instead."""
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
 @dataclass(frozen=True)
 class ErrorFamily:
     """One API family's error responses and stream events, every one built by `body`."""
@@ -114,6 +132,7 @@ class ErrorFamily:
 
 NATIVE_ERRORS = ErrorFamily(native_error_body)
 OPENAI_ERRORS = ErrorFamily(openai_error_body)
+ANTHROPIC_ERRORS = ErrorFamily(anthropic_error_body)
 
 
 # ---- refusals before the first token ----

@@ -1,7 +1,7 @@
 """The HTTP app (create_app) and its server (run_http_server).
 
 The routes live beside this: SGLang's native routes in native_api.py, the OpenAI-compatible /v1
-routes in openai_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
+routes in openai_api.py, Anthropic's /v1/messages in anthropic_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
 shapes, SSE) in http_common.py; the API keys and the body-size cap in guard.py, before every route.
 
 Graceful shutdown (DrainingServer): on SIGTERM/SIGINT new requests get 503 "server is shutting
@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from srt.anthropic_api import router as anthropic_router
 from srt.guard import BodyTooLarge, RequestGuard, too_large_body
 from srt.native_api import metrics_router
 from srt.native_api import router as native_router
@@ -64,6 +65,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
         return JSONResponse(too_large_body(error.cap), status_code=413)
 
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     app.include_router(tokenize_router)
     app.include_router(native_router)
     if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)

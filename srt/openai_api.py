@@ -109,7 +109,12 @@ def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) 
     return obj
 
 
-def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool) -> dict[str, Any]:
+def chat_choice(
+    call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool
+) -> dict[str, Any]:
+    """One choice of a response (chunk False) or what is new in it since `progress` (a stream's
+    delta): its content, reasoning_content and tool_calls, and its finish_reason. The Anthropic
+    routes shape theirs from it too."""
     meta = out["meta_info"]
     choice: dict[str, Any] = {
         "index": out.get("index", 0),
@@ -199,7 +204,7 @@ def _tool_choice_part(
 
 def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> dict[str, Any]:
     outs = sorted(outs, key=lambda out: out.get("index", 0))
-    choices = [_choice(call, out, ChoiceProgress(), chunk=False) for out in outs]
+    choices = [chat_choice(call, out, ChoiceProgress(), chunk=False) for out in outs]
     metas = [out["meta_info"] for out in outs]
     return {
         **_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False),
@@ -225,7 +230,7 @@ async def _chunks(
         index = out.get("index", 0)
         last_metas[index] = out["meta_info"]
         chunk_id = chunk_id or out["meta_info"]["id"]  # one id for every chunk of the response
-        choice = _choice(call, out, progress.setdefault(index, ChoiceProgress()), chunk=True)
+        choice = chat_choice(call, out, progress.setdefault(index, ChoiceProgress()), chunk=True)
         chunk = {**_envelope(call, chunk_id, created, model, chunk=True), "choices": [choice]}
         if call.include_usage:
             chunk["usage"] = None

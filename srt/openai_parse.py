@@ -364,15 +364,23 @@ def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) 
     return {**extra, "add_generation_prompt": not continue_final, "continue_final_message": continue_final}
 
 
-def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
-    _check_vocabulary(body, CHAT)
+@dataclass
+class ChatPrompt:
+    """A chat request's prompt: the tokens its messages (and tools) render to, and its ToolPlan."""
+
+    input_ids: list[int]
+    tools: ToolPlan | None
+
+
+def chat_prompt(tm: TokenizerManager, body: dict[str, Any]) -> ChatPrompt:
+    """The prompt of a chat body (its vocabulary checked already): the messages and tools through
+    the chat template; RequestError naming messages, tools or tool_choice."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     conversation = [_message_text(m, i) for i, m in enumerate(messages)]
     options = _template_options(body, conversation)
     prepared = chat_tools(tm.tokenizer, tm.server_args.tool_call_parser, body, conversation)
-    tools = prepared.plan
     if prepared.template_tools is not None:
         options["tools"] = prepared.template_tools
     try:
@@ -380,7 +388,13 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
         raise RequestError(f"cannot apply the chat template: {error}", "messages") from None
     # The template already wrote the special tokens (BOS included), so do not add them again.
-    input_ids = list(tm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ChatPrompt(list(tm.tokenizer(text, add_special_tokens=False)["input_ids"]), prepared.plan)
+
+
+def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
+    _check_vocabulary(body, CHAT)
+    prompt = chat_prompt(tm, body)
+    input_ids, tools = prompt.input_ids, prompt.tools
     capacity = min(tm.context_length, tm.max_total_tokens or tm.context_length)
     if len(input_ids) >= capacity:
         raise RequestError(

@@ -1,0 +1,265 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+A Messages request becomes a chat request (anthropic_parse.py) and runs as one; the reply is the
+chat choice (openai_api.chat_choice: content, the <think> part, parsed tool calls) in Anthropic's
+blocks: `thinking`, `text`, `tool_use` in that order. A stream sends Anthropic's events:
+`message_start`, then per block `content_block_start`, its deltas (`thinking_delta`, `text_delta`,
+`input_json_delta`: a tool call streams whole once it is complete) and `content_block_stop`, then
+`message_delta` with the stop_reason and usage, and `message_stop`. stop_reason is `end_turn`,
+`max_tokens`, `stop_sequence` (with the stop_sequence matched) or `tool_use`. A request aborted
+while running (/abort_request, a failed rank) is an error, not a message: an `api_error` response,
+or in a stream an `error` event. Errors use Anthropic's shape (http_common.anthropic_error_body),
+and `--api-key` is also accepted in the `x-api-key` header the official client sends (guard.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from srt.anthropic_parse import ANTHROPIC_NAMES, AnthropicCall, count_tokens, parse_messages, tool_input
+from srt.http_common import (
+    ANTHROPIC_ERRORS,
+    manager,
+    peek_refusal,
+    queue_refusal,
+    read_json_object,
+    refusals_possible,
+)
+from srt.openai_api import ChoiceProgress, chat_choice
+from srt.request_state import ServiceUnavailableError
+
+router = APIRouter()
+
+
+class Aborted(Exception):
+    """A request ended by an abort (not a refusal before its first token)."""
+
+    def __init__(self, finish: dict[str, Any]) -> None:
+        super().__init__(f"the request was aborted: {finish.get('message', 'aborted')}")
+        self.status = int(finish.get("status_code") or 500)
+
+
+def _usage(meta: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic counts the cached part of the prompt apart from input_tokens."""
+    cached = meta.get("cached_tokens", 0)
+    return {
+        "input_tokens": meta["prompt_tokens"] - cached,
+        "output_tokens": meta["completion_tokens"],
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _stop(call: AnthropicCall, meta: dict[str, Any], finish_reason: str) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished output."""
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    matched = meta["finish_reason"].get("matched")
+    if isinstance(matched, str) and matched in call.stop_sequences:
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _finish(out: dict[str, Any]) -> dict[str, Any] | None:
+    finish: dict[str, Any] | None = out["meta_info"]["finish_reason"]
+    if finish is not None and finish.get("type") == "abort":
+        raise Aborted(finish)
+    return finish
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": function["name"],
+        "input": tool_input(function["arguments"]),
+    }
+
+
+def _envelope(rid: str, model: str) -> dict[str, Any]:
+    return {"id": "msg_" + rid, "type": "message", "role": "assistant", "model": model}
+
+
+def message(call: AnthropicCall, out: dict[str, Any], model: str) -> dict[str, Any]:
+    """The whole reply to a finished output."""
+    _finish(out)
+    choice = chat_choice(call.chat, out, ChoiceProgress(), chunk=False)
+    reply = choice["message"]
+    content: list[dict[str, Any]] = []
+    if reply.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": reply["reasoning_content"], "signature": ""})
+    if reply.get("content"):
+        content.append({"type": "text", "text": reply["content"]})
+    content.extend(_tool_use(c) for c in reply.get("tool_calls") or [])
+    meta = out["meta_info"]
+    stop_reason, stop_sequence = _stop(call, meta, choice["finish_reason"])
+    return {
+        **_envelope(meta["id"], model),
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(meta),
+    }
+
+
+def event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+
+@dataclass
+class _Blocks:
+    """The stream's content blocks: the one open now, and how many were started."""
+
+    started: int = 0
+    open: str | None = None  # "thinking" | "text" while one is open
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"index": self.started - 1})]
+
+    def start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        out.append(event("content_block_start", {"index": self.started, "content_block": block}))
+        self.started += 1
+        self.open = block["type"]
+        return out
+
+    def delta(self, kind: str, delta: dict[str, Any]) -> list[bytes]:
+        """A thinking or text delta, in the open block of its kind (a new one if another is open)."""
+        out = []
+        if self.open != kind:
+            empty = {"type": kind, kind: ""}
+            out = self.start({**empty, "signature": ""} if kind == "thinking" else empty)
+        out.append(event("content_block_delta", {"index": self.started - 1, "delta": delta}))
+        return out
+
+    def tool_use(self, call: dict[str, Any]) -> list[bytes]:
+        """A complete tool call: its block started empty, its input as one input_json_delta."""
+        block = _tool_use(call)
+        out = self.start({**block, "input": {}})
+        arguments = orjson.dumps(block["input"]).decode()
+        delta = {"type": "input_json_delta", "partial_json": arguments}
+        out.append(event("content_block_delta", {"index": self.started - 1, "delta": delta}))
+        return [*out, *self.close()]
+
+
+async def _events(
+    call: AnthropicCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
+) -> AsyncGenerator[bytes, None]:
+    progress, blocks, started = ChoiceProgress(), _Blocks(), False
+    async for out in outputs:
+        meta = out["meta_info"]
+        if not started:
+            usage = {**_usage(meta), "output_tokens": 0}
+            start = {
+                **_envelope(meta["id"], model),
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+            }
+            yield event("message_start", {"message": {**start, "usage": usage}})
+            started = True
+        finish = _finish(out)
+        delta = chat_choice(call.chat, out, progress, chunk=True)["delta"]
+        parts = []
+        if delta.get("reasoning_content"):
+            parts += blocks.delta(
+                "thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
+            )
+        if delta.get("content"):
+            parts += blocks.delta("text", {"type": "text_delta", "text": delta["content"]})
+        for tool_call in delta.get("tool_calls") or []:
+            parts += blocks.tool_use(tool_call)
+        for part in parts:
+            yield part
+        if finish is not None:
+            for part in blocks.close():
+                yield part
+            reason = chat_choice(call.chat, out, ChoiceProgress(), chunk=False)["finish_reason"]
+            stop_reason, stop_sequence = _stop(call, meta, reason)
+            yield event(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": meta["completion_tokens"]},
+                },
+            )
+            yield event("message_stop", {})
+
+
+def _error_event(status: int, message: str) -> bytes:
+    body = ANTHROPIC_ERRORS.body(status, message, None)
+    return event("error", {"error": body["error"]})
+
+
+async def stream_events(
+    call: AnthropicCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
+) -> AsyncIterator[bytes]:
+    """The reply's events; an error midway ends the stream with an `error` event. A disconnect
+    closes this generator, which closes `outputs` (aborting the request)."""
+    events = _events(call, outputs, model)
+    async with aclosing(outputs), aclosing(events):
+        try:
+            async for part in events:
+                yield part
+        except Aborted as error:
+            yield _error_event(error.status, str(error))
+        except ServiceUnavailableError as error:
+            yield _error_event(503, str(error))
+        except ValueError as error:
+            yield _error_event(400, str(error))
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    tm = manager(request)
+    renamed = ANTHROPIC_NAMES
+    try:
+        body = await read_json_object(request)
+        call = parse_messages(tm, body)
+        renamed = call.renamed
+        generate_call = tm.parse_generate(call.chat.generate_body)
+    except (ValueError, ServiceUnavailableError) as error:
+        return ANTHROPIC_ERRORS.of(error, renamed)
+    outputs = tm.generate(generate_call, request)
+    model = tm.server_args.model_name
+    if call.chat.stream:
+        if refusals_possible(tm.server_args):
+            outputs, refusal = await peek_refusal(outputs)
+            if refusal is not None:
+                return ANTHROPIC_ERRORS.busy(refusal)
+        return StreamingResponse(stream_events(call, outputs, model), media_type="text/event-stream")
+    try:
+        results = [out async for out in outputs]
+        if not results:  # the client went away; nobody reads this
+            return ANTHROPIC_ERRORS.response(400, "the client disconnected")
+        refusal = queue_refusal(results[-1])
+        if refusal is not None:
+            return ANTHROPIC_ERRORS.busy(refusal)
+        return JSONResponse(message(call, results[-1], model))
+    except Aborted as error:
+        return ANTHROPIC_ERRORS.response(error.status, str(error))
+    except (ValueError, ServiceUnavailableError) as error:
+        return ANTHROPIC_ERRORS.of(error)
+
+
+@router.post("/v1/messages/count_tokens")
+async def messages_count_tokens(request: Request) -> Response:
+    tm = manager(request)
+    try:
+        body = await read_json_object(request)
+        return JSONResponse({"input_tokens": count_tokens(tm, body)})
+    except ValueError as error:
+        return ANTHROPIC_ERRORS.of(error, ANTHROPIC_NAMES)

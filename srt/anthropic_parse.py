@@ -1,0 +1,341 @@
+"""Anthropic Messages bodies -> chat bodies (AnthropicCall), validated: a bad or unsupported field
+raises RequestError naming it, under Anthropic's name.
+
+A Messages request is a chat request spelled differently, so it becomes one: the system prompt a
+system message, `tool_use` blocks an assistant turn's tool_calls, `tool_result` blocks `tool`
+turns, `tools` function tools, `tool_choice` auto / any / tool / none the chat's auto / required /
+a named function / none, `stop_sequences` stop strings, `thinking` the split of
+`--reasoning-parser`. The chat body then goes through openai_parse.parse_chat (the chat template,
+the tools prompt, the grammar of a forced call), so the two APIs render a conversation alike.
+Image and document blocks are refused by name: srt serves text models.
+
+The fields, from the official client's `messages.create` and `messages.count_tokens` (anthropic
+2.17) and SGLang's `AnthropicMessagesRequest` (sglang 0.5.23), in the kinds of srt/vocabulary.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from srt.generate_parse import RequestError
+from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
+from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl
+
+if TYPE_CHECKING:
+    from srt.tokenizer_manager import TokenizerManager
+
+SOURCES = "anthropic 2.17, sglang 0.5.23"
+
+_COMMON: dict[str, Field] = {
+    "model": advisory(),  # any name is served; replies name the served model
+    "messages": impl(),
+    "system": impl(),
+    "tools": impl(),
+    "tool_choice": impl(),
+    # with --reasoning-parser the <think> part is a thinking block; budget_tokens is a hint
+    "thinking": impl(),
+    "output_config": impl(),  # format (a JSON schema the output follows); effort and task_budget off
+    "cache_control": advisory(),  # srt's radix cache reuses every prompt's prefix anyway
+    "speed": advisory(),
+    "user_profile_id": advisory(),
+    "workspace_id": advisory(),
+    "betas": advisory(),  # Claude Code sends them; no beta changes what srt returns
+    "output_format": NONE,
+}
+MESSAGES: dict[str, Field] = {
+    **_COMMON,
+    "max_tokens": impl(),
+    "stop_sequences": impl(),
+    "stream": impl(False),
+    "temperature": impl(1.0),
+    "top_p": impl(),
+    "top_k": impl(),
+    "metadata": advisory(),  # user_id: a label
+    "service_tier": advisory(),
+    "inference_geo": advisory(),
+    "diagnostics": advisory(),
+    "container": NONE,
+    "context_management": NONE,
+    "mcp_servers": NONE,
+}
+COUNT_TOKENS: dict[str, Field] = dict(_COMMON)
+
+# chat-body names (openai_parse's RequestError params) -> the Messages field the client set
+ANTHROPIC_NAMES = {
+    "stop": "stop_sequences",
+    "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+    "input_ids": "messages",
+    "text": "messages",
+    "parallel_tool_calls": "tool_choice",
+    "response_format": "output_config",
+    "json_schema": "output_config",
+    "chat_template_kwargs": "thinking",
+}
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_SERVER_TOOL_PREFIXES = (
+    "web_search",
+    "web_fetch",
+    "bash",
+    "text_editor",
+    "computer",
+    "code_execution",
+    "memory",
+)
+
+
+@dataclass
+class AnthropicCall:
+    """One Messages request translated: the chat call, and what shapes its reply."""
+
+    chat: OpenAICall
+    stop_sequences: list[str]
+    renamed: dict[str, str]  # /generate or chat parameter -> the Messages field
+
+
+def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
+    try:
+        check_fields(body, vocabulary)
+    except VocabularyError as error:
+        raise RequestError(str(error), error.param) from None
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """A string, or a list of text blocks joined (a system prompt, a tool result)."""
+    if isinstance(blocks, str):
+        return blocks
+    if isinstance(blocks, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in blocks
+    ):
+        return "".join(b["text"] for b in blocks)
+    raise RequestError(
+        f"{where} must be a string or a list of text blocks", where.split("[")[0].split(".")[0]
+    )
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise RequestError(f"{where} must be an object with a type", "messages")
+    kind: str = block["type"]
+    if kind in ("image", "document", "search_result", "container_upload"):
+        raise RequestError(f"{where}: {kind} blocks are not supported (srt serves text models)", "messages")
+    return kind
+
+
+def _user_turns(content: Any, i: int) -> list[dict[str, Any]]:
+    """A user message: its tool_result blocks as `tool` turns, then its text as a user turn."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise RequestError(f"messages[{i}].content must be a string or a list of blocks", "messages")
+    turns: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = _block_type(block, where)
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            result = _text_of(block.get("content") or "", f"{where}.content")
+            if block.get("is_error"):
+                result = f"Error: {result}"
+            turns.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+        else:
+            raise RequestError(
+                f"{where}: a user turn holds text blocks (with text) and tool_result blocks (with tool_use_id)",
+                "messages",
+            )
+    if texts or not turns:
+        turns.append({"role": "user", "content": "".join(texts)})
+    return turns
+
+
+def _assistant_turn(content: Any, i: int) -> dict[str, Any]:
+    """An assistant message: its text, its tool_use blocks as tool_calls (thinking blocks dropped,
+    as Anthropic drops earlier turns' thinking)."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise RequestError(f"messages[{i}].content must be a string or a list of blocks", "messages")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = _block_type(block, where)
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and isinstance(block.get("name"), str) and isinstance(block.get("id"), str):
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise RequestError(f"{where}.input must be an object", "messages")
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": arguments},
+                }
+            )
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise RequestError(
+                f"{where}: an assistant turn holds text, tool_use (with id and name) and thinking blocks",
+                "messages",
+            )
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            out.extend(_user_turns(message.get("content"), i))
+        elif role == "assistant":
+            out.append(_assistant_turn(message.get("content"), i))
+        else:
+            raise RequestError(
+                f"messages[{i}].role must be user or assistant (the system prompt is `system`), got {role!r}",
+                "messages",
+            )
+    return out
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """tools and tool_choice as the chat's (the chat's parser validates names and schemas)."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RequestError("tools must be a list of tools", "tools")
+        out["tools"] = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
+                raise RequestError(
+                    f"tools[{i}]: Anthropic's server tool {kind} is not supported by srt", "tools"
+                )
+            if (
+                not isinstance(tool, dict)
+                or kind not in (None, "custom")
+                or not isinstance(tool.get("input_schema"), dict)
+            ):
+                raise RequestError(
+                    f"tools[{i}] must be a custom tool with a name and an input_schema", "tools"
+                )
+            function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+            if tool.get("description") is not None:
+                function["description"] = tool["description"]
+            out["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise RequestError("tool_choice of type tool needs the tool's name", "tool_choice")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind in _TOOL_CHOICES:
+            out["tool_choice"] = _TOOL_CHOICES[kind]
+        else:
+            raise RequestError("tool_choice.type must be auto, any, tool or none", "tool_choice")
+        parallel = choice.get("disable_parallel_tool_use")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+        if parallel:
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def _thinking(body: dict[str, Any]) -> dict[str, Any]:
+    """thinking enabled or adaptive: the <think> part is split off (with --reasoning-parser);
+    disabled: no split, and the chat template is asked not to think (enable_thinking, as Qwen3's)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind in ("enabled", "adaptive"):
+        budget = thinking.get("budget_tokens")
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise RequestError(
+                f"thinking.budget_tokens must be a positive integer, got {budget!r}", "thinking"
+            )
+        return {}
+    if kind == "disabled":
+        return {"separate_reasoning": False, "chat_template_kwargs": {"enable_thinking": False}}
+    raise RequestError("thinking.type must be enabled, adaptive or disabled", "thinking")
+
+
+def _output_config(body: dict[str, Any]) -> dict[str, Any]:
+    config = body.get("output_config")
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise RequestError("output_config must be an object", "output_config")
+    for name in sorted(set(config) - {"format"}):
+        if config[name] is not None:
+            raise RequestError(f"output_config.{name} is not supported by srt", "output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise RequestError("output_config.format must be {type: json_schema, schema: {...}}", "output_config")
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    }
+
+
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat body of a Messages (or count_tokens) body whose vocabulary was checked."""
+    return {
+        "messages": _conversation(body),
+        **_tools(body),
+        **_thinking(body),
+        **_output_config(body),
+    }
+
+
+def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
+    _check(body, MESSAGES)
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise RequestError(f"max_tokens is required, a positive integer (got {max_tokens!r})", "max_tokens")
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop_sequences must be a list of non-empty strings", "stop_sequences")
+    chat = chat_body(body)
+    chat.update(max_tokens=max_tokens, stream=body.get("stream") or False)
+    if stops:
+        chat["stop"] = stops
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    call = parse_chat(tm, chat)
+    renamed = {gen: ANTHROPIC_NAMES.get(name, name) for gen, name in call.renamed.items()}
+    return AnthropicCall(call, stops, {**ANTHROPIC_NAMES, **renamed})
+
+
+def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
+    """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
+    _check(body, COUNT_TOKENS)
+    return len(chat_prompt(tm, chat_body(body)).input_ids)
+
+
+def tool_input(arguments: str) -> Any:
+    """A parsed call's arguments as tool_use's `input` (an object)."""
+    try:
+        return orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {}
