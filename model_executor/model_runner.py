@@ -8,6 +8,7 @@ it runs faster than the layers op by op) comes from its wing (device_wing.py; th
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, 
 from model_executor.logits_processor import process_logits, score_tokens
 from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
+from model_executor.pooler import Pooler
 from model_executor.routed_experts import RouteCapture
 from model_executor.sampler import Sampler
 from model_executor.sampling_inputs import SamplingInputs, StepOutput
@@ -62,6 +64,7 @@ class RunnerConfig:
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
     adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
     return_routed_experts: bool = False  # keep every token's experts (--enable-return-routed-experts)
+    is_embedding: bool = False  # pool each prompt into an embedding instead of sampling (--is-embedding)
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -84,6 +87,12 @@ class ModelRunner:
 
     def _context_length(self) -> int:
         model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096)
+        if self.config.is_embedding:  # sentence-transformers' own limit, where the checkpoint has one
+            st_config = self.config.model_dir / "sentence_bert_config.json"
+            if st_config.exists():
+                model_len = min(
+                    model_len, int(json.loads(st_config.read_text()).get("max_seq_length") or model_len)
+                )
         wanted = self.config.context_length
         if wanted is None:
             return model_len
@@ -101,6 +110,11 @@ class ModelRunner:
         model_cls = get_model_class(self.hf_config)
         model_cls.check_config(self.hf_config, self.context_length)  # refuses, by name, what it lacks
         pp = self.parallel.pp
+        if not model_cls.is_causal and not self.config.is_embedding:
+            raise ValueError(f"{model_cls.__name__} is an encoder: it serves embeddings, with --is-embedding")
+        if self.config.is_embedding and pp.world_size > 1:
+            raise ValueError("--is-embedding runs with --pp-size 1")
+        self.pooler = Pooler.of_checkpoint(self.config.model_dir) if self.config.is_embedding else None
         self.stage = PipelineStage.of(
             int(self.hf_config.num_hidden_layers),
             pp.rank_in_group,
@@ -263,12 +277,29 @@ class ModelRunner:
         return logits[: batch.batch_size], logits[batch.batch_size :]
 
     @torch.inference_mode()
+    def embed(self, batch: ForwardBatch) -> list[list[float]]:
+        """The embedding of each request of a prefill batch whose prompts are whole (--is-embedding):
+        the model's final hidden states pooled (model_executor/pooler.py), float32."""
+        assert self.pooler is not None, "not an embedding runner"
+        assert not any(batch.extend_prefix_lens_cpu), "an embedding pools a whole prompt"
+        batch.attn_backend = self.attn_backend
+        self.step_runner.begin_step(batch, False)
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch, None)
+        assert isinstance(hidden, torch.Tensor)
+        embeddings: list[list[float]] = self.pooler(hidden, batch.extend_seq_lens_cpu).tolist()
+        return embeddings
+
+    @torch.inference_mode()
     def step(self, batch: ForwardBatch, inputs: SamplingInputs) -> StepOutput | None:
         """The one call per step from the scheduler: runs this stage's part of the forward and, on the
         last stage, processes the logits, samples, agrees on the ids over TP when `inputs` asks, sends
         them to the earlier stages and scores the logprobs. None on an earlier pipeline stage: its
         ids come back from the last stage later (`receive_ids`). Every rank must pass the same inputs
-        (the forward and the sync are collectives)."""
+        (the forward and the sync are collectives). An embedding runner (--is-embedding) pools each
+        prompt instead and samples nothing."""
+        if self.pooler is not None:
+            return StepOutput([0] * batch.batch_size, embeddings=self.embed(batch))
         out = self.forward_stage(batch, inputs.logprobs.token_rows if inputs.logprobs else None)
         if out is None:
             return None
@@ -313,6 +344,7 @@ class ModelRunner:
             "context_length": self.context_length,
             "weight_bytes": self.weight_bytes,
             "vocab_size": self.vocab_size,
+            "hidden_size": int(self.hf_config.hidden_size),  # an embedding's size (--is-embedding)
             "max_running_requests": self.max_running_requests,
             "eos_token_ids": sorted(eos_token_ids(self.config.model_dir, self.hf_config)),
         }

@@ -101,3 +101,4 @@ class ScoredTokens:
 class StepOutput:
     next_ids: list[int]  # a row per request of the batch (a mid-prompt chunk's is meaningless)
     logprobs: ScoredTokens | None = None  # where LogprobRows.compute
+    embeddings: list[list[float]] | None = None  # --is-embedding: each prompt's, pooled (no id sampled)

@@ -115,8 +115,12 @@ class Admission:
                 break
             prefix_len, match = self.kv.match(req)
             n = budget.chunk_for(req.seq_len - prefix_len, used)
-            if n == 0 or (n < req.seq_len - prefix_len and any(r.extend_len > m for r, m in zip(reqs, lens))):
-                break  # out of prefill budget, or a second partial prompt (one chunked request at a time)
+            partial = n < req.seq_len - prefix_len
+            if n == 0 or (
+                partial and (self.args.is_embedding or any(r.extend_len > m for r, m in zip(reqs, lens)))
+            ):
+                break  # out of prefill budget, a second partial prompt (one chunked request at a time), or
+                # a partial one where each prompt is pooled whole (--is-embedding)
             # The decode reserve is a forecast: with nothing else in flight, the prompt alone decides.
             reserve = decode_reserve(req, self.new_token_ratio) if self.queues.running or reqs else 0
             if not budget.fits(n, reserve, used):

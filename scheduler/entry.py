@@ -43,6 +43,7 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         deterministic=args.deterministic,
         adaptive_threads=not args.disable_adaptive_cpu_threads,
         return_routed_experts=args.enable_return_routed_experts,
+        is_embedding=args.is_embedding,
     )
 
 

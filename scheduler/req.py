@@ -50,6 +50,7 @@ class Req:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed_experts: str | None = None  # read from the runner when the request finishes
+    embedding: list[float] | None = None  # --is-embedding: the pooled prompt, after its prefill
     priority: int | None = None  # with --enable-priority-scheduling (scheduler/policy.py order_waiting)
     grammar: Matcher | None = None  # a constrained request's matcher (scheduler/grammar.py), on every rank
     # Logprobs, filled on the output rank only (no rank decides anything from them).

@@ -6,6 +6,7 @@ same collectives in the same order (ARCHITECTURE.md, "The one invariant").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
+from model_executor.forward_batch import ForwardBatch
 from model_executor.model_runner import ModelRunner
 from model_executor.sampling_inputs import SamplingInputs
 from scheduler.admission import Admission, RequestQueues
@@ -61,6 +63,16 @@ class Scheduler:
         tokenizer_loader: Callable[[], Any],
         metrics: RankMetrics | None = None,
     ) -> None:
+        if server_args.is_embedding:
+            # Every prompt is pooled whole, in one step (its chunk as long as the context may be), and
+            # its own: no cached prefix stands in for its first tokens.
+            longest = int(runner.info()["context_length"])
+            server_args = dataclasses.replace(
+                server_args,
+                disable_radix_cache=True,
+                chunked_prefill_size=max(server_args.chunked_prefill_size, longest),
+                max_prefill_tokens=max(server_args.max_prefill_tokens, longest),
+            )
         self.args = server_args
         self.parallel = parallel
         self.runner = runner
@@ -204,7 +216,9 @@ class Scheduler:
         refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
         if refused is not None:
             self._finish(req, refused)
-        elif req.remaining_new_tokens == 0 and not req.prompt_logprob_positions:
+        elif (
+            req.remaining_new_tokens == 0 and not req.prompt_logprob_positions and not self.args.is_embedding
+        ):
             self._finish(req, FinishReason("length"))
         elif self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
             # the waiting queue is the same on every rank, so every rank refuses the same request
@@ -275,15 +289,7 @@ class Scheduler:
         forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
         step = self.forward_steps + 1
         self.faults.before_forward(step)
-        plan = plan_logprobs(batch, compute=self.send_output is not None)  # None unless one asked
-        inputs = self._sampling_inputs(batch, step, plan)
-        out = self.runner.step(forward_batch, inputs)
-        ids = None if out is None else out.next_ids
-        if out is not None:  # the stage that samples
-            if inputs.sync_across_tp:
-                self.stats.on_token_sync()
-            if plan is not None and out.logprobs is not None:
-                record_logprobs(batch, plan, out.logprobs)
+        ids = self._run(batch, forward_batch, step)
         self.forward_steps = step
         sampled = [batch.samples(i) for i in range(len(batch.reqs))]  # before kv_len moves
         tokens = sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
@@ -298,6 +304,23 @@ class Scheduler:
         self.stats.timer.forward_end()
         self.stats.after_step(tokens)
         return Launched(batch, sampled, ids)
+
+    def _run(self, batch: ScheduleBatch, forward_batch: ForwardBatch, step: int) -> list[int] | None:
+        """The step's forward and sampled ids (None on an earlier pipeline stage), its logprobs
+        recorded. With --is-embedding each request keeps its prompt's embedding instead (every rank
+        computes the same); its request asked for no token, so `complete` finishes it."""
+        plan = plan_logprobs(batch, compute=self.send_output is not None)  # None unless one asked
+        inputs = self._sampling_inputs(batch, step, plan)
+        out = self.runner.step(forward_batch, inputs)
+        if out is None:
+            return None
+        if inputs.sync_across_tp:
+            self.stats.on_token_sync()
+        if plan is not None and out.logprobs is not None:
+            record_logprobs(batch, plan, out.logprobs)
+        for req, embedding in zip(batch.reqs, out.embeddings or []):
+            req.embedding = embedding
+        return out.next_ids
 
     def _sampling_inputs(self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None) -> SamplingInputs:
         """How the runner turns this step's logits into ids: the requests' settings and, when a
@@ -391,11 +414,14 @@ class Scheduler:
         with_resumes = any(req.resume is not None for req in reqs)
         with_specs = not all(req.decode_spec_sent for req in reqs)
         with_routes = any(req.return_routed_experts for req in reqs)
+        with_embeddings = any(req.embedding is not None for req in reqs)
         for req in reqs:
             if with_logprobs:
                 attach_logprobs(out, req)
             if with_routes:
                 out.routed_experts.append(req.routed_experts if req.finished_reason is not None else None)
+            if with_embeddings:
+                out.embeddings.append(req.embedding)
             if with_resumes:
                 out.resumes.append(req.resume)
             req.resume = None

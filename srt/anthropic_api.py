@@ -227,6 +227,7 @@ async def messages(request: Request) -> Response:
     tm = manager(request)
     renamed = ANTHROPIC_NAMES
     try:
+        tm.check_kind(embed=False)
         body = await read_json_object(request)
         call = parse_messages(tm, body)
         renamed = call.renamed

@@ -267,6 +267,13 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "last), then by --schedule-policy; without it a request that sets priority gets a 400",
             ),
             _flag(
+                "--is-embedding",
+                action="store_true",
+                help="serve the model's embeddings (SGLang's flag): /v1/embeddings and /encode pool each input's "
+                "final hidden states as its sentence-transformers files say (else the last token, normalized); "
+                "the generation routes answer 400. Every prompt runs whole, without the prefix cache; --pp-size 1",
+            ),
+            _flag(
                 "--enable-return-routed-experts",
                 action="store_true",
                 help="keep the experts every token was routed to (a mixture-of-experts model, --pp-size 1), so a "

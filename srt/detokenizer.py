@@ -128,6 +128,7 @@ class DetokenizerManager:
             output_logprobs=out.output_logprobs,
             input_logprobs=out.input_logprobs,
             routed_experts=out.routed_experts,
+            embeddings=out.embeddings,
         )
 
     def _resumed(self, resume: ResumeState, spec: DecodeSpec) -> DecodeState:

@@ -1,7 +1,7 @@
 """The HTTP app (create_app) and its server (run_http_server).
 
 The routes live beside this: SGLang's native routes in native_api.py, the OpenAI-compatible /v1
-routes in openai_api.py, Anthropic's /v1/messages in anthropic_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
+routes in openai_api.py, Anthropic's /v1/messages in anthropic_api.py, /v1/embeddings and /encode in embeddings_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
 shapes, SSE) in http_common.py; the API keys and the body-size cap in guard.py, before every route.
 
 Graceful shutdown (DrainingServer): on SIGTERM/SIGINT new requests get 503 "server is shutting
@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from srt.anthropic_api import router as anthropic_router
+from srt.embeddings_api import router as embeddings_router
 from srt.guard import BodyTooLarge, RequestGuard, too_large_body
 from srt.native_api import metrics_router
 from srt.native_api import router as native_router
@@ -66,6 +67,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
 
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(embeddings_router)
     app.include_router(tokenize_router)
     app.include_router(native_router)
     if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)

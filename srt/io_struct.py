@@ -154,6 +154,8 @@ class BatchTokenIDOut:
     # Per request (empty when no request of the message asked for them): the experts its tokens
     # were routed to, base64 of int32 [tokens, layers, top_k], with its last message only.
     routed_experts: list[str | None] = field(default_factory=list)
+    # Per request (empty unless --is-embedding): its prompt's pooled embedding, with its last message.
+    embeddings: list[list[float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -180,3 +182,4 @@ class BatchStrOut:
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # as in BatchTokenIDOut
     input_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     routed_experts: list[str | None] = field(default_factory=list)
+    embeddings: list[list[float] | None] = field(default_factory=list)

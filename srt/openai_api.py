@@ -249,6 +249,7 @@ async def _serve(request: Request, chat: bool) -> Response:
     tm = manager(request)
     renamed: dict[str, str] = {}
     try:
+        tm.check_kind(embed=False)
         body = await read_json_object(request)
         call = parse_chat(tm, body) if chat else parse_completion(tm, body)
         renamed = call.renamed

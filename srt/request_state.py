@@ -55,6 +55,7 @@ class ReqState:
     first_output_at: float | None = None  # perf_counter time of the first output token (deadlines)
     deadline_abort_sent: bool = False
     routed_experts: str | None = None  # base64 int32 [tokens, layers, top_k], with the last output
+    embedding: list[float] | None = None  # --is-embedding: the prompt's, with the last output
 
     def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
         """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
@@ -70,6 +71,8 @@ class ReqState:
             self.logprobs.add(out.output_logprobs[i], out.input_logprobs[i])
         if out.routed_experts and out.routed_experts[i] is not None:
             self.routed_experts = out.routed_experts[i]
+        if out.embeddings and out.embeddings[i] is not None:
+            self.embedding = out.embeddings[i]
         if metrics is not None and self.log_metrics:
             self._record_metrics(metrics)
         self.updated = True
@@ -122,6 +125,8 @@ class ReqState:
             out["index"] = self.index
         if self.prompt_token_ids is not None:
             out["prompt_token_ids"] = self.prompt_token_ids
+        if self.embedding is not None:
+            out["embedding"] = self.embedding
         return out
 
 

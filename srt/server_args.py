@@ -132,6 +132,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False  # requests' `priority` orders the waiting queue
     enable_return_routed_experts: bool = False  # requests may ask for their tokens' experts
+    is_embedding: bool = False  # serve embeddings (/v1/embeddings, /encode) instead of generating
     schedule_low_priority_values_first: bool = False  # with it, smaller priority values go first
     disable_radix_cache: bool = False
     random_seed: int = 0

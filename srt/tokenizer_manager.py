@@ -235,8 +235,10 @@ class TokenizerManager:
         self._control_calls.fail_all(self.failure or "")
 
     # ---- validation ----
-    def parse_generate(self, obj: Any) -> GenerateCall:
-        """Validate and tokenize a /generate body. Raises RequestError (400) or ServiceUnavailableError."""
+    def parse_generate(self, obj: Any, embed: bool = False) -> GenerateCall:
+        """Validate and tokenize a /generate body (`embed`: an embedding request's, from /v1/embeddings
+        or /encode). Raises RequestError (400) or ServiceUnavailableError."""
+        self.check_kind(embed)
         if self.refusal is not None:
             raise ServiceUnavailableError(self.refusal)
         if self.memory_watch.pressure is not None:
@@ -245,6 +247,15 @@ class TokenizerManager:
         if overflow is not None:
             raise ServiceUnavailableError(overflow, retry_after=True)
         return self.parser.parse(obj, self.rid_to_state)
+
+    def check_kind(self, embed: bool) -> None:
+        """RequestError unless this server does what the route asks: embed (--is-embedding) or generate."""
+        if embed != self.server_args.is_embedding:
+            raise RequestError(
+                "this server serves embeddings (--is-embedding): use /v1/embeddings or /encode"
+                if self.server_args.is_embedding
+                else "embeddings need a server started with --is-embedding (this one generates)"
+            )
 
     def _check_rids_free(self, rids: list[str]) -> None:
         busy = [r for r in rids if r in self.rid_to_state]
@@ -356,13 +367,15 @@ class TokenizerManager:
         return rid in self.rid_to_state
 
     async def health_generate(self, timeout: float = 20.0) -> None:
-        """A 1-token greedy generation through every rank; ServiceUnavailableError unless it ends in time."""
+        """A 1-token greedy generation (an embedding) through every rank; ServiceUnavailableError unless it ends in time."""
+        embed = self.server_args.is_embedding  # an embedding server embeds the probe instead
         call = self.parse_generate(
             {
                 "text": "ping",
                 "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}",
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            }
+                "sampling_params": {"max_new_tokens": 0 if embed else 1, "temperature": 0},
+            },
+            embed=embed,
         )
         outputs = self.generate(call)
         try:

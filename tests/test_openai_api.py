@@ -347,3 +347,9 @@ def test_n_choices_are_seeded_and_streamed_by_index(client: openai.OpenAI) -> No
     assert [streamed[i] for i in range(2)] == texts
     chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, n=2, seed=1)
     assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)
+
+
+def test_a_generating_server_refuses_embeddings(server: Server) -> None:
+    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/encode", {"text": "hi"})):
+        reply = requests.post(server.url + path, json=body, timeout=30)
+        assert reply.status_code == 400 and "--is-embedding" in reply.json()["error"]["message"]

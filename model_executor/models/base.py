@@ -56,6 +56,7 @@ class CausalLM(nn.Module):
     packed_modules_mapping: dict[str, tuple[str, Any]] = {}
     # The architecture-specific config.json fields transformers reads for it (models/config_check.py)
     config_fields = ConfigFields()
+    is_causal = True  # False: an encoder (BERT), served only for embeddings (--is-embedding)
 
     @classmethod
     def check_config(cls, config: Any, context_length: int) -> None:

@@ -1,0 +1,209 @@
+"""BERT encoders (sentence-transformers' all-MiniLM-L6-v2 and its family), for `--is-embedding`.
+
+    h = LayerNorm(word[id] + position[pos] + token_type[0])
+    per layer:  h = LayerNorm(h + dense(attn(q, k, v)))       bidirectional attention within a request
+                h = LayerNorm(h + output(gelu(intermediate(h))))
+
+Every token attends to every token of its own request, so a request's prompt runs in one step,
+whole (the embedding server turns chunked prefill and the prefix cache off: srt/server_args.py);
+attention runs in torch on the step's tokens and writes no K/V. q/k/v, the attention's dense and
+the MLP are split over TP ranks as Llama's are (one all-reduce each for the attention and the MLP);
+the residual stream and the LayerNorms are float32. No LM head: the runner pools the final hidden
+states (model_executor/pooler.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_executor.distributed.communicator import Communicator
+from model_executor.distributed.pipeline import PipelineStage, StageOutput
+from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.vocab_parallel import VocabParallelEmbedding
+from model_executor.models.base import CausalLM
+from model_executor.models.registry import register_model
+
+# config.json fields of transformers' modeling_bert.py whose values srt does not implement
+_REFUSED_UNLESS = {
+    "position_embedding_type": ("absolute", "relative position embeddings"),
+    "hidden_act": ("gelu", "the MLP's activation; srt computes the exact (erf) GELU"),
+    "is_decoder": (False, "causal self-attention"),
+    "add_cross_attention": (False, "cross-attention to an encoder"),
+}
+
+
+class LayerNorm(nn.Module):
+    """transformers' LayerNorm (weight and bias), computed in float32 whatever the weights' dtype."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden, comm, params_dtype=dtype)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden, dtype=dtype)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden, dtype=dtype)
+        for table in (self.position_embeddings, self.token_type_embeddings):
+            table.weight.requires_grad_(False)
+        self.LayerNorm = LayerNorm(hidden, config.layer_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # token type 0 throughout: srt embeds one text per input, as sentence-transformers does
+        summed = (
+            self.word_embeddings(input_ids).float()
+            + self.position_embeddings(positions).float()
+            + self.token_type_embeddings.weight[0].float()
+        )
+        return self.LayerNorm(summed)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, heads, heads, True, comm, params_dtype=dtype
+        )
+
+    def forward(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """hidden [tokens, hidden] -> this rank's heads' attention output [tokens, heads x head_dim],
+        each request's tokens attending to all of its own (float32)."""
+        dtype = self.qkv_proj.weight.dtype
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden.to(dtype)))
+        outs = []
+        start = 0
+        for length in lengths:
+            rows = slice(start, start + length)
+            q_i, k_i, v_i = (
+                t[rows].float().view(length, -1, self.head_dim).transpose(0, 1) for t in (q, k, v)
+            )
+            out = F.scaled_dot_product_attention(q_i, k_i, v_i)  # [heads, length, head_dim]
+            outs.append(out.transpose(0, 1).reshape(length, -1))
+            start += length
+        return torch.cat(outs)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config, comm, dtype)
+        self.output = BertOutput(config.hidden_size, config, comm, dtype, what="number of attention heads")
+
+    def forward(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        return self.output(self.self(hidden, lengths), hidden)
+
+
+class BertOutput(nn.Module):
+    """dense (row-parallel, float32 sum), then LayerNorm of the residual plus it."""
+
+    def __init__(self, size: int, config: Any, comm: Communicator, dtype: torch.dtype, what: str) -> None:
+        super().__init__()
+        self.dense = RowParallelLinear(size, config.hidden_size, True, comm, params_dtype=dtype, what=what)
+        self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(residual + self.dense(x.to(self.dense.weight.dtype)).float())
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, True, comm, params_dtype=dtype
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(hidden.to(self.dense.weight.dtype)).float())
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attention = BertAttention(config, comm, dtype)
+        self.intermediate = BertIntermediate(config, comm, dtype)
+        self.output = BertOutput(config.intermediate_size, config, comm, dtype, what="intermediate size")
+
+    def forward(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        hidden = self.attention(hidden, lengths)
+        return self.output(self.intermediate(hidden), hidden)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, comm, dtype) for _ in range(config.num_hidden_layers))
+
+
+@register_model("BertModel")
+class BertModel(CausalLM):
+    """An encoder: forward gives the final hidden states; it has no logits."""
+
+    packed_modules_mapping: dict[str, tuple[str, object]] = {
+        "query": ("qkv_proj", "q"),
+        "key": ("qkv_proj", "k"),
+        "value": ("qkv_proj", "v"),
+    }
+    is_causal = False
+
+    def __init__(
+        self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage | None = None
+    ) -> None:
+        super().__init__()
+        if stage is not None and stage.size > 1:
+            raise ValueError("a BERT encoder runs with --pp-size 1")
+        self.config = config
+        self.embeddings = BertEmbeddings(config, comm, dtype)
+        self.encoder = BertEncoder(config, comm, dtype)
+
+    @classmethod
+    def check_config(cls, config: Any, context_length: int) -> None:
+        refused = [
+            f"{name}={getattr(config, name)!r} ({what})"
+            for name, (wanted, what) in _REFUSED_UNLESS.items()
+            if getattr(config, name, wanted) != wanted
+        ]
+        if refused:
+            raise ValueError(f"config.json: {', '.join(refused)} not implemented by srt for BertModel")
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """The [CLS] pooler (sentence-transformers pools the hidden states itself) and the
+        position-id buffer."""
+        return name.startswith("pooler.") or name == "embeddings.position_ids"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        previous: StageOutput | None = None,
+    ) -> torch.Tensor | StageOutput:
+        assert not any(batch.extend_prefix_lens_cpu), (
+            "an encoder runs each prompt whole, without a cached prefix"
+        )
+        hidden = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, batch.extend_seq_lens_cpu)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a BERT encoder has no LM head: it serves embeddings (--is-embedding)")
+
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """An encoder keeps no K/V; the pool it is given is one slot wide per token (the scheduler
+        still hands every token a slot)."""
+        return 1, 1, 1

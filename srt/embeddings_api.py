@@ -1,0 +1,158 @@
+"""Embeddings, on a server started with `--is-embedding`: OpenAI's POST /v1/embeddings and SGLang's
+POST /encode.
+
+Each input becomes a request asking for no new token: it goes through the same broadcast, scheduler
+and batches as a generation, its prompt runs whole, and its final hidden states come back pooled
+(model_executor/pooler.py). /v1/embeddings takes a string, a list of token ids or a batch of either,
+`encoding_format` float or base64 (little-endian float32, as the official client decodes it) and
+`dimensions` only at the model's own size (srt does not truncate: no model it serves was trained
+for it). /encode takes /generate's `text` or `input_ids` (one or a batch) and answers
+`{"embedding", "meta_info"}` per input, as SGLang's. A generating server answers both with a 400.
+
+Fields: OpenAI's `embeddings.create` (openai 3.60) and SGLang's `EmbeddingRequest` and
+`EmbeddingReqInput` (sglang 0.5.23), in srt/vocabulary.py's kinds.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from srt.generate_parse import RequestError
+from srt.http_common import NATIVE_ERRORS, OPENAI_ERRORS, manager, read_json_object
+from srt.request_state import ServiceUnavailableError
+from srt.tokenizer_manager import TokenizerManager
+from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl, off
+
+router = APIRouter()
+
+EMBEDDINGS: dict[str, Field] = {
+    "input": impl(),
+    "model": advisory("default"),
+    "encoding_format": impl("float"),
+    "dimensions": impl(),  # the model's own size only
+    "user": advisory(),
+    "rid": impl(),
+    "priority": impl(),
+    "lora_path": NONE,
+    "embed_override_token_id": NONE,
+    "embed_overrides": NONE,
+}
+ENCODE: dict[str, Field] = {
+    "text": impl(),
+    "input_ids": impl(),
+    "rid": impl(),
+    "priority": impl(),
+    "log_metrics": impl(True),
+    "sampling_params": off(None, {}),
+    "input_embeds": NONE,
+    "image_data": NONE,
+    "video_data": NONE,
+    "audio_data": NONE,
+    "embed_override_token_id": NONE,
+    "embed_overrides": NONE,
+    "modalities": NONE,
+    "is_cross_encoder_request": off(False),
+    "lora_path": NONE,
+    "model": advisory(),
+}
+
+
+def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
+    try:
+        check_fields(body, vocabulary)
+    except VocabularyError as error:
+        raise RequestError(str(error), error.param) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _inputs(value: Any) -> tuple[str, Any]:
+    """(the /generate key, its value) of OpenAI's `input`: a string, token ids, or a batch of either."""
+    if isinstance(value, str):
+        return "text", value
+    if isinstance(value, list) and value:
+        if all(_is_int(t) for t in value):
+            return "input_ids", value
+        if all(isinstance(t, str) for t in value):
+            return "text", value
+        if all(isinstance(t, list) and t and all(_is_int(i) for i in t) for t in value):
+            return "input_ids", value
+    raise RequestError("input must be a string, a list of token ids, or a non-empty list of either", "input")
+
+
+async def _embed(tm: TokenizerManager, request: Request, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The outputs of an embedding /generate body, in input order."""
+    call = tm.parse_generate({**body, "sampling_params": {"max_new_tokens": 0}}, embed=True)
+    outs = [out async for out in tm.generate(call, request)]
+    for out in outs:
+        finish = out["meta_info"]["finish_reason"]
+        if finish is not None and finish.get("type") == "abort":
+            status = int(finish.get("status_code") or 500)
+            raise ServiceUnavailableError(finish.get("message", "aborted"), retry_after=status == 503)
+    return sorted(outs, key=lambda out: out.get("index", 0))
+
+
+def _encoded(embedding: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return embedding
+    return base64.b64encode(torch.tensor(embedding, dtype=torch.float32).numpy().tobytes()).decode()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    tm = manager(request)
+    renamed = {"text": "input", "input_ids": "input"}
+    try:
+        body = await read_json_object(request)
+        _check(body, EMBEDDINGS)
+        key, value = _inputs(body.get("input"))
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise RequestError(f"encoding_format must be float or base64, got {fmt!r}", "encoding_format")
+        size = int(tm.model_info.get("hidden_size", 0))
+        dimensions = body.get("dimensions")
+        if dimensions is not None and dimensions != size:
+            raise RequestError(
+                f"dimensions={dimensions!r}: this model's embeddings have {size} and srt does not truncate them",
+                "dimensions",
+            )
+        fields = {name: body[name] for name in ("rid", "priority") if body.get(name) is not None}
+        outs = await _embed(tm, request, {key: value, **fields})
+    except (ValueError, ServiceUnavailableError) as error:
+        return OPENAI_ERRORS.of(error, renamed)
+    prompt = sum(out["meta_info"]["prompt_tokens"] for out in outs)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {"object": "embedding", "index": i, "embedding": _encoded(out["embedding"], fmt)}
+                for i, out in enumerate(outs)
+            ],
+            "model": tm.server_args.model_name,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+        }
+    )
+
+
+@router.post("/encode")
+async def encode(request: Request) -> Response:
+    tm = manager(request)
+    try:
+        body = await read_json_object(request)
+        _check(body, ENCODE)
+        body.pop("sampling_params", None)
+        outs = await _embed(tm, request, body)
+    except (ValueError, ServiceUnavailableError) as error:
+        return NATIVE_ERRORS.of(error)
+    replies = [{"embedding": out["embedding"], "meta_info": out["meta_info"]} for out in outs]
+    batch = isinstance(body.get("text", body.get("input_ids")), list) and (
+        isinstance(body.get("text"), list) or isinstance((body.get("input_ids") or [None])[0], list)
+    )
+    return JSONResponse(replies if batch else replies[0])
