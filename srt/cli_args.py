@@ -481,6 +481,14 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 help="a request body over this many bytes gets 413",
             ),
             _flag(
+                "--responses-store-size",
+                type=int,
+                default=_default("responses_store_size"),
+                help="how many /v1/responses responses the front end keeps in memory (store: true) for "
+                "GET and previous_response_id, the oldest evicted first; lost on restart; 0 keeps none "
+                "(previous_response_id is then a 404)",
+            ),
+            _flag(
                 "--req-waiting-timeout",
                 type=float,
                 default=None,

@@ -1,7 +1,8 @@
 """The HTTP app (create_app) and its server (run_http_server).
 
 The routes live beside this: SGLang's native routes in native_api.py, the OpenAI-compatible /v1
-routes in openai_api.py, Anthropic's /v1/messages in anthropic_api.py, /v1/embeddings and /encode in embeddings_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
+routes in openai_api.py, Anthropic's /v1/messages in anthropic_api.py, OpenAI's /v1/responses in responses_api.py,
+/v1/embeddings and /encode in embeddings_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
 shapes, SSE) in http_common.py; the API keys and the body-size cap in guard.py, before every route.
 
 Graceful shutdown (DrainingServer): on SIGTERM/SIGINT new requests get 503 "server is shutting
@@ -30,6 +31,8 @@ from srt.guard import BodyTooLarge, RequestGuard, too_large_body
 from srt.native_api import metrics_router
 from srt.native_api import router as native_router
 from srt.openai_api import router as openai_router
+from srt.responses_api import router as responses_router
+from srt.responses_store import ResponseStore
 from srt.tokenize_api import router as tokenize_router
 from srt.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
 
@@ -53,6 +56,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     app = FastAPI(title="srt", lifespan=lifespan)
     app.state.tokenizer_manager = tm  # http_common.manager, and run_http_server's drain
     app.state.server_info = server_info  # /server_info
+    app.state.responses = ResponseStore(tm.server_args.responses_store_size)  # responses_api.store_of
     args = tm.server_args
     app.add_middleware(
         RequestGuard,
@@ -68,6 +72,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     app.include_router(embeddings_router)
+    app.include_router(responses_router)
     app.include_router(tokenize_router)
     app.include_router(native_router)
     if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)

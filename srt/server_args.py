@@ -173,6 +173,7 @@ class ServerArgs:
     )
     max_queued_requests: int | None = None  # waiting requests beyond which new ones get 503 (SGLang's flag)
     max_request_bytes: int = 64 * 2**20  # a larger request body is a 413
+    responses_store_size: int = 1000  # /v1/responses kept in the front end's memory; 0 keeps none
     # Deadlines, decided by the front end alone and sent to every rank as aborts (tokenizer_manager)
     req_waiting_timeout: float | None = field(
         default_factory=lambda: _env_timeout(ENV_DEFAULTS["req_waiting_timeout"])
@@ -207,6 +208,10 @@ class ServerArgs:
             raise ValueError(
                 "--enable-deterministic-inference cannot hold with --quantization gguf: its decode "
                 "steps of up to 12 rows run on the file's 4-bit blocks, prefills on a bf16 copy"
+            )
+        if self.responses_store_size < 0:
+            raise ValueError(
+                f"--responses-store-size must be >= 0 (0 keeps none), got {self.responses_store_size}"
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")

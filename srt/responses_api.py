@@ -1,0 +1,370 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A Responses request becomes a chat request (responses_parse.py) and runs as one; the reply is the
+chat choice (openai_api.chat_choice: content, the <think> part, parsed tool calls) as a Response's
+output items, in this order: a `reasoning` item (what --reasoning-parser split off), a `message`
+item with one `output_text` part, one `function_call` item per parsed call. `status` is
+`completed`, or `incomplete` (reason max_output_tokens) when the output hit its limit. A stream
+sends OpenAI's events, each with its sequence_number: `response.created`, `response.in_progress`,
+per item `response.output_item.added`, its content (`response.content_part.added`,
+`response.output_text.delta` / `.done`, `response.content_part.done`; or
+`response.reasoning_text.delta` / `.done`; or `response.function_call_arguments.delta` / `.done`:
+a call streams whole once it is complete) and `response.output_item.done`, then
+`response.completed` (or `response.incomplete`) with the whole response. A request aborted while
+running is an error, not a response: a 500 (or the abort's status), or in a stream an `error`
+event. Responses with `store` (OpenAI's default) are kept in the front end (responses_store.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from srt.anthropic_api import Aborted
+from srt.http_common import (
+    OPENAI_ERRORS,
+    manager,
+    openai_error_body,
+    peek_refusal,
+    queue_refusal,
+    read_json_object,
+    refusals_possible,
+)
+from srt.openai_api import ChoiceProgress, chat_choice
+from srt.request_state import ServiceUnavailableError
+from srt.responses_parse import RESPONSES_NAMES, ResponsesCall, parse_responses
+from srt.responses_store import ResponseStore
+
+router = APIRouter()
+
+
+def store_of(request: Request) -> ResponseStore:
+    """The app's stored responses (create_app puts them in the app's state)."""
+    store: ResponseStore = request.app.state.responses
+    return store
+
+
+def _finish(out: dict[str, Any]) -> dict[str, Any] | None:
+    finish: dict[str, Any] | None = out["meta_info"]["finish_reason"]
+    if finish is not None and finish.get("type") == "abort":
+        raise Aborted(finish)
+    return finish
+
+
+def _usage(meta: dict[str, Any]) -> dict[str, Any]:
+    prompt, output = meta["prompt_tokens"], meta["completion_tokens"]
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass
+class OutputItems:
+    """A response's output items as the chat choice's deltas arrive, and the stream's events that
+    build them: one item is open (reasoning or message) while its text grows."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    open: str | None = None  # "reasoning" | "message" while one is open
+
+    def _added(self, item: dict[str, Any]) -> dict[str, Any]:
+        """output_item.added with `item` as it starts; the list holds a copy that grows."""
+        self.items.append(copy.deepcopy(item))
+        return {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": item}
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """End the open item: its text's done events, then output_item.done."""
+        if self.open is None:
+            return []
+        item, where = self.items[-1], self._where()
+        if self.open == "reasoning":
+            text = item["content"][0]["text"]
+            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}]
+        else:
+            part = item["content"][0]
+            events = [
+                {
+                    "type": "response.output_text.done",
+                    **where,
+                    "content_index": 0,
+                    "text": part["text"],
+                    "logprobs": [],
+                },
+                {"type": "response.content_part.done", **where, "content_index": 0, "part": part},
+            ]
+        item["status"] = status
+        self.open = None
+        return [
+            *events,
+            {"type": "response.output_item.done", "output_index": where["output_index"], "item": item},
+        ]
+
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        if self.open == kind:
+            return []
+        events = self.close()
+        self.open = kind
+        if kind == "reasoning":
+            item = {
+                "type": "reasoning",
+                "id": _new_id("rs"),
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+            events.append(self._added(item))
+            self.items[-1]["content"] = [{"type": "reasoning_text", "text": ""}]
+            return events
+        item = {
+            "type": "message",
+            "id": _new_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        events.append(self._added(item))
+        self.items[-1]["content"] = [_text_part("")]
+        events.append(
+            {
+                "type": "response.content_part.added",
+                **self._where(),
+                "content_index": 0,
+                "part": _text_part(""),
+            }
+        )
+        return events
+
+    def text(self, kind: str, delta: str) -> list[dict[str, Any]]:
+        """Reasoning or message text, in the open item of its kind (a new one if another is open)."""
+        events = self._open(kind)
+        self.items[-1]["content"][0]["text"] += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        event = {"type": name, **self._where(), "content_index": 0, "delta": delta}
+        if kind == "message":
+            event["logprobs"] = []
+        return [*events, event]
+
+    def function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A complete call: its item added with no arguments, then them as one delta."""
+        events = self.close()
+        function = call["function"]
+        item = {
+            "type": "function_call",
+            "id": _new_id("fc"),
+            "call_id": call["id"],
+            "name": function["name"],
+            "arguments": "",
+            "status": "in_progress",
+        }
+        events.append(self._added(item))
+        arguments = function["arguments"]
+        self.items[-1].update(arguments=arguments, status="completed")
+        where = self._where()
+        return [
+            *events,
+            {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
+            {"type": "response.function_call_arguments.done", **where, "arguments": arguments},
+            {
+                "type": "response.output_item.done",
+                "output_index": where["output_index"],
+                "item": self.items[-1],
+            },
+        ]
+
+    def add(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chat delta (or a whole message) as items, and the events that sent them."""
+        events = []
+        if delta.get("reasoning_content"):
+            events += self.text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self.text("message", delta["content"])
+        for call in delta.get("tool_calls") or []:
+            events += self.function_call(call)
+        return events
+
+
+def _response(
+    call: ResponsesCall,
+    rid: str,
+    created_at: int,
+    model: str,
+    output: list[dict[str, Any]],
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The Response object: in progress while meta is None, else finished as `meta` says."""
+    status, incomplete, usage = "in_progress", None, None
+    if meta is not None:
+        usage = _usage(meta)
+        status = "completed"
+        if meta["finish_reason"]["type"] == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "model": model,
+        "output": output,
+        "usage": usage,
+        **call.echo,
+    }
+
+
+def response(
+    call: ResponsesCall, out: dict[str, Any], model: str, rid: str, created_at: int
+) -> dict[str, Any]:
+    """The whole response to a finished output."""
+    finish = _finish(out)
+    assert finish is not None
+    items = OutputItems()
+    items.add(chat_choice(call.chat, out, ChoiceProgress(), chunk=False)["message"])
+    status = "incomplete" if finish["type"] == "length" else "completed"
+    items.close(status)
+    return _response(call, rid, created_at, model, items.items, out["meta_info"])
+
+
+async def _events(
+    call: ResponsesCall,
+    outputs: AsyncGenerator[dict[str, Any], None],
+    model: str,
+    rid: str,
+    created_at: int,
+    store: ResponseStore,
+) -> AsyncGenerator[dict[str, Any], None]:
+    progress, items = ChoiceProgress(), OutputItems()
+    started = False
+    async for out in outputs:
+        if not started:
+            start = _response(call, rid, created_at, model, [], None)
+            yield {"type": "response.created", "response": start}
+            yield {"type": "response.in_progress", "response": start}
+            started = True
+        finish = _finish(out)
+        for event in items.add(chat_choice(call.chat, out, progress, chunk=True)["delta"]):
+            yield event
+        if finish is not None:
+            for event in items.close("incomplete" if finish["type"] == "length" else "completed"):
+                yield event
+            whole = _response(call, rid, created_at, model, items.items, out["meta_info"])
+            if whole["store"]:
+                store.put(whole, call.items)
+            kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
+            yield {"type": kind, "response": whole}
+
+
+def _sse(event: dict[str, Any], sequence_number: int) -> bytes:
+    data = orjson.dumps({**event, "sequence_number": sequence_number})
+    return b"event: " + event["type"].encode() + b"\ndata: " + data + b"\n\n"
+
+
+def _error_event(status: int, message: str) -> dict[str, Any]:
+    error = openai_error_body(status, message)["error"]
+    return {"type": "error", "code": error["type"], "message": message, "param": None}
+
+
+async def stream_events(
+    call: ResponsesCall,
+    outputs: AsyncGenerator[dict[str, Any], None],
+    model: str,
+    store: ResponseStore,
+) -> AsyncIterator[bytes]:
+    """The response's events; an error midway ends the stream with an `error` event. A disconnect
+    closes this generator, which closes `outputs` (aborting the request)."""
+    events = _events(call, outputs, model, _new_id("resp"), int(time.time()), store)
+    sequence_number = 0
+    async with aclosing(outputs), aclosing(events):
+        try:
+            async for event in events:
+                yield _sse(event, sequence_number)
+                sequence_number += 1
+        except Aborted as error:
+            yield _sse(_error_event(error.status, str(error)), sequence_number)
+        except ServiceUnavailableError as error:
+            yield _sse(_error_event(503, str(error)), sequence_number)
+        except ValueError as error:
+            yield _sse(_error_event(400, str(error)), sequence_number)
+
+
+def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
+    return OPENAI_ERRORS.response(404, f"no stored response with id {response_id!r}", param)
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    tm, store = manager(request), store_of(request)
+    renamed = RESPONSES_NAMES
+    try:
+        body = await read_json_object(request)
+        previous = body.get("previous_response_id")
+        history: list[dict[str, Any]] = []
+        if previous is not None:
+            stored = store.get(previous) if isinstance(previous, str) else None
+            if stored is None:
+                return _not_found(str(previous), "previous_response_id")
+            history = stored.conversation
+        call = parse_responses(tm, body, history)
+        renamed = call.renamed
+        generate_call = tm.parse_generate(call.chat.generate_body)
+    except (ValueError, ServiceUnavailableError) as error:
+        return OPENAI_ERRORS.of(error, renamed)
+    outputs = tm.generate(generate_call, request)
+    model = tm.server_args.model_name
+    if call.chat.stream:
+        if refusals_possible(tm.server_args):
+            outputs, refusal = await peek_refusal(outputs)
+            if refusal is not None:
+                return OPENAI_ERRORS.busy(refusal)
+        return StreamingResponse(stream_events(call, outputs, model, store), media_type="text/event-stream")
+    try:
+        results = [out async for out in outputs]
+        if not results:  # the client went away; nobody reads this
+            return OPENAI_ERRORS.response(400, "the client disconnected")
+        refusal = queue_refusal(results[-1])
+        if refusal is not None:
+            return OPENAI_ERRORS.busy(refusal)
+        whole = response(call, results[-1], model, _new_id("resp"), int(time.time()))
+    except Aborted as error:
+        return OPENAI_ERRORS.response(error.status, str(error))
+    except (ValueError, ServiceUnavailableError) as error:
+        return OPENAI_ERRORS.of(error)
+    if whole["store"]:
+        store.put(whole, call.items)
+    return JSONResponse(whole)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> Response:
+    stored = store_of(request).get(response_id)
+    return _not_found(response_id) if stored is None else JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    if not store_of(request).delete(response_id):
+        return _not_found(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

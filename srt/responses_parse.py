@@ -1,0 +1,291 @@
+"""OpenAI Responses bodies -> chat bodies (ResponsesCall), validated: a bad or unsupported field
+raises RequestError naming it, under the Responses name.
+
+A Responses request is a chat request spelled differently, so it becomes one: `instructions` a
+system message first, then the items of `input` in order (a string is one user message): message
+items turns of their role (`developer` a system turn), `function_call` items an assistant turn's
+tool_calls, `function_call_output` items `tool` turns; `reasoning` items are dropped, as the chat
+drops earlier turns' reasoning. `previous_response_id` puts the stored conversation before them
+(responses_store.py). Function tools become the chat's tools, `text.format` its response_format,
+`max_output_tokens` its max_tokens. The chat body then goes through openai_parse.parse_chat, so
+both APIs render a conversation alike. Image, file and audio parts and OpenAI's hosted tools
+(web_search, file_search, code_interpreter, mcp, ...) are refused by name.
+
+The fields, from the official client's `responses.create` (openai 3.60) and SGLang's
+`ResponsesRequest` (sglang 0.5.23), in the kinds of srt/vocabulary.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from srt.generate_parse import RequestError
+from srt.openai_parse import OpenAICall, parse_chat
+from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl, off
+
+if TYPE_CHECKING:
+    from srt.tokenizer_manager import TokenizerManager
+
+SOURCES = "openai 3.60, sglang 0.5.23"
+
+RESPONSES: dict[str, Field] = {
+    "model": advisory(),  # any name is served; replies name the served model
+    "input": impl(),
+    "instructions": impl(),
+    "tools": impl(),
+    "tool_choice": impl("auto"),
+    "parallel_tool_calls": impl(True),
+    "text": impl(),  # format: text, json_object, json_schema; verbosity only at medium
+    "max_output_tokens": impl(),
+    "temperature": impl(1.0),
+    "top_p": impl(1.0),
+    "stream": impl(False),
+    "store": impl(True),  # kept in the front end's memory, bounded by --responses-store-size
+    "previous_response_id": impl(),
+    "metadata": advisory(),  # labels, echoed in the response
+    "user": advisory(),
+    "safety_identifier": advisory(),
+    "prompt_cache_key": advisory(),  # srt's radix cache reuses every prompt's prefix anyway
+    "prompt_cache_retention": advisory(),
+    "prompt_cache_options": advisory(),
+    "service_tier": advisory(),
+    "stream_options": off(None, {"include_obfuscation": False}),  # srt pads no deltas
+    "include": off(None, []),  # srt produces none of the extra outputs it asks for
+    "background": off(False),
+    "truncation": off("disabled"),
+    "top_logprobs": off(0),
+    "reasoning": NONE,  # effort and summaries: the model thinks as its template says
+    "max_tool_calls": NONE,
+    "prompt": NONE,  # stored prompt templates live on OpenAI's side
+    "conversation": NONE,
+    "context_management": NONE,
+    "background_options": NONE,
+    "access_programs": NONE,
+    "image": NONE,
+    "moderation": NONE,
+}
+
+# chat-body names (parse_chat's RequestError params) -> the Responses field the client set
+RESPONSES_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+    "json_schema": "text",
+}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+@dataclass
+class ResponsesCall:
+    """One Responses request translated: the chat call, the conversation it continues (its items,
+    for the store) and the settings its response echoes."""
+
+    chat: OpenAICall
+    items: list[dict[str, Any]]  # the stored conversation before it, then this request's input
+    renamed: dict[str, str]  # /generate parameter -> the Responses field
+    echo: dict[str, Any]
+
+
+def _input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    value = body.get("input")
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise RequestError("input must be a string or a list of items", "input")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where} must be a string or a list of text parts", "input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise RequestError(
+                f"{where}[{j}]: {kind} parts are not supported (srt serves text models)", "input"
+            )
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{j}] must be an input_text or output_text part with text", "input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
+        raise RequestError(
+            f"{where}: a function_call item needs call_id, name and arguments strings", "input"
+        )
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
+
+
+def _turns(items: list[dict[str, Any]], stored: int) -> list[dict[str, Any]]:
+    """The chat turns of the items (the first `stored` from the store, checked when they were
+    stored): a function_call joins the assistant turn just before it."""
+    turns: list[dict[str, Any]] = []
+    for i, item in enumerate(items, start=-stored):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise RequestError(
+                    f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
+                    "input",
+                )
+            turns.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = _call(item, where)
+            if turns and turns[-1]["role"] == "assistant":
+                turns[-1].setdefault("tool_calls", []).append(call)
+            else:
+                turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise RequestError(f"{where}: a function_call_output item needs its call_id", "input")
+            output = _text(item.get("output"), f"{where}.output")
+            turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        elif kind != "reasoning":
+            raise RequestError(
+                f"{where}: {kind!r} items are not supported (srt takes message, function_call, "
+                "function_call_output and reasoning items)",
+                "input",
+            )
+    return turns
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """tools, tool_choice and parallel_tool_calls as the chat's (its parser checks names and schemas)."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RequestError("tools must be a list of tools", "tools")
+        out["tools"] = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise RequestError(
+                    f"tools[{i}]: {kind!r} tools are not supported by srt (only function tools)", "tools"
+                )
+            function = {
+                key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool
+            }
+            out["tools"].append({"type": "function", "function": function})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise RequestError(
+                f"tool_choice must be auto, required, none or {{type: function, name}}, got {choice!r}",
+                "tool_choice",
+            )
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    return out
+
+
+def _format(body: dict[str, Any]) -> dict[str, Any]:
+    """text.format as the chat's response_format."""
+    text = body.get("text")
+    if text is None:
+        return {}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise RequestError("text must be an object with format (and verbosity)", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise RequestError(f"text.verbosity={text['verbosity']!r} is not supported by srt", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"response_format": {"type": kind}}
+    if kind == "json_schema":
+        spec = {"name": fmt.get("name") or "output", "schema": fmt.get("schema")}
+        if fmt.get("strict") is not None:
+            spec["strict"] = fmt["strict"]
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    raise RequestError("text.format.type must be text, json_object or json_schema", "text")
+
+
+def _max_output_tokens(body: dict[str, Any]) -> dict[str, Any]:
+    value = body.get("max_output_tokens")
+    if value is None:
+        return {}
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RequestError(
+            f"max_output_tokens must be a positive integer, got {value!r}", "max_output_tokens"
+        )
+    return {"max_tokens": value}
+
+
+def echo_settings(body: dict[str, Any]) -> dict[str, Any]:
+    """The settings a Response repeats (OpenAI's defaults where the request left them out)."""
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    return {
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
+        "max_output_tokens": body.get("max_output_tokens"),
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "text": {"format": fmt},
+        "metadata": body.get("metadata") or {},
+        "previous_response_id": body.get("previous_response_id"),
+        "store": body.get("store") is not False,
+        "user": body.get("user"),
+        "truncation": "disabled",
+        "reasoning": None,
+        "background": False,
+        "service_tier": "default",
+    }
+
+
+def parse_responses(
+    tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]
+) -> ResponsesCall:
+    """The call of a Responses body that continues `history` (the stored conversation of its
+    previous_response_id, else [])."""
+    try:
+        check_fields(body, RESPONSES)
+    except VocabularyError as error:
+        raise RequestError(str(error), error.param) from None
+    for name in ("store", "stream"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise RequestError(f"{name} must be a boolean, got {body[name]!r}", name)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError("instructions must be a string", "instructions")
+    items = [*history, *_input_items(body)]
+    turns = _turns(items, len(history))
+    if instructions:
+        turns.insert(0, {"role": "system", "content": instructions})
+    chat: dict[str, Any] = {
+        "messages": turns,
+        "stream": body.get("stream") or False,
+        **_tools(body),
+        **_format(body),
+        **_max_output_tokens(body),
+        **{name: body[name] for name in ("temperature", "top_p") if body.get(name) is not None},
+    }
+    try:
+        call = parse_chat(tm, chat)
+    except RequestError as error:
+        param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
+        raise RequestError(str(error), param) from None
+    renamed = {gen: RESPONSES_NAMES.get(name, name) for gen, name in call.renamed.items()}
+    return ResponsesCall(call, items, renamed, echo_settings(body))

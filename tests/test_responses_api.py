@@ -1,0 +1,285 @@
+"""OpenAI's Responses API on the default server (SmolLM2, bf16, the C kernels), driven by the
+official `openai` client: a response equals the chat completion of the same conversation, streams
+in OpenAI's event order to the same text, stops at max_output_tokens as `incomplete`, forces a tool
+call that parses back as a `function_call` item and completes the round trip with a
+`function_call_output` (sent explicitly or through previous_response_id), follows a JSON schema;
+stored responses are read and deleted, the oldest evicted first; bad fields are 400s in OpenAI's
+shape naming them. Reasoning items are checked on made-up outputs (a random model does not think)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import openai
+import pytest
+import requests
+from openai.resources.responses import Responses
+from server_fixture import Server
+
+from srt.openai_parse import OpenAICall
+from srt.reasoning import ReasoningSplit
+from srt.responses_api import response, stream_events
+from srt.responses_parse import RESPONSES, ResponsesCall, echo_settings
+from srt.responses_store import ResponseStore
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: Any = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": WEATHER,
+        "strict": True,
+    }
+]
+FORCED: Any = {"type": "function", "name": "get_weather"}
+ASK = "Will it rain in Oslo tomorrow?"
+STORY = "Write a short story about a robot who learns to paint."
+SYSTEM = "You are a poet."
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with Server("--max-total-tokens", "4096") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def create(client: openai.OpenAI, input: Any = STORY, **kwargs: Any) -> Any:
+    kwargs.setdefault("max_output_tokens", 24)
+    return client.responses.create(model="m", input=input, temperature=0, **kwargs)
+
+
+def test_a_response_is_the_chat_completion_of_the_same_conversation(
+    server: Server, client: openai.OpenAI
+) -> None:
+    reply = create(client, instructions=SYSTEM, max_output_tokens=48)
+    assert reply.object == "response" and reply.id.startswith("resp_")
+    assert reply.model == requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    (item,) = reply.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    same = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": STORY}],
+        temperature=0,
+        max_tokens=48,
+    )
+    assert reply.output_text and reply.output_text == same.choices[0].message.content
+    assert reply.usage is not None and same.usage is not None
+    assert reply.usage.input_tokens == same.usage.prompt_tokens
+    assert reply.usage.total_tokens == reply.usage.input_tokens + reply.usage.output_tokens
+    assert reply.instructions == SYSTEM and reply.max_output_tokens == 48 and reply.temperature == 0
+    if same.choices[0].finish_reason == "length":
+        assert reply.status == "incomplete"
+    short = create(client, instructions=SYSTEM, max_output_tokens=3)
+    assert short.status == "incomplete" and short.incomplete_details is not None
+    assert short.incomplete_details.reason == "max_output_tokens" and short.usage.output_tokens == 3
+    assert short.output[0].status == "incomplete"
+
+
+def test_a_stream_sends_openais_events_and_the_same_text(client: openai.OpenAI) -> None:
+    whole = create(client)
+    stream = client.responses.create(model="m", input=STORY, temperature=0, max_output_tokens=24, stream=True)
+    events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"  # 24 tokens do not finish a story
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == text and final.usage.output_tokens == 24
+    with client.responses.stream(model="m", input=STORY, temperature=0, max_output_tokens=24) as helper:
+        (last,) = list(helper)[-1:]
+    # the helper's get_final_response wants response.completed, which an incomplete response does
+    # not send (OpenAI's neither); the forced tool call below completes and reads it
+    assert last.type == "response.incomplete" and last.response.output_text == text
+
+
+def _call(reply: Any) -> Any:
+    (call,) = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and call.id.startswith("fc_")
+    arguments = json.loads(call.arguments)
+    assert arguments["city"] in WEATHER["properties"]["city"]["enum"]  # type: ignore[index]
+    assert arguments["days"] in (1, 2, 3)
+    return call
+
+
+def test_a_forced_function_call_parses_and_the_round_trip_completes(client: openai.OpenAI) -> None:
+    forced = {"tools": TOOLS, "tool_choice": FORCED, "parallel_tool_calls": False, "max_output_tokens": 60}
+    first = create(client, ASK, **forced)
+    call = _call(first)
+    with client.responses.stream(model="m", input=ASK, temperature=0, **forced) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds
+    assert _call(streamed).arguments == call.arguments
+    # the client's usual second request: the first's output, then the call's result
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Rain, 9 C"}
+    turns = [{"role": "user", "content": ASK}, *[item.model_dump() for item in first.output], result]
+    second = create(client, turns, tools=TOOLS, max_output_tokens=8)
+    assert second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens > first.usage.input_tokens + 10  # the call and its result rendered
+    chained = create(client, [result], tools=TOOLS, max_output_tokens=8, previous_response_id=first.id)
+    assert chained.previous_response_id == first.id
+    assert chained.usage.input_tokens == second.usage.input_tokens
+    assert chained.output_text == second.output_text
+
+
+def test_a_json_schema_format_is_followed(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "name": "forecast", "schema": WEATHER, "strict": True}
+    reply = create(client, ASK, text={"format": fmt}, max_output_tokens=40)
+    forecast = json.loads(reply.output_text)
+    assert forecast["city"] in ("Paris", "Rome", "Oslo") and forecast["days"] in (1, 2, 3)
+    assert reply.text.format.type == "json_schema"
+
+
+def test_stored_responses_are_read_and_deleted(client: openai.OpenAI) -> None:
+    reply = create(client, max_output_tokens=4)
+    assert client.responses.retrieve(reply.id).output_text == reply.output_text
+    deleted = client.responses.with_raw_response.delete(reply.id).http_response.json()
+    assert deleted == {"id": reply.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(reply.id)
+    unstored = create(client, max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        create(client, max_output_tokens=2, previous_response_id="resp_nope")
+    assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_the_store_evicts_the_oldest_beyond_its_size() -> None:
+    store = ResponseStore(2)
+    for name in ("a", "b", "c"):
+        store.put({"id": name, "output": [{"type": "message"}]}, [{"role": "user"}])
+    assert store.get("a") is None and len(store) == 2
+    stored = store.get("c")
+    assert stored is not None and stored.conversation == [{"role": "user"}, {"type": "message"}]
+    empty = ResponseStore(0)
+    empty.put({"id": "a", "output": []}, [])
+    assert empty.get("a") is None
+
+
+def refusal(client: openai.OpenAI, **kwargs: Any) -> str:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": "m", "input": STORY, "max_output_tokens": 4, **kwargs})
+    body: Any = caught.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] in body["message"]
+    return str(body["param"])
+
+
+def test_bad_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
+    assert refusal(client, extra_body={"frobnicate": 1}) == "frobnicate"
+    assert refusal(client, background=True) == "background"
+    assert refusal(client, reasoning={"effort": "high"}) == "reasoning"
+    image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
+    assert refusal(client, input=[{"role": "user", "content": [image]}]) == "input"
+    assert refusal(client, tools=[{"type": "web_search"}]) == "tools"
+    assert refusal(client, max_output_tokens=0) == "max_output_tokens"
+    assert refusal(client, temperature=-1.0) == "temperature"
+    assert create(client, max_output_tokens=2).usage.output_tokens == 2  # and the server goes on serving
+
+
+def test_every_param_of_the_official_client_is_in_the_table() -> None:
+    params = set(inspect.signature(Responses.create).parameters) - {
+        "self",
+        "extra_headers",
+        "extra_query",
+        "extra_body",
+        "timeout",
+    }
+    assert params <= set(RESPONSES), params - set(RESPONSES)
+
+
+# ---- reasoning items, on made-up outputs ----
+def _outputs(texts: list[str]) -> list[dict[str, Any]]:
+    outs = []
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        meta = {
+            "id": "r1",
+            "prompt_tokens": 7,
+            "completion_tokens": i + 1,
+            "cached_tokens": 2,
+            "finish_reason": {"type": "stop", "matched": 2} if last else None,
+        }
+        outs.append({"text": text, "meta_info": meta})
+    return outs
+
+
+def _thinking_call() -> ResponsesCall:
+    chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
+    return ResponsesCall(chat, [], {}, echo_settings({"store": False}))
+
+
+TEXTS = [
+    "<think>Rain",
+    "<think>Rain is likely</thi",
+    "<think>Rain is likely</think>Take an",
+    "<think>Rain is likely</think>Take an umbrella.",
+]
+
+
+def test_reasoning_comes_first_as_its_own_item() -> None:
+    reply = response(_thinking_call(), _outputs(TEXTS)[-1], "m", "resp_1", 0)
+    assert [item["type"] for item in reply["output"]] == ["reasoning", "message"]
+    assert reply["output"][0]["content"] == [{"type": "reasoning_text", "text": "Rain is likely"}]
+    assert reply["output"][1]["content"][0]["text"] == "Take an umbrella."
+    assert reply["status"] == "completed" and reply["usage"]["input_tokens_details"]["cached_tokens"] == 2
+    parsed = openai.types.responses.Response.model_validate(reply)  # the client's own type reads it
+    assert parsed.output_text == "Take an umbrella."
+
+
+async def _events(texts: list[str]) -> list[dict[str, Any]]:
+    async def outputs() -> AsyncGenerator[dict[str, Any], None]:
+        for out in _outputs(texts):
+            yield out
+
+    events = []
+    async for part in stream_events(_thinking_call(), outputs(), "m", ResponseStore(0)):
+        kind, data = part.decode().strip().split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert kind == "event: " + events[-1]["type"]
+    return events
+
+
+def test_a_stream_reasons_then_writes() -> None:
+    events = asyncio.run(_events(TEXTS))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    added = [
+        (e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"
+    ]
+    assert added == [(0, "reasoning"), (1, "message")]
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert reasoning == "Rain is likely" and text == "Take an umbrella."
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == [0, 1] and kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta"
+    )
+    final = events[-1]["response"]
+    assert [item["content"][0]["text"] for item in final["output"]] == ["Rain is likely", "Take an umbrella."]
