@@ -111,6 +111,7 @@ def test_a_stream_sends_openais_events_and_the_same_text(client: openai.OpenAI) 
     assert text == whole.output_text
     final = events[-1].response  # type: ignore[union-attr]
     assert final.output_text == text and final.usage.output_tokens == 24
+    assert client.responses.retrieve(final.id).output_text == text  # a streamed response is stored too
     with client.responses.stream(model="m", input=STORY, temperature=0, max_output_tokens=24) as helper:
         (last,) = list(helper)[-1:]
     # the helper's get_final_response wants response.completed, which an incomplete response does
@@ -253,13 +254,19 @@ def test_reasoning_comes_first_as_its_own_item() -> None:
     assert parsed.output_text == "Take an umbrella."
 
 
-async def _events(texts: list[str]) -> list[dict[str, Any]]:
+async def _events(texts: list[str], abort: bool = False) -> list[dict[str, Any]]:
     async def outputs() -> AsyncGenerator[dict[str, Any], None]:
         for out in _outputs(texts):
+            if abort and out["meta_info"]["finish_reason"] is not None:
+                out["meta_info"]["finish_reason"] = {
+                    "type": "abort",
+                    "message": "aborted",
+                    "status_code": 500,
+                }
             yield out
 
     events = []
-    async for part in stream_events(_thinking_call(), outputs(), "m", ResponseStore(0)):
+    async for part in stream_events(_thinking_call(), outputs(), "m", ResponseStore(1)):
         kind, data = part.decode().strip().split("\n")
         events.append(json.loads(data.removeprefix("data: ")))
         assert kind == "event: " + events[-1]["type"]
@@ -283,3 +290,11 @@ def test_a_stream_reasons_then_writes() -> None:
     )
     final = events[-1]["response"]
     assert [item["content"][0]["text"] for item in final["output"]] == ["Rain is likely", "Take an umbrella."]
+
+
+def test_an_aborted_stream_ends_with_an_error_event() -> None:
+    events = asyncio.run(_events(TEXTS, abort=True))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "error"
+    assert "response.completed" not in kinds and "aborted" in events[-1]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
