@@ -12,7 +12,8 @@ both APIs render a conversation alike. Image, file and audio parts and OpenAI's 
 (web_search, file_search, code_interpreter, mcp, ...) are refused by name.
 
 The fields, from the official client's `responses.create` (openai 3.60) and SGLang's
-`ResponsesRequest` (sglang 0.5.23), in the kinds of srt/vocabulary.py.
+`ResponsesRequest` (sglang 0.5.23: its sampling and scheduling extensions, as its chat
+completions take them), in the kinds of srt/vocabulary.py.
 """
 
 from __future__ import annotations
@@ -22,13 +23,27 @@ from typing import TYPE_CHECKING, Any
 
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall, parse_chat
-from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl, off
+from srt.vocabulary import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
 
 SOURCES = "openai 3.60, sglang 0.5.23"
 
+_SGLANG_CHAT_FIELDS = (
+    "chat_template_kwargs",
+    "priority",
+    "frequency_penalty",
+    "presence_penalty",
+    "stop",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "session_id",
+    "extra_key",
+    "cache_salt",
+    "data_parallel_rank",
+)
 RESPONSES: dict[str, Field] = {
     "model": advisory(),  # any name is served; replies name the served model
     "input": impl(),
@@ -64,6 +79,9 @@ RESPONSES: dict[str, Field] = {
     "access_programs": NONE,
     "image": NONE,
     "moderation": NONE,
+    # SGLang's extensions: as in its chat completions (srt/vocabulary.py's CHAT)
+    **{name: CHAT[name] for name in _SGLANG_CHAT_FIELDS},
+    "request_id": impl(),  # the chat's rid
 }
 
 # chat-body names (parse_chat's RequestError params) -> the Responses field the client set
@@ -73,6 +91,7 @@ RESPONSES_NAMES = {
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text",
     "json_schema": "text",
+    "rid": "request_id",
 }
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -280,8 +299,14 @@ def parse_responses(
         **_tools(body),
         **_format(body),
         **_max_output_tokens(body),
-        **{name: body[name] for name in ("temperature", "top_p") if body.get(name) is not None},
+        **{
+            name: body[name]
+            for name in ("temperature", "top_p", *_SGLANG_CHAT_FIELDS)
+            if body.get(name) is not None
+        },
     }
+    if body.get("request_id") is not None:
+        chat["rid"] = body["request_id"]
     try:
         call = parse_chat(tm, chat)
     except RequestError as error:

@@ -201,7 +201,10 @@ def test_bad_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     assert refusal(client, tools=[{"type": "web_search"}]) == "tools"
     assert refusal(client, max_output_tokens=0) == "max_output_tokens"
     assert refusal(client, temperature=-1.0) == "temperature"
+    assert refusal(client, extra_body={"top_k": -5}) == "top_k"  # SGLang's extensions are checked too
     assert create(client, max_output_tokens=2).usage.output_tokens == 2  # and the server goes on serving
+    sglang = {"top_k": 1, "repetition_penalty": 1.0, "request_id": "r-responses-1"}
+    assert create(client, max_output_tokens=2, extra_body=sglang).usage.output_tokens == 2
 
 
 def test_every_param_of_the_official_client_is_in_the_table() -> None:
