@@ -17,12 +17,9 @@ event. Responses with `store` (OpenAI's default) are kept in the front end (resp
 
 from __future__ import annotations
 
-import copy
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -41,6 +38,7 @@ from srt.http_common import (
 )
 from srt.openai_api import ChoiceProgress, chat_choice
 from srt.request_state import ServiceUnavailableError
+from srt.responses_output import OutputItems, new_id
 from srt.responses_parse import RESPONSES_NAMES, ResponsesCall, parse_responses
 from srt.responses_store import ResponseStore
 
@@ -69,141 +67,6 @@ def _usage(meta: dict[str, Any]) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
     }
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-@dataclass
-class OutputItems:
-    """A response's output items as the chat choice's deltas arrive, and the stream's events that
-    build them: one item is open (reasoning or message) while its text grows."""
-
-    items: list[dict[str, Any]] = field(default_factory=list)
-    open: str | None = None  # "reasoning" | "message" while one is open
-
-    def _added(self, item: dict[str, Any]) -> dict[str, Any]:
-        """output_item.added with `item` as it starts; the list holds a copy that grows."""
-        self.items.append(copy.deepcopy(item))
-        return {"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": item}
-
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
-
-    def close(self, status: str = "completed") -> list[dict[str, Any]]:
-        """End the open item: its text's done events, then output_item.done."""
-        if self.open is None:
-            return []
-        item, where = self.items[-1], self._where()
-        if self.open == "reasoning":
-            text = item["content"][0]["text"]
-            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}]
-        else:
-            part = item["content"][0]
-            events = [
-                {
-                    "type": "response.output_text.done",
-                    **where,
-                    "content_index": 0,
-                    "text": part["text"],
-                    "logprobs": [],
-                },
-                {"type": "response.content_part.done", **where, "content_index": 0, "part": part},
-            ]
-        item["status"] = status
-        self.open = None
-        return [
-            *events,
-            {"type": "response.output_item.done", "output_index": where["output_index"], "item": item},
-        ]
-
-    def _open(self, kind: str) -> list[dict[str, Any]]:
-        if self.open == kind:
-            return []
-        events = self.close()
-        self.open = kind
-        if kind == "reasoning":
-            item = {
-                "type": "reasoning",
-                "id": _new_id("rs"),
-                "summary": [],
-                "content": [],
-                "status": "in_progress",
-            }
-            events.append(self._added(item))
-            self.items[-1]["content"] = [{"type": "reasoning_text", "text": ""}]
-            return events
-        item = {
-            "type": "message",
-            "id": _new_id("msg"),
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [],
-        }
-        events.append(self._added(item))
-        self.items[-1]["content"] = [_text_part("")]
-        events.append(
-            {
-                "type": "response.content_part.added",
-                **self._where(),
-                "content_index": 0,
-                "part": _text_part(""),
-            }
-        )
-        return events
-
-    def text(self, kind: str, delta: str) -> list[dict[str, Any]]:
-        """Reasoning or message text, in the open item of its kind (a new one if another is open)."""
-        events = self._open(kind)
-        self.items[-1]["content"][0]["text"] += delta
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        event = {"type": name, **self._where(), "content_index": 0, "delta": delta}
-        if kind == "message":
-            event["logprobs"] = []
-        return [*events, event]
-
-    def function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        """A complete call: its item added with no arguments, then them as one delta."""
-        events = self.close()
-        function = call["function"]
-        item = {
-            "type": "function_call",
-            "id": _new_id("fc"),
-            "call_id": call["id"],
-            "name": function["name"],
-            "arguments": "",
-            "status": "in_progress",
-        }
-        events.append(self._added(item))
-        arguments = function["arguments"]
-        self.items[-1].update(arguments=arguments, status="completed")
-        where = self._where()
-        return [
-            *events,
-            {"type": "response.function_call_arguments.delta", **where, "delta": arguments},
-            {"type": "response.function_call_arguments.done", **where, "arguments": arguments},
-            {
-                "type": "response.output_item.done",
-                "output_index": where["output_index"],
-                "item": self.items[-1],
-            },
-        ]
-
-    def add(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """A chat delta (or a whole message) as items, and the events that sent them."""
-        events = []
-        if delta.get("reasoning_content"):
-            events += self.text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self.text("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
-            events += self.function_call(call)
-        return events
 
 
 def _response(
@@ -295,7 +158,7 @@ async def stream_events(
 ) -> AsyncIterator[bytes]:
     """The response's events; an error midway ends the stream with an `error` event. A disconnect
     closes this generator, which closes `outputs` (aborting the request)."""
-    events = _events(call, outputs, model, _new_id("resp"), int(time.time()), store)
+    events = _events(call, outputs, model, new_id("resp"), int(time.time()), store)
     sequence_number = 0
     async with aclosing(outputs), aclosing(events):
         try:
@@ -347,7 +210,7 @@ async def create_response(request: Request) -> Response:
         refusal = queue_refusal(results[-1])
         if refusal is not None:
             return OPENAI_ERRORS.busy(refusal)
-        whole = response(call, results[-1], model, _new_id("resp"), int(time.time()))
+        whole = response(call, results[-1], model, new_id("resp"), int(time.time()))
     except Aborted as error:
         return OPENAI_ERRORS.response(error.status, str(error))
     except (ValueError, ServiceUnavailableError) as error:
