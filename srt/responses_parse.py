@@ -233,7 +233,9 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
     if kind in ("text", "json_object"):
         return {"response_format": {"type": kind}}
     if kind == "json_schema":
-        spec = {"name": fmt.get("name") or "output", "schema": fmt.get("schema")}
+        if not isinstance(fmt.get("schema"), dict):
+            raise RequestError("text.format.schema is required (a JSON schema object)", "text")
+        spec = {"name": fmt.get("name") or "output", "schema": fmt["schema"]}
         if fmt.get("strict") is not None:
             spec["strict"] = fmt["strict"]
         return {"response_format": {"type": "json_schema", "json_schema": spec}}
@@ -309,8 +311,11 @@ def parse_responses(
         chat["rid"] = body["request_id"]
     try:
         call = parse_chat(tm, chat)
-    except RequestError as error:
+    except RequestError as error:  # it names the chat's field: name the client's
         param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
-        raise RequestError(str(error), param) from None
+        message = str(error)
+        if param and param not in message:
+            message = f"{param}: {message}"
+        raise RequestError(message, param) from None
     renamed = {gen: RESPONSES_NAMES.get(name, name) for gen, name in call.renamed.items()}
     return ResponsesCall(call, items, renamed, echo_settings(body))

@@ -196,6 +196,14 @@ def test_bad_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     assert refusal(client, extra_body={"frobnicate": 1}) == "frobnicate"
     assert refusal(client, background=True) == "background"
     assert refusal(client, reasoning={"effort": "high"}) == "reasoning"
+    assert refusal(client, include=["message.output_text.logprobs"]) == "include"
+    assert refusal(client, truncation="auto") == "truncation"
+    assert refusal(client, text={"format": {"type": "json_schema", "name": "x"}}) == "text"
+    # parse_chat's error names its response_format; the client set text.format
+    bad_strict = {
+        "format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": "yes"}
+    }
+    assert refusal(client, text=bad_strict) == "text"
     image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
     assert refusal(client, input=[{"role": "user", "content": [image]}]) == "input"
     assert refusal(client, tools=[{"type": "web_search"}]) == "tools"
