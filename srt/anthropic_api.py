@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.anthropic_parse import ANTHROPIC_NAMES, AnthropicCall, count_tokens, parse_messages, tool_input
 from srt.http_common import (
     ANTHROPIC_ERRORS,
+    Aborted,
     manager,
     peek_refusal,
     queue_refusal,
@@ -36,14 +37,6 @@ from srt.openai_api import ChoiceProgress, chat_choice
 from srt.request_state import ServiceUnavailableError
 
 router = APIRouter()
-
-
-class Aborted(Exception):
-    """A request ended by an abort (not a refusal before its first token)."""
-
-    def __init__(self, finish: dict[str, Any]) -> None:
-        super().__init__(f"the request was aborted: {finish.get('message', 'aborted')}")
-        self.status = int(finish.get("status_code") or 500)
 
 
 def _usage(meta: dict[str, Any]) -> dict[str, Any]:

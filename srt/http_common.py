@@ -135,6 +135,15 @@ OPENAI_ERRORS = ErrorFamily(openai_error_body)
 ANTHROPIC_ERRORS = ErrorFamily(anthropic_error_body)
 
 
+class Aborted(Exception):
+    """A request ended by an abort while it ran (not a refusal before its first token): the
+    Anthropic and Responses routes answer it as an error, not as a reply."""
+
+    def __init__(self, finish: dict[str, Any]) -> None:
+        super().__init__(f"the request was aborted: {finish.get('message', 'aborted')}")
+        self.status = int(finish.get("status_code") or 500)
+
+
 # ---- refusals before the first token ----
 def queue_refusal(out: dict[str, Any]) -> str | None:
     """The message of an output refused with 503: the waiting queue was full, or a deadline passed."""

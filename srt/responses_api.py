@@ -26,9 +26,9 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.anthropic_api import Aborted
 from srt.http_common import (
     OPENAI_ERRORS,
+    Aborted,
     manager,
     openai_error_body,
     peek_refusal,
@@ -182,6 +182,7 @@ async def create_response(request: Request) -> Response:
     tm, store = manager(request), store_of(request)
     renamed = RESPONSES_NAMES
     try:
+        tm.check_kind(embed=False)
         body = await read_json_object(request)
         previous = body.get("previous_response_id")
         history: list[dict[str, Any]] = []
