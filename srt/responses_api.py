@@ -39,7 +39,7 @@ from srt.http_common import (
 from srt.openai_api import ChoiceProgress, chat_choice
 from srt.request_state import ServiceUnavailableError
 from srt.responses_output import OutputItems, new_id
-from srt.responses_parse import RESPONSES_NAMES, ResponsesCall, parse_responses
+from srt.responses_parse import RESPONSES_NAMES, ResponsesCall, count_input_tokens, parse_responses
 from srt.responses_store import ResponseStore
 
 router = APIRouter()
@@ -219,6 +219,26 @@ async def create_response(request: Request) -> Response:
     if whole["store"]:
         store.put(whole, call.items)
     return JSONResponse(whole)
+
+
+@router.post("/v1/responses/input_tokens")
+async def input_tokens(request: Request) -> Response:
+    """The official client's `responses.input_tokens.count`: the tokens a request's prompt takes."""
+    tm, store = manager(request), store_of(request)
+    try:
+        tm.check_kind(embed=False)
+        body = await read_json_object(request)
+        previous = body.get("previous_response_id")
+        history: list[dict[str, Any]] = []
+        if previous is not None:
+            stored = store.get(previous) if isinstance(previous, str) else None
+            if stored is None:
+                return _not_found(str(previous), "previous_response_id")
+            history = stored.conversation
+        count = count_input_tokens(tm, body, history)
+    except ValueError as error:
+        return OPENAI_ERRORS.of(error, RESPONSES_NAMES)
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
 
 @router.get("/v1/responses/{response_id}")

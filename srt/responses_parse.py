@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from srt.generate_parse import RequestError
-from srt.openai_parse import OpenAICall, parse_chat
+from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
 from srt.vocabulary import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
 
 if TYPE_CHECKING:
@@ -82,6 +82,14 @@ RESPONSES: dict[str, Field] = {
     # SGLang's extensions: as in its chat completions (srt/vocabulary.py's CHAT)
     **{name: CHAT[name] for name in _SGLANG_CHAT_FIELDS},
     "request_id": impl(),  # the chat's rid
+}
+
+# POST /v1/responses/input_tokens: the official client's `responses.input_tokens.count` params
+INPUT_TOKENS: dict[str, Field] = {
+    **{name: RESPONSES[name] for name in ("model", "input", "instructions", "tools", "tool_choice")},
+    **{name: RESPONSES[name] for name in ("parallel_tool_calls", "text", "previous_response_id")},
+    **{name: RESPONSES[name] for name in ("reasoning", "truncation", "conversation")},
+    "personality": NONE,
 }
 
 # chat-body names (parse_chat's RequestError params) -> the Responses field the client set
@@ -276,15 +284,10 @@ def echo_settings(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def parse_responses(
-    tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]
-) -> ResponsesCall:
-    """The call of a Responses body that continues `history` (the stored conversation of its
-    previous_response_id, else [])."""
-    try:
-        check_fields(body, RESPONSES)
-    except VocabularyError as error:
-        raise RequestError(str(error), error.param) from None
+def _chat_body(
+    body: dict[str, Any], history: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the chat body, the conversation's items) of a Responses body whose fields were checked."""
     for name in ("store", "stream"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise RequestError(f"{name} must be a boolean, got {body[name]!r}", name)
@@ -309,13 +312,46 @@ def parse_responses(
     }
     if body.get("request_id") is not None:
         chat["rid"] = body["request_id"]
+    return chat, items
+
+
+def _in_responses_words(error: RequestError) -> RequestError:
+    """parse_chat's error names the chat's field: name the client's."""
+    param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
+    message = str(error)
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return RequestError(message, param)
+
+
+def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
+    try:
+        check_fields(body, vocabulary)
+    except VocabularyError as error:
+        raise RequestError(str(error), error.param) from None
+
+
+def parse_responses(
+    tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]
+) -> ResponsesCall:
+    """The call of a Responses body that continues `history` (the stored conversation of its
+    previous_response_id, else [])."""
+    _check(body, RESPONSES)
+    chat, items = _chat_body(body, history)
     try:
         call = parse_chat(tm, chat)
-    except RequestError as error:  # it names the chat's field: name the client's
-        param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
-        message = str(error)
-        if param and param not in message:
-            message = f"{param}: {message}"
-        raise RequestError(message, param) from None
+    except RequestError as error:
+        raise _in_responses_words(error) from None
     renamed = {gen: RESPONSES_NAMES.get(name, name) for gen, name in call.renamed.items()}
     return ResponsesCall(call, items, renamed, echo_settings(body))
+
+
+def count_input_tokens(tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]) -> int:
+    """The tokens the prompt of a Responses body (after `history`) takes: its instructions, input
+    items and tools through the chat template (POST /v1/responses/input_tokens)."""
+    _check(body, INPUT_TOKENS)
+    chat, _ = _chat_body(body, history)
+    try:
+        return len(chat_prompt(tm, chat).input_ids)
+    except RequestError as error:
+        raise _in_responses_words(error) from None

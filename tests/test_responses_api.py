@@ -18,12 +18,13 @@ import openai
 import pytest
 import requests
 from openai.resources.responses import Responses
+from openai.resources.responses.input_tokens import InputTokens
 from server_fixture import Server
 
 from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
 from srt.responses_api import response, stream_events
-from srt.responses_parse import RESPONSES, ResponsesCall, echo_settings
+from srt.responses_parse import INPUT_TOKENS, RESPONSES, ResponsesCall, echo_settings
 from srt.responses_store import ResponseStore
 
 WEATHER = {
@@ -85,6 +86,8 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(
     assert reply.usage.input_tokens == same.usage.prompt_tokens
     assert reply.usage.total_tokens == reply.usage.input_tokens + reply.usage.output_tokens
     assert reply.instructions == SYSTEM and reply.max_output_tokens == 48 and reply.temperature == 0
+    counted = client.responses.input_tokens.count(model="m", input=STORY, instructions=SYSTEM)
+    assert counted.input_tokens == same.usage.prompt_tokens
     if same.choices[0].finish_reason == "length":
         assert reply.status == "incomplete"
     short = create(client, instructions=SYSTEM, max_output_tokens=3)
@@ -147,6 +150,12 @@ def test_a_forced_function_call_parses_and_the_round_trip_completes(client: open
     assert chained.previous_response_id == first.id
     assert chained.usage.input_tokens == second.usage.input_tokens
     assert chained.output_text == second.output_text
+    # the client's token count of the same prompt, both ways
+    count = client.responses.input_tokens.count
+    assert count(model="m", input=turns, tools=TOOLS).input_tokens == second.usage.input_tokens
+    assert count(model="m", input=[result], tools=TOOLS, previous_response_id=first.id).input_tokens == (
+        second.usage.input_tokens
+    )
 
 
 def test_a_json_schema_format_is_followed(client: openai.OpenAI) -> None:
@@ -224,6 +233,14 @@ def test_every_param_of_the_official_client_is_in_the_table() -> None:
         "timeout",
     }
     assert params <= set(RESPONSES), params - set(RESPONSES)
+    counted = set(inspect.signature(InputTokens.count).parameters) - {
+        "self",
+        "extra_headers",
+        "extra_query",
+        "extra_body",
+        "timeout",
+    }
+    assert counted <= set(INPUT_TOKENS), counted - set(INPUT_TOKENS)
 
 
 # ---- reasoning items, on made-up outputs ----
