@@ -28,10 +28,9 @@ from srt.http_common import (
     ANTHROPIC_ERRORS,
     Aborted,
     manager,
-    peek_refusal,
-    queue_refusal,
     read_json_object,
-    refusals_possible,
+    refused_stream,
+    sole_output,
 )
 from srt.openai_api import ChoiceProgress, chat_choice
 from srt.request_state import ServiceUnavailableError
@@ -230,23 +229,12 @@ async def messages(request: Request) -> Response:
     outputs = tm.generate(generate_call, request)
     model = tm.server_args.model_name
     if call.chat.stream:
-        if refusals_possible(tm.server_args):
-            outputs, refusal = await peek_refusal(outputs)
-            if refusal is not None:
-                return ANTHROPIC_ERRORS.busy(refusal)
+        outputs, refused = await refused_stream(tm, outputs, ANTHROPIC_ERRORS)
+        if refused is not None:
+            return refused
         return StreamingResponse(stream_events(call, outputs, model), media_type="text/event-stream")
-    try:
-        results = [out async for out in outputs]
-        if not results:  # the client went away; nobody reads this
-            return ANTHROPIC_ERRORS.response(400, "the client disconnected")
-        refusal = queue_refusal(results[-1])
-        if refusal is not None:
-            return ANTHROPIC_ERRORS.busy(refusal)
-        return JSONResponse(message(call, results[-1], model))
-    except Aborted as error:
-        return ANTHROPIC_ERRORS.response(error.status, str(error))
-    except (ValueError, ServiceUnavailableError) as error:
-        return ANTHROPIC_ERRORS.of(error)
+    out = await sole_output(outputs, ANTHROPIC_ERRORS)
+    return out if isinstance(out, JSONResponse) else JSONResponse(message(call, out, model))
 
 
 @router.post("/v1/messages/count_tokens")

@@ -183,6 +183,39 @@ async def peek_refusal(
     return again(), refusal
 
 
+async def refused_stream(
+    tm: TokenizerManager, outputs: AsyncGenerator[dict[str, Any], None], errors: ErrorFamily
+) -> tuple[AsyncGenerator[dict[str, Any], None], JSONResponse | None]:
+    """A stream's outputs and, where its request was refused before its first token, the 503 to
+    answer instead (peek_refusal, where refusals_possible)."""
+    if not refusals_possible(tm.server_args):
+        return outputs, None
+    outputs, refusal = await peek_refusal(outputs)
+    return outputs, None if refusal is None else errors.busy(refusal)
+
+
+async def sole_output(
+    outputs: AsyncGenerator[dict[str, Any], None], errors: ErrorFamily
+) -> dict[str, Any] | JSONResponse:
+    """The finished output of a request of one choice, not streamed; or the error to answer: the
+    client went away (400), a refusal before its first token (503), an abort while it ran (its
+    status), bad input or a server that cannot serve (ErrorFamily.of)."""
+    try:
+        results = [out async for out in outputs]
+    except (ValueError, ServiceUnavailableError) as error:
+        return errors.of(error)
+    if not results:  # the client went away; nobody reads this
+        return errors.response(400, "the client disconnected")
+    refusal = queue_refusal(results[-1])
+    if refusal is not None:
+        return errors.busy(refusal)
+    finish = results[-1]["meta_info"]["finish_reason"]
+    if finish is not None and finish.get("type") == "abort":
+        aborted = Aborted(finish)
+        return errors.response(aborted.status, str(aborted))
+    return results[-1]
+
+
 # ---- server-sent events ----
 def sse(data: Any) -> bytes:
     """One server-sent event. orjson: a stream sends one of these per request per decode step."""

@@ -29,10 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.http_common import (
     OPENAI_ERRORS,
     manager,
-    peek_refusal,
     queue_refusal,
     read_json_object,
-    refusals_possible,
+    refused_stream,
     sse,
     sse_stream,
 )
@@ -259,10 +258,9 @@ async def _serve(request: Request, chat: bool) -> Response:
     outputs = tm.generate(generate_call, request)
     model = _model_name(tm)
     if call.stream:
-        if refusals_possible(tm.server_args):
-            outputs, refusal = await peek_refusal(outputs)
-            if refusal is not None:
-                return OPENAI_ERRORS.busy(refusal)
+        outputs, refused = await refused_stream(tm, outputs, OPENAI_ERRORS)
+        if refused is not None:
+            return refused
         return StreamingResponse(stream_chunks(call, outputs, model), media_type="text/event-stream")
     try:
         results = [out async for out in outputs]

@@ -31,10 +31,9 @@ from srt.http_common import (
     Aborted,
     manager,
     openai_error_body,
-    peek_refusal,
-    queue_refusal,
     read_json_object,
-    refusals_possible,
+    refused_stream,
+    sole_output,
 )
 from srt.openai_api import ChoiceProgress, chat_choice
 from srt.request_state import ServiceUnavailableError
@@ -177,6 +176,17 @@ def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
     return OPENAI_ERRORS.response(404, f"no stored response with id {response_id!r}", param)
 
 
+def _history(store: ResponseStore, body: dict[str, Any]) -> list[dict[str, Any]] | JSONResponse:
+    """The stored conversation a body's previous_response_id continues ([] without one), or the 404."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return []
+    stored = store.get(previous) if isinstance(previous, str) else None
+    if stored is None:
+        return _not_found(str(previous), "previous_response_id")
+    return stored.conversation
+
+
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     tm, store = manager(request), store_of(request)
@@ -184,13 +194,9 @@ async def create_response(request: Request) -> Response:
     try:
         tm.check_kind(embed=False)
         body = await read_json_object(request)
-        previous = body.get("previous_response_id")
-        history: list[dict[str, Any]] = []
-        if previous is not None:
-            stored = store.get(previous) if isinstance(previous, str) else None
-            if stored is None:
-                return _not_found(str(previous), "previous_response_id")
-            history = stored.conversation
+        history = _history(store, body)
+        if isinstance(history, JSONResponse):
+            return history
         call = parse_responses(tm, body, history)
         renamed = call.renamed
         generate_call = tm.parse_generate(call.chat.generate_body)
@@ -199,23 +205,14 @@ async def create_response(request: Request) -> Response:
     outputs = tm.generate(generate_call, request)
     model = tm.server_args.model_name
     if call.chat.stream:
-        if refusals_possible(tm.server_args):
-            outputs, refusal = await peek_refusal(outputs)
-            if refusal is not None:
-                return OPENAI_ERRORS.busy(refusal)
+        outputs, refused = await refused_stream(tm, outputs, OPENAI_ERRORS)
+        if refused is not None:
+            return refused
         return StreamingResponse(stream_events(call, outputs, model, store), media_type="text/event-stream")
-    try:
-        results = [out async for out in outputs]
-        if not results:  # the client went away; nobody reads this
-            return OPENAI_ERRORS.response(400, "the client disconnected")
-        refusal = queue_refusal(results[-1])
-        if refusal is not None:
-            return OPENAI_ERRORS.busy(refusal)
-        whole = response(call, results[-1], model, new_id("resp"), int(time.time()))
-    except Aborted as error:
-        return OPENAI_ERRORS.response(error.status, str(error))
-    except (ValueError, ServiceUnavailableError) as error:
-        return OPENAI_ERRORS.of(error)
+    out = await sole_output(outputs, OPENAI_ERRORS)
+    if isinstance(out, JSONResponse):
+        return out
+    whole = response(call, out, model, new_id("resp"), int(time.time()))
     if whole["store"]:
         store.put(whole, call.items)
     return JSONResponse(whole)
@@ -228,13 +225,9 @@ async def input_tokens(request: Request) -> Response:
     try:
         tm.check_kind(embed=False)
         body = await read_json_object(request)
-        previous = body.get("previous_response_id")
-        history: list[dict[str, Any]] = []
-        if previous is not None:
-            stored = store.get(previous) if isinstance(previous, str) else None
-            if stored is None:
-                return _not_found(str(previous), "previous_response_id")
-            history = stored.conversation
+        history = _history(store, body)
+        if isinstance(history, JSONResponse):
+            return history
         count = count_input_tokens(tm, body, history)
     except ValueError as error:
         return OPENAI_ERRORS.of(error, RESPONSES_NAMES)

@@ -17,6 +17,7 @@ import anthropic
 import openai
 import pytest
 import requests
+from chat_outputs import THINKING, WEATHER, made_up_outputs
 from server_fixture import Server
 
 from srt.anthropic_api import message, stream_events
@@ -25,15 +26,6 @@ from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
 
 KEY = "sk-test-anthropic"
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "enum": [1, 2, 3]},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: Any = [
     {"name": "get_weather", "description": "The weather forecast for a city", "input_schema": WEATHER}
 ]
@@ -182,36 +174,13 @@ def test_the_api_key_passes_as_x_api_key(server: Server) -> None:
 
 
 # ---- thinking blocks, on made-up outputs ----
-def _outputs(texts: list[str]) -> list[dict[str, Any]]:
-    outs = []
-    for i, text in enumerate(texts):
-        last = i == len(texts) - 1
-        meta = {
-            "id": "r1",
-            "prompt_tokens": 7,
-            "completion_tokens": i + 1,
-            "cached_tokens": 2,
-            "finish_reason": {"type": "stop", "matched": 2} if last else None,
-        }
-        outs.append({"text": text, "meta_info": meta})
-    return outs
-
-
 def _thinking_call() -> AnthropicCall:
     chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
     return AnthropicCall(chat, [], {})
 
 
-TEXTS = [
-    "<think>Rain",
-    "<think>Rain is likely</thi",
-    "<think>Rain is likely</think>Take an",
-    "<think>Rain is likely</think>Take an umbrella.",
-]
-
-
 def test_thinking_comes_first_as_its_own_block() -> None:
-    reply = message(_thinking_call(), _outputs(TEXTS)[-1], "m")
+    reply = message(_thinking_call(), made_up_outputs(THINKING)[-1], "m")
     assert [b["type"] for b in reply["content"]] == ["thinking", "text"]
     assert (
         reply["content"][0]["thinking"] == "Rain is likely"
@@ -222,7 +191,7 @@ def test_thinking_comes_first_as_its_own_block() -> None:
 
 async def _events(texts: list[str]) -> list[dict[str, Any]]:
     async def outputs() -> AsyncGenerator[dict[str, Any], None]:
-        for out in _outputs(texts):
+        for out in made_up_outputs(texts):
             yield out
 
     events = []
@@ -234,7 +203,7 @@ async def _events(texts: list[str]) -> list[dict[str, Any]]:
 
 
 def test_a_stream_thinks_then_writes() -> None:
-    events = asyncio.run(_events(TEXTS))
+    events = asyncio.run(_events(THINKING))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     starts = [e for e in events if e["type"] == "content_block_start"]

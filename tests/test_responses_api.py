@@ -17,6 +17,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+from chat_outputs import THINKING, WEATHER, made_up_outputs
 from openai.resources.responses import Responses
 from openai.resources.responses.input_tokens import InputTokens
 from server_fixture import Server
@@ -27,15 +28,6 @@ from srt.responses_api import response, stream_events
 from srt.responses_parse import INPUT_TOKENS, RESPONSES, ResponsesCall, echo_settings
 from srt.responses_store import ResponseStore
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "enum": [1, 2, 3]},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: Any = [
     {
         "type": "function",
@@ -244,36 +236,13 @@ def test_every_param_of_the_official_client_is_in_the_table() -> None:
 
 
 # ---- reasoning items, on made-up outputs ----
-def _outputs(texts: list[str]) -> list[dict[str, Any]]:
-    outs = []
-    for i, text in enumerate(texts):
-        last = i == len(texts) - 1
-        meta = {
-            "id": "r1",
-            "prompt_tokens": 7,
-            "completion_tokens": i + 1,
-            "cached_tokens": 2,
-            "finish_reason": {"type": "stop", "matched": 2} if last else None,
-        }
-        outs.append({"text": text, "meta_info": meta})
-    return outs
-
-
 def _thinking_call() -> ResponsesCall:
     chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
     return ResponsesCall(chat, [], {}, echo_settings({"store": False}))
 
 
-TEXTS = [
-    "<think>Rain",
-    "<think>Rain is likely</thi",
-    "<think>Rain is likely</think>Take an",
-    "<think>Rain is likely</think>Take an umbrella.",
-]
-
-
 def test_reasoning_comes_first_as_its_own_item() -> None:
-    reply = response(_thinking_call(), _outputs(TEXTS)[-1], "m", "resp_1", 0)
+    reply = response(_thinking_call(), made_up_outputs(THINKING)[-1], "m", "resp_1", 0)
     assert [item["type"] for item in reply["output"]] == ["reasoning", "message"]
     assert reply["output"][0]["content"] == [{"type": "reasoning_text", "text": "Rain is likely"}]
     assert reply["output"][1]["content"][0]["text"] == "Take an umbrella."
@@ -284,7 +253,7 @@ def test_reasoning_comes_first_as_its_own_item() -> None:
 
 async def _events(texts: list[str], abort: bool = False) -> list[dict[str, Any]]:
     async def outputs() -> AsyncGenerator[dict[str, Any], None]:
-        for out in _outputs(texts):
+        for out in made_up_outputs(texts):
             if abort and out["meta_info"]["finish_reason"] is not None:
                 out["meta_info"]["finish_reason"] = {
                     "type": "abort",
@@ -302,7 +271,7 @@ async def _events(texts: list[str], abort: bool = False) -> list[dict[str, Any]]
 
 
 def test_a_stream_reasons_then_writes() -> None:
-    events = asyncio.run(_events(TEXTS))
+    events = asyncio.run(_events(THINKING))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     added = [
@@ -321,7 +290,7 @@ def test_a_stream_reasons_then_writes() -> None:
 
 
 def test_an_aborted_stream_ends_with_an_error_event() -> None:
-    events = asyncio.run(_events(TEXTS, abort=True))
+    events = asyncio.run(_events(THINKING, abort=True))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "error"
     assert "response.completed" not in kinds and "aborted" in events[-1]["message"]

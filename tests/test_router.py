@@ -250,6 +250,7 @@ def titles() -> dict[str, int]:
     return found
 
 
+@pytest.mark.slow  # the default run is at its 20-minute line; the router's own tests stay in it
 def test_dp_size_2_one_command(model_dir: Path, smollm2_dir: Path, replicas: list[Server]) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"

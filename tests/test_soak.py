@@ -227,6 +227,7 @@ def server(tiny_model_dirs: dict[str, Path], smollm2_dir: Path) -> Iterator[Serv
         yield server
 
 
+@pytest.mark.slow  # the default run is at its 20-minute line
 @pytest.mark.timeout(180)
 def test_a_short_soak_of_a_running_server_is_clean(server: Server, tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -173,6 +173,7 @@ def test_the_default_path_keeps_its_bits_at_any_thread_count(lens: tuple[int, in
     assert torch.equal(at_two, at_one)
 
 
+@pytest.mark.slow  # the default run is at its 20-minute line
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_served_stream_under_a_hog_keeps_its_tokens() -> None:
     """The default server (bundled SmolLM2, bf16, 2 threads): a greedy 600-token stream while a hog

@@ -11,17 +11,9 @@ from typing import Any
 
 import openai
 import pytest
+from chat_outputs import WEATHER
 from server_fixture import Server
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "enum": [1, 2, 3]},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: Any = [
     {
         "type": "function",
