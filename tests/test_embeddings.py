@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from server_fixture import Server
+from test_model_parity import prefill_batch
 
-from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.pooler import Pooler
 
@@ -133,15 +133,7 @@ def test_bad_input_is_a_400_naming_it(server: tuple[str, Server]) -> None:
 
 def runner_embeddings(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
     """The runner's embeddings of `prompts` in one prefill batch, as the scheduler runs it."""
-    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
-    seq_lens = [len(p) for p in prompts]
-    loc = runner.allocator.alloc_extend(
-        runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), seq_lens
-    )
-    batch = make_forward_batch(
-        ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts), seq_lens, loc
-    )
-    out = torch.tensor(runner.embed(batch))
+    out = torch.tensor(runner.embed(prefill_batch(runner, prompts)))
     runner.allocator.reset()
     runner.req_to_token_pool.reset()
     return out

@@ -9,7 +9,7 @@ import torch
 import transformers
 from tiny_models import hf_float32, hf_greedy
 
-from model_executor.forward_batch import ForwardMode, make_forward_batch
+from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
 from model_executor.model_runner import ModelRunner
 from srt.engine import Engine
 from srt.sampling_params import SamplingParams
@@ -24,16 +24,20 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 1, 40)]
 
 
-def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+def prefill_batch(runner: ModelRunner, prompts: list[list[int]]) -> ForwardBatch:
+    """One prefill batch of whole `prompts`, their KV slots taken from the runner's pools."""
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     seq_lens = [len(p) for p in prompts]
     loc = runner.allocator.alloc_extend(
         runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), seq_lens
     )
-    batch = make_forward_batch(
+    return make_forward_batch(
         ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts), seq_lens, loc
     )
-    return runner.forward(batch)
+
+
+def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    return runner.forward(prefill_batch(runner, prompts))
 
 
 def check_model(model_dir: Path, prompts: list[list[int]], *, atol: float) -> None:
