@@ -27,6 +27,8 @@ from srt.anthropic_parse import ANTHROPIC_NAMES, AnthropicCall, count_tokens, pa
 from srt.http_common import (
     ANTHROPIC_ERRORS,
     Aborted,
+    error_status,
+    finish_of,
     manager,
     read_json_object,
     refused_stream,
@@ -61,13 +63,6 @@ def _stop(call: AnthropicCall, meta: dict[str, Any], finish_reason: str) -> tupl
     return "end_turn", None
 
 
-def _finish(out: dict[str, Any]) -> dict[str, Any] | None:
-    finish: dict[str, Any] | None = out["meta_info"]["finish_reason"]
-    if finish is not None and finish.get("type") == "abort":
-        raise Aborted(finish)
-    return finish
-
-
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     function = call["function"]
     return {
@@ -84,7 +79,7 @@ def _envelope(rid: str, model: str) -> dict[str, Any]:
 
 def message(call: AnthropicCall, out: dict[str, Any], model: str) -> dict[str, Any]:
     """The whole reply to a finished output."""
-    _finish(out)
+    finish_of(out)
     choice = chat_choice(call.chat, out, ChoiceProgress(), chunk=False)
     reply = choice["message"]
     content: list[dict[str, Any]] = []
@@ -163,7 +158,7 @@ async def _events(
             }
             yield event("message_start", {"message": {**start, "usage": usage}})
             started = True
-        finish = _finish(out)
+        finish = finish_of(out)
         delta = chat_choice(call.chat, out, progress, chunk=True)["delta"]
         parts = []
         if delta.get("reasoning_content"):
@@ -206,12 +201,8 @@ async def stream_events(
         try:
             async for part in events:
                 yield part
-        except Aborted as error:
-            yield _error_event(error.status, str(error))
-        except ServiceUnavailableError as error:
-            yield _error_event(503, str(error))
-        except ValueError as error:
-            yield _error_event(400, str(error))
+        except (Aborted, ServiceUnavailableError, ValueError) as error:
+            yield _error_event(error_status(error), str(error))
 
 
 @router.post("/v1/messages")

@@ -144,6 +144,21 @@ class Aborted(Exception):
         self.status = int(finish.get("status_code") or 500)
 
 
+def finish_of(out: dict[str, Any]) -> dict[str, Any] | None:
+    """An output's finish_reason (None while it runs); Aborted where the request was aborted."""
+    finish: dict[str, Any] | None = out["meta_info"]["finish_reason"]
+    if finish is not None and finish.get("type") == "abort":
+        raise Aborted(finish)
+    return finish
+
+
+def error_status(error: Aborted | ServiceUnavailableError | ValueError) -> int:
+    """The HTTP status an error midway through a stream stands for, in its error event."""
+    if isinstance(error, Aborted):
+        return error.status
+    return 503 if isinstance(error, ServiceUnavailableError) else 400
+
+
 # ---- refusals before the first token ----
 def queue_refusal(out: dict[str, Any]) -> str | None:
     """The message of an output refused with 503: the waiting queue was full, or a deadline passed."""
@@ -209,9 +224,9 @@ async def sole_output(
     refusal = queue_refusal(results[-1])
     if refusal is not None:
         return errors.busy(refusal)
-    finish = results[-1]["meta_info"]["finish_reason"]
-    if finish is not None and finish.get("type") == "abort":
-        aborted = Aborted(finish)
+    try:
+        finish_of(results[-1])
+    except Aborted as aborted:
         return errors.response(aborted.status, str(aborted))
     return results[-1]
 

@@ -29,6 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.http_common import (
     OPENAI_ERRORS,
     Aborted,
+    error_status,
+    finish_of,
     manager,
     openai_error_body,
     read_json_object,
@@ -48,13 +50,6 @@ def store_of(request: Request) -> ResponseStore:
     """The app's stored responses (create_app puts them in the app's state)."""
     store: ResponseStore = request.app.state.responses
     return store
-
-
-def _finish(out: dict[str, Any]) -> dict[str, Any] | None:
-    finish: dict[str, Any] | None = out["meta_info"]["finish_reason"]
-    if finish is not None and finish.get("type") == "abort":
-        raise Aborted(finish)
-    return finish
 
 
 def _usage(meta: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +96,7 @@ def response(
     call: ResponsesCall, out: dict[str, Any], model: str, rid: str, created_at: int
 ) -> dict[str, Any]:
     """The whole response to a finished output."""
-    finish = _finish(out)
+    finish = finish_of(out)
     assert finish is not None
     items = OutputItems()
     items.add(chat_choice(call.chat, out, ChoiceProgress(), chunk=False)["message"])
@@ -126,7 +121,7 @@ async def _events(
             yield {"type": "response.created", "response": start}
             yield {"type": "response.in_progress", "response": start}
             started = True
-        finish = _finish(out)
+        finish = finish_of(out)
         for event in items.add(chat_choice(call.chat, out, progress, chunk=True)["delta"]):
             yield event
         if finish is not None:
@@ -164,12 +159,8 @@ async def stream_events(
             async for event in events:
                 yield _sse(event, sequence_number)
                 sequence_number += 1
-        except Aborted as error:
-            yield _sse(_error_event(error.status, str(error)), sequence_number)
-        except ServiceUnavailableError as error:
-            yield _sse(_error_event(503, str(error)), sequence_number)
-        except ValueError as error:
-            yield _sse(_error_event(400, str(error)), sequence_number)
+        except (Aborted, ServiceUnavailableError, ValueError) as error:
+            yield _sse(_error_event(error_status(error), str(error)), sequence_number)
 
 
 def _not_found(response_id: str, param: str | None = None) -> JSONResponse:
