@@ -38,7 +38,8 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
         attention_backend=args.attention_backend,
-        local_world_size=args.ranks_per_node,
+        # host RAM is shared by a node's ranks; on CUDA each rank measures its own device's memory
+        local_world_size=args.ranks_per_node if args.device == "cpu" else 1,
         quantization=args.quantization,
         deterministic=args.deterministic,
         adaptive_threads=not args.disable_adaptive_cpu_threads,

@@ -30,6 +30,11 @@ alternating with the default's, and prints the ratios.
 At tp 1 the script also prints the prefill compute bound: the machine's bf16 matmul rate (a
 square matmul with torch's threads, best of 5, 2048 wide unless that would take long) over 2 x (parameters outside the embedding and
 LM head) FLOPs per prompt token, and the share of it srt's best prefill reaches.
+
+--device cuda runs srt on the GPU (with --attention-backend and --disable-cuda-graph as
+launch_server takes them; tp 1, no peers): the floor is then the device's read bandwidth (a 2 GiB
+sum on the GPU, timed between srt's runs) and the matmul rate the GPU's; every step's ids come
+back to the host, so each step is timed to its end.
 """
 
 from __future__ import annotations
@@ -244,18 +249,19 @@ def bench_srt_tp(
 # ---- transformers ------------------------------------------------------------------------------
 
 
-def load_transformers(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+def load_transformers(model_dir: Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", module="transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
 
 def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Timing]:
     prompts = make_prompts(bs, spec.input_len, int(model.config.vocab_size), spec.seed)
     # Equal-length prompts need no padding; the mask is the one a left-padded batch would pass.
-    input_ids = torch.tensor(prompts, dtype=torch.int64)
+    input_ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
+    device = str(model.device)
     attention_mask = torch.ones_like(input_ids)
     new_tokens = spec.output_len + 1  # the prefill's token, then output_len decode steps
     eos = model.generation_config.eos_token_id
@@ -263,8 +269,10 @@ def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Tim
 
     @torch.inference_mode()
     def once() -> Timing:
+        _sync(device)
         start = time.perf_counter()
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
+        _sync(device)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         out = model.generate(
@@ -279,6 +287,7 @@ def transformers_timer(model: Any, spec: BenchSpec, bs: int) -> Callable[[], Tim
             top_p=None,
             top_k=None,
         )
+        _sync(device)
         generate_s = time.perf_counter() - start
         assert out.shape == (bs, spec.input_len + new_tokens), out.shape
         return prefill_s, max(generate_s - prefill_s, 1e-9) / spec.output_len
@@ -330,18 +339,30 @@ def llama_cpp_timer(llm: Any, spec: BenchSpec) -> Callable[[], Timing]:
 
 
 PROBE_BYTES = 512 * 2**20  # more than the machine's L3
+GPU_PROBE_BYTES = 2 * 2**30  # far more than a GPU's L2, and long past a launch's overhead
 
 
-def bandwidth_timer(num_bytes: int = PROBE_BYTES) -> Callable[[], Timing]:
+def probe_bytes(device: str) -> int:
+    return GPU_PROBE_BYTES if torch.device(device).type == "cuda" else PROBE_BYTES
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidth_timer(num_bytes: int = PROBE_BYTES, device: str = "cpu") -> Callable[[], Timing]:
     """A streaming fp32 sum over `num_bytes`, the rate at which a batch-1 decode step can at best
     read its weights, as a timer (its seconds twice) that `measure` runs in turn with srt's batch-1
     runs: on a shared machine the read bandwidth moves from minute to minute, so the floor is taken
     in the same minutes as the step it is compared with."""
-    data = torch.ones(num_bytes // 4)
+    data = torch.ones(num_bytes // 4, device=device)
 
     def once() -> Timing:
+        _sync(device)
         start = time.perf_counter()
         data.sum()
+        _sync(device)
         elapsed = time.perf_counter() - start
         return elapsed, elapsed
 
@@ -353,16 +374,20 @@ def _matmul_rate(
 ) -> float:
     """(Multiply-add counted as two) operations per second of `matmul(a, b)` for square a and b,
     after one untimed call (best run)."""
+    device = str(a.device)
     matmul(a, b)
     best = float("inf")
     for _ in range(runs):
+        _sync(device)
         start = time.perf_counter()
         matmul(a, b)
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * a.shape[0] ** 3 / best
 
 
 PROBE_SIZES = (256, 512, 1024, 2048)
+GPU_PROBE_SIZE = 8192  # a GPU's rate needs a large product
 PROBE_RUN_S = 0.25  # a probe grows to the largest size whose one call stays under this
 
 
@@ -385,8 +410,13 @@ def _probe_rate(
     return rate
 
 
-def matmul_flops(runs: int = 5) -> float:
-    """FLOP/s of a bf16 square matmul (up to 2048) with torch's threads (best run)."""
+def matmul_flops(runs: int = 5, device: str = "cpu") -> float:
+    """FLOP/s of a bf16 square matmul (up to 2048; on a GPU 8192) with torch's threads (best run)."""
+    if torch.device(device).type == "cuda":
+        a, b = (
+            torch.randn(GPU_PROBE_SIZE, GPU_PROBE_SIZE, dtype=torch.bfloat16, device=device) for _ in "ab"
+        )
+        return _matmul_rate(torch.matmul, a, b, runs)
     return _probe_rate(lambda n: torch.randn(n, n, dtype=torch.bfloat16), torch.matmul, runs)
 
 
@@ -513,6 +543,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time --enable-deterministic-inference, alternating with the default (tp 1)",
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--attention-backend", default="auto", help="as launch_server's (default: auto)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "tp_size", "runs"):
@@ -524,6 +556,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--compare-deterministic runs at --tp-size 1")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.device == "cuda" and (
+        args.tp_size != 1
+        or args.compare_llama_cpp is not None
+        or args.compare_deterministic
+        or args.quantization
+    ):
+        parser.error(
+            "--device cuda runs at --tp-size 1, without --compare-llama-cpp, --compare-deterministic or --quantization"
+        )
     return args
 
 
@@ -531,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     model_dir = resolve_model_path(args.model_path)
-    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype = resolve_dtype(args.dtype, args.device)
     dtype_name = str(dtype).removeprefix("torch.")
     context_length = int(getattr(load_hf_config(model_dir), "max_position_embeddings", 0) or 4096)
     if args.input_len + args.output_len > context_length:
@@ -548,8 +589,10 @@ def main(argv: list[str] | None = None) -> None:
         dtype=dtype,
         max_running_requests=max_bs,
         max_total_tokens=max_bs * (args.input_len + args.output_len),
-        local_world_size=args.tp_size,
+        local_world_size=args.tp_size if args.device == "cpu" else 1,  # a GPU each
         quantization=args.quantization,
+        device=args.device,
+        attention_backend=args.attention_backend,
     )
     hf: list[BatchResult] = []
     llama: list[BatchResult] = []
@@ -576,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             - unread_expert_params
         )
-        hf_model = load_transformers(model_dir, dtype) if args.compare_transformers else None
+        hf_model = load_transformers(model_dir, dtype, args.device) if args.compare_transformers else None
         det_runner = ModelRunner(replace(config, deterministic=True)) if args.compare_deterministic else None
         srt = []
         for bs in spec.batch_sizes:
@@ -588,10 +631,10 @@ def main(argv: list[str] | None = None) -> None:
             if llm is not None and bs == 1:
                 timers.append(llama_cpp_timer(llm, spec))
             if bs == 1:
-                timers.append(bandwidth_timer())
+                timers.append(bandwidth_timer(probe_bytes(args.device), args.device))
             results = measure(timers, spec, bs)
             if bs == 1:
-                bandwidth = PROBE_BYTES / results.pop().prefill_s  # the best of its runs
+                bandwidth = probe_bytes(args.device) / results.pop().prefill_s  # the best of its runs
             srt.append(results.pop(0))
             det += [results.pop(0)] if det_runner is not None else []
             hf += results[:1] if hf_model is not None else []
@@ -627,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes"] = weight_bytes
     if num_params:
-        flops = matmul_flops()
+        flops = matmul_flops(device=args.device)
         best_prefill = max(r.prefill_tok_s for r in srt)
         report["matmul_flops"] = flops
         int8_ops = int8_matmul_ops() if args.quantization == "w8a8_int8" else None
