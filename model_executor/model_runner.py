@@ -23,11 +23,12 @@ from mem_cache.kv_memory import KVMemory
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from model_executor.attention.base import AttentionBackend
-from model_executor.attention.registry import create_attention_backend
+from model_executor.attention.registry import create_attention_backend, resolve_attention_backend
 from model_executor.device_wing import device_wing
 from model_executor.distributed.parallel_state import ParallelState, get_parallel_state
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
+from model_executor.gpu_status import gpu_paths_in_use, warn_unverified_gpu_paths
 from model_executor.layers.moe import SparseMoeBlock
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
@@ -54,9 +55,7 @@ class RunnerConfig:
     cpu_kvcache_space: float | None = None  # GiB for every rank of the host together; None: the default
     max_running_requests: int = 256
     context_length: int | None = None
-    attention_backend: str = (
-        "auto"  # attention/registry.py: "cpu_kernels" | "torch_native" | "flashinfer" | "auto"
-    )
+    attention_backend: str = "auto"  # attention/registry.py: ATTENTION_BACKENDS or "auto"
     local_world_size: int = 1  # ranks on this host: they share its free memory
     quantization: str | None = (
         None  # "w8a8_int8" or "gguf" (cpu/weights.py QUANTIZATIONS) or None: the weights as loaded
@@ -201,8 +200,12 @@ class ModelRunner:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
     def _init_attention_backend(self) -> None:
+        backend = resolve_attention_backend(self.config.attention_backend, self.device)
+        if self.parallel.world.is_first:
+            world_size = self.parallel.world.world_size
+            warn_unverified_gpu_paths(self.device, gpu_paths_in_use(self.device, backend, world_size))
         self.attn_backend: AttentionBackend = create_attention_backend(
-            self.config.attention_backend,
+            backend,
             self.device,
             self.kv_pool,
             self.req_to_token_pool.req_to_token,

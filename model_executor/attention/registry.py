@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import logging
 from collections.abc import Callable
 
 import torch
@@ -10,6 +12,8 @@ from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
+
+logger = logging.getLogger("srt.attention")
 
 
 def _flashinfer(kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool) -> AttentionBackend:
@@ -27,19 +31,44 @@ ATTENTION_BACKENDS: dict[str, Callable[[KVPool, torch.Tensor, bool], AttentionBa
 }
 
 
+def _importable(module: str) -> bool:
+    """Whether `import module` works: a broken install (a missing dependency of its own) counts as
+    absent, and says why in the log."""
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        logger.info("--attention-backend auto: %s not usable here (%s)", module, error)
+        return False
+    return True
+
+
 def default_attention_backend(device: torch.device) -> str:
-    """--attention-backend auto: our kernels on the CPU (torch SDPA wherever they do not apply), torch
-    SDPA elsewhere (flashinfer becomes the CUDA default once its backend exists)."""
-    return "cpu_kernels" if device.type == "cpu" else "torch_native"
+    """--attention-backend auto: our kernels on the CPU (torch SDPA wherever they do not apply); on
+    CUDA flashinfer where it imports, else a registered triton backend where triton imports, else
+    torch SDPA (also on every other device)."""
+    if device.type == "cpu":
+        return "cpu_kernels"
+    if device.type == "cuda":
+        if _importable("flashinfer"):
+            return "flashinfer"
+        if "triton" in ATTENTION_BACKENDS and _importable("triton"):
+            return "triton"
+    return "torch_native"
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend `name` stands for on `device` ("auto": default_attention_backend). Raises
+    ValueError on a name no backend has."""
+    if name == "auto":
+        name = default_attention_backend(device)
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown --attention-backend {name!r} (choose {', '.join(ATTENTION_BACKENDS)})")
+    return name
 
 
 def create_attention_backend(
     name: str, device: torch.device, kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool
 ) -> AttentionBackend:
-    """The backend called `name` ("auto": default_attention_backend) over this pool; `deterministic`
-    asks for one arithmetic for prefill and decode, which only cpu_kernels has (its decode kernel)."""
-    if name == "auto":
-        name = default_attention_backend(device)
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown --attention-backend {name!r} (choose {', '.join(ATTENTION_BACKENDS)})")
-    return ATTENTION_BACKENDS[name](kv_pool, req_to_token, deterministic)
+    """The backend called `name` (resolve_attention_backend) over this pool; `deterministic` asks
+    for one arithmetic for prefill and decode, which only cpu_kernels has (its decode kernel)."""
+    return ATTENTION_BACKENDS[resolve_attention_backend(name, device)](kv_pool, req_to_token, deterministic)
