@@ -342,7 +342,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--attention-backend",
                 default=_default("attention_backend"),
                 choices=ATTENTION_BACKENDS,
-                note="auto: cpu_kernels on the CPU, torch_native elsewhere (flashinfer is a placeholder)",
+                note="auto: cpu_kernels on the CPU; on CUDA flashinfer where it imports, else triton, else torch_native",
             ),
             _flag(
                 "--grammar-backend",
