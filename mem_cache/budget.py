@@ -109,12 +109,14 @@ def kv_budget(
     total_memory: int | None = None,
     cpu_group: dist.ProcessGroup | None = None,
     min_pages: int = 1,
+    padding_pages: int = 0,
 ) -> KVBudget:
     """The KV budget of this rank, equal on every rank of `cpu_group` (the module doc has the rule).
 
     None means "not given" for `mem_fraction_static`, `max_total_tokens`, `cpu_kvcache_space`
     (GiB; the default space then applies on CPU). `free_memory`/`total_memory` override the
-    measured values (tests). Collective: with more than one rank in `cpu_group` every rank must
+    measured values (tests). `padding_pages`: pages the pool holds past the budget for the device's
+    own use (a CUDA graph's padding page), taken out of the memory bound. Collective: with more than one rank in `cpu_group` every rank must
     call this. Raises ValueError on bad arguments, and (on every rank alike, after the
     all-reduce) when fewer than `min_pages` fit.
     """
@@ -145,9 +147,10 @@ def kv_budget(
     memory = "host RAM" if on_cpu else "device memory"
     bounds = [
         _Bound(
-            max(free - reserved, 0) // local_world_size // page_bytes,
+            max(max(free - reserved, 0) // local_world_size // page_bytes - padding_pages, 0),
             f"{memory}: {_gib(free)} free - {_gib(reserved)} reserved (1 - --mem-fraction-static "
-            f"{fraction:g} of {_gib(total)}){shared}",
+            f"{fraction:g} of {_gib(total)}){shared}"
+            + (f", less {padding_pages} padding page(s)" if padding_pages else ""),
             "--mem-fraction-static",
         )
     ]

@@ -52,7 +52,8 @@ class KVPool(ABC):
 
     @abstractmethod
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return layer `layer_id`'s (K, V) buffers, each [num_slots, num_kv_heads, head_dim].
+        """Return layer `layer_id`'s (K, V) buffers, each [num_slots, num_kv_heads, head_dim] (a
+        PagedKVPool's padding page, if it has one, past those).
 
         Mutates nothing; the tensors are views of the pool, so writing to them writes the pool.
         Raises ValueError if `layer_id` is out of range.
@@ -75,14 +76,16 @@ class KVPool(ABC):
     @property
     def total_bytes(self) -> int:
         """Bytes of all K and V buffers."""
-        return self.bytes_per_token * self.num_slots
+        return sum(k.nbytes + v.nbytes for k, v in map(self.get_kv_buffer, range(self.num_layers)))
 
 
 class PagedKVPool(KVPool):
     """K and V buffers of `num_pages * page_size` slots per layer.
 
-    Every page is usable, page 0 included: nothing here relies on a reserved "null" slot (padding
-    for CUDA graphs, if it comes, should reserve its own page through the allocator).
+    Every page is usable, page 0 included: nothing here relies on a reserved "null" slot. With
+    `padding_page` the buffers hold one more page past `num_pages`, which no allocator of
+    `num_pages` hands out: the padding rows of a CUDA graph's batch write there
+    (`padding_slot`, model_executor/cuda/graph_plan.py).
     Buffers come from `torch.empty`, so on CPU the pages no request has touched yet are not
     resident memory.
     """
@@ -96,6 +99,8 @@ class PagedKVPool(KVPool):
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        *,
+        padding_page: bool = False,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -115,7 +120,9 @@ class PagedKVPool(KVPool):
         self.dtype = dtype
         self.device = torch.device(device)
         self._store_dtype = torch.uint8 if dtype in _FLOAT8_DTYPES else dtype
-        shape = (self.num_slots, num_kv_heads, head_dim)
+        # the first slot past the pages requests own; None without a padding page
+        self.padding_slot: int | None = self.num_slots if padding_page else None
+        shape = (self.num_slots + (page_size if padding_page else 0), num_kv_heads, head_dim)
         self.k_buffer = [
             torch.empty(shape, dtype=self._store_dtype, device=self.device) for _ in range(num_layers)
         ]

@@ -15,10 +15,19 @@ class ReqToTokenPool:
     """A fixed table of `size` rows, each `max_context_len` slots long.
 
     Rows are handed out lowest index first (a min-heap of free rows), so every rank that makes the
-    same sequence of `alloc`/`free` calls gets the same rows.
+    same sequence of `alloc`/`free` calls gets the same rows. With `padding_row` the table has one
+    more row, `size`, never handed out: the padding rows of a CUDA graph's batch read it
+    (model_executor/cuda/graph_plan.py).
     """
 
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        device: str | torch.device = "cpu",
+        *,
+        padding_row: bool = False,
+    ) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if max_context_len < 1:
@@ -26,7 +35,9 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=self.device)
+        self.padding_row: int | None = size if padding_row else None
+        rows = size + 1 if padding_row else size
+        self.req_to_token = torch.zeros((rows, max_context_len), dtype=torch.int64, device=self.device)
         self._free_rows: list[int] = list(range(size))  # a heap; sorted ascending is a valid heap
         self._row_is_free: list[bool] = [True] * size
 
