@@ -1,8 +1,9 @@
 """DeviceWing: what one device type adds to the device-neutral ModelRunner, picked by device type.
 
-ModelRunner calls its wing at three points of start-up: `check` before it builds the model,
+ModelRunner calls its wing at four points of start-up: `check` before it builds the model,
 `prepare_weights` once the weights are loaded (before memory is sized, so what it allocates counts
-as weights), `step_runner` once the KV pool and attention backend exist. The CPU's wing is
+as weights), `pads_decode_batches` as it sizes the KV memory, `step_runner` once the KV pool and
+attention backend exist. The CPU's wing is
 model_executor/cpu/wing.py; a device type without one gets this base: torch ops for every linear,
 every batch op by op. A new device's wing is a subclass in its own folder and a line in
 DEVICE_WINGS.
@@ -18,6 +19,7 @@ import torch
 from model_executor.step_runner import NoStepRunner, StepRunner
 
 if TYPE_CHECKING:
+    from mem_cache.kv_memory import KVMemory
     from model_executor.attention.base import AttentionBackend
     from model_executor.distributed.parallel_state import ParallelState
     from model_executor.model_runner import RunnerConfig
@@ -46,7 +48,13 @@ class DeviceWing:
         process-wide kernel settings; raises ValueError where the weights do not fit the
         --quantization asked for. Default: the weights stay as loaded."""
 
-    def step_runner(self, model: CausalLM, attn_backend: AttentionBackend) -> StepRunner:
+    def pads_decode_batches(self) -> bool:
+        """Whether the step runner pads batches with rows of their own: then the KV pool gets a padding
+        page and the request table a padding row that are never allocated (mem_cache/kv_pool.py),
+        the page out of the KV budget. Default: no, and no byte more."""
+        return False
+
+    def step_runner(self, model: CausalLM, attn_backend: AttentionBackend, memory: KVMemory) -> StepRunner:
         """The runner ModelRunner asks for each batch, not yet prepared. Called once."""
         return NoStepRunner()
 
@@ -65,7 +73,13 @@ def _cpu(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:
     return CpuWing(config, parallel)
 
 
-DEVICE_WINGS: dict[str, Callable[[RunnerConfig, ParallelState], DeviceWing]] = {"cpu": _cpu}
+def _cuda(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:
+    from model_executor.cuda.wing import CudaWing  # imports this module: the base above
+
+    return CudaWing(config, parallel)
+
+
+DEVICE_WINGS: dict[str, Callable[[RunnerConfig, ParallelState], DeviceWing]] = {"cpu": _cpu, "cuda": _cuda}
 
 
 def device_wing(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:

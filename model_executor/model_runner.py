@@ -64,6 +64,10 @@ class RunnerConfig:
     adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
     return_routed_experts: bool = False  # keep every token's experts (--enable-return-routed-experts)
     is_embedding: bool = False  # pool each prompt into an embedding instead of sampling (--is-embedding)
+    # CUDA graphs of decode steps (model_executor/cuda/): None/None: the default sizes
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    disable_cuda_graph: bool = False
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -159,6 +163,7 @@ class ModelRunner:
         per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.config.dtype)
         page_size = self.config.page_size
         config = self.config
+        padding = self.wing.pads_decode_batches()  # a spare KV page and request row, never allocated
         self.kv_budget: KVBudget = kv_budget(
             device=self.device,
             bytes_per_token=per_token,
@@ -170,15 +175,26 @@ class ModelRunner:
             max_running_requests=config.max_running_requests,
             context_length=self.context_length,
             cpu_group=self.parallel.world.cpu_group,
+            padding_pages=int(padding),
         )
         self.num_pages = self.kv_budget.num_pages
         self.max_total_tokens = self.num_pages * page_size
         self.max_running_requests = self.config.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(
-            self.max_running_requests, self.context_length + page_size, device=self.device
+            self.max_running_requests,
+            self.context_length + page_size,
+            device=self.device,
+            padding_row=padding,
         )
         self.kv_pool = PagedKVPool(
-            self.num_pages, page_size, num_layers, kv_heads, head_dim, self.config.dtype, self.device
+            self.num_pages,
+            page_size,
+            num_layers,
+            kv_heads,
+            head_dim,
+            self.config.dtype,
+            self.device,
+            padding_page=padding,
         )
         self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
         self.routes: RouteCapture | None = None
@@ -222,7 +238,7 @@ class ModelRunner:
             )
 
     def _init_step_runner(self) -> None:
-        self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend)
+        self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend, self.memory)
         self.step_runner.prepare()
 
     @torch.inference_mode()

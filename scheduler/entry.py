@@ -45,6 +45,9 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         adaptive_threads=not args.disable_adaptive_cpu_threads,
         return_routed_experts=args.enable_return_routed_experts,
         is_embedding=args.is_embedding,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_bs=args.cuda_graph_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
 
 

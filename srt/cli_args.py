@@ -40,6 +40,8 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
             "--cpu-kvcache-space sizes the KV cache on --device cpu; on CUDA use "
             "--mem-fraction-static or --max-total-tokens"
         )
+    if ns.get("cuda_graph_bs") is not None:
+        ns["cuda_graph_bs"] = tuple(ns["cuda_graph_bs"])
     return ServerArgs(**ns)
 
 
@@ -195,6 +197,32 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 default=_default("dist_timeout"),
                 note="seconds the nodes wait for each other at the rendezvous (an unreachable address fails "
                 "after it)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "CUDA graphs",
+        ("architecture.md",),
+        (
+            _flag(
+                "--cuda-graph-max-bs",
+                type=int,
+                default=None,
+                help="the largest decode batch replayed from a CUDA graph (default: --max-running-requests, at "
+                "most 256); the sizes captured are SGLang's 1, 2, 4, 8, 12, then steps of 8 to 256, of 16 "
+                "to 512, of 32 after; --device cuda only",
+            ),
+            _flag(
+                "--cuda-graph-bs",
+                type=int,
+                nargs="+",
+                default=None,
+                help="the decode batch sizes to capture, instead of those of --cuda-graph-max-bs; --device cuda only",
+            ),
+            _flag(
+                "--disable-cuda-graph",
+                action="store_true",
+                help="decode op by op on CUDA (accepted on the CPU, where there are no graphs)",
             ),
         ),
     ),

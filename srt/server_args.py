@@ -142,6 +142,11 @@ class ServerArgs:
     stream_interval: int = 1
     incremental_streaming_output: bool = False  # /generate streams deltas, not cumulative output
     attention_backend: str = "auto"
+    # CUDA graphs of decode steps (model_executor/cuda/): the largest batch captured (None: the
+    # max running requests, at most 256) or the sizes themselves; --device cuda only
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
+    disable_cuda_graph: bool = False  # accepted on any device (SGLang users pass it everywhere)
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
     tool_call_parser: str | None = None  # "qwen25" | "llama3" | "generic"; None: from the chat template
     reasoning_parser: str | None = None  # "deepseek-r1" | "qwen3" | "qwen3-thinking": chat splits off <think>
@@ -192,6 +197,7 @@ class ServerArgs:
         self._check_memory()
         self._check_placement()
         self._check_choices()
+        self._check_cuda_graph()
 
     def _check_positive(self) -> None:
         for name, optional in POSITIVE_FIELDS:
@@ -274,6 +280,22 @@ class ServerArgs:
                 f"(or auto); got --device {self.device} --dtype {self.dtype}"
             )
 
+    def _check_cuda_graph(self) -> None:
+        for flag, given in (
+            ("--cuda-graph-max-bs", self.cuda_graph_max_bs is not None),
+            ("--cuda-graph-bs", self.cuda_graph_bs is not None),
+        ):
+            if given and self.device != "cuda":
+                raise ValueError(
+                    f"{flag} sizes CUDA graphs, which run on --device cuda only; got --device {self.device}"
+                )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs must be positive, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1):
+            raise ValueError(
+                f"--cuda-graph-bs must be one or more positive sizes, got {list(self.cuda_graph_bs)}"
+            )
+
     # ---- derived ----
     @property
     def world_size(self) -> int:
@@ -341,7 +363,9 @@ class ServerArgs:
             if value == default or value is None:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
+            if isinstance(value, (list, tuple)):
+                argv += [flag, *map(str, value)]
+            elif isinstance(value, bool):
                 if not value:
                     raise ValueError(f"{flag} cannot be turned off on the command line")
                 argv.append(flag)

@@ -18,6 +18,8 @@ class AttentionBackend(ABC):
     # True where a prefill runs every new token on the decode path's arithmetic, so that a token's
     # bits do not depend on how it was computed (deterministic inference, on the cpu_kernels backend)
     decode_rows_extend: bool = False
+    # True where the decode path reads only the batch's device tensors (no *_cpu lists, no host sync), so a CUDA graph captured over it replays for any lengths
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

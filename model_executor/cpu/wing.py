@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from mem_cache.kv_memory import KVMemory
 from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
 from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory
@@ -42,7 +43,7 @@ class CpuWing(DeviceWing):
             load_float32=load_float32,
         )
 
-    def step_runner(self, model: CausalLM, attn_backend: AttentionBackend) -> StepRunner:
+    def step_runner(self, model: CausalLM, attn_backend: AttentionBackend, memory: KVMemory) -> StepRunner:
         self.thread_governor = ThreadGovernor.for_this_rank() if self.config.adaptive_threads else None
         return CpuDecodeRunner(
             model,
