@@ -217,9 +217,7 @@ class ModelRunner:
 
     def _init_attention_backend(self) -> None:
         backend = resolve_attention_backend(self.config.attention_backend, self.device)
-        if self.parallel.world.is_first:
-            world_size = self.parallel.world.world_size
-            warn_unverified_gpu_paths(self.device, gpu_paths_in_use(self.device, backend, world_size))
+        self.attn_backend_name = backend
         self.attn_backend: AttentionBackend = create_attention_backend(
             backend,
             self.device,
@@ -240,6 +238,10 @@ class ModelRunner:
     def _init_step_runner(self) -> None:
         self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend, self.memory)
         self.step_runner.prepare()
+        if self.parallel.world.is_first:
+            paths = gpu_paths_in_use(self.device, self.attn_backend_name, self.parallel.world.world_size)
+            paths += [self.step_runner.gpu_path] if self.step_runner.gpu_path else []
+            warn_unverified_gpu_paths(self.device, paths)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

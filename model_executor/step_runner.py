@@ -22,6 +22,9 @@ class StepRunner(ABC):
     """Runs the batches it takes in fewer, larger calls than the model's layers (whole fused layers,
     a replayed graph), with the same results within the rounding of its own kernels."""
 
+    # the GPU path it is in model_executor/gpu_status.GPU_VERIFIED (a CUDA graph runner's), if any
+    gpu_path: str | None = None
+
     @abstractmethod
     def prepare(self) -> None:
         """Once, after the weights are laid out and the KV pool and attention backend exist, before

@@ -101,6 +101,8 @@ def declines_all(
 
 
 class CudaGraphRunner(StepRunner):
+    gpu_path = "cuda_graph"
+
     def __init__(
         self,
         model: CausalLM,
