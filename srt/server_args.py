@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = (
     "cpu_kernels",
     "torch_native",
     "flashinfer",
+    "triton",
 )  # model_executor/attention/registry.py
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's choices srt has (model_executor/constrained)
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names srt has (srt/reasoning.py)

@@ -22,12 +22,19 @@ def _flashinfer(kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool
     return FlashInferAttnBackend(kv_pool, req_to_token)
 
 
+def _triton(kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool) -> AttentionBackend:
+    from model_executor.attention.triton_backend import TritonAttnBackend  # imports triton
+
+    return TritonAttnBackend(kv_pool, req_to_token)
+
+
 ATTENTION_BACKENDS: dict[str, Callable[[KVPool, torch.Tensor, bool], AttentionBackend]] = {
     "torch_native": lambda kv_pool, req_to_token, deterministic: TorchNativeAttnBackend(
         kv_pool, req_to_token
     ),
     "cpu_kernels": CpuKernelsAttnBackend,
     "flashinfer": _flashinfer,
+    "triton": _triton,
 }
 
 
