@@ -23,6 +23,7 @@ OUT=${OUT:-/tmp/device_check}
 LAYERS=${SRT_CHECK_LAYERS:-32}
 MODEL=/tmp/srt_llama3_8b_$LAYERS
 PORT=${SRT_CHECK_PORT:-30000}
+BACKEND=${SRT_CHECK_BACKEND:-triton}  # the benchmarks' attention backend: the one CUDA graphs capture
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/device_check.txt") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
@@ -65,17 +66,17 @@ export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${M
 flashinfer_job=$!
 
 step "GPU tests (flashinfer's once its kernels are built, at the end)"
-run 300 python3 -m pytest tests/gpu -v -p no:cacheprovider -o addopts= --timeout 280 -k "not flashinfer"
+run 300 python3 -m pytest tests/gpu tests/test_triton_attention.py tests/test_cuda_graph.py -v -p no:cacheprovider -o addopts= --timeout 280 -k "not flashinfer"
 
 step "checkpoint: Llama-3-8B's shape, $LAYERS layers, random bf16"
 run 240 python3 scripts/make_random_model.py "$MODEL" --llama3-8b --num-layers "$LAYERS" --device cuda
 
 step "bench_one_batch"
-run 240 python3 scripts/bench_one_batch.py --device cuda --model-path "$MODEL" --batch-size 1 8 32 \
+run 240 python3 scripts/bench_one_batch.py --device cuda --attention-backend "$BACKEND" --model-path "$MODEL" --batch-size 1 8 32 \
   --input-len 512 --output-len 64 --runs 3 --json "$OUT/bench_one_batch.json"
 
 step "server and bench_serving"
-python3 -m srt.launch_server --model-path "$MODEL" --device cuda --port "$PORT" \
+python3 -m srt.launch_server --model-path "$MODEL" --device cuda --attention-backend "$BACKEND" --port "$PORT" \
   --max-running-requests 128 --context-length 2048 ${SRT_SERVER_FLAGS---cuda-graph-max-bs 128} >"$OUT/server.log" 2>&1 &
 server=$!
 ready=0
