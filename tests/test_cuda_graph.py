@@ -199,3 +199,24 @@ def test_declines(graphed: tuple[ModelRunner, CudaGraphRunner, KVMemory]) -> Non
     finally:
         memory.kv_pool.k_buffer[0] = kept
     assert graphs.can_run(decode)
+
+
+class FailingCapture:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> _Eager:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@torch.inference_mode()
+def test_a_failed_capture_decodes_eagerly_and_says_why(
+    graphed: tuple[ModelRunner, CudaGraphRunner, KVMemory], caplog: pytest.LogCaptureFixture
+) -> None:
+    runner, graphs, memory = graphed
+    failing = CudaGraphRunner(
+        runner.model, graphs.attn_backend, memory, [1, 2], device=torch.device("cpu"), graphs=FailingCapture()
+    )
+    with caplog.at_level("ERROR", logger="srt.cuda_graph"):
+        failing.prepare()
+    assert failing.captured == [] and "stream is capturing" in str(failing.declined)
+    assert "without CUDA graphs" in caplog.text
+    decode = make_forward_batch(ForwardMode.DECODE, [1], [0], [1], [2], torch.tensor([3]))
+    assert not failing.can_run(decode)

@@ -14,6 +14,7 @@ eager stand-in that re-runs the function on each replay).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -145,20 +146,32 @@ class CudaGraphRunner(StepRunner):
             for f in _FIELDS
         }
         capture = self._capture if self._capture is not None else CudaGraphCapture()
-        with torch.inference_mode():
-            for bs in reversed(self.plan.sizes):  # largest first: the smaller reuse its pool memory
-                batch = ForwardBatch(
-                    mode=ForwardMode.DECODE,
-                    **{f: t[:bs] for f, t in self._static.items()},
-                    seq_lens_cpu=[1] * bs,  # plausible placeholders: a capture-safe backend never reads them
-                    extend_prefix_lens_cpu=[0] * bs,
-                    extend_seq_lens_cpu=[1] * bs,
-                    attn_backend=self.attn_backend,
-                )
-                self._batches[bs] = batch
-                self._graphs[bs] = capture.capture(self._step_fn(batch))
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for bs in reversed(self.plan.sizes):  # largest first: the smaller reuse its pool memory
+                    batch = ForwardBatch(
+                        mode=ForwardMode.DECODE,
+                        **{f: t[:bs] for f, t in self._static.items()},
+                        seq_lens_cpu=[1] * bs,  # placeholders: a capture-safe backend never reads them
+                        extend_prefix_lens_cpu=[0] * bs,
+                        extend_seq_lens_cpu=[1] * bs,
+                        attn_backend=self.attn_backend,
+                    )
+                    self._batches[bs] = batch
+                    self._graphs[bs] = capture.capture(self._step_fn(batch))
+        except RuntimeError as error:  # a kernel that cannot be captured: decode runs eagerly, and says why
+            self._graphs.clear()
+            self._batches.clear()
+            self.declined = f"capturing a CUDA graph failed: {error}"
+            logger.error("decode steps run without CUDA graphs: %s", self.declined)
+            return
         self.plan.record(self._bound())
-        logger.info("captured CUDA graphs of decode batch sizes %s", self.captured)
+        logger.info(
+            "captured CUDA graphs of decode batch sizes %s in %.1f s",
+            self.captured,
+            time.perf_counter() - start,
+        )
 
     def _step_fn(self, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
         def step() -> torch.Tensor:

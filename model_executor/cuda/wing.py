@@ -62,6 +62,7 @@ class CudaWing(DeviceWing):
     def state(self) -> dict[str, Any]:
         """The CUDA graphs: the decode batch sizes captured, or why there are none."""
         graphs: dict[str, Any] = {"captured_batch_sizes": self.runner.captured if self.runner else []}
-        if self.disabled is not None:
-            graphs["disabled"] = self.disabled
+        disabled = self.disabled or (self.runner.declined if self.runner else None)
+        if disabled is not None:
+            graphs["disabled"] = disabled
         return {"cuda_graphs": graphs}

@@ -216,7 +216,7 @@ def test_cuda_graphs_match_eager(backend: str, dtype: torch.dtype, gpu_llama: Pa
     prompts, greedy = prompts_and_greedy(gpu_llama)
     eager = runner_for(gpu_llama, dtype, backend, disable_cuda_graph=True)
     graphs = runner_for(gpu_llama, dtype, backend)
-    assert type(graphs.step_runner).__name__ == "CudaGraphRunner"
+    assert getattr(graphs.step_runner, "captured", None), getattr(graphs.step_runner, "declined", None)
     for bs in (1, 3, 4, 5):
         want = srt_logits(eager, prompts[:bs], greedy[:bs])
         got = srt_logits(graphs, prompts[:bs], greedy[:bs])
