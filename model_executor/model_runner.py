@@ -216,7 +216,7 @@ class ModelRunner:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
 
     def _init_attention_backend(self) -> None:
-        backend = resolve_attention_backend(self.config.attention_backend, self.device)
+        backend = resolve_attention_backend(self.config.attention_backend, self.device, self.config.dtype)
         self.attn_backend_name = backend
         self.attn_backend: AttentionBackend = create_attention_backend(
             backend,

@@ -220,3 +220,31 @@ def test_a_failed_capture_decodes_eagerly_and_says_why(
     assert "without CUDA graphs" in caplog.text
     decode = make_forward_batch(ForwardMode.DECODE, [1], [0], [1], [2], torch.tensor([3]))
     assert not failing.can_run(decode)
+
+
+@torch.inference_mode()
+def test_consecutive_replays_of_one_size_each_see_their_own_positions(
+    graphed: tuple[ModelRunner, CudaGraphRunner, KVMemory],
+) -> None:
+    """Two decode steps of one request replayed back to back: the static positions tensor is the same
+    object with new values, so nothing may be cached by its identity (the rotary tables were, and a
+    real capture recorded the warm-up's position-0 rows into every graph)."""
+    runner, graphs, memory = graphed
+    memory.allocator.reset()
+    memory.req_to_token_pool.reset()
+    table = memory.req_to_token_pool.req_to_token
+    row = memory.req_to_token_pool.alloc()
+    assert row is not None
+    prompt = PROMPTS[1]
+    loc = memory.allocator.alloc_extend(table, [row], [0], [len(prompt)])
+    eager(runner, graphs, make_forward_batch(ForwardMode.EXTEND, prompt, [row], [0], [len(prompt)], loc))  # type: ignore[arg-type]
+    steps = []
+    for i in range(2):
+        n = len(prompt) + i
+        new = memory.allocator.alloc_extend(table, [row], [n], [n + 1])
+        steps.append(make_forward_batch(ForwardMode.DECODE, [30 + i], [row], [n], [n + 1], new))  # type: ignore[arg-type]
+        replayed = graphs.run(steps[-1])
+        assert isinstance(replayed, torch.Tensor)
+        steps[-1].replayed = replayed.clone()  # type: ignore[attr-defined]
+    for batch in steps:
+        torch.testing.assert_close(batch.replayed, eager(runner, graphs, batch), rtol=1e-5, atol=1e-5)  # type: ignore[attr-defined]

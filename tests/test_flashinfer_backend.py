@@ -199,3 +199,12 @@ def test_flashinfer_matches_torch_native(page_size: int, kv_heads: int) -> None:
     for (mode, _, _), want, out in zip(steps, expected, got):
         assert out.shape == want.shape
         assert (out - want).abs().max().item() < 2e-2, mode
+
+
+def test_auto_on_cuda_skips_flashinfer_for_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashinfer has no float32 kernels (a float32 prefill failed on the H200, 2026-12-04): auto
+    takes triton there, and the backend itself refuses a float32 pool by name."""
+    monkeypatch.setattr(registry, "_importable", lambda module: True)
+    assert registry.default_attention_backend(CUDA, torch.bfloat16) == "flashinfer"
+    assert registry.default_attention_backend(CUDA, torch.float32) == "triton"
+    assert registry.resolve_attention_backend("auto", CUDA, torch.float32) == "triton"

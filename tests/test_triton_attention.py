@@ -243,6 +243,10 @@ def interpreted_failures() -> dict[str, str | None]:
     return json.loads(child.stdout.splitlines()[-1])
 
 
+# The interpreter is the CPU's stand-in for a GPU: where one is present the compiled kernels are
+# tested instead (the interpreter of the GPU image's Triton 3.6 failed on these kernels' scalar
+# loads, 2026-12-04, while they passed compiled there and interpreted under the pinned 3.9).
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU tests the compiled kernels")
 @pytest.mark.parametrize("name", CHECK_NAMES)
 def test_interpreted(name: str, interpreted_failures: dict[str, str | None]) -> None:
     assert interpreted_failures[name] is None, interpreted_failures[name]

@@ -76,6 +76,11 @@ class FlashInferAttnBackend(AttentionBackend):
 
         if kv_pool.device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend runs on CUDA, got device {kv_pool.device}")
+        if kv_pool.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"the flashinfer attention backend runs bfloat16 or float16, got {kv_pool.dtype}: "
+                "give --dtype bfloat16, or --attention-backend triton or torch_native"
+            )
         page_size = getattr(kv_pool, "page_size", None)
         if page_size is None:
             raise ValueError(f"the flashinfer attention backend needs a paged KV pool, got {type(kv_pool)}")

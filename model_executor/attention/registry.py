@@ -49,25 +49,29 @@ def _importable(module: str) -> bool:
     return True
 
 
-def default_attention_backend(device: torch.device) -> str:
+# flashinfer's kernels take 16-bit q/k/v only (0.5.3 has no float32 prefill)
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def default_attention_backend(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """--attention-backend auto: our kernels on the CPU (torch SDPA wherever they do not apply); on
-    CUDA flashinfer where it imports, else a registered triton backend where triton imports, else
-    torch SDPA (also on every other device)."""
+    CUDA flashinfer where it imports and takes `dtype`, else a registered triton backend where triton
+    imports, else torch SDPA (also on every other device)."""
     if device.type == "cpu":
         return "cpu_kernels"
     if device.type == "cuda":
-        if _importable("flashinfer"):
+        if dtype in FLASHINFER_DTYPES and _importable("flashinfer"):
             return "flashinfer"
         if "triton" in ATTENTION_BACKENDS and _importable("triton"):
             return "triton"
     return "torch_native"
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend `name` stands for on `device` ("auto": default_attention_backend). Raises
-    ValueError on a name no backend has."""
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The backend `name` stands for on `device` for a model in `dtype` ("auto":
+    default_attention_backend). Raises ValueError on a name no backend has."""
     if name == "auto":
-        name = default_attention_backend(device)
+        name = default_attention_backend(device, dtype)
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown --attention-backend {name!r} (choose {', '.join(ATTENTION_BACKENDS)})")
     return name
@@ -78,4 +82,5 @@ def create_attention_backend(
 ) -> AttentionBackend:
     """The backend called `name` (resolve_attention_backend) over this pool; `deterministic` asks
     for one arithmetic for prefill and decode, which only cpu_kernels has (its decode kernel)."""
-    return ATTENTION_BACKENDS[resolve_attention_backend(name, device)](kv_pool, req_to_token, deterministic)
+    name = resolve_attention_backend(name, device, kv_pool.dtype)
+    return ATTENTION_BACKENDS[name](kv_pool, req_to_token, deterministic)

@@ -73,6 +73,13 @@ class RotaryEmbedding(nn.Module):
         self._cached_positions: torch.Tensor | None = None
         self._cached_cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos, self.sin)
 
+    def forget_positions(self) -> None:
+        """A forward begins: the next rotate gathers its rows again, even for the same positions
+        tensor. A tensor refilled in place (a CUDA graph's static positions) is the same object with
+        other values; and inside a graph capture the gather must run to be recorded."""
+        self._cached_positions = None
+        self._cached_cos_sin = (self.cos, self.sin)
+
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] -> a rotated copy (contiguous)."""
         if ops.usable(x, self.cos) and x.stride(1) == self.head_dim and positions.is_contiguous():

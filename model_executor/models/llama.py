@@ -231,6 +231,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | StageOutput:
         """-> final hidden states on the last stage, this stage's output on the others."""
         residual: torch.Tensor | None = None
+        self.rotary_emb.forget_positions()
         if previous is None:
             assert self.embed_tokens is not None, "only the first pipeline stage embeds the input ids"
             hidden = self.embed_tokens(input_ids)
