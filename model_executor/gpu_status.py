@@ -12,7 +12,7 @@ logger = logging.getLogger("srt.gpu_status")
 
 # path -> "<date> docs/benchmarks/<file>" of the run that verified it; None: not verified yet
 GPU_VERIFIED: dict[str, str | None] = {
-    "flashinfer": None,  # attention/flashinfer_backend.py
+    "flashinfer": "2026-12-04 docs/benchmarks/2026-12-04-h200-device-check.txt",  # attention/flashinfer_backend.py
     "triton": None,  # a triton attention backend
     "cuda_graph": None,  # a CUDA-graph step runner
     "nccl": None,  # collectives over NCCL (distributed/), at TP or PP > 1

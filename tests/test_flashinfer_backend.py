@@ -131,12 +131,12 @@ def test_unverified_gpu_paths_warn_on_cuda_only(caplog: pytest.LogCaptureFixture
     assert gpu_paths_in_use(CUDA, "torch_native", world_size=1) == []
     assert gpu_paths_in_use(CPU, "flashinfer", world_size=2) == []
     with caplog.at_level(logging.WARNING, logger="srt.gpu_status"):
-        assert warn_unverified_gpu_paths(CPU, ["flashinfer"]) == []
+        assert warn_unverified_gpu_paths(CPU, ["triton"]) == []
         assert caplog.records == []
-        assert warn_unverified_gpu_paths(CUDA, ["flashinfer", "nccl"]) == ["flashinfer", "nccl"]
+        assert warn_unverified_gpu_paths(CUDA, ["triton", "nccl"]) == ["triton", "nccl"]
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(messages) == 2
-    assert messages[0].startswith("the flashinfer path has not been verified on a GPU yet (see docs/")
+    assert messages[0].startswith("the triton path has not been verified on a GPU yet (see docs/")
     assert messages[1].startswith("the nccl path has not been verified on a GPU yet")
     with pytest.raises(ValueError, match="unknown GPU paths"):
         warn_unverified_gpu_paths(CUDA, ["flashinfr"])
@@ -145,10 +145,18 @@ def test_unverified_gpu_paths_warn_on_cuda_only(caplog: pytest.LogCaptureFixture
 def test_a_verified_path_does_not_warn(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setitem(GPU_VERIFIED, "flashinfer", "2026-01-01 docs/benchmarks/flashinfer_h200.md")
+    monkeypatch.setitem(GPU_VERIFIED, "triton", "2026-01-01 docs/benchmarks/triton_h200.md")
     with caplog.at_level(logging.WARNING, logger="srt.gpu_status"):
-        assert warn_unverified_gpu_paths(CUDA, ["flashinfer"]) == []
+        assert warn_unverified_gpu_paths(CUDA, ["triton", "flashinfer"]) == []
     assert caplog.records == []
+
+
+def test_each_verified_path_names_a_committed_run() -> None:
+    root = Path(__file__).resolve().parent.parent
+    for path, run in GPU_VERIFIED.items():
+        if run is not None:
+            date, record = run.split(" ", 1)
+            assert (root / record).is_file() and date in record, (path, run)
 
 
 def run_steps(
