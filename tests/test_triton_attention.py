@@ -118,6 +118,9 @@ DECODE_CASES = [
     ([2, 32, 8], [3, 33, 9], 4, 2, 48, 4, torch.bfloat16),
     ([10, 0], [11, 1], 4, 1, 80, 4, torch.float32),
     ([6], [7], 2, 1, 256, 2, torch.bfloat16),  # the largest head_dim
+    # GQA over several key blocks a split (the grouped kernel's running max and sum), groups of 4
+    ([299, 5, 600], [300, 6, 601], 8, 2, 64, 4, torch.float32),
+    ([520], [521], 4, 1, 128, 1, torch.bfloat16),
 ]
 EXTEND_CASES = [
     # fresh prompts of different lengths

@@ -12,7 +12,9 @@ batch still fills the GPU; a second kernel merges the partial outputs by their l
     split s: o_s = softmax-weighted V over its range, lse_s = log(sum(exp(scores)))
     merge:   out = sum_s exp(lse_s - max lse) * o_s / sum_s exp(lse_s - max lse)
 
-An empty split (a sequence shorter than NUM_SPLITS) stores lse = -inf and weighs nothing.
+An empty split (a sequence shorter than NUM_SPLITS) stores lse = -inf and weighs nothing. With
+grouped-query attention one program serves the query heads of a KV head (each key block read once
+for all of them, the products as tl.dot); with one query head per KV head, one program a head.
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def block_d(head_dim: int) -> int:
     # tl.dot needs every side >= 16
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The dtype tl.dot multiplies q's in: q's own, except bfloat16 under the interpreter, whose
+    tl.dot multiplies bfloat16 as its raw bits (float32 there)."""
+    dot_dtype = _TL_DTYPES.get(dtype)
+    if dot_dtype is None:
+        raise ValueError(f"q dtype must be one of {list(_TL_DTYPES)} for the triton backend, got {dtype}")
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        return tl.float32
+    return dot_dtype
+
+
+def _dot_precision(dot_dtype: tl.dtype) -> str:
+    # float32 inputs: true float32 products, not tf32, so the result matches a float32 reference
+    return "ieee" if dot_dtype == tl.float32 else "tf32"
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -113,6 +131,99 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), -float("inf"))
     tl.store(Mid_O + b * stride_mo_b + h * stride_mo_h + split * stride_mo_s + offs_d, out, mask=mask_d)
     tl.store(Mid_LSE + b * stride_lse_b + h * stride_lse_h + split, lse)
+
+
+@triton.jit
+def _decode_grouped_split_kernel(  # type: ignore[no-untyped-def]
+    Q,
+    K_cache,
+    V_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    Mid_O,
+    Mid_LSE,
+    sm_scale,
+    stride_q_b,
+    stride_q_h,
+    stride_k_slot,
+    stride_k_h,
+    stride_v_slot,
+    stride_v_h,
+    stride_r2t,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_lse_b,
+    stride_lse_h,
+    KV_GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """_decode_split_kernel for the KV_GROUP query heads that share one KV head, in one program
+    (grid: request, KV head, split): each key and value block is read once for the group, and the
+    products are two tl.dot over the group's rows (BLOCK_H >= 16, the rows past KV_GROUP masked)."""
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    mask_g = offs_g < KV_GROUP
+    heads = kv_h * KV_GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+        mask_kv = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            K_cache + slots[:, None] * stride_k_slot + kv_h * stride_k_h + offs_d[None, :],
+            mask=mask_kv,
+            other=0.0,
+        ).to(DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(mask_n[None, :], scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # the block's first key is in range: finite
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        v = tl.load(
+            V_cache + slots[:, None] * stride_v_slot + kv_h * stride_v_h + offs_d[None, :],
+            mask=mask_kv,
+            other=0.0,
+        ).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    nonempty = l_sum > 0
+    out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), -float("inf"))
+    tl.store(
+        Mid_O + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+        out,
+        mask=mask_g[:, None] & mask_d[None, :],
+    )
+    tl.store(Mid_LSE + b * stride_lse_b + heads * stride_lse_h + split, lse, mask=mask_g)
 
 
 @triton.jit
@@ -259,9 +370,10 @@ def decode_attention(
     """
     bs, num_heads, head_dim = q.shape
     num_splits = mid_lse.shape[2]
-    kv_group = num_heads // k_cache.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    kv_group = num_heads // num_kv_heads
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), NUM_SPLITS=num_splits)
-    _decode_split_kernel[(bs, num_heads, num_splits)](
+    args = (
         q,
         k_cache,
         v_cache,
@@ -283,10 +395,20 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        KV_GROUP=kv_group,
-        BLOCK_N=64,
-        **common,
     )
+    if kv_group > 1:  # grouped query attention: each KV head's keys read once for its query heads
+        dot_dtype = _dot_dtype(q.dtype)
+        _decode_grouped_split_kernel[(bs, num_kv_heads, num_splits)](
+            *args,
+            KV_GROUP=kv_group,
+            BLOCK_H=max(16, triton.next_power_of_2(kv_group)),
+            BLOCK_N=32,
+            DOT_DTYPE=dot_dtype,
+            DOT_PRECISION=_dot_precision(dot_dtype),
+            **common,
+        )
+    else:
+        _decode_split_kernel[(bs, num_heads, num_splits)](*args, KV_GROUP=1, BLOCK_N=64, **common)
     _decode_merge_kernel[(bs, num_heads)](
         mid_o,
         mid_lse,
@@ -322,11 +444,7 @@ def extend_attention(
     bs = req_pool_indices.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     bd = block_d(head_dim)
-    dot_dtype = _TL_DTYPES.get(q.dtype)
-    if dot_dtype is None:
-        raise ValueError(f"q dtype must be one of {list(_TL_DTYPES)} for the triton backend, got {q.dtype}")
-    if q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        dot_dtype = tl.float32  # the interpreter's tl.dot multiplies bfloat16 as its raw bits
+    dot_dtype = _dot_dtype(q.dtype)
     # keeps q, k, v and the [M, D] accumulator of one program in shared memory at head_dim 256
     block = 64 if bd * q.element_size() <= 256 else 32
     _extend_kernel[(bs, num_heads, triton.cdiv(max_extend_len, block))](
@@ -355,6 +473,5 @@ def extend_attention(
         BLOCK_M=block,
         BLOCK_N=block,
         DOT_DTYPE=dot_dtype,
-        # float32 inputs: true float32 products, not tf32, so the result matches a float32 reference
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        DOT_PRECISION=_dot_precision(dot_dtype),
     )
