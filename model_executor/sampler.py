@@ -236,6 +236,8 @@ def _top_k_top_p_thresholds(
     """[bs] thresholds from the largest probabilities of each row, without a full sort when the
     kept set is small: rows are searched in their top `width` values, and a row whose threshold
     might lie past that prefix is searched again in a wider one (the full row at the end)."""
+    if probs.device.type != "cpu":
+        return _thresholds_by_full_sort(probs, top_ks, top_ps, use_k, use_p)
     bs, vocab = probs.shape
     thresholds = probs.new_zeros(bs)
     todo = torch.nonzero(use_k | use_p).squeeze(1)
@@ -255,6 +257,16 @@ def _top_k_top_p_thresholds(
         todo = todo[~resolved]
         width *= 8
     return thresholds
+
+
+def _thresholds_by_full_sort(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor
+) -> torch.Tensor:
+    """_top_k_top_p_thresholds from one full sort of every row: the same thresholds, with no
+    data-dependent shapes, so a GPU step never waits on the host (a sort is cheap there; the CPU
+    searches prefixes instead)."""
+    found, _ = _prefix_thresholds(probs.sort(dim=-1, descending=True).values, top_ks, top_ps, use_k, use_p)
+    return torch.where(use_k | use_p, found, 0.0)
 
 
 def _prefix_thresholds(

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_executor.sampler import Sampler, SamplingBatchInfo, filter_probs
+from model_executor.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    _thresholds_by_full_sort,
+    _top_k_top_p_thresholds,
+    filter_probs,
+)
 
 sampler = Sampler()
 
@@ -242,6 +248,14 @@ def test_filter_probs_matches_reference_including_wide_searches() -> None:
     kept = filter_probs(probs, info) > 0
     for i, (k, p, m) in enumerate(params):
         assert torch.equal(kept[i], _reference_keep(probs[i], k, p, m)), (i, k, p, m)
+    # The GPU's path (one full sort, no host sync) finds the same thresholds as the CPU's search.
+    sampled = info.temperatures > 0
+    use_k = sampled & (info.top_ks > 0) & (info.top_ks < vocab)
+    use_p = sampled & (info.top_ps < 1)
+    assert torch.equal(
+        _thresholds_by_full_sort(probs, info.top_ks, info.top_ps, use_k, use_p),
+        _top_k_top_p_thresholds(probs, info.top_ks, info.top_ps, use_k, use_p),
+    )
 
 
 @pytest.mark.parametrize("vocab", [4, 1000])
