@@ -94,6 +94,26 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _check_arguments(
+    mem_fraction_static: float | None,
+    max_total_tokens: int | None,
+    cpu_kvcache_space: float | None,
+    **at_least_one: int,
+) -> None:
+    """Raises ValueError naming the first argument of kv_budget out of its range."""
+    if mem_fraction_static is not None and not 0.0 < mem_fraction_static <= 1.0:
+        raise ValueError(
+            f"mem_fraction_static (--mem-fraction-static) must be in (0, 1], got {mem_fraction_static}"
+        )
+    for name, value in at_least_one.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if max_total_tokens is not None and max_total_tokens < 1:
+        raise ValueError(f"max_total_tokens (--max-total-tokens) must be >= 1, got {max_total_tokens}")
+    if cpu_kvcache_space is not None and not cpu_kvcache_space > 0:
+        raise ValueError(f"cpu_kvcache_space (--cpu-kvcache-space) must be > 0 GiB, got {cpu_kvcache_space}")
+
+
 def kv_budget(
     *,
     device: str | torch.device,
@@ -116,26 +136,19 @@ def kv_budget(
     None means "not given" for `mem_fraction_static`, `max_total_tokens`, `cpu_kvcache_space`
     (GiB; the default space then applies on CPU). `free_memory`/`total_memory` override the
     measured values (tests). `padding_pages`: pages the pool holds past the budget for the device's
-    own use (a CUDA graph's padding page), taken out of the memory bound. Collective: with more than one rank in `cpu_group` every rank must
-    call this. Raises ValueError on bad arguments, and (on every rank alike, after the
+    own use (a CUDA graph's padding page), taken out of the memory bound. Collective: with more
+    than one rank in `cpu_group` every rank must call this. Raises ValueError on bad arguments, and (on every rank alike, after the
     all-reduce) when fewer than `min_pages` fit.
     """
-    if mem_fraction_static is not None and not 0.0 < mem_fraction_static <= 1.0:
-        raise ValueError(
-            f"mem_fraction_static (--mem-fraction-static) must be in (0, 1], got {mem_fraction_static}"
-        )
-    for name, value in (
-        ("bytes_per_token", bytes_per_token),
-        ("page_size", page_size),
-        ("local_world_size", local_world_size),
-        ("min_pages", min_pages),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if max_total_tokens is not None and max_total_tokens < 1:
-        raise ValueError(f"max_total_tokens (--max-total-tokens) must be >= 1, got {max_total_tokens}")
-    if cpu_kvcache_space is not None and not cpu_kvcache_space > 0:
-        raise ValueError(f"cpu_kvcache_space (--cpu-kvcache-space) must be > 0 GiB, got {cpu_kvcache_space}")
+    _check_arguments(
+        mem_fraction_static,
+        max_total_tokens,
+        cpu_kvcache_space,
+        bytes_per_token=bytes_per_token,
+        page_size=page_size,
+        local_world_size=local_world_size,
+        min_pages=min_pages,
+    )
     on_cpu = torch.device(device).type == "cpu"
     page_bytes = bytes_per_token * page_size
     shared = f" / {local_world_size} local ranks" if local_world_size > 1 else ""
