@@ -545,6 +545,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--attention-backend", default="auto", help="as launch_server's (default: auto)")
+    parser.add_argument(
+        "--disable-cuda-graph", action="store_true", help="with --device cuda: decode eagerly"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     for name in ("input_len", "output_len", "tp_size", "runs"):
@@ -593,6 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         quantization=args.quantization,
         device=args.device,
         attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
     hf: list[BatchResult] = []
     llama: list[BatchResult] = []

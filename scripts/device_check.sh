@@ -75,6 +75,10 @@ step "bench_one_batch"
 run 240 python3 scripts/bench_one_batch.py --device cuda --attention-backend "$BACKEND" --model-path "$MODEL" --batch-size 1 8 32 \
   --input-len 512 --output-len 64 --runs 3 --json "$OUT/bench_one_batch.json"
 
+step "bench_one_batch, batch 1 without CUDA graphs (what the graphs save)"
+run 150 python3 scripts/bench_one_batch.py --device cuda --attention-backend "$BACKEND" --model-path "$MODEL" --batch-size 1 \
+  --input-len 512 --output-len 64 --runs 3 --disable-cuda-graph
+
 step "server and bench_serving"
 python3 -m srt.launch_server --model-path "$MODEL" --device cuda --attention-backend "$BACKEND" --port "$PORT" \
   --max-running-requests 128 --context-length 2048 ${SRT_SERVER_FLAGS---cuda-graph-max-bs 128} >"$OUT/server.log" 2>&1 &
