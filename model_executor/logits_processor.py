@@ -51,5 +51,7 @@ def score_tokens(
     logits = last_logits[rows.sampled_rows]
     if token_logits is not None and token_logits.shape[0]:
         logits = torch.cat([logits, token_logits])
-    values, tops = token_logprobs(logits, torch.tensor(targets, device=logits.device), rows.top_nums)
-    return ScoredTokens(values, targets, tops)
+    values, tops, ids = token_logprobs(
+        logits, torch.tensor(targets, device=logits.device), rows.top_nums, rows.id_lists
+    )
+    return ScoredTokens(values, targets, tops, ids)

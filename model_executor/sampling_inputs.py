@@ -30,10 +30,13 @@ class LogprobRows:
     sampled_rows: list[int]  # requests whose sampled token is scored (rows of the last-token logits)
     top_nums: list[int]  # top alternatives per scored row: sampled_rows first, then token_rows
     compute: bool
+    # token_ids_logprob per scored row, in top_nums' order (None: none asked); empty: no row asked
+    id_lists: list[list[int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert len(self.prompt_targets) == len(self.token_rows)
         assert len(self.top_nums) == len(self.sampled_rows) + len(self.token_rows)
+        assert not self.id_lists or len(self.id_lists) == len(self.top_nums)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class ScoredTokens:
     values: list[float]
     token_ids: list[int]
     tops: list[TopLogprobs | None]
+    ids: list[TopLogprobs | None] = field(default_factory=list)  # LogprobRows.id_lists' logprobs
 
 
 @dataclass

@@ -49,12 +49,16 @@ def plan_logprobs(batch: ScheduleBatch, compute: bool) -> LogprobPlan | None:
         offset += n
     sampled = [i for i, req in enumerate(batch.reqs) if req.return_logprob and samples_a_token(batch, i)]
     top_nums = [batch.reqs[i].top_logprobs_num for i in sampled]
+    id_lists = [batch.reqs[i].token_ids_logprob for i in sampled]
     targets: list[int] = []
     for span in spans:
         req = batch.reqs[span.req_index]
         targets += req.origin_input_ids[span.first_position + 1 : span.first_position + 1 + span.count]
         top_nums += [req.top_logprobs_num] * span.count
-    return LogprobPlan(LogprobRows(rows, targets, sampled, top_nums, compute), spans)
+        id_lists += [req.token_ids_logprob] * span.count
+    if not any(id_lists):
+        id_lists = []
+    return LogprobPlan(LogprobRows(rows, targets, sampled, top_nums, compute, id_lists), spans)
 
 
 def samples_a_token(batch: ScheduleBatch, i: int) -> bool:
@@ -66,22 +70,36 @@ def samples_a_token(batch: ScheduleBatch, i: int) -> bool:
 def record_logprobs(batch: ScheduleBatch, plan: LogprobPlan, scored: ScoredTokens) -> None:
     """Appends a step's scored tokens to the requests: each sampled row's, then each prompt span's."""
     values, targets, tops = scored.values, scored.token_ids, scored.tops
+    ids = scored.ids or [None] * len(values)
     sampled = plan.rows.sampled_rows
     for k, i in enumerate(sampled):
-        _append(batch.reqs[i].output_logprobs, values[k : k + 1], targets[k : k + 1], tops[k : k + 1])
+        _append(
+            batch.reqs[i].output_logprobs,
+            values[k : k + 1],
+            targets[k : k + 1],
+            tops[k : k + 1],
+            ids[k : k + 1],
+        )
     k = len(sampled)
     for span in plan.spans:
         end = k + span.count
-        _append(batch.reqs[span.req_index].input_logprobs, values[k:end], targets[k:end], tops[k:end])
+        _append(
+            batch.reqs[span.req_index].input_logprobs, values[k:end], targets[k:end], tops[k:end], ids[k:end]
+        )
         k = end
 
 
 def _append(
-    into: TokenLogprobs, values: list[float], token_ids: list[int], tops: list[TopLogprobs | None]
+    into: TokenLogprobs,
+    values: list[float],
+    token_ids: list[int],
+    tops: list[TopLogprobs | None],
+    ids: list[TopLogprobs | None],
 ) -> None:
     into.values.extend(values)
     into.token_ids.extend(token_ids)
     into.top.extend(tops)
+    into.ids.extend(ids)
 
 
 def attach_logprobs(out: BatchTokenIDOut, req: Req) -> None:
@@ -99,7 +117,7 @@ def attach_logprobs(out: BatchTokenIDOut, req: Req) -> None:
         len(req.output_ids) - req.resumed_len,
     )
     out.output_logprobs.append(
-        TokenLogprobs(lp.values[start:end], lp.token_ids[start:end], lp.top[start:end])
+        TokenLogprobs(lp.values[start:end], lp.token_ids[start:end], lp.top[start:end], lp.ids[start:end])
     )
     out.input_logprobs.append(
         _prompt_logprobs(req) if req.logprob_start_len >= 0 and req.sent_len == 0 else None
@@ -110,6 +128,6 @@ def _prompt_logprobs(req: Req) -> TokenLogprobs:
     """All prompt logprobs from logprob_start_len on; the first prompt token has none (null)."""
     lp = req.input_logprobs
     if req.logprob_start_len > 0:
-        return TokenLogprobs(list(lp.values), list(lp.token_ids), list(lp.top))
+        return TokenLogprobs(list(lp.values), list(lp.token_ids), list(lp.top), list(lp.ids))
     head = req.origin_input_ids[:1]
-    return TokenLogprobs([None, *lp.values], head + lp.token_ids, [None, *lp.top])
+    return TokenLogprobs([None, *lp.values], head + lp.token_ids, [None, *lp.top], [None, *lp.ids])

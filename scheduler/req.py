@@ -47,6 +47,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens k.. as well
+    token_ids_logprob: list[int] | None = None  # these ids' logprobs at every scored position
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed_experts: str | None = None  # read from the runner when the request finishes

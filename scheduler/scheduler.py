@@ -209,6 +209,7 @@ class Scheduler:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
+            token_ids_logprob=msg.token_ids_logprob,
             priority=msg.priority,
             return_routed_experts=msg.return_routed_experts,
             routed_experts_start_len=msg.routed_experts_start_len,

@@ -23,7 +23,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from srt.generate_parse import RequestError
-from srt.http_common import NATIVE_ERRORS, OPENAI_ERRORS, manager, read_json_object
+from srt.http_common import (
+    NATIVE_ERRORS,
+    OPENAI_ERRORS,
+    ErrorFamily,
+    batch_outputs,
+    manager,
+    read_json_object,
+)
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
 from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl, off
@@ -87,16 +94,12 @@ def _inputs(value: Any) -> tuple[str, Any]:
     raise RequestError("input must be a string, a list of token ids, or a non-empty list of either", "input")
 
 
-async def _embed(tm: TokenizerManager, request: Request, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The outputs of an embedding /generate body, in input order."""
+async def _embed(
+    tm: TokenizerManager, request: Request, body: dict[str, Any], errors: ErrorFamily, renamed: dict[str, str]
+) -> list[dict[str, Any]] | JSONResponse:
+    """The outputs of an embedding /generate body in input order, or the error to answer."""
     call = tm.parse_generate({**body, "sampling_params": {"max_new_tokens": 0}}, embed=True)
-    outs = [out async for out in tm.generate(call, request)]
-    for out in outs:
-        finish = out["meta_info"]["finish_reason"]
-        if finish is not None and finish.get("type") == "abort":
-            status = int(finish.get("status_code") or 500)
-            raise ServiceUnavailableError(finish.get("message", "aborted"), retry_after=status == 503)
-    return sorted(outs, key=lambda out: out.get("index", 0))
+    return await batch_outputs(tm.generate(call, request), errors, renamed)
 
 
 def _encoded(embedding: list[float], fmt: str) -> list[float] | str:
@@ -124,9 +127,11 @@ async def embeddings(request: Request) -> Response:
                 "dimensions",
             )
         fields = {name: body[name] for name in ("rid", "priority") if body.get(name) is not None}
-        outs = await _embed(tm, request, {key: value, **fields})
+        outs = await _embed(tm, request, {key: value, **fields}, OPENAI_ERRORS, renamed)
     except (ValueError, ServiceUnavailableError) as error:
         return OPENAI_ERRORS.of(error, renamed)
+    if isinstance(outs, JSONResponse):
+        return outs
     prompt = sum(out["meta_info"]["prompt_tokens"] for out in outs)
     return JSONResponse(
         {
@@ -148,9 +153,11 @@ async def encode(request: Request) -> Response:
         body = await read_json_object(request)
         _check(body, ENCODE)
         body.pop("sampling_params", None)
-        outs = await _embed(tm, request, body)
+        outs = await _embed(tm, request, body, NATIVE_ERRORS, {})
     except (ValueError, ServiceUnavailableError) as error:
         return NATIVE_ERRORS.of(error)
+    if isinstance(outs, JSONResponse):
+        return outs
     replies = [{"embedding": out["embedding"], "meta_info": out["meta_info"]} for out in outs]
     batch = isinstance(body.get("text", body.get("input_ids")), list) and (
         isinstance(body.get("text"), list) or isinstance((body.get("input_ids") or [None])[0], list)

@@ -124,6 +124,7 @@ class GenerateParser:
                 return_logprob=logprobs[i][0],
                 top_logprobs_num=logprobs[i][1],
                 logprob_start_len=logprobs[i][2],
+                token_ids_logprob=logprobs[i][3],
                 priority=priorities[i],
                 return_routed_experts=routes[i][0],
                 routed_experts_start_len=routes[i][1],
@@ -297,9 +298,9 @@ class GenerateParser:
 
     def _logprob_options(
         self, obj: dict[str, Any], prompts: list[list[int]], is_batch: bool
-    ) -> list[tuple[bool, int, int]]:
-        """(return_logprob, top_logprobs_num, logprob_start_len) per prompt. The last two matter
-        only with return_logprob, as in SGLang."""
+    ) -> list[tuple[bool, int, int, list[int] | None]]:
+        """(return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob) per prompt. The
+        last three matter only with return_logprob, as in SGLang."""
         n = len(prompts)
         wants = self._per_item(obj, "return_logprob", False, n, is_batch)
         tops = self._per_item(obj, "top_logprobs_num", 0, n, is_batch)
@@ -319,9 +320,39 @@ class GenerateParser:
                     f"in [0, {len(ids)}), got {start!r}",
                     "logprob_start_len",
                 )
+        ids_lists = self._token_ids_logprob(obj, n, is_batch)
         return [
-            (want, top if want else 0, start if want else -1) for want, top, start in zip(wants, tops, starts)
+            (want, top if want else 0, start if want else -1, ids if want else None)
+            for want, top, start, ids in zip(wants, tops, starts, ids_lists)
         ]
+
+    def _token_ids_logprob(self, obj: dict[str, Any], n: int, is_batch: bool) -> list[list[int] | None]:
+        """SGLang's token_ids_logprob per prompt: the token ids whose logprobs every scored position
+        reports, in the order given; a batch takes one list for all or one per prompt (null: none)."""
+        value = obj.get("token_ids_logprob")
+        if value is None:
+            return [None] * n
+        per_prompt = (
+            is_batch and isinstance(value, list) and any(v is None or isinstance(v, list) for v in value)
+        )
+        if per_prompt and len(value) != n:
+            raise RequestError(
+                f"token_ids_logprob has {len(value)} entries for a batch of {n}", "token_ids_logprob"
+            )
+        lists = value if per_prompt else [value] * n
+        for i, ids in enumerate(lists):
+            where = f"[{i}]" if per_prompt else ""
+            if ids is not None and (
+                not isinstance(ids, list)
+                or not ids
+                or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids)
+            ):
+                raise RequestError(
+                    f"token_ids_logprob{where} must be a non-empty list of token ids in "
+                    f"[0, {self.vocab_size}), got {ids!r}",
+                    "token_ids_logprob",
+                )
+        return [None if ids is None else list(ids) for ids in lists]
 
     def _routed_experts_options(
         self, obj: dict[str, Any], prompts: list[list[int]], is_batch: bool

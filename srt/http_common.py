@@ -231,6 +231,28 @@ async def sole_output(
     return results[-1]
 
 
+async def batch_outputs(
+    outputs: AsyncGenerator[dict[str, Any], None], errors: ErrorFamily, renamed: dict[str, str] | None = None
+) -> list[dict[str, Any]] | JSONResponse:
+    """The finished outputs of a batch not streamed (each request's one output), in input order;
+    or the error to answer, as sole_output's: the client gone, a refusal, an abort (its status)."""
+    try:
+        results = sorted([out async for out in outputs], key=lambda out: int(out.get("index") or 0))
+    except (ValueError, ServiceUnavailableError) as error:
+        return errors.of(error, renamed)
+    if not results:
+        return errors.response(400, "the client disconnected")
+    for out in results:
+        refusal = queue_refusal(out)
+        if refusal is not None:
+            return errors.busy(refusal)
+        try:
+            finish_of(out)
+        except Aborted as aborted:
+            return errors.response(aborted.status, str(aborted))
+    return results
+
+
 # ---- server-sent events ----
 def sse(data: Any) -> bytes:
     """One server-sent event. orjson: a stream sends one of these per request per decode step."""

@@ -33,6 +33,9 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     top_logprobs_num: int = 0  # alternatives per position (with return_logprob)
     logprob_start_len: int = -1  # -1: output tokens only; k >= 0: prompt tokens from position k too
+    token_ids_logprob: list[int] | None = (
+        None  # these ids' logprobs at every scored position (with return_logprob)
+    )
     resume: ResumeState | None = None  # set on a replay after a restart
     priority: int | None = None  # the waiting queue's order with --enable-priority-scheduling
     return_routed_experts: bool = (
@@ -84,12 +87,15 @@ class TokenLogprobs:
     values[i] is log p(token_ids[i] | the tokens before it), from the log-softmax of the model's
     raw float32 logits; None for the first prompt token (nothing precedes it). top[i] holds the
     top_logprobs_num most likely tokens at that position, as (logprobs, ids), best first, or is
-    None when no alternatives were asked for (or for the first prompt token).
+    None when no alternatives were asked for (or for the first prompt token). ids[i] holds the
+    logprobs of the request's token_ids_logprob at that position, as (logprobs, ids) in the order
+    asked, or None (none asked for, or the first prompt token); empty when none were asked for.
     """
 
     values: list[float | None]
     token_ids: list[int]
     top: list[tuple[list[float], list[int]] | None]
+    ids: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
 
 
 @dataclass

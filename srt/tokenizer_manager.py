@@ -292,7 +292,9 @@ class TokenizerManager:
                 len(req.input_ids),
                 wake,
                 i if call.is_batch else None,
-                LogprobMeta(req.top_logprobs_num, req.logprob_start_len, decode)
+                LogprobMeta(
+                    req.top_logprobs_num, req.logprob_start_len, decode, req.token_ids_logprob is not None
+                )
                 if req.return_logprob
                 else None,
                 prompt_token_ids=list(req.input_ids) if call.return_prompt_token_ids else None,

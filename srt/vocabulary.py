@@ -92,7 +92,7 @@ GENERATE: dict[str, Field] = {
     "use_audio_in_video": off(False),
     "video_config": NONE,
     "watermark": NONE,
-    "token_ids_logprob": NONE,
+    "token_ids_logprob": impl(),
     "return_sampling_mask": off(None, False),
     "sampling_logprobs_mode": NONE,
     "return_flat_raw_top_logprobs": off(False),

@@ -109,6 +109,95 @@ def test_greedy_logprobs_match_transformers(server: Server, hf_model: Any) -> No
     check_top(meta["input_top_logprobs"][1:], reference[: n - 1], 5)
 
 
+def test_token_ids_logprob_match_transformers(server: Server, hf_model: Any) -> None:
+    """SGLang's token_ids_logprob: the logprobs of the ids asked for, in their order, at every output
+    and (with logprob_start_len) prompt position; a batch may ask for other ids per prompt."""
+    asked = [250, 3, 77]
+    out = generate(
+        server,
+        input_ids=PROMPT,
+        return_logprob=True,
+        logprob_start_len=0,
+        token_ids_logprob=asked,
+        **greedy(6),
+    )
+    meta, output_ids = out["meta_info"], out["output_ids"]
+    reference = hf_logprobs(hf_model, PROMPT + output_ids)
+    n = len(PROMPT)
+    rows = meta["output_token_ids_logprobs"]
+    assert len(rows) == len(output_ids) and "output_top_logprobs" not in meta
+    for row, ref in zip(rows, reference[n - 1 :]):
+        assert [entry[1] for entry in row] == asked and all(entry[2] is None for entry in row)
+        torch.testing.assert_close(torch.tensor([e[0] for e in row]), ref[asked], atol=ATOL, rtol=0)
+    prompt_rows = meta["input_token_ids_logprobs"]
+    assert len(prompt_rows) == n and prompt_rows[0] is None
+    for row, ref in zip(prompt_rows[1:], reference[: n - 1]):
+        torch.testing.assert_close(torch.tensor([e[0] for e in row]), ref[asked], atol=ATOL, rtol=0)
+    both = generate(
+        server,
+        input_ids=[PROMPT[:9], PROMPT[:14]],
+        return_logprob=True,
+        token_ids_logprob=[[5], None],
+        **greedy(2),
+    )
+    assert [e[1] for e in both[0]["meta_info"]["output_token_ids_logprobs"][0]] == [5]
+    assert "output_token_ids_logprobs" not in both[1]["meta_info"]
+
+
+def test_score_is_the_labels_next_token_probability(server: Server, hf_model: Any) -> None:
+    """SGLang's /v1/score on token ids: exp(logprob) of each label after query + item (item_first:
+    item + query), or the softmax over the labels; float32, so within ATOL of transformers."""
+    query, items, labels = PROMPT[:6], [PROMPT[10:13], PROMPT[20:22]], [11, 42, 300]
+    r = requests.post(
+        f"{server.url}/v1/score", json={"query": query, "items": items, "label_token_ids": labels}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "scoring" and body["usage"]["prompt_tokens"] == 6 + 3 + 6 + 2
+    for item, row in zip(items, body["scores"]):
+        ref = hf_logprobs(hf_model, query + item)[-1, labels].exp()
+        torch.testing.assert_close(torch.tensor(row), ref, atol=ATOL, rtol=0)
+    r = requests.post(
+        f"{server.url}/v1/score",
+        json={
+            "query": query,
+            "items": items,
+            "label_token_ids": [[11, 42], [300, 7]],
+            "apply_softmax": True,
+            "temperature": 0.5,
+            "item_first": True,
+            "return_token_logprobs": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    for item, pair, row, logprobs in zip(items, [[11, 42], [300, 7]], body["scores"], body["token_logprobs"]):
+        ref = hf_logprobs(hf_model, item + query)[-1, pair]
+        torch.testing.assert_close(torch.tensor(logprobs), ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(row), torch.softmax(ref / 0.5, dim=0), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"query": [1], "items": [[2]]}, "label_token_ids"),
+        ({"query": [1], "items": [[2]], "label_token_ids": [5, 5]}, "label_token_ids"),
+        ({"query": [1], "items": [[2], [3]], "label_token_ids": [[5]]}, "label_token_ids"),
+        ({"query": [1], "label_token_ids": [5]}, "items"),
+        ({"query": [1], "items": [[2]], "label_token_ids": [5], "temperature": 2.0}, "temperature"),
+        (
+            {"query": [1], "items": [[2]], "label_token_ids": [5], "score_extraction_token": "x"},
+            "score_extraction_token",
+        ),
+        ({"query": [1], "items": [[2]], "label_token_ids": [5], "colour": 1}, "colour"),
+    ],
+)
+def test_bad_score_fields_get_400_naming_them(server: Server, body: dict[str, Any], param: str) -> None:
+    r = requests.post(f"{server.url}/v1/score", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def test_logprob_start_len_recomputes_a_cached_prefix(server: Server, hf_model: Any) -> None:
     prompt = PROMPT[::-1]
     plain = generate(server, input_ids=prompt, **greedy())  # puts the whole prompt in the prefix cache
@@ -189,6 +278,10 @@ def test_requests_without_logprobs_are_unchanged(server: Server) -> None:
         ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
         ({"return_logprob": [True, False]}, "return_logprob"),  # a list for a single prompt
         ({"return_text_in_logprobs": 1}, "return_text_in_logprobs"),
+        ({"return_logprob": True, "token_ids_logprob": [1, -1]}, "token_ids_logprob"),
+        ({"return_logprob": True, "token_ids_logprob": [320]}, "token_ids_logprob"),  # the vocabulary is 320
+        ({"return_logprob": True, "token_ids_logprob": []}, "token_ids_logprob"),
+        ({"return_logprob": True, "token_ids_logprob": 5}, "token_ids_logprob"),
     ],
 )
 def test_bad_logprob_options_get_400_naming_them(server: Server, extra: dict[str, Any], param: str) -> None:
