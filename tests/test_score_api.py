@@ -41,7 +41,9 @@ def test_text_scores_follow_transformers(server: Server, smollm2_dir: Path) -> N
         ref = torch.stack(
             [
                 torch.softmax(
-                    hf(torch.tensor([query_ids + tokenizer.encode(item, add_special_tokens=False)])).logits[0, -1],
+                    hf(torch.tensor([query_ids + tokenizer.encode(item, add_special_tokens=False)])).logits[
+                        0, -1
+                    ],
                     dim=-1,
                 )[labels]
                 for item in ITEMS
