@@ -22,7 +22,7 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from srt.generate_parse import RequestError
+from srt.generate_parse import RequestError, check_request_fields, is_int
 from srt.http_common import (
     NATIVE_ERRORS,
     OPENAI_ERRORS,
@@ -33,7 +33,7 @@ from srt.http_common import (
 )
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
-from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl, off
+from srt.vocabulary import NONE, Field, advisory, impl, off
 
 router = APIRouter()
 
@@ -69,27 +69,16 @@ ENCODE: dict[str, Field] = {
 }
 
 
-def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
-    try:
-        check_fields(body, vocabulary)
-    except VocabularyError as error:
-        raise RequestError(str(error), error.param) from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _inputs(value: Any) -> tuple[str, Any]:
     """(the /generate key, its value) of OpenAI's `input`: a string, token ids, or a batch of either."""
     if isinstance(value, str):
         return "text", value
     if isinstance(value, list) and value:
-        if all(_is_int(t) for t in value):
+        if all(is_int(t) for t in value):
             return "input_ids", value
         if all(isinstance(t, str) for t in value):
             return "text", value
-        if all(isinstance(t, list) and t and all(_is_int(i) for i in t) for t in value):
+        if all(isinstance(t, list) and t and all(is_int(i) for i in t) for t in value):
             return "input_ids", value
     raise RequestError("input must be a string, a list of token ids, or a non-empty list of either", "input")
 
@@ -114,7 +103,7 @@ async def embeddings(request: Request) -> Response:
     renamed = {"text": "input", "input_ids": "input"}
     try:
         body = await read_json_object(request)
-        _check(body, EMBEDDINGS)
+        check_request_fields(body, EMBEDDINGS)
         key, value = _inputs(body.get("input"))
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
@@ -151,7 +140,7 @@ async def encode(request: Request) -> Response:
     tm = manager(request)
     try:
         body = await read_json_object(request)
-        _check(body, ENCODE)
+        check_request_fields(body, ENCODE)
         body.pop("sampling_params", None)
         outs = await _embed(tm, request, body, NATIVE_ERRORS, {})
     except (ValueError, ServiceUnavailableError) as error:

@@ -13,14 +13,14 @@ batch item) with return_text_in_logprobs, return_prompt_token_ids, priority (wit
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from model_executor.constrained import GrammarError, LazyGrammarBackend
 from srt.io_struct import TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
-from srt.vocabulary import GENERATE, SAMPLING, VocabularyError, check_fields
+from srt.vocabulary import GENERATE, SAMPLING, Field, VocabularyError, check_fields
 
 MAX_N = 128  # copies of one prompt (`n`)
 
@@ -48,12 +48,22 @@ def derived_seed(seed: int, i: int) -> int:
     return seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_token_id(value: Any, vocab_size: int) -> bool:
-    return _is_int(value) and 0 <= value < vocab_size
+def check_request_fields(
+    body: dict[str, Any], vocabulary: Mapping[str, Field], per_item: bool = False
+) -> None:
+    """check_fields for a route's body, its VocabularyError as the RequestError (a 400) naming the field."""
+    try:
+        check_fields(body, vocabulary, per_item=per_item)
+    except VocabularyError as error:
+        raise RequestError(str(error), error.param) from None
+
+
+def is_token_id(value: Any, vocab_size: int) -> bool:
+    return is_int(value) and 0 <= value < vocab_size
 
 
 def _bool(obj: dict[str, Any], name: str) -> bool:
@@ -87,10 +97,7 @@ class GenerateParser:
     def parse(self, obj: Any, busy_rids: Container[str]) -> GenerateCall:
         if not isinstance(obj, dict):
             raise RequestError("the request must be a JSON object")
-        try:
-            check_fields(obj, GENERATE, per_item=True)
-        except VocabularyError as error:
-            raise RequestError(str(error), error.param) from None
+        check_request_fields(obj, GENERATE, per_item=True)
         if (obj.get("text") is None) == (obj.get("input_ids") is None):
             both = obj.get("text") is not None
             raise RequestError(
@@ -148,7 +155,7 @@ class GenerateParser:
         for value in values:
             if value is None:
                 continue
-            if not _is_int(value) or abs(value) >= 2**63:
+            if not is_int(value) or abs(value) >= 2**63:
                 raise RequestError(f"priority must be an integer, got {value!r}", "priority")
             if not self.priority_scheduling:
                 raise RequestError(
@@ -218,7 +225,7 @@ class GenerateParser:
             if not row:
                 raise RequestError(f"{where} is empty", "input_ids")
             for token in row:
-                if not _is_token_id(token, self.vocab_size):
+                if not is_token_id(token, self.vocab_size):
                     raise RequestError(
                         f"{where} holds {token!r}, not a token id in [0, {self.vocab_size})", "input_ids"
                     )
@@ -257,7 +264,7 @@ class GenerateParser:
         count = copies.pop()
         if count is None:
             return out, 1
-        if not _is_int(count) or not 1 <= count <= MAX_N:
+        if not is_int(count) or not 1 <= count <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {count!r}", "n")
         return out, int(count)
 
@@ -309,12 +316,12 @@ class GenerateParser:
             where = f"[{i}]" if is_batch else ""
             if not isinstance(want, bool):
                 raise RequestError(f"return_logprob{where} must be a boolean, got {want!r}", "return_logprob")
-            if not _is_int(top) or not 0 <= top <= self.vocab_size:
+            if not is_int(top) or not 0 <= top <= self.vocab_size:
                 raise RequestError(
                     f"top_logprobs_num{where} must be an integer in [0, {self.vocab_size}], got {top!r}",
                     "top_logprobs_num",
                 )
-            if not _is_int(start) or not -1 <= start < len(ids):
+            if not is_int(start) or not -1 <= start < len(ids):
                 raise RequestError(
                     f"logprob_start_len{where} must be -1 (output tokens only) or a prompt position "
                     f"in [0, {len(ids)}), got {start!r}",
@@ -343,9 +350,7 @@ class GenerateParser:
         for i, ids in enumerate(lists):
             where = f"[{i}]" if per_prompt else ""
             if ids is not None and (
-                not isinstance(ids, list)
-                or not ids
-                or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids)
+                not isinstance(ids, list) or not ids or not all(is_token_id(t, self.vocab_size) for t in ids)
             ):
                 raise RequestError(
                     f"token_ids_logprob{where} must be a non-empty list of token ids in "
@@ -372,7 +377,7 @@ class GenerateParser:
                     "return_routed_experts needs the server started with --enable-return-routed-experts",
                     "return_routed_experts",
                 )
-            if not _is_int(start) or not 0 <= start <= len(ids):
+            if not is_int(start) or not 0 <= start <= len(ids):
                 raise RequestError(
                     f"routed_experts_start_len{where} must be a prompt position in [0, {len(ids)}], got {start!r}",
                     "routed_experts_start_len",

@@ -23,11 +23,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from srt.generate_parse import RequestError
+from srt.generate_parse import RequestError, check_request_fields, is_int, is_token_id
 from srt.http_common import OPENAI_ERRORS, batch_outputs, manager, read_json_object
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
-from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl, off
+from srt.vocabulary import NONE, Field, advisory, impl, off
 
 router = APIRouter()
 
@@ -48,14 +48,10 @@ SCORE: dict[str, Field] = {
 }
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _ids(tm: TokenizerManager, value: Any, param: str, *, special: bool) -> list[int]:
     if isinstance(value, str):
         return list(tm.tokenizer.encode(value, add_special_tokens=special))
-    if isinstance(value, list) and all(_is_int(t) for t in value):
+    if isinstance(value, list) and all(is_int(t) for t in value):
         return list(value)
     raise RequestError(f"{param} must be a string or a list of token ids, got {value!r}", param)
 
@@ -74,7 +70,7 @@ def _labels(value: Any, num_items: int, vocab_size: int) -> list[list[int]]:
         if (
             not isinstance(labels, list)
             or not labels
-            or not all(_is_int(t) and 0 <= t < vocab_size for t in labels)
+            or not all(is_token_id(t, vocab_size) for t in labels)
             or len(set(labels)) != len(labels)
         ):
             raise RequestError(
@@ -99,10 +95,7 @@ async def score(request: Request) -> Response:
     tm = manager(request)
     try:
         body = await read_json_object(request)
-        try:
-            check_fields(body, SCORE)
-        except VocabularyError as error:
-            raise RequestError(str(error), error.param) from None
+        check_request_fields(body, SCORE)
         raw_items = body.get("items")
         if raw_items is None or (isinstance(raw_items, list) and not raw_items):
             raise RequestError(
