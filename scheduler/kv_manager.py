@@ -86,6 +86,25 @@ class KVManager:
         kv = [r.kv_len for r in reqs]
         return self._ensure_free_pages(self.allocator.pages_needed(kv, [k + 1 for k in kv]))
 
+    def fits_free(self, reqs: list[Req], lens: list[int]) -> bool:
+        """Whether `lens[i]` new tokens of each request fit in the free pages, evicting nothing."""
+        prefix = [r.kv_len for r in reqs]
+        return (
+            self.allocator.pages_needed(prefix, [k + n for k, n in zip(prefix, lens)])
+            <= self.allocator.num_free_pages
+        )
+
+    @rank_consensus(args={"req": lambda r: (r.rid, r.kv_len), "kv_len": int}, name="kv_trim")
+    def trim(self, req: Req, kv_len: int) -> None:
+        """Frees the request's KV past its first `kv_len` tokens (a verify step's rejected drafts):
+        the pages that start at or after kv_len; a partly kept page stays the request's, and its
+        next tokens continue it."""
+        assert req.req_pool_idx is not None and req.cached_len <= kv_len <= req.kv_len, (req.rid, kv_len)
+        start = -(-kv_len // self.page_size) * self.page_size
+        if start < req.kv_len:
+            self.allocator.free_slots(self.req_to_token[req.req_pool_idx, start : req.kv_len])
+        req.kv_len = kv_len
+
     def reserve_extend(self, reqs: list[Req], lens: list[int]) -> bool:
         """Allocates slots for `lens[i]` new tokens of each request (evicting cache if needed).
         On success `last_out_cache_loc` holds them; on failure nothing changed."""

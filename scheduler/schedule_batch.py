@@ -40,7 +40,11 @@ class ScheduleBatch:
         """Whether request i completes its prompt this step (a mid-prompt chunk samples nothing)."""
         return self.reqs[i].kv_len + self.extend_lens[i] == self.reqs[i].seq_len
 
-    def to_forward_batch(self, out_cache_loc: torch.Tensor, device: torch.device) -> ForwardBatch:
+    def to_forward_batch(
+        self, out_cache_loc: torch.Tensor, device: torch.device, drafts: list[list[int]] | None = None
+    ) -> ForwardBatch:
+        if drafts is not None:
+            return self._verify_batch(out_cache_loc, device, drafts)
         input_ids: list[int] = []
         for req, n in zip(self.reqs, self.extend_lens):
             input_ids += (
@@ -54,6 +58,30 @@ class ScheduleBatch:
         seq_lens = [r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)]
         return make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device)  # type: ignore[arg-type]
 
+    def verify_rows(self, drafts: list[list[int]]) -> ScheduleBatch:
+        """A verify step's rows as a batch of their own, request i repeated once per row (its
+        logprob rows are planned and recorded over it)."""
+        reqs = [req for req, draft in zip(self.reqs, drafts) for _ in range(1 + len(draft))]
+        return ScheduleBatch(self.phase, reqs, [1] * len(reqs))
+
+    def _verify_batch(
+        self, out_cache_loc: torch.Tensor, device: torch.device, drafts: list[list[int]]
+    ) -> ForwardBatch:
+        """A decode step's rows with each request's drafts after its last token, a decode row each
+        (scheduler/speculative.py): row j of a request at position kv_len + j."""
+        assert self.phase is Phase.DECODE and len(drafts) == len(self.reqs)
+        input_ids: list[int] = []
+        rows: list[int] = []
+        prefix_lens: list[int] = []
+        for req, draft in zip(self.reqs, drafts):
+            input_ids += [req.output_ids[-1], *draft]
+            rows += [req.req_pool_idx] * (1 + len(draft))  # type: ignore[list-item]
+            prefix_lens += range(req.kv_len, req.kv_len + 1 + len(draft))
+        seq_lens = [p + 1 for p in prefix_lens]
+        return make_forward_batch(
+            ForwardMode.DECODE, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device
+        )
+
 
 @dataclass
 class Launched:
@@ -62,3 +90,9 @@ class Launched:
     batch: ScheduleBatch
     sampled: list[bool]  # request i completed its prompt (a token is sampled from its logits)
     next_ids: list[int] | None  # on the last pipeline stage; the others receive them later
+    drafts: list[list[int]] | None = None  # a verify step's drafts per request (scheduler/speculative.py)
+
+    @property
+    def num_rows(self) -> int:
+        """Sampled rows: one per request, and one per draft."""
+        return len(self.batch.reqs) + sum(map(len, self.drafts or []))

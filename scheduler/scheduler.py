@@ -29,6 +29,7 @@ from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, reco
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
+from scheduler.speculative import NgramSpeculator, accepted_tokens
 from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
 from srt.io_struct import (
@@ -118,6 +119,13 @@ class Scheduler:
             JsonOptions.of(args),
         )
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
+        self.speculator = (
+            NgramSpeculator(args.num_draft_tokens, args.speculative_ngram_max_trie_depth)
+            if args.speculative_algorithm == "NGRAM"
+            else None
+        )
+        self.stats.speculative = self.speculator is not None
+        self.context_length = int(self.runner.info()["context_length"])
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(
             args.enable_metrics or args.req_waiting_timeout or args.req_running_timeout
@@ -280,22 +288,25 @@ class Scheduler:
         micro-batch when its ids come back from the last stage)."""
         consensus.agree_before_step(batch.identity)  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
+        drafts = None
         if batch.phase is Phase.DECODE:
-            ok = self.kv.reserve_extend(batch.reqs, batch.extend_lens)
+            drafts = self._drafts(batch)
+            lens = batch.extend_lens if drafts is None else [1 + len(d) for d in drafts]
+            ok = self.kv.reserve_extend(batch.reqs, lens)
             assert ok, "decode room was checked"
         if batch.phase is Phase.PREFILL:
             self.stats.on_prefill(batch)
         else:
             self.stats.on_decode()
-        forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
+        forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device, drafts)
         step = self.forward_steps + 1
         self.faults.before_forward(step)
-        ids = self._run(batch, forward_batch, step)
+        ids = self._run(batch, forward_batch, step, drafts)
         self.forward_steps = step
         sampled = [batch.samples(i) for i in range(len(batch.reqs))]  # before kv_len moves
         tokens = sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
-        for req, n, done in zip(batch.reqs, batch.extend_lens, sampled):
-            req.kv_len += n
+        for i, (req, n, done) in enumerate(zip(batch.reqs, batch.extend_lens, sampled)):
+            req.kv_len += n if drafts is None else n + len(drafts[i])  # until `complete` trims the rejected
             if not done:
                 self.chunked_req = req  # a mid-prompt chunk: its next chunk may run at once
                 continue
@@ -304,51 +315,82 @@ class Scheduler:
                 self.running.append(req)
         self.stats.timer.forward_end()
         self.stats.after_step(tokens)
-        return Launched(batch, sampled, ids)
+        return Launched(batch, sampled, ids, drafts)
 
-    def _run(self, batch: ScheduleBatch, forward_batch: ForwardBatch, step: int) -> list[int] | None:
+    def _drafts(self, batch: ScheduleBatch) -> list[list[int]] | None:
+        """A decode step's drafts (--speculative-algorithm), or None: none drafted, or their KV
+        does not fit in the free pages (drafts never evict the prefix cache)."""
+        if self.speculator is None:
+            return None
+        drafts = self.speculator.drafts(batch.reqs, self.context_length)
+        if not any(drafts) or not self.kv.fits_free(batch.reqs, [1 + len(d) for d in drafts]):
+            return None
+        return drafts
+
+    def _run(
+        self,
+        batch: ScheduleBatch,
+        forward_batch: ForwardBatch,
+        step: int,
+        drafts: list[list[int]] | None = None,
+    ) -> list[int] | None:
         """The step's forward and sampled ids (None on an earlier pipeline stage), its logprobs
-        recorded. With --is-embedding each request keeps its prompt's embedding instead (every rank
-        computes the same); its request asked for no token, so `complete` finishes it."""
-        plan = plan_logprobs(batch, compute=self.send_output is not None)  # None unless one asked
-        inputs = self._sampling_inputs(batch, step, plan)
+        recorded: a row per request, or with `drafts` per request and draft (every row's logprobs
+        are recorded; `complete` keeps those of the tokens taken). With --is-embedding each request
+        keeps its prompt's embedding instead (every rank computes the same); its request asked for
+        no token, so `complete` finishes it."""
+        rows = batch if drafts is None else batch.verify_rows(drafts)
+        plan = plan_logprobs(rows, compute=self.send_output is not None)  # None unless one asked
+        inputs = self._sampling_inputs(batch, step, plan, drafts)
         out = self.runner.step(forward_batch, inputs)
         if out is None:
             return None
         if inputs.sync_across_tp:
             self.stats.on_token_sync()
         if plan is not None and out.logprobs is not None:
-            record_logprobs(batch, plan, out.logprobs)
+            record_logprobs(rows, plan, out.logprobs)
         for req, embedding in zip(batch.reqs, out.embeddings or []):
             req.embedding = embedding
         return out.next_ids
 
-    def _sampling_inputs(self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None) -> SamplingInputs:
+    def _sampling_inputs(
+        self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None, drafts: list[list[int]] | None = None
+    ) -> SamplingInputs:
         """How the runner turns this step's logits into ids: the requests' settings and, when a
-        request of the batch is constrained, its matcher. The TP sync is a scheduling decision,
-        made from the batch, the same on every rank: always with --sync-token-ids-across-tp, and
-        with a grammar in the batch (SGLang's rule: each rank's matcher follows its ids)."""
-        reqs = batch.reqs
+        request of the batch is constrained, its matcher; with `drafts`, draft j's row samples at
+        output position len(output_ids) + j with the drafts before it as output (penalties,
+        min_new_tokens), as plain decoding would have. The TP sync is a scheduling decision,
+        made from the batch, the same on every rank: always with --sync-token-ids-across-tp, with
+        a grammar in the batch (SGLang's rule: each rank's matcher follows its ids), and in a verify
+        step (the accept counts follow the ids)."""
+        reqs, outputs = batch.reqs, [r.output_ids for r in batch.reqs]
+        if drafts is not None:
+            rows = [(req, draft[:j]) for req, draft in zip(batch.reqs, drafts) for j in range(len(draft) + 1)]
+            reqs, outputs = (
+                [req for req, _ in rows],
+                [req.output_ids + d if d else req.output_ids for req, d in rows],
+            )
         eos = self.stop_checker.eos_token_ids
         grammars = [r.grammar for r in reqs]
         constrained = any(g is not None for g in grammars)
         vocab = self.runner.vocab_size
+        verify = drafts is not None and self.parallel.tp_size > 1
         return SamplingInputs(
             temperatures=[r.sampling_params.temperature for r in reqs],
             top_ps=[r.sampling_params.top_p for r in reqs],
             top_ks=[r.sampling_params.top_k for r in reqs],
             min_ps=[r.sampling_params.min_p for r in reqs],
             seeds=[r.seed for r in reqs],
-            output_positions=[len(r.output_ids) for r in reqs],
+            output_positions=[len(out) for out in outputs],
             penalties=[r.sampling_params.penalties for r in reqs],
-            output_ids=[r.output_ids for r in reqs],
+            output_ids=outputs,
             prompt_ids=[r.origin_input_ids for r in reqs],
             logit_biases=[r.sampling_params.logit_bias for r in reqs],
-            banned_ids=[r.sampling_params.banned_ids(len(r.output_ids), eos) for r in reqs],
+            banned_ids=[r.sampling_params.banned_ids(len(out), eos) for r, out in zip(reqs, outputs)],
             grammars=grammars if constrained else [],
             grammar_backend=self.grammars if constrained else None,
             logprobs=None if plan is None else plan.rows,
-            sync_across_tp=self.sync_token_ids or self._grammar_sync(constrained),
+            sync_across_tp=self.sync_token_ids or self._grammar_sync(constrained) or verify,
             corrupt_ids=(lambda ids: self.faults.corrupt_tokens(step, ids, vocab))
             if self.faults.active
             else None,
@@ -369,9 +411,14 @@ class Scheduler:
         return on
 
     def complete(self, launched: Launched, next_ids: list[int]) -> None:
-        """Appends a launched batch's sampled tokens, checks stops, finishes requests."""
-        batch = launched.batch
+        """Appends a launched batch's sampled tokens, checks stops, finishes requests. In a verify
+        step a request takes its samples while they equal its drafts, each token checked in turn."""
+        batch, drafts = launched.batch, launched.drafts
+        row = 0
         for i, req in enumerate(batch.reqs):
+            draft = drafts[i] if drafts is not None else []
+            samples = [int(t) for t in next_ids[row : row + 1 + len(draft)]]
+            row += 1 + len(draft)
             if not launched.sampled[i] or req.finished:
                 continue  # a mid-prompt chunk, or aborted while its tokens were on the way
             req.awaiting_token = False
@@ -380,11 +427,16 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:  # a prompt scored for its logprobs only
                 self._finish(req, FinishReason("length"))
                 continue
-            req.output_ids.append(int(next_ids[i]))
-            reason = advance(
-                req, int(next_ids[i]), skip=self.faults.skip_grammar_accept(self.forward_steps, req)
-            )
-            reason = reason or self.stop_checker.check(req)
+            taken, reason = 0, None
+            for token in accepted_tokens(draft, samples):
+                req.output_ids.append(token)
+                taken += 1
+                reason = advance(req, token, skip=self.faults.skip_grammar_accept(self.forward_steps, req))
+                reason = reason or self.stop_checker.check(req)
+                if reason is not None:
+                    break
+            if drafts is not None:
+                self._verified(req, draft, taken)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
@@ -393,8 +445,25 @@ class Scheduler:
             elif req.sent_len == 0 and (req.stream or self.first_token_at_once):
                 self.outbox.append(req)
 
+    def _verified(self, req: Req, draft: list[int], taken: int) -> None:
+        """After a verify step: the KV of the rows past the tokens taken freed (never cached), the
+        logprobs of the rows not taken dropped, the speculator told."""
+        self.kv.trim(req, req.kv_len - (1 + len(draft)) + taken)
+        lp = req.output_logprobs
+        if req.return_logprob and self.send_output is not None:
+            keep = len(req.output_ids) - req.resumed_len
+            del lp.values[keep:], lp.token_ids[keep:], lp.top[keep:], lp.ids[keep:]
+        assert self.speculator is not None
+        self.speculator.verified(req, draft, taken)
+        if draft:
+            self.stats.on_verified(taken)
+
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
+        if req.kv_len > req.seq_len:  # aborted while a verify step's ids were on the way
+            self.kv.trim(req, req.seq_len)
+        if self.speculator is not None:
+            self.speculator.forget(req.rid)
         if req.return_routed_experts and self.send_output is not None:
             req.routed_experts = self.kv.routed_experts(req)
         self.kv.release(req, insert=True)

@@ -117,6 +117,11 @@ class SchedulerStats:
     forward_steps: int = 0  # counted with metrics on
     prompt_tokens: int = 0  # of requests whose prompt is done, since start
     cache_hit_tokens: int = 0  # of those, served from the prefix cache
+    speculative: bool = False  # verify steps: the decode line and /metrics show the accept length
+    verified_since_log: int = 0  # request rows of verify steps since the last decode line
+    taken_since_log: int = 0  # tokens they took (accepted drafts + 1 each)
+    verified_total: int = 0  # the same since start (/metrics)
+    taken_total: int = 0
     timer: StepTimer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -157,17 +162,31 @@ class SchedulerStats:
         throughput = self.generated_since_log / max(now - self.last_log_time, 1e-9)
         self.generated_since_log, self.last_log_time = 0, now
         load = self.load()
+        verified = self.verified_since_log
+        accept = self.taken_since_log / verified if verified else 1.0
+        self.verified_since_log = self.taken_since_log = 0
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
             "#queue-req: %d",
             load.running,
             load.used_tokens,
             load.token_usage,
+            f"accept len: {accept:.2f}, " if self.speculative else "",
             throughput,
             load.waiting,
         )
         if self.metrics is not None and self.metrics.is_output_rank:
             self.metrics.set(gen_throughput=throughput)
+            if self.verified_total:
+                self.metrics.set(spec_accept_length=self.taken_total / self.verified_total)
+
+    def on_verified(self, taken: int) -> None:
+        """A request of a verify step took `taken` tokens (its accepted drafts and one more)."""
+        self.verified_since_log += 1
+        self.taken_since_log += taken
+        self.verified_total += 1
+        self.taken_total += taken
+        self.generated_since_log += taken - 1  # after_step counted one
 
     def after_step(self, sampled: int) -> None:
         """After a forward step that produced `sampled` output tokens. Every --decode-log-interval

@@ -18,6 +18,7 @@ from srt.server_args import (
     REASONING_PARSERS,
     ROUTER_POLICIES,
     SCHEDULE_POLICIES,
+    SPECULATIVE_FIXED,
     TOOL_CALL_PARSERS,
     ServerArgs,
 )
@@ -478,6 +479,40 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 type=float,
                 default=_default("restart_window"),
                 help="seconds over which --restart-on-failure counts restarts",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Speculative decoding",
+        ("usage.md",),
+        (
+            _flag(
+                "--speculative-algorithm",
+                default=None,
+                help="NGRAM: each decode step checks drafts taken from the request's own prompt and output "
+                "where its last tokens occurred before; the tokens are those of plain decoding (SGLang's other "
+                "algorithms are refused by name)",
+            ),
+            _flag(
+                "--speculative-num-draft-tokens",
+                type=int,
+                default=None,
+                help="rows a request feeds a verify step: its last token and up to this many - 1 drafts (default 12)",
+            ),
+            _flag(
+                "--speculative-ngram-max-trie-depth",
+                type=int,
+                default=None,
+                help="the longest run of a request's last tokens matched against its earlier tokens (default 18)",
+            ),
+            *(
+                _flag(
+                    "--" + name.replace("_", "-"),
+                    type=type(default) if default is not None else str,
+                    default=None,
+                    note=f"SGLang's; accepted at its default ({default}) only: {why}",
+                )
+                for name, default, why in SPECULATIVE_FIXED
             ),
         ),
     ),

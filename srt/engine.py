@@ -126,6 +126,8 @@ class Engine:
         context_length: int | None = None,
         start_timeout_s: float = 300.0,
         quantization: str | None = None,
+        speculative_algorithm: str | None = None,
+        speculative_num_draft_tokens: int | None = None,
     ) -> None:
 
         self.model_dir = resolve_model_path(model_path)
@@ -153,6 +155,8 @@ class Engine:
             context_length=context_length,
             quantization=quantization,
             disable_radix_cache=True,
+            speculative_algorithm=speculative_algorithm,
+            speculative_num_draft_tokens=speculative_num_draft_tokens,
         )
         self.config: RunnerConfig = runner_config(self.args, self.model_dir)
         self.runner: ModelRunner | None = None

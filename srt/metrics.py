@@ -146,6 +146,8 @@ class RankMetrics:
             "kv_free_pages": "KV pages free",
             "kv_cached_pages": "KV pages held by the prefix cache",
             "kv_used_pages": "KV pages allocated (prefix cache and running requests)",
+            "spec_accept_length": "Tokens a drafting request took per verify step (accepted drafts + 1), "
+            "since start (--speculative-algorithm)",
         }
         self.gauges = {
             name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent") for name, doc in gauges.items()

@@ -27,6 +27,22 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "generic")  # SGLang's two, and srt's own (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/weights.py
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # scheduler/speculative.py
+# SGLang's other algorithms, refused by name
+SGLANG_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "DSPARK", "UNO")
+NGRAM_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM: a request's last token and 11 drafts
+# SGLang's speculative flags srt accepts at their defaults only: (field, default, why another value is refused)
+SPECULATIVE_FIXED: tuple[tuple[str, Any, str], ...] = (
+    ("speculative_ngram_min_bfs_breadth", 1, "srt drafts one chain per request"),
+    ("speculative_ngram_max_bfs_breadth", 10, "srt drafts one chain per request"),
+    ("speculative_ngram_match_type", "BFS", "srt drafts one chain per request"),
+    ("speculative_ngram_capacity", 10_000_000, "srt's n-gram index is the request's own tokens"),
+    ("speculative_draft_model_path", None, "draft models are not implemented"),
+    ("speculative_num_steps", None, "it steps a draft model, which srt does not have"),
+    ("speculative_eagle_topk", None, "EAGLE is not implemented"),
+    ("speculative_accept_threshold_single", 1.0, "srt's verification never changes an output"),
+    ("speculative_accept_threshold_acc", 1.0, "srt's verification never changes an output"),
+)
 
 
 DEFAULT_MEM_FRACTION_STATIC = 0.8
@@ -188,6 +204,20 @@ class ServerArgs:
         default_factory=lambda: _env_timeout(ENV_DEFAULTS["req_running_timeout"])
     )
 
+    # Speculative decoding (scheduler/speculative.py): SGLang's flags
+    speculative_algorithm: str | None = None  # "NGRAM": drafts from each request's own tokens
+    speculative_num_draft_tokens: int | None = None  # rows verified per request a step; None: 12
+    speculative_ngram_max_trie_depth: int = 18  # the longest suffix matched
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_capacity: int = 10_000_000
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -199,6 +229,7 @@ class ServerArgs:
         self._check_placement()
         self._check_choices()
         self._check_cuda_graph()
+        self._check_speculative()
 
     def _check_positive(self) -> None:
         for name, optional in POSITIVE_FIELDS:
@@ -296,6 +327,40 @@ class ServerArgs:
             raise ValueError(
                 f"--cuda-graph-bs must be one or more positive sizes, got {list(self.cuda_graph_bs)}"
             )
+
+    def _check_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm in SGLANG_SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-algorithm {algorithm} is not implemented in srt; it has "
+                f"{', '.join(SPECULATIVE_ALGORITHMS)}"
+            )
+        if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; got {algorithm!r}"
+            )
+        for name, default, why in SPECULATIVE_FIXED:
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} is not supported ({why}); "
+                    f"srt takes only its default, {default}"
+                )
+        for name in ("speculative_num_draft_tokens", "speculative_ngram_max_trie_depth"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if algorithm is not None and self.quantization == "gguf":
+            raise ValueError(
+                "--speculative-algorithm cannot keep outputs unchanged with --quantization gguf: decode "
+                "steps of up to 12 rows run on the file's 4-bit blocks, larger ones on a bf16 copy"
+            )
+        if algorithm is not None and self.is_embedding:
+            raise ValueError("--speculative-algorithm decodes; --is-embedding serves no decode step")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Rows verified per request in a speculative step (its last token and its drafts)."""
+        return self.speculative_num_draft_tokens or NGRAM_NUM_DRAFT_TOKENS
 
     # ---- derived ----
     @property

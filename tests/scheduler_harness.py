@@ -28,8 +28,16 @@ class Harness:
     """micro_batches > 1: the pipeline loop on one stage (tokens come back `micro_batches`
     iterations after their batch was launched, as from a last stage that far down the pipe)."""
 
-    def __init__(self, model_dir: Path, micro_batches: int = 0, **server_args: Any) -> None:
-        self.args = ServerArgs(model_path=str(model_dir), dtype="float32", **server_args)
+    def __init__(
+        self,
+        model_dir: Path,
+        micro_batches: int = 0,
+        dtype: str = "float32",
+        eos_token_ids: frozenset[int] = frozenset(),
+        tokenizer_loader: Any = lambda: None,
+        **server_args: Any,
+    ) -> None:
+        self.args = ServerArgs(model_path=str(model_dir), dtype=dtype, **server_args)
         self.runner = ModelRunner(runner_config(self.args, model_dir))
         self.receiver = FakeReceiver()
         self.outputs: list[Any] = []
@@ -39,8 +47,8 @@ class Harness:
             self.runner,
             self.receiver,
             self.outputs.append,
-            set(),
-            lambda: None,
+            set(eos_token_ids),
+            tokenizer_loader,
         )
         self.scheduler = (
             PipelineScheduler(*args, micro_batches=micro_batches) if micro_batches else Scheduler(*args)

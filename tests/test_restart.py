@@ -292,11 +292,12 @@ INT8 = pytest.mark.skipif(not build.int8_available(), reason="w8a8_int8 needs AM
         ((), "srt::scheduler_TP0"),
         (("--pp-size", "2"), "srt::scheduler_PP1_TP0"),
         (("--tp", "3"), "srt::scheduler_TP2"),
+        (("--speculative-algorithm", "NGRAM"), "srt::scheduler_TP0"),
         pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", marks=INT8),
         pytest.param(("--quantization", "w8a8_int8", "--pp-size", "2"), "srt::scheduler_PP0_TP0", marks=INT8),
         pytest.param(("--quantization", "w8a8_int8", "--tp", "3"), "srt::scheduler_TP1", marks=INT8),
     ],
-    ids=["tp1", "pp2", "tp3", "w8a8_int8-tp1", "w8a8_int8-pp2", "w8a8_int8-tp3"],
+    ids=["tp1", "pp2", "tp3", "ngram-tp1", "w8a8_int8-tp1", "w8a8_int8-pp2", "w8a8_int8-tp3"],
 )
 def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str) -> None:
     """The default server (bundled SmolLM2, bf16, the CPU kernels; deterministic inference on by

@@ -1,0 +1,174 @@
+"""--speculative-algorithm NGRAM never changes an output: on the default path (SmolLM2, bf16, the CPU
+kernels) a request gets the same tokens and logprobs with speculation on as off, greedy or seeded,
+with penalties, stops inside a draft, a grammar beside it, and the pipeline loop; drafts are
+accepted on text that repeats; rejected drafts' KV goes back to the allocator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scheduler_harness import Harness
+from transformers import AutoTokenizer
+
+from model_executor.cpu.kernels import build
+from scheduler.speculative import NgramSpeculator, NgramState, accepted_tokens, ngram_draft
+from srt.io_struct import BatchTokenIDOut, TokenizedGenerateReq
+from srt.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+# SmolLM2's chat template around "Copy this list exactly: apples, pears, ..." (its answer repeats it)
+LIST_PROMPT = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+    19712, 8182, 2, 198, 1, 4093, 198, 32601, 451, 1398, 3869, 42, 13855, 28, 41684, 28, 475, 6245,
+    28, 38702, 28, 8151, 28, 303, 1014, 28, 501, 17493, 271, 28, 18214, 28, 5002, 707, 28, 34526,
+    28, 13855, 28, 41684, 28, 475, 6245, 28, 38702, 30, 2, 198, 1, 520, 9531, 198,
+]  # fmt: skip
+OTHER_PROMPT = [1, 504, 3458, 314, 260, 3656, 282, 4722, 30, 378, 2151, 288, 260, 15661, 282, 253, 1789, 29]
+
+
+def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
+    tokens = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
+    # suffix (1, 2): matched at positions 1-2 and 5-6 (length 2 each; 9 before 1 at 4 != 7 at 8):
+    # the most recent wins
+    assert ngram_draft(tokens, NgramState(), 3, 18) == [4, 7, 1]
+    tokens = [8, 1, 2, 3, 6, 9, 1, 2, 4, 8, 1, 2]
+    assert ngram_draft(tokens, NgramState(), 2, 18) == [3, 6]  # (8, 1, 2) beats (9, 1, 2)
+    assert ngram_draft(tokens, NgramState(), 2, 2) == [4, 8]  # at most 2 matched: the most recent
+    assert ngram_draft([1, 2, 3, 4, 3], NgramState(), 4, 18) == []  # a 1-token match is not enough
+    assert ngram_draft(tokens, NgramState(), 0, 18) == []
+
+
+def test_ngram_index_grows_with_the_tokens() -> None:
+    state, tokens = NgramState(), [1, 2, 3, 1]
+    assert ngram_draft(tokens, state, 4, 18) == []
+    tokens += [2]
+    assert ngram_draft(tokens, state, 4, 18) == [3, 1, 2]
+    assert state.indexed == len(tokens) - 1
+
+
+def test_accepted_tokens() -> None:
+    assert accepted_tokens([], [7]) == [7]
+    assert accepted_tokens([4, 5, 6], [4, 5, 9, 1]) == [4, 5, 9]
+    assert accepted_tokens([4, 5, 6], [4, 5, 6, 1]) == [4, 5, 6, 1]
+    assert accepted_tokens([4, 5, 6], [3, 5, 6, 1]) == [3]
+
+
+def test_draft_lengths_follow_acceptance() -> None:
+    spec = NgramSpeculator(num_draft_tokens=9, max_match=18)
+
+    class R:
+        rid, grammar, remaining_new_tokens, seq_len = "r", None, 100, 10
+        fill_ids = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+
+    req: Any = R()
+    assert spec.drafts([req], 4096) == [[3, 4, 5, 6, 7, 8, 1, 2]]
+    spec.verified(req, [3, 4, 5, 6, 7, 8, 1, 2], 3)  # 2 accepted: the next drafts at most 3
+    assert spec.states["r"].max_drafts == 3
+    assert spec.drafts([req], 4096) == [[3, 4, 5]]
+    spec.verified(req, [3, 4, 5], 1)  # a miss: 2 steps without drafts
+    assert [spec.drafts([req], 4096) for _ in range(3)] == [[[]], [[]], [[3]]]
+    req.remaining_new_tokens = 1  # the last token: nothing to draft
+    spec.states["r"].max_drafts = 8
+    assert spec.drafts([req], 4096) == [[]]
+
+
+def test_flags_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE is not implemented"):
+        ServerArgs(speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="--speculative-ngram-max-bfs-breadth 4 is not supported"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=4)
+    with pytest.raises(ValueError, match="--speculative-accept-threshold-single"):
+        ServerArgs(speculative_accept_threshold_single=0.5)
+    with pytest.raises(ValueError, match="--quantization gguf"):
+        ServerArgs(speculative_algorithm="NGRAM", quantization="gguf")
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be positive"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
+    assert ServerArgs(speculative_algorithm="NGRAM").num_draft_tokens == 12
+
+
+class Run:
+    """One in-process scheduler on SmolLM2 bf16; each request's tokens, finish and logprobs."""
+
+    def __init__(self, model_dir: Path, spec: bool, **args: Any) -> None:
+        self.h = Harness(
+            model_dir,
+            dtype="bfloat16",
+            eos_token_ids=frozenset({2}),
+            tokenizer_loader=lambda: AutoTokenizer.from_pretrained(model_dir),
+            speculative_algorithm="NGRAM" if spec else None,
+            **args,
+        )
+        self.logprobs: dict[str, list[float]] = {}
+        self.tops: dict[str, list[Any]] = {}
+        collect = self.h._collect
+
+        def collect_logprobs() -> None:
+            for out in self.h.outputs:
+                if isinstance(out, BatchTokenIDOut):
+                    for rid, lp in zip(out.rids, out.output_logprobs):
+                        if lp is not None:
+                            self.logprobs.setdefault(rid, []).extend(lp.values)
+                            self.tops.setdefault(rid, []).extend(lp.top)
+            collect()
+
+        self.h._collect = collect_logprobs  # type: ignore[method-assign]
+
+    def run(self, requests: list[tuple[str, list[int], SamplingParams, dict[str, Any]]]) -> dict[str, Any]:
+        for rid, ids, params, extra in requests:
+            self.h.send(TokenizedGenerateReq(rid, ids, params, seed=11, **extra))
+        steps = self.h.scheduler.forward_steps
+        self.h.run_until_idle()
+        assert self.h.integrity_error() is None
+        return {
+            "tokens": dict(self.h.tokens),
+            "finished": {rid: (r.type, r.matched) for rid, r in self.h.finished.items()},
+            "logprobs": self.logprobs,
+            "tops": self.tops,
+            "steps": self.h.scheduler.forward_steps - steps,
+        }
+
+
+REQUESTS = [
+    ("greedy", LIST_PROMPT, SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True), {}),
+    ("seeded", LIST_PROMPT, SamplingParams(max_new_tokens=50, temperature=0.7, top_p=0.9), {}),
+    (
+        "penalties",
+        LIST_PROMPT,
+        SamplingParams(max_new_tokens=40, temperature=0.0, frequency_penalty=0.3, repetition_penalty=1.1),
+        {},
+    ),
+    (
+        "logprobs",
+        LIST_PROMPT,
+        SamplingParams(max_new_tokens=30, temperature=0.0),
+        {"return_logprob": True, "top_logprobs_num": 2},
+    ),
+    ("stop", LIST_PROMPT, SamplingParams(max_new_tokens=60, temperature=0.0, stop=["plums, figs"]), {}),
+    ("min_new", LIST_PROMPT, SamplingParams(max_new_tokens=33, min_new_tokens=20, temperature=0.0), {}),
+    ("other", OTHER_PROMPT, SamplingParams(max_new_tokens=40, temperature=0.0), {}),
+    (
+        "regex",
+        OTHER_PROMPT,
+        SamplingParams(max_new_tokens=20, temperature=0.0, regex="(yes|no)[a-z ]{0,30}"),
+        {},
+    ),
+]
+
+pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the CPU kernels did not build here")
+
+
+@pytest.mark.parametrize("micro_batches", [0, 2], ids=["one_stage", "pipeline_loop"])
+def test_outputs_equal_with_speculation_off(smollm2_dir: Path, micro_batches: int) -> None:
+    off = Run(smollm2_dir, spec=False, micro_batches=micro_batches).run(REQUESTS)
+    on_run = Run(smollm2_dir, spec=True, micro_batches=micro_batches)
+    on = on_run.run(REQUESTS)
+    assert on["tokens"] == off["tokens"]
+    assert on["finished"] == off["finished"]
+    assert on["logprobs"] == off["logprobs"] and len(on["logprobs"]["logprobs"]) == 30
+    assert on["tops"] == off["tops"]
+    assert on["finished"]["stop"] == ("stop", "plums, figs")
+    # drafts were taken: fewer steps for the same tokens
+    assert on["steps"] < 0.8 * off["steps"], (on["steps"], off["steps"])
+    assert on_run.h.scheduler.speculator is not None and not on_run.h.scheduler.speculator.states
