@@ -15,7 +15,7 @@ Every rank does all of it identically, from the same broadcast messages and the 
 from __future__ import annotations
 
 import consensus
-from model_executor.constrained import GrammarError, LazyGrammarBackend
+from model_executor.constrained import GrammarError, LazyGrammarBackend, Matcher
 from scheduler.req import Req
 from srt.io_struct import FinishReason
 
@@ -39,6 +39,22 @@ def rebuild_matcher(req: Req) -> None:
     if req.grammar is not None:
         req.grammar.rebuild(req.output_ids)
         consensus.record("grammar", (req.rid, *req.grammar.state))
+
+
+def draft_matchers(req: Req, draft: list[int]) -> tuple[list[int], list[Matcher]]:
+    """A constrained request's drafts as far as its grammar allows them, and the matcher of each
+    draft's row (forks of its own, each past the drafts before it); its own matcher is untouched.
+    A draft that the grammar refuses, or after which it has terminated, ends the drafts before it."""
+    matcher = req.grammar
+    if matcher is None:
+        return draft, []
+    forks: list[Matcher] = []
+    for j, token in enumerate(draft):
+        matcher = matcher.fork()
+        if not matcher.accept(token) or matcher.terminated:
+            return draft[:j], forks
+        forks.append(matcher)
+    return draft, forks
 
 
 def advance(req: Req, token: int, skip: bool = False) -> FinishReason | None:

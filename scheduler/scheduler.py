@@ -16,14 +16,14 @@ import torch
 import consensus
 from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
-from model_executor.constrained import JsonOptions, LazyGrammarBackend
+from model_executor.constrained import JsonOptions, LazyGrammarBackend, Matcher
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.forward_batch import ForwardBatch
 from model_executor.model_runner import ModelRunner
 from model_executor.sampling_inputs import SamplingInputs
 from scheduler.admission import Admission, RequestQueues
 from scheduler.fault_injection import FaultInjector
-from scheduler.grammar import advance, attach_matcher
+from scheduler.grammar import advance, attach_matcher, draft_matchers
 from scheduler.kv_manager import KVManager
 from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
 from scheduler.receiver import RequestReceiver
@@ -126,6 +126,7 @@ class Scheduler:
         )
         self.stats.speculative = self.speculator is not None
         self.context_length = int(self.runner.info()["context_length"])
+        self.draft_grammars: list[list[Matcher]] = []  # a verify step's row matchers (draft_matchers)
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(
             args.enable_metrics or args.req_waiting_timeout or args.req_running_timeout
@@ -288,7 +289,7 @@ class Scheduler:
         micro-batch when its ids come back from the last stage)."""
         consensus.agree_before_step(batch.identity)  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
-        drafts = None
+        drafts, self.draft_grammars = None, []
         if batch.phase is Phase.DECODE:
             drafts = self._drafts(batch)
             lens = batch.extend_lens if drafts is None else [1 + len(d) for d in drafts]
@@ -323,7 +324,12 @@ class Scheduler:
         if self.speculator is None:
             return None
         drafts = self.speculator.drafts(batch.reqs, self.context_length)
+        if any(req.grammar is not None for req in batch.reqs):
+            cut = [draft_matchers(req, draft) for req, draft in zip(batch.reqs, drafts)]
+            drafts = [draft for draft, _ in cut]
+            self.draft_grammars = [forks for _, forks in cut]
         if not any(drafts) or not self.kv.fits_free(batch.reqs, [1 + len(d) for d in drafts]):
+            self.draft_grammars = []
             return None
         return drafts
 
@@ -364,14 +370,21 @@ class Scheduler:
         a grammar in the batch (SGLang's rule: each rank's matcher follows its ids), and in a verify
         step (the accept counts follow the ids)."""
         reqs, outputs = batch.reqs, [r.output_ids for r in batch.reqs]
+        grammars = [r.grammar for r in reqs]
         if drafts is not None:
             rows = [(req, draft[:j]) for req, draft in zip(batch.reqs, drafts) for j in range(len(draft) + 1)]
             reqs, outputs = (
                 [req for req, _ in rows],
                 [req.output_ids + d if d else req.output_ids for req, d in rows],
             )
+            forks = self.draft_grammars or [[] for _ in drafts]
+            grammars = [
+                g
+                for req, draft, f in zip(batch.reqs, drafts, forks)
+                for g in ([req.grammar, *f] if req.grammar is not None else [None] * (1 + len(draft)))
+            ]
+            assert len(grammars) == len(reqs)
         eos = self.stop_checker.eos_token_ids
-        grammars = [r.grammar for r in reqs]
         constrained = any(g is not None for g in grammars)
         vocab = self.runner.vocab_size
         verify = drafts is not None and self.parallel.tp_size > 1

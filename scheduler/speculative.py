@@ -16,7 +16,8 @@ decoding's tokens, at any temperature. The KV of rows past the last token taken 
 
 Every rank decides alike: drafts and draft lengths are functions of a request's tokens and of the
 accept counts so far, the sampled ids are MIN-synced over TP (at tp > 1), and each request's
-(drafts, accepted) goes into the consensus digest.
+(drafts, accepted) goes into the consensus digest. A constrained request's row j is masked by a fork
+of its matcher past d1..dj; the request's own matcher advances only on the tokens taken.
 """
 
 from __future__ import annotations
@@ -94,16 +95,16 @@ class NgramSpeculator:
         return self.taken_total / self.verified_total if self.verified_total else 1.0
 
     def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
-        """Each request's drafts: none for a constrained request (its matcher advances only on
-        tokens taken), and never past max_new_tokens or the context (the last row samples one
-        more token than it drafts)."""
+        """Each request's drafts, never past max_new_tokens or the context (the last row samples
+        one more token than it drafts); a constrained request's are cut to what its grammar allows
+        by the scheduler (scheduler/grammar.py draft_matchers)."""
         out = []
         for req in reqs:
             state = self.states.get(req.rid)
             if state is None:
                 state = self.states[req.rid] = NgramState(max_drafts=self.max_drafts)
             room = min(state.max_drafts, req.remaining_new_tokens - 1, context_length - req.seq_len - 1)
-            if req.grammar is not None or state.pause > 0:
+            if state.pause > 0:
                 state.pause = max(state.pause - 1, 0)
                 room = 0
             out.append(ngram_draft(req.fill_ids, state, room, self.max_match))

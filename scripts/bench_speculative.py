@@ -29,13 +29,13 @@ sys.path.insert(0, str(ROOT))
 from srt.engine import Engine  # noqa: E402
 from srt.sampling_params import SamplingParams  # noqa: E402
 
-CODE = '''def area(shape, size):
+CODE = """def area(shape, size):
     if shape == "square":
         return size * size
     if shape == "circle":
         return 3.14159 * size * size
     raise ValueError(f"unknown shape {shape}")
-'''
+"""
 REPETITIVE = [
     f"Rename the function area to surface in this code and print the whole code again:\n{CODE}",
     f"Add a docstring to this function and show the full function:\n{CODE}",
@@ -86,7 +86,9 @@ def accept_totals(engine: Engine) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
@@ -123,7 +125,9 @@ def main() -> None:
                     rates.setdefault((name, bs, side), []).append(n / seconds)
                     if side == "on":
                         after = accept_totals(engines[side])
-                        accepts.setdefault((name, bs), []).append((after[0] - before[0], after[1] - before[1]))
+                        accepts.setdefault((name, bs), []).append(
+                            (after[0] - before[0], after[1] - before[1])
+                        )
                 same[(name, bs)] = same.get((name, bs), True) and tokens["on"] == tokens["off"]
                 print(
                     f"round {r + 1} {name:10s} batch {bs:3d}: off {statistics.median(rates[(name, bs, 'off')]):7.1f}"

@@ -25,6 +25,7 @@ LIST_PROMPT = [
     28, 38702, 28, 8151, 28, 303, 1014, 28, 501, 17493, 271, 28, 18214, 28, 5002, 707, 28, 34526,
     28, 13855, 28, 41684, 28, 475, 6245, 28, 38702, 30, 2, 198, 1, 520, 9531, 198,
 ]  # fmt: skip
+LIST_REGEX = r"Here is the list[a-z ]*: [a-z]+(, [a-z]+)*\."  # the answer, up to its period
 OTHER_PROMPT = [1, 504, 3458, 314, 260, 3656, 282, 4722, 30, 378, 2151, 288, 260, 15661, 282, 253, 1789, 29]
 
 
@@ -154,6 +155,7 @@ REQUESTS = [
         SamplingParams(max_new_tokens=20, temperature=0.0, regex="(yes|no)[a-z ]{0,30}"),
         {},
     ),
+    ("regex_list", LIST_PROMPT, SamplingParams(max_new_tokens=64, temperature=0.0, regex=LIST_REGEX), {}),
 ]
 
 pytestmark = pytest.mark.skipif(build.kernels() is None, reason="the CPU kernels did not build here")
@@ -172,3 +174,14 @@ def test_outputs_equal_with_speculation_off(smollm2_dir: Path, micro_batches: in
     # drafts were taken: fewer steps for the same tokens
     assert on["steps"] < 0.8 * off["steps"], (on["steps"], off["steps"])
     assert on_run.h.scheduler.speculator is not None and not on_run.h.scheduler.speculator.states
+
+
+def test_a_constrained_request_takes_drafts_its_grammar_allows(smollm2_dir: Path) -> None:
+    """Its drafts' rows are masked by forks of its matcher; the request's own matcher advances on
+    the tokens taken only, and it ends as its grammar does, as without speculation."""
+    request = [r for r in REQUESTS if r[0] == "regex_list"]
+    off = Run(smollm2_dir, spec=False).run(request)
+    on = Run(smollm2_dir, spec=True).run(request)
+    assert on["tokens"] == off["tokens"] and on["finished"] == off["finished"]
+    assert on["finished"]["regex_list"][0] == "stop" and len(on["tokens"]["regex_list"]) > 20
+    assert on["steps"] < 0.7 * off["steps"], (on["steps"], off["steps"])

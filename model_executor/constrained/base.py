@@ -46,6 +46,10 @@ class Matcher(ABC):
     """One request's position in its grammar. Mutated only by `accept` and `rebuild`."""
 
     @abstractmethod
+    def fork(self) -> Matcher:
+        """An independent copy at the same position (a speculative step's draft rows)."""
+
+    @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into bitmask[row] (int32 words, bit i of word w is token
         32 w + i); mutates nothing else."""

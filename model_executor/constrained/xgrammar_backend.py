@@ -27,6 +27,11 @@ class XGrammarMatcher(Matcher):
         self._matcher = xgrammar.GrammarMatcher(compiled)
         self._accepted = 0
 
+    def fork(self) -> Matcher:
+        copy = XGrammarMatcher.__new__(XGrammarMatcher)
+        copy._matcher, copy._accepted = self._matcher.fork(), self._accepted
+        return copy
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
