@@ -16,13 +16,15 @@ from tiny_models import hf_float32, hf_forced_logits, hf_greedy, make_tiny_model
 from model_executor.cpu.kernels import build
 
 TESTS = Path(__file__).parent
-FORCED = ("avx512_bf16", "avx512", "none")
+FORCED = ("avx512_bf16", "avx512", "avx2", "none")
 STEPS = 16
 
 
 def test_an_unknown_isa_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(build.ISA_ENV, "sse2")
-    with pytest.raises(ValueError, match="SRT_CPU_KERNEL_ISA must be one of auto, avx512_bf16, avx512, none"):
+    with pytest.raises(
+        ValueError, match="SRT_CPU_KERNEL_ISA must be one of auto, avx512_bf16, avx512, avx2, none"
+    ):
         build.kernel_isa()
 
 
@@ -32,6 +34,7 @@ def test_an_unknown_isa_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
         ("auto", ()),
         ("AVX512_BF16", ("-mno-amx-tile",)),
         ("avx512", ("-mno-amx-int8", "-mno-avx512bf16", "-mno-avx512vnni")),
+        ("avx2", ("-mno-amx-tile", "-mno-avx512f")),
     ],
 )
 def test_a_forced_isa_builds_without_what_that_cpu_lacks(
@@ -106,7 +109,7 @@ def run_forced(isa: str, model_dir: Path, tmp_path: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(build._compiler() is None, reason="no C compiler: only the torch path runs here")
 def test_every_forced_kernel_path_keeps_parity_with_transformers(tmp_path: Path) -> None:
-    """Each path (no AMX; no AVX-512 BF16 nor VNNI; no C kernels) says so at start-up and gives
+    """Each path (no AMX; no AVX-512 BF16 nor VNNI; no AVX-512 at all; no C kernels) says so at start-up and gives
     logits as close to fp32 transformers as the torch ops do (the bound of
     test_bf16_model_with_kernels_is_as_accurate_as_torch_ops), and transformers' greedy tokens at TP 1
     and 2 (or the other side of a near-tie of transformers' fp32 logits)."""
@@ -117,13 +120,19 @@ def test_every_forced_kernel_path_keeps_parity_with_transformers(tmp_path: Path)
     want_greedy = [hf_greedy(hf, p, STEPS) for p in prompts]
     results = {isa: run_forced(isa, model_dir, tmp_path) for isa in FORCED}
 
-    none, avx512, avx512_bf16 = results["none"], results["avx512"], results["avx512_bf16"]
+    none, avx512_bf16 = results["none"], results["avx512_bf16"]
     assert not none["loaded"] and "SRT_CPU_KERNEL_ISA=none" in none["paths"]
     assert not any(none["probes"].values())
-    assert avx512["loaded"] and not any(avx512["probes"].values()), avx512
-    assert (
-        "torch (this CPU has no AVX-512 BF16)" in avx512["paths"] and "refused (no VNNI)" in avx512["paths"]
-    )
+    for isa in ("avx512", "avx2"):  # no AVX-512 BF16 nor VNNI: the bf16 linears on AVX2 and FMA
+        result = results[isa]
+        assert result["loaded"] and result["probes"] == {
+            "amx_available": False,
+            "bf16_linear_available": True,
+            "int8_available": False,
+            "prefill_kernel_available": False,
+        }, result
+        assert "bf16 linears on AVX2 FMA" in result["paths"] and "refused (no VNNI)" in result["paths"]
+    assert "plain loops: this CPU has no AVX-512" in results["avx2"]["paths"]
     if build.bf16_linear_available():  # this CPU has AVX-512 BF16: so does the forced level below AMX
         assert avx512_bf16["probes"] == {
             "amx_available": False,

@@ -1,5 +1,5 @@
-"""The packed bf16 paths (our kernel on AMX or AVX-512 BF16 where the CPU has either, else oneDNN) give
-F.linear's results and are used for every linear layer in bf16."""
+"""The packed bf16 paths (our kernel on AMX, AVX-512 BF16 or AVX2 and FMA where the CPU has one, else
+oneDNN) give F.linear's results and are used for every linear layer in bf16."""
 
 from __future__ import annotations
 
@@ -21,9 +21,15 @@ from model_executor.cpu.linear import (
 )
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
+pytestmark = pytest.mark.skipif(
+    not (onednn_bf16_available() or build.bf16_linear_available()),
+    reason="neither oneDNN bf16 nor our packed kernel on this CPU",
+)
+# A weight our kernel's tiles do not cover goes to oneDNN's packed bf16 GEMM, where it has one.
+needs_onednn = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 on this CPU")
 
 
+@needs_onednn
 @pytest.mark.parametrize("m", [1, 7, 64, AMX_MAX_ROWS + 3])
 def test_packed_bf16_linear_matches_f_linear(m: int) -> None:
     g = torch.Generator().manual_seed(0)
@@ -51,7 +57,7 @@ def test_bf16_runner_packs_every_linear(tiny_model_dirs: dict[str, Path]) -> Non
 
 
 needs_packed = pytest.mark.skipif(
-    not build.bf16_linear_available(), reason="neither AMX nor AVX-512 BF16 on this CPU"
+    not build.bf16_linear_available(), reason="neither AMX nor AVX-512 BF16 nor AVX2 and FMA on this CPU"
 )
 
 
@@ -82,31 +88,48 @@ def test_packed_linear_is_the_fp32_product_rounded_once(m: int) -> None:
 
 @pytest.mark.skipif(
     not build.bf16_linear_available() or build.amx_available(),
-    reason="the AVX-512 BF16 kernel runs only where AMX does not",
+    reason="the AVX-512 BF16 and AVX2 kernels run only where AMX does not",
 )
-def test_avx512_linear_gives_each_row_the_same_bits_in_any_batch() -> None:
-    """Without AMX a row's outputs do not depend on the rows beside it (each sum runs over k in one
-    order whatever the row count and tiling): a request decodes the same tokens alone or in a
-    batch. Also across the thread split (n = 1024 outputs, so both threads get blocks) and for
-    every tail of the 6-row tiles, in all three output forms."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_without_amx_gives_each_row_the_same_bits_in_any_batch(threads: int) -> None:
+    """Without AMX (AVX-512 BF16, or AVX2 and FMA) a row's outputs do not depend on the rows beside
+    it nor on the thread count (each sum runs over k in one order whatever the row count, tiling
+    and thread split): a request decodes the same tokens alone or in a batch, and speculative
+    decoding's verify step gives the draft's bits. n = 1024 outputs, so that two threads share
+    them; every tail of the 6-row (AVX-512) and 3-row (AVX2) tiles; all three output forms; the
+    whole batch on 2 threads against its parts on `threads`."""
     weight, bias, x, packed = kernel_case(70, 1024, 576)
     d = 512  # as a gate_up weight: gate rows 0-511, up rows 512-1023
-    whole = (
-        ops.bf16_linear(x, packed, bias),
-        ops.bf16_linear(x, packed, bias, torch.float32),
-        ops.bf16_linear_silu(x, packed),
-    )
+
+    def forms(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            ops.bf16_linear(rows, packed, bias),
+            ops.bf16_linear(rows, packed, bias, torch.float32),
+            ops.bf16_linear_silu(rows, packed),
+        )
+
+    whole = forms(x)
     assert whole[2].shape == (70, d)
-    for rows in (1, 2, 5, 6, 7, 13, 64):
-        for start in (0, 70 - rows):
-            part = x[start : start + rows]
-            got = (
-                ops.bf16_linear(part, packed, bias),
-                ops.bf16_linear(part, packed, bias, torch.float32),
-                ops.bf16_linear_silu(part, packed),
-            )
-            for g, w in zip(got, whole):
-                assert torch.equal(g, w[start : start + rows]), (rows, start)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64):
+            for start in (0, 70 - rows):
+                for got, want in zip(forms(x[start : start + rows]), whole):
+                    assert torch.equal(got, want[start : start + rows]), (rows, start, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_packed
+def test_float32_outputs_are_the_float32_sums_of_the_bf16_weights() -> None:
+    """Parity to float32 rounding: each fp32 output is within k * 2^-24 * sum |x w| of the exact
+    sum (float64) of the same bf16 values, the bound of a float32 sum over k terms in any order."""
+    weight, bias, x, packed = kernel_case(7, 256, 1536)
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = 1536 * 2**-24 * (x.double().abs() @ weight.double().abs().T + bias.double().abs())
+    got = ops.bf16_linear(x, packed, bias, torch.float32)
+    assert ((got.double() - exact).abs() <= bound).all()
 
 
 @needs_packed
@@ -177,6 +200,7 @@ def test_gate_up_with_silu_in_the_epilogue_equals_the_two_passes(m: int) -> None
 
 
 @needs_packed
+@needs_onednn
 def test_shapes_the_tiles_do_not_cover_keep_onednn() -> None:
     weight = torch.randn(40, 64).bfloat16()  # 40 outputs: not whole pairs of 16
     packed = pack_weight(weight)

@@ -1,14 +1,16 @@
 """bf16 matmuls on the CPU with weights packed once at load time.
 
 Decode steps multiply a few rows by each weight, so a linear layer is a stream of its weight from
-memory. Where the CPU has AMX or AVX-512 BF16, the weight is packed in the order srt_bf16_linear
-reads it (model_executor/cpu/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps): measured on
-SmolLM2's 30 layers with weights not in cache, the AMX kernel streams them faster than oneDNN's
-packed GEMM and F.linear from 1 to 32 rows and stays ahead up to a few hundred rows; the AVX-512
-one (AMD Zen 4) is faster than oneDNN's from 1 to 256 rows and equals it up to 4096 (figures in
-docs/performance.md). On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without
-either the weight is reordered for oneDNN's bf16 kernel, faster than ATen's bf16 GEMM at small M,
-with bit-identical results. fp32 and other devices keep F.linear. A layer reaches all of this through
+memory. Where the CPU has AMX, AVX-512 BF16, or AVX2 and FMA, the weight is packed in the order
+srt_bf16_linear reads it (model_executor/cpu/kernels/cpu_bf16_linear.c, on AMX tiles or vdpbf16ps;
+cpu_avx2_linear.c, widened to fp32 in registers): measured on SmolLM2's 30 layers with weights not
+in cache, the AMX kernel streams them faster than oneDNN's packed GEMM and F.linear from 1 to 32
+rows and stays ahead up to a few hundred rows; the AVX-512 one (AMD Zen 4) is faster than oneDNN's
+from 1 to 256 rows and equals it up to 4096; the AVX2 one (AMD Zen 3, where torch has no fast bf16
+matmul) is several times faster than F.linear at every row count (figures in docs/performance.md).
+On AMX, larger prefill chunks use F.linear (`packed_max_rows`). Without any of them the weight is
+reordered for oneDNN's bf16 kernel, faster than ATen's bf16 GEMM at small M, with bit-identical
+results. fp32 and other devices keep F.linear. A layer reaches all of this through
 its linear method (PackedLinearMethod, set by weights.pack_model), knowing nothing of the layout.
 
 With --quantization w8a8_int8 (SGLang's name for it on CPU) every weight whose shape allows
@@ -57,7 +59,8 @@ def set_one_arithmetic(on: bool) -> None:
 def packed_max_rows() -> int:
     """The most rows srt_bf16_linear takes a packed bf16 weight for (F.linear above): AMX_MAX_ROWS on
     AMX; any number on AVX-512 BF16, which kept up with oneDNN's GEMM at 4096 rows and spares a
-    prefill's MLP the separate silu pass (docs/performance.md)."""
+    prefill's MLP the separate silu pass, and on AVX2, where F.linear's bf16 GEMM is several times
+    slower at every row count (docs/performance.md)."""
     return AMX_MAX_ROWS if build.amx_available() and not _one_arithmetic else sys.maxsize
 
 

@@ -42,6 +42,7 @@ SOURCES = tuple(
         "cpu_kernels.c",
         "cpu_amx.c",
         "cpu_bf16_linear.c",
+        "cpu_avx2_linear.c",
         "cpu_int8_linear.c",
         "cpu_q4_linear.c",
         "cpu_q8_linear.c",
@@ -51,7 +52,10 @@ SOURCES = tuple(
 )
 HEADERS = (
     HEADER,
-    *(Path(__file__).with_name(name) for name in ("simd_bf16.h", "dp_bf16.h", "prefill_tasks.h")),
+    *(
+        Path(__file__).with_name(name)
+        for name in ("simd_bf16.h", "simd_avx2.h", "dp_bf16.h", "prefill_tasks.h")
+    ),
 )  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes")
 
@@ -62,6 +66,8 @@ ISA_LEVELS: dict[str, tuple[str, ...] | None] = {
     "auto": (),  # what this CPU has
     "avx512_bf16": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),  # no AMX: the AVX-512 BF16 loops
     "avx512": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512bf16", "-mno-avx512vnni"),
+    # no AVX-512 at all (-mno-avx512f takes every AVX-512 extension with it): the AVX2 and FMA loops
+    "avx2": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512f"),
     "none": None,
 }
 
@@ -195,9 +201,22 @@ def amx_available() -> bool:
 
 @functools.cache
 def bf16_linear_available() -> bool:
-    """Whether srt_bf16_linear runs here: on AMX tiles, or else on AVX-512 BF16 (cpu_bf16_linear.c)."""
+    """Whether srt_bf16_linear runs here: on AMX tiles, or else on AVX-512 BF16 (cpu_bf16_linear.c),
+    or else on AVX2 and FMA (cpu_avx2_linear.c)."""
+    return bf16_linear_isa() is not None
+
+
+def bf16_linear_isa() -> str | None:
+    """What srt_bf16_linear runs on here ("AMX tiles", "AVX-512 BF16", "AVX2 FMA"), or None: the
+    kernels are not loaded or this CPU has none of them (its bf16 linears stay on torch)."""
     lib = kernels()
-    return lib is not None and (amx_available() or bool(lib.srt_dp_linear_available()))
+    if lib is None:
+        return None
+    if amx_available():
+        return "AMX tiles"
+    if lib.srt_dp_linear_available():
+        return "AVX-512 BF16"
+    return "AVX2 FMA" if lib.srt_avx2_linear_available() else None
 
 
 @functools.cache
@@ -237,14 +256,8 @@ def describe_paths() -> str:
     if lib is None:
         why = f"{ISA_ENV}=none" if isa == "none" else "SRT_CPU_KERNELS=0 or no compiler"
         return f"CPU kernels off ({why}): every op runs on torch"
-    avx512 = "avx512f" in _cpu_flags().split()
-    bf16 = (
-        "AMX tiles"
-        if amx_available()
-        else "AVX-512 BF16"
-        if bf16_linear_available()
-        else "torch (this CPU has no AVX-512 BF16)"
-    )
+    avx512 = "avx512f" in _cpu_flags().split() and "-mno-avx512f" not in (ISA_LEVELS[isa] or ())
+    bf16 = bf16_linear_isa() or "torch (this CPU has neither AVX-512 BF16 nor AVX2 and FMA)"
     int8 = (
         "AMX int8"
         if amx_available() and int8_available()

@@ -1,6 +1,7 @@
 /* bf16 linear layers on packed weights, for the row counts of decode steps (and short prefills):
  * AMX tiles where this process was granted them (cpu_amx.c), else AVX-512 BF16 dot products
- * (vdpbf16ps: AMD Zen 4 and 5, Intel Cooper Lake and later), both on the one packed layout.
+ * (vdpbf16ps: AMD Zen 4 and 5, Intel Cooper Lake and later), else AVX2 and FMA (cpu_avx2_linear.c),
+ * all on the one packed layout.
  *
  * The weight is packed once at load (model_executor/cpu/kernels/packing.py, bf16_pack) as
  * [n/16][k/32][16][16][2]: for each block of 16 outputs, k in pairs, each pair's 16 outputs x 2
@@ -130,12 +131,17 @@ int64_t srt_dp_linear_available(void) { return 0; }
 #define DP(mode, ...) abort() /* never called: srt_dp_linear_available() answered 0 */
 #endif
 
+/* Neither AMX nor AVX-512 BF16 here: AVX2 and FMA (a CPU with neither has no packed weights) */
+#define NO_DP (!srt_dp_linear_available())
+
 /* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the packed weight; x rows contiguous; n % 32 == 0 and
  * k % 32 == 0 (the caller checks). */
 void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
                      int64_t k) {
     if (srt_amx_granted())
         srt_amx_linear(x, m, packed, bias, out, n, k);
+    else if (NO_DP)
+        srt_avx2_linear(x, m, packed, bias, out, n, k);
     else
         DP(OUT_BF16, x, m, packed, bias, out, n, k);
 }
@@ -145,6 +151,8 @@ void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf1
                          int64_t k) {
     if (srt_amx_granted())
         srt_amx_linear_f32(x, m, packed, bias, out, n, k);
+    else if (NO_DP)
+        srt_avx2_linear_f32(x, m, packed, bias, out, n, k);
     else
         DP(OUT_F32, x, m, packed, bias, out, n, k);
 }
@@ -155,6 +163,8 @@ void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf1
 void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
     if (srt_amx_granted())
         srt_amx_linear_silu(x, m, packed, act, d, k);
+    else if (NO_DP)
+        srt_avx2_linear_silu(x, m, packed, act, d, k);
     else
         DP(OUT_SILU, x, m, packed, NULL, act, d, k);
 }

@@ -11,12 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 #include "srt_kernels.h"
 
+#include "simd_avx2.h"
 #include "simd_bf16.h"
 
 static inline float bf16_to_f32(bf16 x) {
@@ -128,6 +129,17 @@ void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {
         if (i < d) {
             const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
             store16_tail(o + i, silu_mul16(load16_tail(g + i, m), load16_tail(u + i, m)), m);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        /* silu_mul8, as cpu_avx2_linear.c's gate_up epilogue: the two give the same bits */
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(u + i)));
+        if (i < d) {
+            bf16 gt[8] = {0}, ut[8] = {0}, ot[8];
+            memcpy(gt, g + i, (size_t)(d - i) * sizeof(bf16));
+            memcpy(ut, u + i, (size_t)(d - i) * sizeof(bf16));
+            store8(ot, silu_mul8(load8(gt), load8(ut)));
+            memcpy(o + i, ot, (size_t)(d - i) * sizeof(bf16));
         }
 #else
 #pragma omp simd

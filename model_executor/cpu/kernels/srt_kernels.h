@@ -57,12 +57,20 @@ void srt_amx_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, i
                                const int64_t *lens, const int64_t *prefixes, int64_t bs, int64_t hq, int64_t hkv,
                                int64_t d, float scale);
 
-/* cpu_bf16_linear.c: bf16 linears on bf16_pack's layout (AMX where granted, else AVX-512 BF16) */
+/* cpu_bf16_linear.c: bf16 linears on bf16_pack's layout (AMX where granted, else AVX-512 BF16, else
+ * AVX2 and FMA) */
 int64_t srt_dp_linear_available(void);
 void srt_bf16_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
 void srt_bf16_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                          int64_t k);
 void srt_bf16_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
+
+/* cpu_avx2_linear.c: the same three on the same layout with AVX2 and FMA, where neither of those runs */
+int64_t srt_avx2_linear_available(void);
+void srt_avx2_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
+void srt_avx2_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
+                         int64_t k);
+void srt_avx2_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
 
 /* cpu_moe.c: a mixture-of-experts layer's experts on bf16_pack's layout, one call a layer */
 void srt_moe_experts_bf16(const bf16 *x, int64_t m, int64_t k, int64_t d, int64_t num_experts,
