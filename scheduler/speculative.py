@@ -97,8 +97,12 @@ class NgramSpeculator:
     def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
         """Each request's drafts, never past max_new_tokens or the context (the last row samples
         one more token than it drafts); a constrained request's are cut to what its grammar allows
-        by the scheduler (scheduler/grammar.py draft_matchers)."""
+        by the scheduler (scheduler/grammar.py draft_matchers). A step verifies at most
+        num_draft_tokens rows beyond one per request, handed out in batch order: past a few rows a
+        decode step is bound by arithmetic rather than by reading the weights, and a draft row
+        costs about what a request's row does (docs/performance.md)."""
         out = []
+        budget = self.max_drafts + 1 - len(reqs)
         for req in reqs:
             state = self.states.get(req.rid)
             if state is None:
@@ -107,7 +111,8 @@ class NgramSpeculator:
             if state.pause > 0:
                 state.pause = max(state.pause - 1, 0)
                 room = 0
-            out.append(ngram_draft(req.fill_ids, state, room, self.max_match))
+            out.append(ngram_draft(req.fill_ids, state, min(room, budget), self.max_match))
+            budget -= len(out[-1])
         return out
 
     def verified(self, req: Req, drafts: list[int], taken: int) -> None:
