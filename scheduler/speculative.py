@@ -28,7 +28,7 @@ import consensus
 from scheduler.req import Req
 
 CANDIDATES = 16  # earlier occurrences of the last token tried, most recent first
-MIN_MATCH = 2  # tokens a suffix must match before its continuation is drafted
+MIN_MATCH = 3  # tokens a suffix must match before its continuation is drafted
 MAX_PAUSE = 32  # decode steps a request drafts nothing after drafts kept failing
 
 
@@ -98,9 +98,9 @@ class NgramSpeculator:
         """Each request's drafts, never past max_new_tokens or the context (the last row samples
         one more token than it drafts); a constrained request's are cut to what its grammar allows
         by the scheduler (scheduler/grammar.py draft_matchers). A step verifies at most
-        num_draft_tokens rows beyond one per request, handed out in batch order: past a few rows a
-        decode step is bound by arithmetic rather than by reading the weights, and a draft row
-        costs about what a request's row does (docs/performance.md)."""
+        num_draft_tokens rows in all, one per request first and the rest as drafts in batch order:
+        past a few rows a decode step is bound by arithmetic rather than by reading the weights,
+        and a draft row costs about what a request's row does (docs/performance.md)."""
         out = []
         budget = self.max_drafts + 1 - len(reqs)
         for req in reqs:

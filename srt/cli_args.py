@@ -497,7 +497,8 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--speculative-num-draft-tokens",
                 type=int,
                 default=None,
-                help="rows a request feeds a verify step: its last token and up to this many - 1 drafts (default 12)",
+                help="rows a verify step feeds per request and in all: a request's last token and up to this many - 1 "
+                "drafts (default 4 on CPU, 12 on CUDA)",
             ),
             _flag(
                 "--speculative-ngram-max-trie-depth",

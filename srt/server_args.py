@@ -30,7 +30,9 @@ QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/weights.py
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # scheduler/speculative.py
 # SGLang's other algorithms, refused by name
 SGLANG_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "DSPARK", "UNO")
-NGRAM_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM: a request's last token and 11 drafts
+# rows a request verifies a step: SGLang's default for NGRAM on a GPU, where rows up to a tile are free;
+# on a CPU a row past the first two or three costs arithmetic (docs/performance.md, speculative decoding)
+NGRAM_NUM_DRAFT_TOKENS = {"cuda": 12, "cpu": 4}
 # SGLang's speculative flags srt accepts at their defaults only: (field, default, why another value is refused)
 SPECULATIVE_FIXED: tuple[tuple[str, Any, str], ...] = (
     ("speculative_ngram_min_bfs_breadth", 1, "srt drafts one chain per request"),
@@ -206,7 +208,7 @@ class ServerArgs:
 
     # Speculative decoding (scheduler/speculative.py): SGLang's flags
     speculative_algorithm: str | None = None  # "NGRAM": drafts from each request's own tokens
-    speculative_num_draft_tokens: int | None = None  # rows verified per request a step; None: 12
+    speculative_num_draft_tokens: int | None = None  # rows verified per request a step; None: 4 on CPU, 12
     speculative_ngram_max_trie_depth: int = 18  # the longest suffix matched
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10
@@ -359,8 +361,10 @@ class ServerArgs:
 
     @property
     def num_draft_tokens(self) -> int:
-        """Rows verified per request in a speculative step (its last token and its drafts)."""
-        return self.speculative_num_draft_tokens or NGRAM_NUM_DRAFT_TOKENS
+        """Rows a speculative step verifies per request (its last token and its drafts), and in all:
+        the flag, else 4 on the CPU and SGLang's 12 on CUDA (the device flag, the same on every
+        rank, never the rank's own hardware: ranks must draft alike)."""
+        return self.speculative_num_draft_tokens or NGRAM_NUM_DRAFT_TOKENS[self.device]
 
     # ---- derived ----
     @property

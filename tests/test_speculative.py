@@ -30,22 +30,21 @@ OTHER_PROMPT = [1, 504, 3458, 314, 260, 3656, 282, 4722, 30, 378, 2151, 288, 260
 
 
 def test_ngram_draft_takes_the_longest_most_recent_match() -> None:
-    tokens = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
-    # suffix (1, 2): matched at positions 1-2 and 5-6 (length 2 each; 9 before 1 at 4 != 7 at 8):
-    # the most recent wins
-    assert ngram_draft(tokens, NgramState(), 3, 18) == [4, 7, 1]
-    tokens = [8, 1, 2, 3, 6, 9, 1, 2, 4, 8, 1, 2]
-    assert ngram_draft(tokens, NgramState(), 2, 18) == [3, 6]  # (8, 1, 2) beats (9, 1, 2)
-    assert ngram_draft(tokens, NgramState(), 2, 2) == [4, 8]  # at most 2 matched: the most recent
-    assert ngram_draft([1, 2, 3, 4, 3], NgramState(), 4, 18) == []  # a 1-token match is not enough
+    tokens = [5, 8, 1, 2, 3, 9, 8, 1, 2, 4, 7, 8, 1, 2]
+    # suffix (8, 1, 2): matched at positions 1-3 and 6-8 (3 tokens each): the most recent wins
+    assert ngram_draft(tokens, NgramState(), 3, 18) == [4, 7, 8]
+    tokens = [7, 8, 1, 2, 3, 6, 9, 8, 1, 2, 4, 7, 8, 1, 2]
+    assert ngram_draft(tokens, NgramState(), 2, 18) == [3, 6]  # (7, 8, 1, 2) beats (8, 1, 2)
+    assert ngram_draft(tokens, NgramState(), 2, 3) == [4, 7]  # at most 3 matched: the most recent
+    assert ngram_draft([1, 2, 3, 9, 2, 3], NgramState(), 4, 18) == []  # 2 tokens are not enough
     assert ngram_draft(tokens, NgramState(), 0, 18) == []
 
 
 def test_ngram_index_grows_with_the_tokens() -> None:
-    state, tokens = NgramState(), [1, 2, 3, 1]
+    state, tokens = NgramState(), [1, 2, 3, 1, 2]
     assert ngram_draft(tokens, state, 4, 18) == []
-    tokens += [2]
-    assert ngram_draft(tokens, state, 4, 18) == [3, 1, 2]
+    tokens += [3]
+    assert ngram_draft(tokens, state, 4, 18) == [1, 2, 3]
     assert state.indexed == len(tokens) - 1
 
 
@@ -61,15 +60,19 @@ def test_draft_lengths_follow_acceptance() -> None:
 
     class R:
         rid, grammar, remaining_new_tokens, seq_len = "r", None, 100, 10
-        fill_ids = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+        fill_ids = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
 
     req: Any = R()
-    assert spec.drafts([req], 4096) == [[3, 4, 5, 6, 7, 8, 1, 2]]
-    spec.verified(req, [3, 4, 5, 6, 7, 8, 1, 2], 3)  # 2 accepted: the next drafts at most 3
+    assert spec.drafts([req], 4096) == [[4, 5, 6, 7, 8, 1, 2, 3]]
+    spec.verified(req, [4, 5, 6, 7, 8, 1, 2, 3], 3)  # 2 accepted: the next drafts at most 3
     assert spec.states["r"].max_drafts == 3
-    assert spec.drafts([req], 4096) == [[3, 4, 5]]
-    spec.verified(req, [3, 4, 5], 1)  # a miss: 2 steps without drafts
-    assert [spec.drafts([req], 4096) for _ in range(3)] == [[[]], [[]], [[3]]]
+    assert spec.drafts([req], 4096) == [[4, 5, 6]]
+    spec.verified(req, [4, 5, 6], 1)  # a miss: 2 steps without drafts
+    assert [spec.drafts([req], 4096) for _ in range(3)] == [[[]], [[]], [[4]]]
+    other: Any = R()
+    other.rid = "s"
+    # 9 rows at most: two requests and 7 drafts, the first request's
+    assert spec.drafts([other, req], 4096) == [[4, 5, 6, 7, 8, 1, 2], []]
     req.remaining_new_tokens = 1  # the last token: nothing to draft
     spec.states["r"].max_drafts = 8
     assert spec.drafts([req], 4096) == [[]]
@@ -86,7 +89,7 @@ def test_flags_refused_by_name() -> None:
         ServerArgs(speculative_algorithm="NGRAM", quantization="gguf")
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be positive"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
-    assert ServerArgs(speculative_algorithm="NGRAM").num_draft_tokens == 12
+    assert ServerArgs(speculative_algorithm="NGRAM").num_draft_tokens == 4
 
 
 class Run:
