@@ -292,7 +292,7 @@ INT8 = pytest.mark.skipif(not build.int8_available(), reason="w8a8_int8 needs AM
         ((), "srt::scheduler_TP0"),
         (("--pp-size", "2"), "srt::scheduler_PP1_TP0"),
         (("--tp", "3"), "srt::scheduler_TP2"),
-        (("--speculative-algorithm", "NGRAM"), "srt::scheduler_TP0"),
+        (("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "24"), "srt::scheduler_TP0"),
         pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", marks=INT8),
         pytest.param(("--quantization", "w8a8_int8", "--pp-size", "2"), "srt::scheduler_PP0_TP0", marks=INT8),
         pytest.param(("--quantization", "w8a8_int8", "--tp", "3"), "srt::scheduler_TP1", marks=INT8),

@@ -56,7 +56,8 @@ def generate_all(server: Server) -> list[dict[str, Any]]:
 
 def test_served_tokens_equal_plain_decoding_and_the_accept_length_is_shown(smollm2_dir: Path) -> None:
     with Server(
-        "--speculative-algorithm", "NGRAM", "--enable-metrics", "--decode-log-interval", "4"
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "16",
+        "--enable-metrics", "--decode-log-interval", "4",
     ) as server:  # fmt: skip
         got = generate_all(server)
         metrics = requests.get(server.url + "/metrics", timeout=10).text
@@ -78,7 +79,8 @@ def test_served_tokens_equal_plain_decoding_and_the_accept_length_is_shown(smoll
 @pytest.mark.parametrize("layout", [("--tp", "3"), ("--pp-size", "2")], ids=["tp3", "pp2"])
 def test_tp3_and_pp2_tokens_and_logprobs_equal_without_speculation(layout: tuple[str, ...]) -> None:
     results = []
-    for flags in ((), ("--speculative-algorithm", "NGRAM", "--enable-rank-consensus-checker")):
+    spec = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "16")
+    for flags in ((), (*spec, "--enable-rank-consensus-checker")):
         with Server(*layout, *flags, startup_timeout=300) as server:
             results.append(generate_all(server))
     off, on = results
