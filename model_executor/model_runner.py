@@ -61,6 +61,9 @@ class RunnerConfig:
         None  # "w8a8_int8" or "gguf" (cpu/weights.py QUANTIZATIONS) or None: the weights as loaded
     )
     deterministic: bool = False  # one arithmetic for prefill and decode (--enable-deterministic-inference)
+    # TP all-reduces sum ranks in a fixed order whatever a step's size (on with `deterministic`, and
+    # with speculative decoding, whose verify rows must get a plain decode row's bits)
+    fixed_order_sum: bool = False
     adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
     return_routed_experts: bool = False  # keep every token's experts (--enable-return-routed-experts)
     is_embedding: bool = False  # pool each prompt into an embedding instead of sampling (--is-embedding)
@@ -139,7 +142,7 @@ class ModelRunner:
             load_weights(model, iter_checkpoint(self.config.model_dir))
             return model
 
-        self.parallel.tp.fixed_order_sum = self.config.deterministic
+        self.parallel.tp.fixed_order_sum = self.config.deterministic or self.config.fixed_order_sum
         self.wing.prepare_weights(self.model, load_float32)
         self.weight_bytes = model_weight_bytes(self.model)
         layers = (

@@ -42,6 +42,7 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         local_world_size=args.ranks_per_node if args.device == "cpu" else 1,
         quantization=args.quantization,
         deterministic=args.deterministic,
+        fixed_order_sum=args.speculative_algorithm is not None,
         adaptive_threads=not args.disable_adaptive_cpu_threads,
         return_routed_experts=args.enable_return_routed_experts,
         is_embedding=args.is_embedding,
