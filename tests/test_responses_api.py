@@ -67,6 +67,9 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(
     assert reply.model == requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     (item,) = reply.output
     assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    # the same prefill as the response's (a cached prompt's last token would be prefilled alone,
+    # with arithmetic of its own)
+    assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
     same = client.chat.completions.create(
         model="m",
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": STORY}],
