@@ -126,7 +126,6 @@ class Scheduler:
         )
         self.stats.speculative = self.speculator is not None
         self.context_length = int(self.runner.info()["context_length"])
-        self.draft_grammars: list[list[Matcher]] = []  # a verify step's row matchers (draft_matchers)
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(
             args.enable_metrics or args.req_waiting_timeout or args.req_running_timeout
@@ -289,9 +288,10 @@ class Scheduler:
         micro-batch when its ids come back from the last stage)."""
         consensus.agree_before_step(batch.identity)  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
-        drafts, self.draft_grammars = None, []
+        drafts: list[list[int]] | None = None
+        forks: list[list[Matcher]] = []
         if batch.phase is Phase.DECODE:
-            drafts = self._drafts(batch)
+            drafts, forks = self._drafts(batch)
             lens = batch.extend_lens if drafts is None else [1 + len(d) for d in drafts]
             ok = self.kv.reserve_extend(batch.reqs, lens)
             assert ok, "decode room was checked"
@@ -302,7 +302,7 @@ class Scheduler:
         forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device, drafts)
         step = self.forward_steps + 1
         self.faults.before_forward(step)
-        ids = self._run(batch, forward_batch, step, drafts)
+        ids = self._run(batch, forward_batch, step, drafts, forks)
         self.forward_steps = step
         sampled = [batch.samples(i) for i in range(len(batch.reqs))]  # before kv_len moves
         tokens = sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
@@ -318,20 +318,20 @@ class Scheduler:
         self.stats.after_step(tokens)
         return Launched(batch, sampled, ids, drafts)
 
-    def _drafts(self, batch: ScheduleBatch) -> list[list[int]] | None:
+    def _drafts(self, batch: ScheduleBatch) -> tuple[list[list[int]] | None, list[list[Matcher]]]:
         """A decode step's drafts (--speculative-algorithm), or None: none drafted, or their KV
-        does not fit in the free pages (drafts never evict the prefix cache)."""
+        does not fit in the free pages (drafts never evict the prefix cache); with a constrained
+        request in the batch, each request's draft rows' matchers (draft_matchers), else []."""
         if self.speculator is None:
-            return None
+            return None, []
         drafts = self.speculator.drafts(batch.reqs, self.context_length)
+        forks: list[list[Matcher]] = []
         if any(req.grammar is not None for req in batch.reqs):
             cut = [draft_matchers(req, draft) for req, draft in zip(batch.reqs, drafts)]
-            drafts = [draft for draft, _ in cut]
-            self.draft_grammars = [forks for _, forks in cut]
+            drafts, forks = [draft for draft, _ in cut], [f for _, f in cut]
         if not any(drafts) or not self.kv.fits_free(batch.reqs, [1 + len(d) for d in drafts]):
-            self.draft_grammars = []
-            return None
-        return drafts
+            return None, []
+        return drafts, forks
 
     def _run(
         self,
@@ -339,6 +339,7 @@ class Scheduler:
         forward_batch: ForwardBatch,
         step: int,
         drafts: list[list[int]] | None = None,
+        forks: list[list[Matcher]] | None = None,
     ) -> list[int] | None:
         """The step's forward and sampled ids (None on an earlier pipeline stage), its logprobs
         recorded: a row per request, or with `drafts` per request and draft (every row's logprobs
@@ -347,7 +348,7 @@ class Scheduler:
         no token, so `complete` finishes it."""
         rows = batch if drafts is None else batch.verify_rows(drafts)
         plan = plan_logprobs(rows, compute=self.send_output is not None)  # None unless one asked
-        inputs = self._sampling_inputs(batch, step, plan, drafts)
+        inputs = self._sampling_inputs(batch, step, plan, drafts, forks)
         out = self.runner.step(forward_batch, inputs)
         if out is None:
             return None
@@ -360,12 +361,17 @@ class Scheduler:
         return out.next_ids
 
     def _sampling_inputs(
-        self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None, drafts: list[list[int]] | None = None
+        self,
+        batch: ScheduleBatch,
+        step: int,
+        plan: LogprobPlan | None,
+        drafts: list[list[int]] | None = None,
+        forks: list[list[Matcher]] | None = None,
     ) -> SamplingInputs:
         """How the runner turns this step's logits into ids: the requests' settings and, when a
-        request of the batch is constrained, its matcher; with `drafts`, draft j's row samples at
-        output position len(output_ids) + j with the drafts before it as output (penalties,
-        min_new_tokens), as plain decoding would have. The TP sync is a scheduling decision,
+        request of the batch is constrained, its matcher (`forks`: its draft rows'); with `drafts`,
+        draft j's row samples at output position len(output_ids) + j with the drafts before it as
+        output (penalties, min_new_tokens), as plain decoding would have. The TP sync is a scheduling decision,
         made from the batch, the same on every rank: always with --sync-token-ids-across-tp, with
         a grammar in the batch (SGLang's rule: each rank's matcher follows its ids), and in a verify
         step (the accept counts follow the ids)."""
@@ -377,10 +383,9 @@ class Scheduler:
                 [req for req, _ in rows],
                 [req.output_ids + d if d else req.output_ids for req, d in rows],
             )
-            forks = self.draft_grammars or [[] for _ in drafts]
             grammars = [
                 g
-                for req, draft, f in zip(batch.reqs, drafts, forks)
+                for req, draft, f in zip(batch.reqs, drafts, forks or [[] for _ in drafts])
                 for g in ([req.grammar, *f] if req.grammar is not None else [None] * (1 + len(draft)))
             ]
             assert len(grammars) == len(reqs)

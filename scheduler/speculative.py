@@ -86,13 +86,6 @@ class NgramSpeculator:
         self.max_drafts = num_draft_tokens - 1
         self.max_match = max_match
         self.states: dict[str, NgramState] = {}
-        self.verified_total = 0  # request rows of verify steps since start (those that drafted)
-        self.taken_total = 0  # tokens they took
-
-    @property
-    def accept_length(self) -> float:
-        """Tokens taken per drafting request per verify step since start (1.0 before any)."""
-        return self.taken_total / self.verified_total if self.verified_total else 1.0
 
     def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
         """Each request's drafts, never past max_new_tokens or the context (the last row samples
@@ -122,8 +115,6 @@ class NgramSpeculator:
         consensus.record("spec_verify", (req.rid, len(drafts), taken))
         if not drafts:
             return
-        self.verified_total += 1
-        self.taken_total += taken
         state = self.states[req.rid]
         accepted = taken - 1
         if accepted == len(drafts):

@@ -82,8 +82,8 @@ def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[
 
 
 def accept_totals(engine: Engine) -> tuple[int, int]:
-    spec = engine.scheduler.speculator if engine.scheduler is not None else None
-    return (spec.verified_total, spec.taken_total) if spec is not None else (0, 0)
+    stats = engine.scheduler.stats if engine.scheduler is not None else None
+    return (stats.verified_total, stats.taken_total) if stats is not None else (0, 0)
 
 
 def main() -> None:
