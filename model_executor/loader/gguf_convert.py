@@ -132,6 +132,7 @@ def _convert_into(source: Path, out_dir: Path) -> None:
     # transformers keeps GGUF's `general.name` under this key; it is not a real config field.
     if hasattr(config, "_model_name_or_path"):
         delattr(config, "_model_name_or_path")
+    _fill_moe_fields(source, config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
@@ -146,7 +147,7 @@ def _convert_into(source: Path, out_dir: Path) -> None:
     expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    tensors = _dequantize(source, config.to_dict(), expected)
+    tensors = _split_experts(_dequantize(source, config.to_dict(), expected))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
@@ -155,6 +156,56 @@ def _convert_into(source: Path, out_dir: Path) -> None:
     # The GGUF tokenizer comes with an "unlimited" length; the model's context is the real one.
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
+
+
+# llama.cpp's Qwen MoE fields that transformers' GGUF config mapping leaves at its defaults: the
+# expert's (and shared expert's) intermediate sizes, and whether the top-k weights are renormalized
+# (llama.cpp's qwen3moe graph always does, its qwen2moe graph never does).
+_MOE_FIELDS = {
+    "qwen3moe": ({"expert_feed_forward_length": "moe_intermediate_size"}, True),
+    "qwen2moe": (
+        {
+            "expert_feed_forward_length": "moe_intermediate_size",
+            "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+        },
+        False,
+    ),
+}
+
+
+def _fill_moe_fields(source: Path, config: Any) -> None:
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = gguf.GGUFReader(str(source))
+    architecture = read_field(reader, "general.architecture")[0]
+    if architecture not in _MOE_FIELDS:
+        return
+    fields, renormalize = _MOE_FIELDS[architecture]
+    for key, attribute in fields.items():
+        value = read_field(reader, f"{architecture}.{key}")
+        if value:
+            setattr(config, attribute, int(value[0]))
+    config.norm_topk_prob = renormalize
+
+
+def _split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+    [E, H, I]) under the per-expert names of a Hugging Face checkpoint on disk, which the loader reads."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        prefix, _, kind = name.rpartition(".experts.")
+        if kind == "gate_up_proj" and tensor.dim() == 3:
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = up[e].contiguous()
+        elif kind == "down_proj" and tensor.dim() == 3:
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = tensor[e].contiguous()
+        else:
+            out[name] = tensor
+    return out
 
 
 def _dequantize(
@@ -175,14 +226,19 @@ def _dequantize(
     if arch_id is None:
         raise ValueError(f"gguf_path {str(source)!r}: architecture {architecture!r} is unknown to gguf-py")
     name_map = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
-    gguf_to_hf: dict[str, str] = {}
-    for hf_name in expected:
-        module, _, suffix = hf_name.rpartition(".")
-        gguf_module = name_map.get_name(module)
-        if gguf_module is not None:
-            gguf_to_hf[f"{gguf_module}.{suffix}"] = hf_name
-
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    gguf_to_hf: dict[str, str] = {}
+    for hf_name in expected:  # as transformers' get_gguf_hf_weights_map names them
+        name, suffix = processor.preprocess_name(hf_name), ""
+        if name.endswith((".weight", ".bias")):
+            name, suffix = name.rsplit(".", 1)
+            suffix = "." + suffix
+        gguf_name = name_map.get_name(name)
+        if gguf_name is None:  # MoE experts' stacked gate and up: both into gate_up_proj
+            processor.perform_fallback_tensor_mapping(gguf_to_hf, suffix, "", hf_name)
+        else:
+            gguf_to_hf[gguf_name + suffix] = hf_name
+
     parsed: dict[str, Any] = {"config": config, "tensors": {}}
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {source.name}", unit="tensor", disable=None):
