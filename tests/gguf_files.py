@@ -38,16 +38,25 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == vocab_size
 
 
-def write_qwen3_moe_gguf(model_dir: Path, out: Path) -> Path:
-    """A Qwen3-MoE checkpoint of SmolLM2's vocabulary (tiny_models' qwen3_moe_smollm2_vocab) as a
-    float32 GGUF of llama.cpp's `qwen3moe` architecture."""
+SHARED_EXPERT = {
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+
+
+def write_qwen_moe_gguf(model_dir: Path, out: Path) -> Path:
+    """A Qwen3-MoE or Qwen2-MoE checkpoint of SmolLM2's vocabulary (tiny_models' *_smollm2_vocab) as a
+    float32 GGUF of llama.cpp's `qwen3moe` or `qwen2moe` architecture."""
     config = json.loads((model_dir / "config.json").read_text())
+    qwen3 = config["model_type"] == "qwen3_moe"
     assert not config.get("mlp_only_layers") and config.get("decoder_sparse_step", 1) == 1
-    assert config.get("norm_topk_prob"), "llama.cpp's qwen3moe always renormalizes the top-k weights"
+    # llama.cpp's qwen3moe graph always renormalizes the top-k weights, its qwen2moe graph never does
+    assert bool(config.get("norm_topk_prob")) == qwen3
     state = load_file(str(model_dir / "model.safetensors"))
     num_experts = int(config.get("num_experts") or config["num_local_experts"])
-    writer = gguf.GGUFWriter(str(out), "qwen3moe")
-    writer.add_name("tiny-qwen3-moe")
+    writer = gguf.GGUFWriter(str(out), "qwen3moe" if qwen3 else "qwen2moe")
+    writer.add_name("tiny-" + config["model_type"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -56,8 +65,11 @@ def write_qwen3_moe_gguf(model_dir: Path, out: Path) -> Path:
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    if qwen3:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    else:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_expert_count(num_experts)
@@ -70,9 +82,17 @@ def write_qwen3_moe_gguf(model_dir: Path, out: Path) -> Path:
     add("token_embd.weight", state["model.embed_tokens.weight"])
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."
-        for hf, ours in ATTENTION.items():
-            add(f"blk.{i}.{ours}.weight", state[f"{prefix}{hf}.weight"])
-        for proj, ours in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+        for hf, ours in {**ATTENTION, **SHARED_EXPERT}.items():
+            for kind in ("weight", "bias"):
+                if f"{prefix}{hf}.{kind}" in state:
+                    add(f"blk.{i}.{ours}.{kind}", state[f"{prefix}{hf}.{kind}"])
+        if f"{prefix}mlp.shared_expert_gate.weight" in state:  # [1, hidden] in HF, a vector in GGUF
+            add(f"blk.{i}.ffn_gate_inp_shexp.weight", state[f"{prefix}mlp.shared_expert_gate.weight"][0])
+        for proj, ours in (
+            ("gate_proj", "ffn_gate_exps"),
+            ("up_proj", "ffn_up_exps"),
+            ("down_proj", "ffn_down_exps"),
+        ):
             experts = [state[f"{prefix}mlp.experts.{e}.{proj}.weight"] for e in range(num_experts)]
             add(f"blk.{i}.{ours}.weight", torch.stack(experts))
     add("output_norm.weight", state["model.norm.weight"])

@@ -40,7 +40,9 @@ def our_prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.T
     return runner.forward(prefill_batch(runner, prompts))
 
 
-def check_model(model_dir: Path, prompts: list[list[int]], *, atol: float, srt_path: Path | None = None) -> None:
+def check_model(
+    model_dir: Path, prompts: list[list[int]], *, atol: float, srt_path: Path | None = None
+) -> None:
     """srt in float32 on `srt_path` (default: `model_dir`; e.g. the same weights as a GGUF) against
     transformers in float32 on `model_dir`."""
     hf = hf_float32(model_dir)

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 import transformers
-from gguf_files import write_qwen3_moe_gguf
+from gguf_files import write_qwen_moe_gguf
 from server_fixture import Server
 from test_config_refusal import edited, runner, save_tiny
 from test_deterministic import check_prefix_mode, check_single_mode, ways
@@ -179,15 +179,18 @@ def moe_smollm2_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("qwen3_moe_smollm2_vocab", tmp_path_factory.mktemp("moe") / "smollm2_vocab")
 
 
-def test_qwen3_moe_from_gguf_matches_transformers(
-    moe_smollm2_vocab: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("arch", ["qwen3_moe_smollm2_vocab", "qwen2_moe_smollm2_vocab"])
+def test_qwen_moe_from_gguf_matches_transformers(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The checkpoint as llama.cpp's converter writes a Qwen3-MoE GGUF (stacked experts, the expert
-    size under expert_feed_forward_length, which transformers' GGUF config leaves at its default):
-    srt on the GGUF equals transformers on the safetensors, logits and greedy tokens."""
+    """The checkpoint as llama.cpp's converter writes a Qwen3-MoE or Qwen2-MoE GGUF (stacked experts,
+    the expert sizes under expert_feed_forward_length and expert_shared_feed_forward_length, which
+    transformers' GGUF config leaves at their defaults): srt on the GGUF equals transformers on the
+    safetensors, logits and greedy tokens."""
     monkeypatch.setenv("SRT_CACHE_DIR", str(tmp_path / "cache"))
-    gguf_path = write_qwen3_moe_gguf(moe_smollm2_vocab, tmp_path / "tiny-qwen3-moe.gguf")
-    check_model(moe_smollm2_vocab, prompts_for(49152), atol=LOGIT_ATOL, srt_path=gguf_path)
+    model_dir = make_tiny_model(arch, tmp_path / arch)
+    gguf_path = write_qwen_moe_gguf(model_dir, tmp_path / f"{arch}.gguf")
+    check_model(model_dir, prompts_for(49152), atol=LOGIT_ATOL, srt_path=gguf_path)
 
 
 @pytest.mark.skipif(build.kernels() is None, reason="deterministic inference is exact on the CPU kernels")

@@ -108,6 +108,22 @@ ARCHS = {
     ),
     # a MoE model on the default path's shapes: SmolLM2's vocabulary, heads of 64 (the attention
     # kernels'), text prompts through SmolLM2's tokenizer
+    # Qwen2-MoE with its shared expert and qkv biases, SmolLM2's vocabulary (as a GGUF with its tokenizer)
+    "qwen2_moe_smollm2_vocab": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        {
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "vocab_size": 49152,
+            "max_position_embeddings": 4096,
+        },
+    ),
     "qwen3_moe_smollm2_vocab": (
         transformers.Qwen3MoeConfig,
         transformers.Qwen3MoeForCausalLM,
