@@ -2,7 +2,7 @@
 `--speculative-algorithm NGRAM` against plain decoding, at several batch sizes, on two prompt sets.
 
     python scripts/bench_speculative.py [--batch-sizes 1 8 32] [--max-new-tokens 128] [--rounds 2]
-        [--num-draft-tokens 12] [--model-path PATH]
+        [--num-draft-tokens 12] [--model-path PATH] [--llama [--llama-server CMD] [--llama-spec-args ARGS]]
 
 Both sides are srt's offline Engine (the server's scheduler, in this process, TP=1) on the bundled
 SmolLM2-135M-Instruct in bf16, one with speculation and one without; each call generates greedily
@@ -11,22 +11,39 @@ prompts), each batch admitted at once. The sets: "repetitive" asks to copy, edit
 continue text given in the prompt (code, lists, quotes), where the answer repeats the prompt;
 "chat" asks general questions. Each round runs both sides at every batch size, alternating which
 goes first and last (off, on, on, off, then on, off, off, on: the machine is shared and noisy, and
-drifts); the table gives each side's median output tokens per second over its runs, the ratio, the accept length (tokens a drafting request took per verify step:
+drifts); the table gives each side's median output tokens per second over its runs, the ratio, the
+accept length (tokens a drafting request took per verify step:
 accepted drafts + 1) and whether both sides produced the same tokens (they must).
+
+`--llama` adds llama.cpp's server (llama_peer.py; llama-server, with one slot per request of the
+largest batch) on the bundled GGUF's own weights, started twice: plain and with its n-gram speculation
+(`--llama-spec-args`; by default `ngram-simple` matching 3 tokens and drafting 4, as srt does on the CPU). It gets the same token-id
+prompts through `/v1/completions`, a batch's requests at once, in the same alternating order, and its
+columns give its own ratio and whether its texts matched with and without speculation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import shlex
 import statistics
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT)]
 
+from llama_peer import LlamaServer, is_llama_server, llama_command  # noqa: E402
+
+from srt.default_model import default_model_path  # noqa: E402
 from srt.engine import Engine  # noqa: E402
 from srt.sampling_params import SamplingParams  # noqa: E402
 
@@ -61,13 +78,18 @@ CHAT = [
 ]
 
 
+LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4"
+
+
 def chat_ids(engine: Engine, texts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
     out = []
     for text in texts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids: Any = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
 
@@ -81,12 +103,37 @@ def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[
     return seconds, sum(map(len, tokens)), tokens
 
 
+def llama_run(url: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int, list[str]]:
+    """Every prompt of a batch at once to llama.cpp's server, greedy: (seconds, output tokens, texts)."""
+
+    def one(ids: list[int]) -> tuple[int, str]:
+        body = {"prompt": ids, "max_tokens": max_new_tokens, "temperature": 0.0}
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=600) as response:
+            answer = json.load(response)
+        return int(answer["usage"]["completion_tokens"]), answer["choices"][0]["text"]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(one, prompts))
+    return time.perf_counter() - start, sum(n for n, _ in outs), [t for _, t in outs]
+
+
 def accept_totals(engine: Engine) -> tuple[int, int]:
     stats = engine.scheduler.stats if engine.scheduler is not None else None
     return (stats.verified_total, stats.taken_total) if stats is not None else (0, 0)
 
 
-def main() -> None:
+def batches_of(prompts: list[list[int]], bs: int) -> list[list[list[int]]]:
+    """Every prompt of the set, in batches of bs (the set cycled to fill a larger batch)."""
+    if bs < len(prompts):
+        return [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
+    return [[prompts[i % len(prompts)] for i in range(bs)]]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -95,8 +142,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--model-path", default=None)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--llama", action="store_true", help="also llama.cpp's server on the bundled GGUF, off and on"
+    )
+    parser.add_argument("--llama-server", default=None, help="its command; default: llama-server on PATH")
+    parser.add_argument("--llama-spec-args", default=LLAMA_SPEC, help="its speculation flags: %(default)s")
+    parser.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     engines = {
         "off": Engine(args.model_path, dtype="bfloat16"),
         "on": Engine(
@@ -107,52 +163,39 @@ def main() -> None:
         ),
     }
     sets = {"repetitive": chat_ids(engines["off"], REPETITIVE), "chat": chat_ids(engines["off"], CHAT)}
-    warm = sets["chat"][:2]
-    for engine in engines.values():
-        run(engine, warm, 8)
-
-    rates: dict[tuple[str, int, str], list[float]] = {}
-    accepts: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    same: dict[tuple[str, int], bool] = {}
-    accepts_seen: dict[tuple[str, int, int], bool] = {}
-    for r in range(args.rounds):
-        for name, prompts in sets.items():
-            for bs in args.batch_sizes:
-                # every prompt of the set, in batches of bs (the set cycled to fill a larger batch)
-                batches = (
-                    [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
-                    if bs < len(prompts)
-                    else [[prompts[i % len(prompts)] for i in range(bs)]]
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        if args.llama:
+            command = llama_command(args.llama_server)
+            if not is_llama_server(command):
+                sys.exit(
+                    "--llama needs llama.cpp's llama-server (llama-cpp-python's server has no n-gram flags)"
                 )
-                order = ["off", "on", "on", "off"] if r % 2 == 0 else ["on", "off", "off", "on"]
-                tokens: dict[str, Any] = {}
-                for side in order:
-                    before = accept_totals(engines[side])
-                    seconds, n, tokens[side] = 0.0, 0, []
-                    for batch in batches:
-                        s, k, t = run(engines[side], batch, args.max_new_tokens)
-                        seconds, n, tokens[side] = seconds + s, n + k, tokens[side] + t
-                    rates.setdefault((name, bs, side), []).append(n / seconds)
-                    if side == "on" and not accepts_seen.get((name, bs, r)):
-                        accepts_seen[(name, bs, r)] = True
-                        after = accept_totals(engines[side])
-                        accepts.setdefault((name, bs), []).append(
-                            (after[0] - before[0], after[1] - before[1])
-                        )
-                same[(name, bs)] = same.get((name, bs), True) and tokens["on"] == tokens["off"]
-                print(
-                    f"round {r + 1} {name:10s} batch {bs:3d}: off {statistics.median(rates[(name, bs, 'off')]):7.1f}"
-                    f"  on {statistics.median(rates[(name, bs, 'on')]):7.1f} tok/s",
-                    flush=True,
-                )
+            gguf, slots = str(default_model_path()), max(args.batch_sizes)
+            for side, extra in (("llama off", []), ("llama on", shlex.split(args.llama_spec_args))):
+                server = LlamaServer(command, gguf, args.llama_threads, 1024, slots, extra)
+                urls[side] = stack.enter_context(server).url
 
+        def run_side(side: str, batch: list[list[int]], max_new: int) -> tuple[float, int, list[Any]]:
+            if side in urls:
+                return llama_run(urls[side], batch, max_new)
+            return run(engines[side], batch, max_new)
+
+        sides = [*engines, *urls]
+        for side in sides:
+            run_side(side, sets["chat"][:2], 8)  # warm up
+        rates, accepts, same = measure(args, sets, sides, run_side, engines["on"])
     draft_tokens = engines["on"].args.num_draft_tokens
     print(
-        f"\nSmolLM2-135M-Instruct bf16, greedy, {args.max_new_tokens} new tokens, NGRAM with "
-        f"--speculative-num-draft-tokens {draft_tokens}, median of {2 * args.rounds} runs a side\n"
+        f"\nSmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens; srt in bf16, NGRAM with "
+        f"--speculative-num-draft-tokens {draft_tokens}"
+        + (f"; llama.cpp on the bundled GGUF, on = {args.llama_spec_args}" if urls else "")
+        + f"; median of {2 * args.rounds} runs a side\n"
     )
-    print("| set | batch | off (tok/s) | NGRAM (tok/s) | ratio | accept length | same tokens |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    head = "| set | batch | off (tok/s) | NGRAM (tok/s) | ratio | accept length | same tokens |"
+    llama_head = " llama.cpp off | llama.cpp on | ratio | same text |"
+    print(head + (llama_head if urls else ""))
+    print("|---|---:|---:|---:|---:|---:|---|" + ("---:|---:|---:|---|" if urls else ""))
     for name in sets:
         for bs in args.batch_sizes:
             off = statistics.median(rates[(name, bs, "off")])
@@ -160,10 +203,56 @@ def main() -> None:
             verified = sum(v for v, _ in accepts[(name, bs)])
             taken = sum(t for _, t in accepts[(name, bs)])
             accept = taken / verified if verified else 1.0
-            print(
-                f"| {name} | {bs} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {accept:.2f} | "
-                f"{'yes' if same[(name, bs)] else 'NO'} |"
-            )
+            row = f"| {name} | {bs} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {accept:.2f} | "
+            row += "yes |" if same[(name, bs, "")] else "NO |"
+            if urls:
+                l_off = statistics.median(rates[(name, bs, "llama off")])
+                l_on = statistics.median(rates[(name, bs, "llama on")])
+                row += f" {l_off:.1f} | {l_on:.1f} | {l_on / l_off:.2f}x | "
+                row += "yes |" if same[(name, bs, "llama")] else "no |"
+            print(row)
+
+
+def measure(
+    args: argparse.Namespace,
+    sets: dict[str, list[list[int]]],
+    sides: list[str],
+    run_side: Callable[[str, list[list[int]], int], tuple[float, int, list[Any]]],
+    on_engine: Engine,
+) -> tuple[dict[Any, list[float]], dict[Any, list[tuple[int, int]]], dict[Any, bool]]:
+    """Each round runs every side at every set and batch size, in the order off, on, on, off (each pair
+    of sides alike), reversed every other round; the rates, srt's accept counts and sameness per cell."""
+    rates: dict[tuple[str, int, str], list[float]] = {}
+    accepts: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    same: dict[tuple[str, int, str], bool] = {}
+    for r in range(args.rounds):
+        for name, prompts in sets.items():
+            for bs in args.batch_sizes:
+                order = [a for pair in zip(sides[::2], sides[1::2]) for a in (*pair, *pair[::-1])]
+                order = order if r % 2 == 0 else [order[i ^ 1] for i in range(len(order))]
+                outputs: dict[str, list[Any]] = {}
+                for n_run, side in enumerate(order):
+                    before = accept_totals(on_engine)
+                    seconds, n, outputs[side] = 0.0, 0, []
+                    for batch in batches_of(prompts, bs):
+                        sec, k, out = run_side(side, batch, args.max_new_tokens)
+                        seconds, n, outputs[side] = seconds + sec, n + k, outputs[side] + out
+                    rates.setdefault((name, bs, side), []).append(n / seconds)
+                    if side == "on" and order.index("on") == n_run:  # its first run this round
+                        after = accept_totals(on_engine)
+                        accepts.setdefault((name, bs), []).append(
+                            (after[0] - before[0], after[1] - before[1])
+                        )
+                for key, (a, b) in {"": ("off", "on"), "llama": ("llama off", "llama on")}.items():
+                    if a in outputs:
+                        same[(name, bs, key)] = same.get((name, bs, key), True) and outputs[a] == outputs[b]
+                print(
+                    f"round {r + 1} {name:10s} batch {bs:3d}: "
+                    + "  ".join(f"{side} {statistics.median(rates[(name, bs, side)]):7.1f}" for side in sides)
+                    + " tok/s",
+                    flush=True,
+                )
+    return rates, accepts, same
 
 
 if __name__ == "__main__":
