@@ -311,7 +311,8 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch, None)
         assert isinstance(hidden, torch.Tensor)
-        embeddings: list[list[float]] = self.pooler(hidden, batch.extend_seq_lens_cpu).tolist()
+        pool = getattr(self.model, "pool", self.pooler)  # a cross-encoder scores its pairs itself
+        embeddings: list[list[float]] = pool(hidden, batch.extend_seq_lens_cpu).tolist()
         return embeddings
 
     @torch.inference_mode()
@@ -369,6 +370,7 @@ class ModelRunner:
             "weight_bytes": self.weight_bytes,
             "vocab_size": self.vocab_size,
             "hidden_size": int(self.hf_config.hidden_size),  # an embedding's size (--is-embedding)
+            "cross_encoder": hasattr(self.model, "pool"),  # scores pairs: /v1/rerank
             "max_running_requests": self.max_running_requests,
             "eos_token_ids": sorted(eos_token_ids(self.config.model_dir, self.hf_config)),
         }

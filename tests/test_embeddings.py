@@ -127,6 +127,9 @@ def test_bad_input_is_a_400_naming_it(server: tuple[str, Server]) -> None:
         "--is-embedding"
         in refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})["message"]
     )
+    reranked = srv.url + "/v1/rerank"  # a plain encoder is no cross-encoder (tests/test_rerank.py)
+    answer = requests.post(reranked, json={"query": "q", "documents": ["d"]}, timeout=30)
+    assert answer.status_code == 400 and "cross-encoder" in answer.text, answer.text
     same = client(srv).embeddings.create(model="m", input="ok", dimensions=384, encoding_format="float")
     assert len(same.data[0].embedding) == 384  # and it goes on serving
 

@@ -61,13 +61,16 @@ class BertEmbeddings(nn.Module):
             table.weight.requires_grad_(False)
         self.LayerNorm = LayerNorm(hidden, config.layer_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # token type 0 throughout: srt embeds one text per input, as sentence-transformers does
-        summed = (
-            self.word_embeddings(input_ids).float()
-            + self.position_embeddings(positions).float()
-            + self.token_type_embeddings.weight[0].float()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # token type 0 throughout unless given: srt embeds one text per input, as sentence-transformers does
+        types = (
+            self.token_type_embeddings.weight[0].float()
+            if token_types is None
+            else self.token_type_embeddings(token_types).float()
         )
+        summed = self.word_embeddings(input_ids).float() + self.position_embeddings(positions).float() + types
         return self.LayerNorm(summed)
 
 
@@ -195,10 +198,14 @@ class BertModel(CausalLM):
         assert not any(batch.extend_prefix_lens_cpu), (
             "an encoder runs each prompt whole, without a cached prefix"
         )
-        hidden = self.embeddings(input_ids, positions)
+        hidden = self.embeddings(input_ids, positions, self.token_types(input_ids, batch.extend_seq_lens_cpu))
         for layer in self.encoder.layer:
             hidden = layer(hidden, batch.extend_seq_lens_cpu)
         return hidden
+
+    def token_types(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:
+        """None: every token is of type 0 (one text per input)."""
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ValueError("a BERT encoder has no LM head: it serves embeddings (--is-embedding)")
@@ -207,3 +214,79 @@ class BertModel(CausalLM):
         """An encoder keeps no K/V; the pool it is given is one slot wide per token (the scheduler
         still hands every token a slot)."""
         return 1, 1, 1
+
+
+# sentence-transformers' CrossEncoder activations srt applies to a cross-encoder's scores (its
+# config.json's sentence_transformers.activation_fn, or sbert_ce_default_activation_function)
+_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+}
+
+
+@register_model("BertForSequenceClassification")
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder (a reranker): BERT over a query and a document as one pair, `[CLS] query [SEP]
+    document [SEP]`, the document's tokens of type 1; its score is classifier(tanh(pooler([CLS]))),
+    through the activation its sentence-transformers config names (none by default, as SGLang).
+    A pair's token types follow its first [SEP]: the front end builds pairs whose query holds none
+    (srt/rerank_api.py). pool() replaces the runner's pooling."""
+
+    def __init__(
+        self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage | None = None
+    ) -> None:
+        super().__init__(config, comm, dtype, stage)
+        hidden = config.hidden_size
+        self.pooler = nn.Linear(hidden, hidden, dtype=torch.float32)
+        self.classifier = nn.Linear(hidden, config.num_labels, dtype=torch.float32)
+        for param in (*self.pooler.parameters(), *self.classifier.parameters()):
+            param.requires_grad_(False)
+        self.sep_token_id = self._sep_token_id(config)
+        self.activation = _ACTIVATIONS[self._activation_name(config)]
+
+    @staticmethod
+    def _sep_token_id(config: Any) -> int:
+        sep = getattr(config, "sep_token_id", None)
+        if sep is None:
+            from transformers import AutoTokenizer
+
+            sep = AutoTokenizer.from_pretrained(config._name_or_path).sep_token_id
+        if sep is None:
+            raise ValueError(
+                "BertForSequenceClassification: neither config.json nor the tokenizer names a [SEP] token"
+            )
+        return int(sep)
+
+    @staticmethod
+    def _activation_name(config: Any) -> str:
+        st = getattr(config, "sentence_transformers", None) or {}
+        name = st.get("activation_fn") or getattr(config, "sbert_ce_default_activation_function", None)
+        name = name or "torch.nn.modules.linear.Identity"
+        if name not in _ACTIVATIONS:
+            raise ValueError(
+                f"config.json: the cross-encoder activation {name!r} is not implemented by srt "
+                f"(one of: {', '.join(_ACTIVATIONS)})"
+            )
+        return name
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        return name.removeprefix("bert.").replace("pooler.dense.", "pooler.")
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        return name.removeprefix("bert.") == "embeddings.position_ids"
+
+    def token_types(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """1 for every token after a request's first [SEP], else 0 (BERT's pair encoding)."""
+        types = []
+        start = 0
+        for length in lengths:
+            sep = (input_ids[start : start + length] == self.sep_token_id).to(torch.int64)
+            types.append(((sep.cumsum(0) - sep) > 0).to(torch.int64))
+            start += length
+        return torch.cat(types)
+
+    def pool(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """hidden [tokens, hidden] -> float32 scores [requests, num_labels]."""
+        starts = torch.tensor([0, *lengths[:-1]], device=hidden.device).cumsum(0)
+        cls = hidden[starts].float()
+        return self.activation(self.classifier(torch.tanh(self.pooler(cls))))
