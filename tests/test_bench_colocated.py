@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_colocated.py"
 
 
+@pytest.mark.slow  # two servers and three load levels, ~20 s: the script, not a README promise
 def test_one_round_per_level_prints_speeds_and_slowdowns(tmp_path: Path) -> None:
     out = tmp_path / "colocated.json"
     run = subprocess.run(

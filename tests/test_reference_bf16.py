@@ -3,8 +3,9 @@ server at TP=1 (and, in the slow tier, TP=3 and PP=2).
 
 Per-choice loglikelihoods of a multiple-choice set, read through /v1/completions (`echo` and
 `logprobs`, as lm-eval-harness reads them), must be no further from transformers' float32 than
-transformers' own bf16 is, with 25% to spare: the test computes that distance. Greedy tokens must
-equal transformers' float32 where its bf16 agrees with its float32.
+transformers' own bf16 is, with 25% to spare: the slow tier computes that distance, the default run
+takes the smallest measured. Greedy tokens must equal transformers' float32 where its bf16 agrees
+with its float32.
 """
 
 from __future__ import annotations
@@ -111,8 +112,17 @@ MARGIN = 1.25  # the issue's bound for the choices: within transformers' own bf1
 # nearer float32. Measured at TP=1: 0.46x; before those, 0.98x (docs/performance.md).
 TOKEN_MARGIN = 0.75
 
+# transformers bf16's distances from its float32 on this set (choices, tokens), the smallest measured
+# by this test's live computation: AMD Zen 4 0.0893 / 0.0366 (12-04), AMD Zen 3 0.1033 / 0.0369 (12-04)
+BF16_MEASURED = (0.0893, 0.0366)
+LIVE_BF16 = ("tp3", "pp2")  # the slow tier's layouts
+
 ServerArgs = tuple[str, ...]
-LAYOUTS: dict[str, ServerArgs] = {"tp1": (), "tp3": ("--tp-size", "3"), "pp2": ("--pp-size", "2")}
+LAYOUTS: dict[str, ServerArgs] = {
+    "tp1": (),
+    "tp3": ("--tp-size", "3"),
+    "pp2": ("--pp-size", "2"),
+}
 
 
 class Reference:
@@ -130,6 +140,7 @@ class Reference:
                 assert ids[: len(context_ids)] == context_ids, (context, option)
                 self.choices.append((ids, len(context_ids)))
         self.prompts = [tokenizer(p)["input_ids"] for p in GREEDY_PROMPTS]
+        self.model_dir = model_dir
         self.token_logprobs: dict[torch.dtype, list[torch.Tensor]] = {}
         self.greedy: dict[torch.dtype, list[list[int]]] = {}
         self.tie_at: list[
@@ -138,9 +149,10 @@ class Reference:
         for dtype in (torch.float32, torch.bfloat16):
             model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             with torch.no_grad():
-                self.token_logprobs[dtype] = [
-                    row for i in range(0, len(self.choices), 4) for row in self._token_logprobs(model, i)
-                ]
+                if dtype == torch.float32:  # bf16's are costly where torch has no bf16 matmul: bf16_distances
+                    self.token_logprobs[dtype] = [
+                        row for i in range(0, len(self.choices), 4) for row in self._token_logprobs(model, i)
+                    ]
                 self.greedy[dtype] = [
                     model.generate(torch.tensor([p]), max_new_tokens=GREEDY_TOKENS, do_sample=False)[
                         0, len(p) :
@@ -151,6 +163,18 @@ class Reference:
                     self.tie_at = [
                         self._first_tie(model, p, g) for p, g in zip(self.prompts, self.greedy[dtype])
                     ]
+
+    def bf16_distances(self) -> tuple[float, float]:
+        """transformers bf16's own distances from its float32 (computed once, on first use)."""
+        if torch.bfloat16 not in self.token_logprobs:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=torch.bfloat16
+            ).eval()
+            with torch.no_grad():
+                self.token_logprobs[torch.bfloat16] = [
+                    row for i in range(0, len(self.choices), 4) for row in self._token_logprobs(model, i)
+                ]
+        return self.distances(self.token_logprobs[torch.bfloat16])
 
     @staticmethod
     def _first_tie(model: Any, prompt: list[int], greedy: list[int]) -> int:
@@ -225,17 +249,18 @@ def served_greedy(server: Server, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "layout",
-    # TP=3 and PP=2 take 90 s between them: the slow tier (CI runs it) holds them
+    # TP=3 and PP=2 take 90 s between them, transformers' bf16 distances minutes: the slow tier (CI
+    # runs it) holds them
     [layout if layout == "tp1" else pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS],
 )
 def test_default_path_is_held_to_transformers(layout: str, reference: Reference, smollm2_dir: Path) -> None:
     with Server(*LAYOUTS[layout], "--cpu-kvcache-space", "0.25") as server:
         served = served_token_logprobs(server, reference.choices)
         greedy = served_greedy(server, reference.prompts)
-    (choices, tokens), (bf16_choices, bf16_tokens) = (
-        reference.distances(served),
-        reference.distances(reference.token_logprobs[torch.bfloat16]),
-    )
+    choices, tokens = reference.distances(served)
+    # transformers bf16's distances, computed in the slow tier (its ~16k tokens of bf16 forwards take
+    # minutes where torch has no bf16 matmul kernel, as on AVX2), else the smallest measured so far
+    bf16_choices, bf16_tokens = reference.bf16_distances() if layout in LIVE_BF16 else BF16_MEASURED
     print(
         f"{layout}: choices {choices:.4f} tokens {tokens:.4f}; transformers bf16 {bf16_choices:.4f} {bf16_tokens:.4f}"
     )

@@ -189,8 +189,9 @@ def test_priority_orders_the_waiting_queue(server: Server) -> None:
     while len(server.internal_state()["running"]) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    waiting = [
-        threading.Thread(target=run, args=(rid, 2, prio))
+    waiting = [  # 8 tokens each: a waiting request ends 8 steps after the one before it, so the
+        # client threads that record the order (an HTTP reply each) do not race the scheduler
+        threading.Thread(target=run, args=(rid, 8, prio))
         for rid, prio in (("low", 1), ("none", None), ("high", 9), ("mid", 5))
     ]
     for t in waiting:
