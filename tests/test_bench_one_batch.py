@@ -16,6 +16,7 @@ from model_executor.cpu.kernels import build
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_one_batch.py"
 
 
+@pytest.mark.slow  # ~11 s: the script's report, no README promise
 def test_bench_one_batch_reports_tables_ratios_and_json(
     tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

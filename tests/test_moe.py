@@ -103,13 +103,9 @@ def test_bf16_is_no_further_from_float32_than_transformers_bf16(arch: str, moe_d
 
 @pytest.mark.parametrize(
     "arch",
-    # ~25 s each; OLMoE (k's norm across heads, over a KV head both TP ranks hold) in the default run
-    [
-        pytest.param("qwen3_moe", marks=pytest.mark.slow),
-        pytest.param("qwen2_moe", marks=pytest.mark.slow),
-        pytest.param("mixtral", marks=pytest.mark.slow),
-        "olmoe",
-    ],
+    # ~20-25 s each: the slow tier (the default run holds every MoE at TP=1); OLMoE checks k's norm
+    # across heads over a KV head both TP ranks hold
+    [pytest.param(arch, marks=pytest.mark.slow) for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")],
 )
 def test_four_ranks_match_transformers(arch: str, moe_dirs: dict[str, Path], smollm2_dir: Path) -> None:
     """TP=2 x PP=2 in float32: each expert sharded over two ranks, the layers over two stages, the
@@ -320,6 +316,7 @@ def sorted_rows(ids: Any) -> list[list[int]]:
     return [sorted(row) for row in torch.as_tensor(ids).reshape(-1, ids.shape[-1]).tolist()]
 
 
+@pytest.mark.slow  # ~20 s: a server per case
 def test_routed_experts_are_transformers_routes(moe_dirs: dict[str, Path], smollm2_dir: Path) -> None:
     """--enable-return-routed-experts (float32): meta_info.routed_experts, base64 int32 [tokens fed,
     layers, top_k], holds transformers' experts for the prompt and every output token but the last

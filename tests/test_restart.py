@@ -209,6 +209,7 @@ def test_streams_survive_sigkill_raise_stall_and_divergence(
         assert "srt:replayed_requests_total" in metrics and "srt:recovery_seconds_count 4.0" in metrics
 
 
+@pytest.mark.slow  # ~20 s; the default run keeps the TP restarts (raise, stall, divergence)
 def test_pipeline_streams_survive_losing_stage_1(long_context_llama: Path, smollm2_dir: Path) -> None:
     """PP=2 (one rank a stage): SIGKILL of the last stage mid-stream restarts both stages and every
     stream ends with the tokens of a fault-free run (greedy and seeded)."""

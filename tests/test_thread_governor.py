@@ -103,6 +103,7 @@ def test_cpus_busy_s_reads_the_named_cpus(tmp_path: Path) -> None:
     assert cpus_busy_s(frozenset({0, 1, 12}), True, str(stat)) == pytest.approx((156 + 500 + 7) / tick)
 
 
+@pytest.mark.slow  # ~20 s of a real hog; and it reads any other load on the two cores as a hog
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_real_hog_takes_a_thread_and_gives_it_back() -> None:
     cpus = frozenset(sorted(os.sched_getaffinity(0))[:2])
