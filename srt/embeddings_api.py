@@ -83,7 +83,7 @@ def _inputs(value: Any) -> tuple[str, Any]:
     raise RequestError("input must be a string, a list of token ids, or a non-empty list of either", "input")
 
 
-async def _embed(
+async def embed_outputs(
     tm: TokenizerManager, request: Request, body: dict[str, Any], errors: ErrorFamily, renamed: dict[str, str]
 ) -> list[dict[str, Any]] | JSONResponse:
     """The outputs of an embedding /generate body in input order, or the error to answer."""
@@ -116,7 +116,7 @@ async def embeddings(request: Request) -> Response:
                 "dimensions",
             )
         fields = {name: body[name] for name in ("rid", "priority") if body.get(name) is not None}
-        outs = await _embed(tm, request, {key: value, **fields}, OPENAI_ERRORS, renamed)
+        outs = await embed_outputs(tm, request, {key: value, **fields}, OPENAI_ERRORS, renamed)
     except (ValueError, ServiceUnavailableError) as error:
         return OPENAI_ERRORS.of(error, renamed)
     if isinstance(outs, JSONResponse):
@@ -142,7 +142,7 @@ async def encode(request: Request) -> Response:
         body = await read_json_object(request)
         check_request_fields(body, ENCODE)
         body.pop("sampling_params", None)
-        outs = await _embed(tm, request, body, NATIVE_ERRORS, {})
+        outs = await embed_outputs(tm, request, body, NATIVE_ERRORS, {})
     except (ValueError, ServiceUnavailableError) as error:
         return NATIVE_ERRORS.of(error)
     if isinstance(outs, JSONResponse):

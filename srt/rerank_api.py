@@ -18,8 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from srt.embeddings_api import embed_outputs
 from srt.generate_parse import RequestError, check_request_fields, is_int
-from srt.http_common import NATIVE_ERRORS, batch_outputs, manager, read_json_object
+from srt.http_common import NATIVE_ERRORS, manager, read_json_object
 from srt.request_state import ServiceUnavailableError
 from srt.vocabulary import Field, advisory, impl, off
 
@@ -66,8 +67,7 @@ async def rerank(request: Request) -> Response:
         if sep in tm.tokenizer(query, add_special_tokens=False)["input_ids"]:
             raise RequestError("query must not hold the tokenizer's separator token", "query")
         pairs = [tm.tokenizer(query, document)["input_ids"] for document in documents]
-        call = tm.parse_generate({"input_ids": pairs, "sampling_params": {"max_new_tokens": 0}}, embed=True)
-        outs = await batch_outputs(tm.generate(call, request), NATIVE_ERRORS, {})
+        outs = await embed_outputs(tm, request, {"input_ids": pairs}, NATIVE_ERRORS, {})
     except (ValueError, ServiceUnavailableError) as error:
         return NATIVE_ERRORS.of(error)
     if isinstance(outs, JSONResponse):
