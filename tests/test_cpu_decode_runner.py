@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.registry import create_attention_backend
@@ -19,6 +20,7 @@ from model_executor.cpu.linear import set_one_arithmetic
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage
 from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
+from model_executor.layers.moe import SparseMoeBlock
 from model_executor.loader.weight_source import load_hf_config
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.models.registry import get_model_class
@@ -66,25 +68,49 @@ def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def record_routes(runner: ModelRunner) -> list[tuple[int, list[list[int]]]]:
+    """Each MoE layer's chosen experts as its route_hook receives them, in calls' order."""
+    routes: list[tuple[int, list[list[int]]]] = []
+    for block in runner.model.modules():
+        if isinstance(block, SparseMoeBlock):
+            block.route_hook = lambda layer_id, ids: routes.append((layer_id, ids.tolist()))
+    return routes
+
+
 @needs_fused
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on q/k/v, which the fused layer adds
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama",
+        "qwen2",  # a bias on q/k/v, which the fused layer adds
+        "qwen3",  # per-head q/k RMSNorm
+        "qwen3_moe",  # and a mixture of experts: srt_moe_block inside the fused layer
+        "qwen2_moe",  # experts and a gated shared expert
+    ],
+)
 def test_takes_a_bf16_decode_batch_on_one_rank_and_gives_the_layers_logits(
-    arch: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    arch: str, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    runner = runner_for(tiny_model_dirs[arch])
+    model_dir = tiny_model_dirs[arch] if arch in tiny_model_dirs else make_tiny_model(arch, tmp_path / arch)
+    runner = runner_for(model_dir)
     assert isinstance(runner.attn_backend, CpuKernelsAttnBackend)  # the default on the CPU
     calls = count_fused_calls(monkeypatch)
     lens = [3, 30]
     rows = prefill(runner, lens)
     batch = decode_step(runner, rows, lens)
     assert runner.step_runner.can_run(batch)
+    routes = record_routes(runner)
     fused = runner.forward(batch)
     assert calls == [1]  # one fused call for the whole step (every layer in it)
+    fused_routes = routes[:]
     # The same step again, op by op through the model's layers and the attention backend.
     monkeypatch.setattr(runner.step_runner, "can_run", lambda batch: False)
     again = decode_step(runner, rows, lens)
+    routes.clear()
     layers = runner.forward(again)
     assert calls == [1]
+    # every MoE layer told its route hook the experts it chose, those the layers choose
+    assert fused_routes == routes and (len(routes) > 0) == arch.endswith("moe")
     scale = layers.abs().max().item()
     assert (fused - layers).abs().max().item() < 0.02 * scale, (fused - layers).abs().max().item()
     for i in range(runner.model.kv_cache_layout()[0]):  # and it wrote the step's K/V the layers write
@@ -151,7 +177,7 @@ def test_declines_every_step_in_deterministic_mode(
     ("arch", "dtype", "backend"),
     [
         ("llama", torch.float32, "auto"),  # an fp32 pool: the kernels are bf16
-        ("qwen3", torch.bfloat16, "auto"),  # q/k norm: not the fused layer's block
+        ("olmoe", torch.bfloat16, "auto"),  # q/k norms across heads: not the fused layer's block
         ("llama", torch.bfloat16, "torch_native"),  # the fused layer's attention is our kernel's
     ],
 )
@@ -161,8 +187,10 @@ def test_declines_what_the_fused_layer_does_not_compute(
     backend: str,
     tiny_model_dirs: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    runner = runner_for(tiny_model_dirs[arch], dtype=dtype, attention_backend=backend)
+    model_dir = tiny_model_dirs[arch] if arch in tiny_model_dirs else make_tiny_model(arch, tmp_path / arch)
+    runner = runner_for(model_dir, dtype=dtype, attention_backend=backend)
     calls = count_fused_calls(monkeypatch)
     rows = prefill(runner, [3])
     batch = decode_step(runner, rows, [3])

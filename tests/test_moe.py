@@ -51,6 +51,34 @@ def test_top_k_ties_go_to_the_lowest_expert_id() -> None:
     torch.testing.assert_close(weights, torch.full((2, 2), 0.5))
 
 
+@pytest.mark.skipif(build.kernels() is None, reason="the CPU kernels did not build here")
+def test_the_kernels_route_as_select_experts() -> None:
+    """srt_moe_route (cpu_moe.c), which the fused layers route with: the ties above, and random
+    logits, to float32 rounding of the softmax."""
+    lib = build.kernels()
+    assert lib is not None
+    ties = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0], [3.0, 3.0, 3.0, 3.0, 3.0]])
+    randn = torch.randn(64, 60, generator=torch.Generator().manual_seed(0)) * 3
+    for logits, top_k in ((ties, 2), (randn, 4), (randn, 1)):
+        for renormalize in (False, True):
+            m, experts = logits.shape
+            ids = torch.empty(m, top_k, dtype=torch.int64)
+            weights = torch.empty(m, top_k)
+            lib.srt_moe_route(
+                logits.data_ptr(),
+                experts,
+                m,
+                experts,
+                top_k,
+                int(renormalize),
+                ids.data_ptr(),
+                weights.data_ptr(),
+            )
+            want_weights, want_ids = select_experts(logits, top_k, renormalize)
+            assert ids.tolist() == want_ids.tolist()
+            torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_float32_matches_transformers(arch: str, moe_dirs: dict[str, Path]) -> None:
     """Last-position logits within float32's summation noise, 32 greedy tokens of 4 prompts equal."""

@@ -2,8 +2,9 @@
 CUDA-graph replay: a step's shape of work prepared once, each layer one C call).
 
 A decode batch on one rank (no tensor or pipeline parallelism), over a bf16 pool on the cpu_kernels
-attention backend, of a model of plain Llama blocks (no q/k norm, no o_proj bias) runs each layer as
-one srt_decode_layer call: any batch up to packed_max_rows() where the layers' weights are packed for
+attention backend, of a model of Llama blocks (no o_proj bias; q/k norms per head, as Qwen3's, or
+none; a dense MLP or a mixture of experts srt_moe_block runs) runs each layer as one
+srt_decode_layer call: any batch up to packed_max_rows() where the layers' weights are packed for
 our kernels, else (srt_gemv, where it has its AVX-512 BF16 loop) a small one. It is the CPU wing's
 StepRunner: ModelRunner asks `can_run` first; every other batch runs the model's layers op by op.
 
@@ -26,21 +27,43 @@ from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
 from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight
 from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows, packed_of
+from model_executor.cpu.moe import FusedExperts
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.forward_batch import ForwardBatch
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 from model_executor.step_runner import StepRunner
 
 
-def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight] | None:
-    """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1),
-    or None (a Q8_0 weight is only ever the LM head's)."""
+def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight | None] | None:
+    """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1;
+    with a mixture of experts qkv and o, then None twice), or None (a Q8_0 weight is only ever the LM
+    head's)."""
+    mlp = (layer.gate_up_proj, layer.down_proj) if layer.moe is None else ()
     packed: list[PackedWeight | None] = [
         packed_of(linear.linear_method)
-        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        for linear in (layer.qkv_proj, layer.o_proj, *mlp)
+        if linear is not None
     ]
     kernel = [p for p in packed if p is not None and is_kernel_packed(p) and not isinstance(p, Q8Weight)]
-    return kernel if len(kernel) == len(packed) else None
+    if len(kernel) != len(packed) or len(packed) != 2 + len(mlp):
+        return None
+    return [*kernel, None, None] if layer.moe is not None else list(kernel)
+
+
+def fused_moe(layer: PreNormLayer) -> FusedExperts | None:
+    """A MoE layer's srt_moe_block form (cpu/moe.py), where its weights are packed bf16."""
+    method = layer.moe.experts_method if layer.moe is not None else None
+    return method if isinstance(method, FusedExperts) else None
+
+
+def fusable(layer: PreNormLayer) -> bool:
+    """Whether srt_decode_layer computes the layer: a dense MLP, or experts srt_moe_block runs (with
+    every weight packed for our kernels); q/k norms per head with the layer's eps or none."""
+    if layer.moe is not None and (fused_moe(layer) is None or kernel_weights(layer) is None):
+        return False
+    if layer.o_proj.bias is not None or (layer.q_norm is None) != (layer.k_norm is None):
+        return False
+    return layer.q_norm is None or layer.q_norm.eps == layer.k_norm.eps == layer.input_layernorm.eps  # type: ignore[union-attr]
 
 
 class CpuDecodeRunner(StepRunner):
@@ -66,9 +89,8 @@ class CpuDecodeRunner(StepRunner):
             or not attn_backend.kernel_attention
         ):
             return
-        first = stack.layers[0]
         # The embedding's output has the rotary tables' dtype and device: the kernels take both or neither.
-        if first.q_norm is None and first.o_proj.bias is None and ops.usable(stack.rotary_emb.cos):
+        if all(map(fusable, stack.layers)) and ops.usable(stack.rotary_emb.cos):
             self.stack = stack
 
     def prepare(self) -> None:
@@ -140,8 +162,14 @@ class CpuDecodeRunner(StepRunner):
 
 
 def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWeights:
-    attn = layer.attn
+    attn, moe = layer.attn, fused_moe(layer)
     k_cache, v_cache = kv_pool.get_kv_buffer(attn.layer_id)
+
+    def on_route(ids: torch.Tensor) -> None:  # as SparseMoeBlock.forward calls its route_hook
+        block = layer.moe
+        if block is not None and block.route_hook is not None:
+            block.route_hook(block.layer_id, ids)
+
     return DecodeLayerWeights(
         layer.input_layernorm.weight,
         layer.post_attention_layernorm.weight,
@@ -149,8 +177,8 @@ def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWei
         layer.qkv_proj.weight,
         layer.qkv_proj.bias,
         layer.o_proj.weight,
-        layer.gate_up_proj.weight,
-        layer.down_proj.weight,
+        None if layer.gate_up_proj is None else layer.gate_up_proj.weight,
+        None if layer.down_proj is None else layer.down_proj.weight,
         kernel_weights(layer),
         k_cache,
         v_cache,
@@ -158,4 +186,9 @@ def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWei
         attn.num_kv_heads,
         attn.head_dim,
         attn.scaling,
+        None if layer.q_norm is None else layer.q_norm.weight,
+        None if layer.k_norm is None else layer.k_norm.weight,
+        None if moe is None else moe.descriptor,
+        0 if layer.moe is None else layer.moe.top_k,
+        on_route if layer.moe is not None else None,
     )

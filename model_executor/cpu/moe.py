@@ -1,7 +1,8 @@
-"""A mixture-of-experts layer's experts on the CPU kernels: every active expert of a step in one C
-call (srt_moe_experts_bf16, cpu_moe.c), where each expert's gate/up and down weights are packed for
-srt_bf16_linear. Python's share of a step no longer grows with the experts it runs: measured on a
-mid-size Qwen3-MoE (docs/performance.md)."""
+"""A mixture-of-experts layer on the CPU kernels: the router, the routing, every active expert and
+the shared expert of a step in one C call (srt_moe_block, cpu_moe.c), where each of their weights is
+packed for srt_bf16_linear. Python's share of a step no longer grows with the experts it runs, and
+the fused decoder layer (srt_decode_layer) makes the same call, so prefill and decode route alike:
+measured on a mid-size Qwen3-MoE (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -10,71 +11,78 @@ from torch import nn
 
 from model_executor.cpu.kernels import build
 from model_executor.cpu.linear import is_kernel_packed, packed_of
+from model_executor.layers.linear import LinearBase
 from model_executor.layers.moe import Expert, ExpertsMethod, SparseMoeBlock
 
 
+def _packed_bf16(linear: LinearBase) -> torch.Tensor | None:
+    packed = packed_of(linear.linear_method)
+    # is_kernel_packed on a tensor: bf16_pack's layout, so both sizes divide by 32
+    return packed if isinstance(packed, torch.Tensor) and is_kernel_packed(packed) else None
+
+
 class FusedExperts(ExpertsMethod):
-    def __init__(self, block: SparseMoeBlock, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
-        self.packed = (gate_up, down)  # keeps the tensors behind the addresses alive
-        self.gate_up = torch.tensor([t.data_ptr() for t in gate_up], dtype=torch.int64)
-        self.down = torch.tensor([t.data_ptr() for t in down], dtype=torch.int64)
-        self.num_experts = block.num_experts
-        self.d = gate_up[0].shape[0] * 8  # [2d/16, k/32, 16, 16, 2]
+    def __init__(self, block: SparseMoeBlock, weights: list[torch.Tensor]) -> None:
+        """`weights`: the router's packed weight, each expert's gate_up and down, and with a shared
+        expert its gate_up, down and gate."""
+        self.block = block
+        self.weights = weights  # keeps the tensors behind the addresses alive
+        router, experts = weights[0], weights[1 : 1 + 2 * block.num_experts]
+        self.gate_up = torch.tensor([t.data_ptr() for t in experts[0::2]], dtype=torch.int64)
+        self.down = torch.tensor([t.data_ptr() for t in experts[1::2]], dtype=torch.int64)
+        shared = weights[1 + 2 * block.num_experts :]
+        self.descriptor = torch.tensor(  # srt_moe_block's `moe`
+            [
+                block.num_experts,
+                block.top_k,
+                int(block.renormalize),
+                experts[0].shape[0] * 8,  # [2d/16, k/32, 16, 16, 2]
+                self.gate_up.data_ptr(),
+                self.down.data_ptr(),
+                router.data_ptr(),
+                router.shape[0] * 16,
+                block.expert_tokens.data_ptr(),
+                shared[0].shape[0] * 8 if shared else 0,
+                *(t.data_ptr() for t in shared),
+                *([0] * (3 - len(shared))),
+            ],
+            dtype=torch.int64,
+        )
 
     @classmethod
     def of(cls, block: SparseMoeBlock) -> FusedExperts | None:
-        """The block's fused experts where every expert's weights are packed bf16 for our kernels
-        (not int8 or Q4: those stay on the torch loop), else None."""
+        """The block's fused form where the router and every expert's weights are packed bf16 for our
+        kernels (not int8 or Q4: those stay on the torch loop), else None."""
         if build.kernels() is None or not build.bf16_linear_available():
             return None
-        gate_up: list[torch.Tensor] = []
-        down: list[torch.Tensor] = []
+        linears: list[LinearBase] = [block.gate]
         for expert in block.experts:
             assert isinstance(expert, Expert)
-            for linear, into in ((expert.gate_up_proj, gate_up), (expert.down_proj, down)):
-                packed = packed_of(linear.linear_method)
-                if not isinstance(packed, torch.Tensor) or not is_kernel_packed(packed):
-                    return None  # is_kernel_packed: bf16_pack's layout, so both sizes divide by 32
-                into.append(packed)
-        return cls(block, gate_up, down)
+            linears += [expert.gate_up_proj, expert.down_proj]
+        if block.shared_expert is not None and block.shared_expert_gate is not None:
+            linears += [
+                block.shared_expert.gate_up_proj,
+                block.shared_expert.down_proj,
+                block.shared_expert_gate,
+            ]
+        packed = [_packed_bf16(linear) for linear in linears]
+        if not all(isinstance(p, torch.Tensor) for p in packed) or not block.expert_tokens.is_contiguous():
+            return None
+        return cls(block, [p for p in packed if p is not None])
 
-    def apply(
-        self,
-        x: torch.Tensor,
-        counts: torch.Tensor,
-        rows: torch.Tensor,
-        weights: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lib = build.kernels()
-        assert lib is not None
+        assert lib is not None and x.dtype == torch.bfloat16
         x = x.contiguous()
         m, k = x.shape
-        counts, rows = counts.contiguous(), rows.contiguous()
-        weights = weights.contiguous()
-        xg = torch.empty(m, k, dtype=torch.bfloat16)
-        act = torch.empty(m, self.d, dtype=torch.bfloat16)
-        y = torch.empty(m, k, dtype=torch.float32)
-        lib.srt_moe_experts_bf16(
-            x.data_ptr(),
-            m,
-            k,
-            self.d,
-            self.num_experts,
-            self.gate_up.data_ptr(),
-            self.down.data_ptr(),
-            counts.data_ptr(),
-            rows.data_ptr(),
-            weights.data_ptr(),
-            xg.data_ptr(),
-            act.data_ptr(),
-            y.data_ptr(),
-            out.data_ptr(),
-        )
+        out = torch.empty(m, k, dtype=torch.float32)
+        ids = torch.empty(m, self.block.top_k, dtype=torch.int64)
+        lib.srt_moe_block(x.data_ptr(), m, k, self.descriptor.data_ptr(), ids.data_ptr(), out.data_ptr())
+        return out, ids
 
 
 def fuse_experts(model: nn.Module) -> int:
-    """Gives every SparseMoeBlock whose experts are packed bf16 its FusedExperts; returns how many.
+    """Gives every SparseMoeBlock whose weights are packed bf16 its FusedExperts; returns how many.
     Call after pack_model."""
     fused = 0
     for module in model.modules():

@@ -93,23 +93,15 @@ class Expert(nn.Module):
 
 
 class ExpertsMethod(ABC):
-    """How a SparseMoeBlock runs its experts where a device's wing gives it one (the CPU's: every
-    active expert in one kernel call, cpu/moe.py); without one, a torch loop over the experts'
-    linear methods. Set after the weights are packed."""
+    """How a SparseMoeBlock runs where a device's wing gives it one (the CPU's: routing, every active
+    expert and the shared expert in one kernel call, cpu/moe.py); without one, torch ops and a loop
+    over the experts' linear methods. Set after the weights are packed."""
 
     @abstractmethod
-    def apply(
-        self,
-        x: torch.Tensor,
-        counts: torch.Tensor,
-        rows: torch.Tensor,
-        weights: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Adds to out [n, hidden] (float32) each active expert's output for its rows of x, times
-        their routing weights, expert by expert in ascending id: counts [experts] tokens each; rows
-        and weights list them expert after expert (tokens ascending). This rank's part, not
-        all-reduced."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out float32 [n, hidden], expert ids [n, top_k]) for rows x: what the block computes
+        before its all-reduce (this rank's part), routed as select_experts routes, each token's
+        experts added in ascending id; adds each expert's tokens to the block's expert_tokens."""
 
 
 class SparseMoeBlock(nn.Module):
@@ -164,6 +156,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
+        if self.experts_method is not None and n:
+            out, ids = self.experts_method.forward(x)
+            if self.route_hook is not None:
+                self.route_hook(self.layer_id, ids)
+            return self.comm.all_reduce(out)
         out = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device)
         if n:
             weights, ids = self.route(x)
@@ -174,12 +171,7 @@ class SparseMoeBlock(nn.Module):
             order = torch.argsort(flat, stable=True)
             counts = torch.bincount(flat, minlength=self.num_experts)
             self.expert_tokens += counts
-            rows = order // self.top_k
-            slot_weights = weights.flatten()[order]
-            if self.experts_method is not None:
-                self.experts_method.apply(x, counts, rows, slot_weights, out)
-            else:
-                self._experts_loop(x, counts.tolist(), rows, slot_weights, out)
+            self._experts_loop(x, counts.tolist(), order // self.top_k, weights.flatten()[order], out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert.partial(x)
@@ -188,7 +180,9 @@ class SparseMoeBlock(nn.Module):
     def _experts_loop(
         self, x: torch.Tensor, counts: list[int], rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """ExpertsMethod.apply in torch, expert by expert through their linear methods."""
+        """Adds to out [n, hidden] each active expert's output for its rows of x times their routing
+        weights, expert by expert in ascending id through their linear methods: counts [experts]
+        tokens each; rows and weights list them expert after expert (tokens ascending)."""
         start = 0
         for expert_id, count in enumerate(counts):  # ascending id: a token's sum in a fixed order
             if not count:

@@ -14,6 +14,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.moe import SparseMoeBlock
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
 from model_executor.models.config_check import ConfigFields, check_config
@@ -26,17 +27,21 @@ class PreNormLayer:
     q, k, v = qkv_proj(input_layernorm(x))          (q_norm / k_norm per head, where set)
     h = x + o_proj(attn(rotary(q), rotary(k), v))
     out = h + down_proj(silu(gate) * up)            gate, up = gate_up_proj(post_attention_layernorm(h))
+
+    or, where `moe` is set, out = h + moe(post_attention_layernorm(h)) (a mixture of experts), the
+    dense projections None.
     """
 
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     qkv_proj: QKVParallelLinear
     o_proj: RowParallelLinear
-    gate_up_proj: MergedColumnParallelLinear
-    down_proj: RowParallelLinear
+    gate_up_proj: MergedColumnParallelLinear | None
+    down_proj: RowParallelLinear | None
     attn: Attention
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    moe: SparseMoeBlock | None = None
 
 
 @dataclass(frozen=True)

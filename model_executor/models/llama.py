@@ -20,6 +20,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import HeadsRMSNorm, RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.moe import SparseMoeBlock
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
@@ -306,19 +307,22 @@ class LlamaForCausalLM(CausalLM):
         layers = []
         for layer in model.local_layers:
             mlp, attn = layer.mlp, layer.self_attn
-            if not isinstance(mlp, LlamaMLP) or attn.q_heads_norm is not None:
-                return None  # experts, or norms across heads: the fused decode layer has neither
+            dense = mlp if isinstance(mlp, LlamaMLP) else None
+            moe = mlp if isinstance(mlp, SparseMoeBlock) else None
+            if (dense is None and moe is None) or attn.q_heads_norm is not None:
+                return None  # norms across heads: the fused decode layer has none
             layers.append(
                 PreNormLayer(
                     layer.input_layernorm,
                     layer.post_attention_layernorm,
                     attn.qkv_proj,
                     attn.o_proj,
-                    mlp.gate_up_proj,
-                    mlp.down_proj,
+                    None if dense is None else dense.gate_up_proj,
+                    None if dense is None else dense.down_proj,
                     attn.attn,
                     attn.q_norm,
                     attn.k_norm,
+                    moe,
                 )
             )
         return DecoderStack(model.embed_tokens, layers, model.norm, model.rotary_emb)

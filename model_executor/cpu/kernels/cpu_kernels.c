@@ -694,6 +694,9 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
  *   out = silu_mul(x @ w_gate_up.T) @ w_down.T (one call for the first product and silu_mul with
  *   packed weights, the gate_up output never stored)
+ * With q_norm and k_norm (Qwen3's per-head RMSNorm) each head of q and k is normalised before it
+ * is rotated. With `moe` the MLP is a mixture of experts (srt_moe_block, its descriptor; the dense
+ * MLP's weights unused), its chosen experts into moe_ids [m][top_k], its output out_f32.
  * hidden is bf16, or float32 with hidden_f32; the o and down products go to `out_f32` unrounded
  * where their weights are bf16_pack'd (residual_linear), else to `out`. Returns whether the layer's
  * output is out_f32 (1) or out (0). Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...]
@@ -706,13 +709,19 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
+                      const bf16 *q_norm, const bf16 *k_norm, const int64_t *moe, int64_t *moe_ids,
                       bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
     srt_rmsnorm(hidden, hidden_f32, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
     layer_linear(x, m, w_qkv, p_qkv, s_qkv, q4, b_qkv, qkv, qkv_size, hidden_size);
-    /* q and k heads sit side by side at the start of each qkv row: rotate them in place */
+    /* q and k heads sit side by side at the start of each qkv row: normalise (in place, each
+     * value read before it is written) and rotate them in place */
     bf16 rotated[(hq + hkv) * d];
     for (int64_t r = 0; r < m; r++) {
+        bf16 *row = qkv + r * qkv_size;
+        if (q_norm && k_norm)
+            for (int64_t h = 0; h < hq + hkv; h++)
+                rmsnorm_row(row + h * d, 0, NULL, h < hq ? q_norm : k_norm, row + h * d, NULL, d, eps);
         srt_rope(qkv + r * qkv_size, qkv_size, rotated, 1, hq + hkv, d, positions + r, cos, sin);
         memcpy(qkv + r * qkv_size, rotated, sizeof rotated);
     }
@@ -720,6 +729,10 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
     const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, q4, out, out_f32, hidden_size, hq * d);
     srt_rmsnorm(o_f32 ? (const void *)out_f32 : out, o_f32, residual, ln2, x, residual, m, hidden_size, eps);
+    if (moe) {
+        srt_moe_block(x, m, hidden_size, moe, moe_ids, out_f32);
+        return 1;
+    }
     if (p_gate_up && q4) { /* Q4_1, int8, bf16: silu * up in the gate_up product's epilogue */
         srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && s_gate_up) {

@@ -3,7 +3,7 @@ weight and KV-cache pointers gathered once (DecodeLayers)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,16 +24,21 @@ class DecodeLayerWeights:
     w_qkv: torch.Tensor
     b_qkv: torch.Tensor | None
     w_o: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
-    packed: Sequence[torch.Tensor | Int8Weight | Q4Weight] | None  # qkv, o, gate_up, down packed by
-    # bf16_pack, int8_pack or as Q4Weight, or None (gemv)
+    w_gate_up: torch.Tensor | None  # None: a mixture of experts (moe)
+    w_down: torch.Tensor | None
+    packed: Sequence[torch.Tensor | Int8Weight | Q4Weight | None] | None  # qkv, o, gate_up, down packed
+    # by bf16_pack, int8_pack or as Q4Weight (gate_up and down None with moe), or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
+    q_norm: torch.Tensor | None = None  # Qwen3's per-head RMSNorm weights (with the layer's eps)
+    k_norm: torch.Tensor | None = None
+    moe: torch.Tensor | None = None  # srt_moe_block's descriptor (cpu/moe.py's FusedExperts)
+    moe_top_k: int = 0
+    on_route: Callable[[torch.Tensor], None] | None = None  # called with each step's expert ids [m, top_k]
 
 
 class DecodeLayers:
@@ -50,12 +55,15 @@ class DecodeLayers:
         first = self.layers[0]
         self.packed = all(w.packed is not None for w in self.layers)
         self.hidden_size = first.w_o.shape[0]
-        self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], first.w_down.shape[1])  # qkv, q, intermediate
-        self.q4 = self.packed and all(isinstance(t, Q4Weight) for w in self.layers for t in w.packed or ())
+        intermediate = max((w.w_down.shape[1] for w in self.layers if w.w_down is not None), default=0)
+        self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], intermediate)  # qkv, q, intermediate
+        self.q4 = self.packed and all(
+            isinstance(t, Q4Weight) for w in self.layers for t in w.packed or () if t is not None
+        )
         self._args = [self._layer_args(w, q4=False) for w in self.layers]
         self._args_q4 = [self._layer_args(w, q4=True) for w in self.layers] if self.q4 else self._args
 
-    def _layer_args(self, w: DecodeLayerWeights, q4: bool) -> tuple[tuple, tuple, tuple]:
+    def _layer_args(self, w: DecodeLayerWeights, q4: bool) -> tuple[tuple, tuple, tuple, tuple]:
         def pointer(t: torch.Tensor | Int8Weight | Q4Weight | None) -> int | None:
             if isinstance(t, Q4Weight):
                 return (t.packed if q4 else t.bf16).data_ptr()
@@ -70,14 +78,20 @@ class DecodeLayers:
             w.w_qkv.data_ptr(),
             _p(w.b_qkv),
             w.w_o.data_ptr(),
-            w.w_gate_up.data_ptr(),
-            w.w_down.data_ptr(),
+            _p(w.w_gate_up),
+            _p(w.w_down),
             *map(pointer, kernel_weights),
             *scales,
             int(q4),
         )
-        dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, w.w_down.shape[1], w.scale)
-        return weights, (w.k_cache.data_ptr(), w.v_cache.data_ptr()), dims
+        intermediate = 0 if w.w_down is None else w.w_down.shape[1]
+        dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, intermediate, w.scale)
+        return (
+            weights,
+            (w.k_cache.data_ptr(), w.v_cache.data_ptr()),
+            dims,
+            (_p(w.q_norm), _p(w.k_norm), _p(w.moe)),
+        )
 
     def forward(
         self,
@@ -124,7 +138,11 @@ class DecodeLayers:
         )
         scratch_ptrs = [t.data_ptr() for t in scratch] + [out_f32.data_ptr()]
         hidden_ptr, hidden_f32, residual_ptr = hidden.data_ptr(), 0, residual.data_ptr()
-        for i, (weights, kv, dims) in enumerate(self._args_q4 if m <= Q4_MAX_ROWS else self._args):
+        # each MoE layer's chosen experts, for its on_route once the step is done
+        routes = [
+            torch.empty(m, w.moe_top_k, dtype=torch.int64) if w.moe is not None else None for w in self.layers
+        ]
+        for i, (weights, kv, dims, extras) in enumerate(self._args_q4 if m <= Q4_MAX_ROWS else self._args):
             hidden_f32 = lib.srt_decode_layer(
                 hidden_ptr,
                 hidden_f32,
@@ -135,8 +153,13 @@ class DecodeLayers:
                 *kv,
                 *batch,
                 *dims,
+                *extras,
+                _p(routes[i]),
                 *scratch_ptrs,
             )
             # each layer's MLP output (out_f32 where the down product stored its sums) is the next one's input
             hidden_ptr = scratch_ptrs[-1] if hidden_f32 else scratch_ptrs[-2]
+        for w, ids in zip(self.layers, routes):
+            if w.on_route is not None and ids is not None:
+                w.on_route(ids)
         return (out_f32 if hidden_f32 else out), residual

@@ -35,6 +35,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
+                      const bf16 *q_norm, const bf16 *k_norm, const int64_t *moe, int64_t *moe_ids,
                       bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32);
 void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride, bf16 *k_cache, bf16 *v_cache,
                   const int64_t *loc, int64_t n, int64_t width);
@@ -72,7 +73,10 @@ void srt_avx2_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf1
                          int64_t k);
 void srt_avx2_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
 
-/* cpu_moe.c: a mixture-of-experts layer's experts on bf16_pack's layout, one call a layer */
+/* cpu_moe.c: a mixture-of-experts layer's routing and experts on bf16_pack's layout, one call a layer */
+void srt_moe_route(const float *logits, int64_t stride, int64_t m, int64_t num_experts, int64_t top_k,
+                   int64_t renormalize, int64_t *ids, float *weights);
+void srt_moe_block(const bf16 *x, int64_t m, int64_t k, const int64_t *moe, int64_t *ids, float *out);
 void srt_moe_experts_bf16(const bf16 *x, int64_t m, int64_t k, int64_t d, int64_t num_experts,
                           const int64_t *gate_up, const int64_t *down, const int64_t *counts, const int64_t *rows,
                           const float *weights, bf16 *xg, bf16 *act, float *y, float *out);
