@@ -753,8 +753,8 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         if (q_norm && k_norm)
             for (int64_t h = 0; h < hq + hkv; h++)
                 rmsnorm_row(row + h * d, 0, NULL, h < hq ? q_norm : k_norm, row + h * d, NULL, d, eps);
-        srt_rope(qkv + r * qkv_size, qkv_size, rotated, 1, hq + hkv, d, positions + r, cos, sin);
-        memcpy(qkv + r * qkv_size, rotated, sizeof rotated);
+        srt_rope(row, qkv_size, rotated, 1, hq + hkv, d, positions + r, cos, sin);
+        memcpy(row, rotated, sizeof rotated);
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);

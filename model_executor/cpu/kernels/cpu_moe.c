@@ -47,9 +47,9 @@ void srt_moe_route(const float *logits, int64_t stride, int64_t m, int64_t num_e
  * down[e] (addresses); counts[e] tokens routed to it, their rows of x listed in rows[] expert after
  * expert (ascending expert id, tokens ascending), their routing weights in weights[] alike;
  * scratch xg [m][k], act [m][d], y [m][k]; out [m][k] float32, added to. k % 32 == 0, d % 32 == 0. */
-void srt_moe_experts_bf16(const bf16 *x, int64_t m, int64_t k, int64_t d, int64_t num_experts,
-                          const int64_t *gate_up, const int64_t *down, const int64_t *counts, const int64_t *rows,
-                          const float *weights, bf16 *xg, bf16 *act, float *y, float *out) {
+static void moe_experts(const bf16 *x, int64_t m, int64_t k, int64_t d, int64_t num_experts, const int64_t *gate_up,
+                        const int64_t *down, const int64_t *counts, const int64_t *rows, const float *weights,
+                        bf16 *xg, bf16 *act, float *y, float *out) {
     int64_t start = 0;
     for (int64_t e = 0; e < num_experts; e++) {
         const int64_t c = counts[e];
@@ -113,8 +113,8 @@ void srt_moe_block(const bf16 *x, int64_t m, int64_t k, const int64_t *moe, int6
         slot_weights[at] = routed[i];
     }
     memset(out, 0, (size_t)(m * k) * sizeof(float));
-    srt_moe_experts_bf16(x, m, k, d, num_experts, (const int64_t *)(intptr_t)moe[4], (const int64_t *)(intptr_t)moe[5],
-                         counts, rows, slot_weights, xg, act, y, out);
+    moe_experts(x, m, k, d, num_experts, (const int64_t *)(intptr_t)moe[4], (const int64_t *)(intptr_t)moe[5], counts,
+                rows, slot_weights, xg, act, y, out);
     if (shared_d) { /* out += sigmoid(x . gate) * down(silu(gate_up(x))), the gate's one logit per row */
         srt_bf16_linear_f32(x, m, (const bf16 *)(intptr_t)moe[12], NULL, logits, 32, k);
         srt_bf16_linear_silu(x, m, (const bf16 *)(intptr_t)moe[10], act, shared_d, k);

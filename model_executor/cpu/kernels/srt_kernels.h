@@ -77,9 +77,6 @@ void srt_avx2_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *ac
 void srt_moe_route(const float *logits, int64_t stride, int64_t m, int64_t num_experts, int64_t top_k,
                    int64_t renormalize, int64_t *ids, float *weights);
 void srt_moe_block(const bf16 *x, int64_t m, int64_t k, const int64_t *moe, int64_t *ids, float *out);
-void srt_moe_experts_bf16(const bf16 *x, int64_t m, int64_t k, int64_t d, int64_t num_experts,
-                          const int64_t *gate_up, const int64_t *down, const int64_t *counts, const int64_t *rows,
-                          const float *weights, bf16 *xg, bf16 *act, float *y, float *out);
 
 /* cpu_int8_linear.c: W8A8 int8 linears (AMX int8 where granted, else AVX-512 VNNI) */
 int64_t srt_vnni_linear_available(void);
