@@ -29,6 +29,7 @@ from model_executor.distributed.parallel_state import ParallelState, get_paralle
 from model_executor.distributed.pipeline import PipelineStage, StageLink, StageOutput, lm_head_cost_in_layers
 from model_executor.forward_batch import ForwardBatch
 from model_executor.gpu_status import gpu_paths_in_use, warn_unverified_gpu_paths
+from model_executor.layers.attention import Attention
 from model_executor.layers.moe import SparseMoeBlock
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
@@ -228,6 +229,14 @@ class ModelRunner:
             self.req_to_token_pool.req_to_token,
             self.config.deterministic,
         )
+        windows = sorted(
+            {m.sliding_window for m in self.model.modules() if isinstance(m, Attention) and m.sliding_window}
+        )
+        if windows and not self.attn_backend.supports_sliding_window:
+            raise ValueError(
+                f"--attention-backend {backend} has no sliding-window attention, which this model's "
+                f"layers use (windows of {windows} tokens); use --attention-backend torch_native"
+            )
         if self.config.deterministic:
             logger.info(
                 "deterministic inference: %s",

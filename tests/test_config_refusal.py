@@ -15,8 +15,8 @@ import transformers
 from test_model_parity import LOGIT_ATOL, check_model, prompts_for
 from tiny_models import TINY
 
+from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.model_runner import ModelRunner, RunnerConfig
-from srt.engine import Engine
 
 
 def save_tiny(path: Path, config_cls: Any, model_cls: Any, **extra: Any) -> Path:
@@ -52,18 +52,10 @@ def mistral_window_16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(path, transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=16)
 
 
-def test_mistral_sliding_window_is_refused_at_start_up(mistral_window_16: Path) -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"^config\.json: sliding_window=16 \(sliding-window attention in every layer, narrower than the "
-        r"512-token context\) is not implemented by srt for MistralForCausalLM; --context-length 16 or less "
-        r"serves this model exactly",
-    ):
-        Engine(str(mistral_window_16), dtype="float32", max_total_tokens=256)
-
-
-def test_mistral_sliding_window_is_served_within_its_window(mistral_window_16: Path) -> None:
-    assert runner(mistral_window_16, context_length=16).context_length == 16
+def test_mistral_sliding_window_matches_transformers(mistral_window_16: Path) -> None:
+    """Every layer attends within 16 tokens: prompts and continuations well past the window, in
+    prefill (SDPA's masks) and decode (the C kernel's window)."""
+    check_model(mistral_window_16, prompts_for(320), atol=LOGIT_ATOL)
 
 
 def test_mistral_window_as_wide_as_the_context_matches_transformers(tmp_path: Path) -> None:
@@ -88,18 +80,13 @@ def test_qwen2_sliding_window_off_loads(tiny_model_dirs: dict[str, Path], tmp_pa
     assert runner(path).context_length == 512
 
 
-def test_qwen2_sliding_layers_are_refused_unless_the_window_spans_the_context(
-    tiny_model_dirs: dict[str, Path], tmp_path: Path
-) -> None:
+def test_qwen2_sliding_layers_match_transformers(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Layer 1 attends within 16 tokens (layer_types from use_sliding_window and max_window_layers),
+    layer 0 over every key."""
     path = edited(tiny_model_dirs["qwen2"], tmp_path / "m", **QWEN2_WINDOW, max_window_layers=1)
-    with pytest.raises(
-        ValueError,
-        match=r"^config\.json: sliding_window=16 \(sliding-window attention in layers 1 \(layer_types, from "
-        r"use_sliding_window and max_window_layers\), narrower than the 512-token context\) is not implemented "
-        r"by srt for Qwen2ForCausalLM",
-    ):
-        runner(path)
-    assert runner(path, context_length=16).context_length == 16
+    model = runner(path).model
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.local_layers] == [None, 16]
+    check_model(path, prompts_for(320), atol=LOGIT_ATOL)
 
 
 def test_qwen2_window_in_no_layer_loads(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -177,3 +164,24 @@ def test_attention_bias_matches_transformers(config_cls: Any, model_cls: Any, tm
     """Llama and Qwen3 put a bias on q, k, v and o where attention_bias is true."""
     path = save_tiny(tmp_path / "m", config_cls, model_cls, attention_bias=True)
     check_model(path, prompts_for(320), atol=LOGIT_ATOL)
+
+
+def test_a_backend_without_sliding_windows_refuses_a_windowed_model(
+    mistral_window_16: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton's and flashinfer's backends have no window: a model with one is refused at start-up,
+    naming the backend and the windows (here on the torch backend, marked windowless)."""
+    monkeypatch.setattr(TorchNativeAttnBackend, "supports_sliding_window", False)
+    with pytest.raises(
+        ValueError,
+        match=r"^--attention-backend torch_native has no sliding-window attention, which this model's "
+        r"layers use \(windows of \[16\] tokens\)",
+    ):
+        ModelRunner(
+            RunnerConfig(
+                model_dir=mistral_window_16,
+                dtype=torch.float32,
+                max_total_tokens=256,
+                attention_backend="torch_native",
+            )
+        )

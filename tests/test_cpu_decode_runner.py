@@ -86,6 +86,7 @@ def record_routes(runner: ModelRunner) -> list[tuple[int, list[list[int]]]]:
         "qwen3",  # per-head q/k RMSNorm
         "qwen3_moe",  # and a mixture of experts: srt_moe_block inside the fused layer
         "qwen2_moe",  # experts and a gated shared expert
+        "mistral_window",  # attention within the last 16 keys (the request of 30 tokens sees 16)
     ],
 )
 def test_takes_a_bf16_decode_batch_on_one_rank_and_gives_the_layers_logits(

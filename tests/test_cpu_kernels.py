@@ -60,7 +60,7 @@ def test_every_kernel_is_declared_once_in_the_header_and_typed_from_it() -> None
         )
         defined |= set(re.findall(r"^(?:void|int64_t)\s+(srt_\w+)\(", text, re.M))
     assert defined == set(declared)
-    assert len(declared["srt_decode_layer"][1]) == 50  # the 50-argument fused layer, read from the header
+    assert len(declared["srt_decode_layer"][1]) == 51  # the 51-argument fused layer, read from the header
     lib = build.kernels()
     assert lib is not None
     for name, (restype, argtypes) in declared.items():
@@ -285,6 +285,39 @@ def test_decode_attention_writes_the_new_kv_and_matches_sdpa(
     assert torch.equal(c["v_cache"][c["out_loc"]], c["v"].reshape(-1, hkv, d))
     for b, n in enumerate(lens):
         slots = c["req_to_token"][c["rows"][b], :n]
+        k = c["k_cache"][slots].float().transpose(0, 1)
+        v = c["v_cache"][slots].float().transpose(0, 1)
+        q = c["q"][b].float().view(hq, 1, d)
+        want = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=hq != hkv).reshape(-1)
+        assert_bf16_close(out[b], want)
+
+
+@pytest.mark.parametrize(
+    ("lens", "window", "hq", "hkv", "d"),
+    [
+        ([40, 3, 16, 17], 16, 9, 3, 64),
+        ([1500, 20, 513], 512, 8, 2, 128),  # a long request's window split into parts (fast path)
+        ([700, 9], 600, 4, 2, 32),
+        ([30, 31], 1, 4, 4, 64),
+    ],
+)
+def test_decode_attention_attends_within_a_sliding_window(
+    lens: list[int], window: int, hq: int, hkv: int, d: int
+) -> None:
+    """With a window each request attends over its last `window` keys only (its first keys are
+    never read: they hold NaN here)."""
+    c = paged_case(lens, hq, hkv, d)
+    for b, n in enumerate(lens):
+        if n > window:
+            c["k_cache"][c["req_to_token"][c["rows"][b], : n - window]] = float("nan")
+            c["v_cache"][c["req_to_token"][c["rows"][b], : n - window]] = float("nan")
+    scale = d**-0.5
+    args = (c["req_to_token"], c["rows"], c["seq_lens"], max(lens), hq, hkv, d, scale)
+    out = ops.decode_attention(
+        c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], *args, window=window
+    )
+    for b, n in enumerate(lens):
+        slots = c["req_to_token"][c["rows"][b], max(0, n - window) : n]
         k = c["k_cache"][slots].float().transpose(0, 1)
         v = c["v_cache"][slots].float().transpose(0, 1)
         q = c["q"][b].float().view(hq, 1, d)

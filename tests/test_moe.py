@@ -163,19 +163,27 @@ def test_four_ranks_match_transformers(arch: str, moe_dirs: dict[str, Path], smo
 
 
 def test_what_srt_lacks_is_refused_by_name(moe_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """OLMoE's clip_qkv; Mixtral's and Qwen3-MoE's sliding window narrower than the context."""
+    """OLMoE's clip_qkv."""
     with pytest.raises(
         ValueError, match=r"^config\.json: clip_qkv=8\.0 \(q, k and v clamped to \+-clip_qkv\)"
     ):
         runner(edited(moe_dirs["olmoe"], tmp_path / "olmoe", clip_qkv=8.0))
-    with pytest.raises(
-        ValueError, match=r"sliding_window=16 \(sliding-window attention in every layer.*MixtralForCausalLM"
-    ):
-        runner(edited(moe_dirs["mixtral"], tmp_path / "mixtral", sliding_window=16))
-    qwen3 = edited(moe_dirs["qwen3_moe"], tmp_path / "qwen3", use_sliding_window=True, sliding_window=16)
-    with pytest.raises(ValueError, match=r"sliding_window=16 .*Qwen3MoeForCausalLM"):
-        runner(qwen3)
-    assert runner(qwen3, context_length=16).context_length == 16
+
+
+def test_sliding_windows_of_moe_models_match_transformers(moe_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Mixtral's window, and Qwen3-MoE's where use_sliding_window is set, in every layer (transformers
+    reads no layer_types for either): 16 tokens, prompts and continuations past it."""
+    mixtral = edited(moe_dirs["mixtral"], tmp_path / "mixtral", sliding_window=16)
+    check_model(mixtral, prompts_for(320), atol=LOGIT_ATOL)
+    qwen3 = edited(
+        moe_dirs["qwen3_moe"],
+        tmp_path / "qwen3",
+        use_sliding_window=True,
+        sliding_window=16,
+    )
+    layers = runner(qwen3).model.model.local_layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == [16, 16]
+    check_model(qwen3, prompts_for(320), atol=LOGIT_ATOL)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,23 @@ ARCHS = {
     ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    # Gemma 3: a local layer (window 16, its own rope base) then a global one, q/k norms, post-norms
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        },
+    ),
+    # every layer attending within its last 16 tokens
+    "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 16}),
     # head size 64, 3 query heads per kv head (as SmolLM2): the shapes the AMX attention kernels take
     "llama_d64": (
         transformers.LlamaConfig,
@@ -157,6 +174,8 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
                 # A MoE router 10x wider: its choices clear, so that a near-tie flipped by rounding
                 # (chance, on either side of a comparison) seldom decides a test of precision.
                 p.normal_(0.0, 1.0 if name.endswith(".gate.weight") else 0.1)
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)  # Gemma's norms scale by 1 + w: w starts at 0, which hides a missing 1
     model.save_pretrained(path, safe_serialization=True)
     return path
 

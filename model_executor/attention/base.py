@@ -20,6 +20,8 @@ class AttentionBackend(ABC):
     decode_rows_extend: bool = False
     # True where the decode path reads only the batch's device tensors (no *_cpu lists, no host sync), so a CUDA graph captured over it replays for any lengths
     supports_cuda_graph: bool = False
+    # Whether layers with a sliding window (Attention.sliding_window) attend within it here
+    supports_sliding_window: bool = True
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -99,6 +99,7 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
                 layer.num_kv_heads,
                 layer.head_dim,
                 layer.scaling,
+                layer.sliding_window,
             )
         return super().forward(q, k, v, layer, batch)
 
@@ -128,7 +129,10 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
         layer: Attention,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        if not ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim):
+        window = layer.sliding_window
+        if not ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim) or (
+            window is not None and window < max(batch.seq_lens_cpu)
+        ):  # the prefill kernel attends causally over every key: a narrower window runs SDPA's mask
             return super().extend(q, k, v, k_cache, v_cache, layer, batch)
         # bf16 on AMX: every request in one kernel call (faster than SDPA for fresh prompts and than
         # the masked SDPA for a chunk after cached tokens: docs/performance.md). With cached

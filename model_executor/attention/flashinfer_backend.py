@@ -71,6 +71,8 @@ class FlashInferAttnBackend(AttentionBackend):
     once, at its first layer (the plan needs the layers' head counts and scale, which the pool
     does not know), and every layer with the same geometry runs on that plan."""
 
+    supports_sliding_window = False
+
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         import flashinfer  # the CUDA path's own dependency
 

@@ -25,18 +25,35 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+def extend_mask(prefix: int, new: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[new, prefix + new] bool: query j (position prefix + j) sees keys prefix + j - window + 1 ..
+    prefix + j (all from 0 without a window); None where that is plain causal attention."""
+    narrow = window is not None and window < prefix + new
+    if prefix == 0 and not narrow:
+        return None
+    mask = torch.ones(new, prefix + new, dtype=torch.bool, device=device).tril(diagonal=prefix)
+    if narrow:
+        assert window is not None
+        mask = mask.triu(diagonal=prefix - window + 1)
+    return mask
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self._decode_slots: torch.Tensor | None = None  # [bs, L] pool slots, padding repeats slot 0
         self._decode_mask: torch.Tensor | None = None  # [bs, 1, 1, L] bool, None when no padding
+        self._decode_seq_lens: torch.Tensor | None = None
+        self._window_masks: dict[int, torch.Tensor | None] = {}  # sliding window -> its decode mask
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.is_decode:
             return
+        self._window_masks = {}
         max_len = max(batch.seq_lens_cpu)
         slots = self.req_to_token[batch.req_pool_indices, :max_len]
+        self._decode_seq_lens = batch.seq_lens
         if min(batch.seq_lens_cpu) == max_len:
             self._decode_slots, self._decode_mask = slots, None
             return
@@ -44,6 +61,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Padding must point at a written slot: the pool is uninitialised memory and NaN * 0 is NaN.
         self._decode_slots = torch.where(valid, slots, slots[:, :1])
         self._decode_mask = valid[:, None, None, :]
+
+    def _decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The decode mask of a layer attending within `window` (None: every key): each request's
+        keys from seq_len - window on, padding masked."""
+        assert self._decode_slots is not None and self._decode_seq_lens is not None
+        max_len = self._decode_slots.shape[1]
+        if window is None or window >= max_len:
+            return self._decode_mask
+        if window not in self._window_masks:
+            at = torch.arange(max_len, device=self._decode_slots.device).unsqueeze(0)
+            lens = self._decode_seq_lens.unsqueeze(1)
+            self._window_masks[window] = ((at < lens) & (at >= lens - window))[:, None, None, :]
+        return self._window_masks[window]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch
@@ -83,7 +113,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             q.unsqueeze(2),
             k_all,
             v_all,
-            attn_mask=self._decode_mask,
+            attn_mask=self._decode_mask_for(layer.sliding_window),
             scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
@@ -105,6 +135,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         gqa = layer.num_heads != layer.num_kv_heads
         lens = batch.extend_seq_lens_cpu
         fresh = not any(batch.extend_prefix_lens_cpu)
+        window = layer.sliding_window
         if len(lens) > 1 and fresh and min(lens) == max(lens):
             # Fresh prompts of one length (a burst of same-size requests): one causal call for the
             # batch, bit-identical to the loop below and faster (docs/performance.md).
@@ -112,29 +143,26 @@ class TorchNativeAttnBackend(AttentionBackend):
             qb = q.reshape(bs, new, layer.num_heads, layer.head_dim).transpose(1, 2)
             kb = k.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
             vb = v.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
+            mask = extend_mask(0, new, window, q.device)
             out = F.scaled_dot_product_attention(
-                qb, kb, vb, is_causal=True, scale=layer.scaling, enable_gqa=gqa
+                qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
             )
             return out.transpose(1, 2).reshape(n, layer.num_heads * layer.head_dim)
         outputs = []
         start = 0
         for i, (prefix, new) in enumerate(zip(batch.extend_prefix_lens_cpu, lens)):
             qi = q[start : start + new].transpose(0, 1).unsqueeze(0)  # [1, heads, new, d]
+            mask = extend_mask(prefix, new, window, q.device)
             if prefix == 0:
                 ki = k[start : start + new].transpose(0, 1).unsqueeze(0)
                 vi = v[start : start + new].transpose(0, 1).unsqueeze(0)
-                oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=gqa
-                )
             else:
                 slots = self.req_to_token[batch.req_pool_indices[i], : prefix + new]
                 ki = gather(k_cache, slots).transpose(0, 1).unsqueeze(0)
                 vi = gather(v_cache, slots).transpose(0, 1).unsqueeze(0)
-                # query j (absolute position prefix + j) sees keys 0 .. prefix + j
-                mask = torch.ones(new, prefix + new, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-                oi = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa
-                )
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
+            )
             outputs.append(oi.squeeze(0).transpose(0, 1).reshape(new, -1))
             start += new
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -19,6 +19,7 @@ from model_executor.layers.attention import Attention
 
 
 class TritonAttnBackend(AttentionBackend):
+    supports_sliding_window = False
     supports_cuda_graph = True
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, num_kv_splits: int = 8) -> None:

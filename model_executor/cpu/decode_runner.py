@@ -191,4 +191,5 @@ def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWei
         None if moe is None else moe.descriptor,
         0 if layer.moe is None else layer.moe.top_k,
         on_route if layer.moe is not None else None,
+        attn.sliding_window,
     )

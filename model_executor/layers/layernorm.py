@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_executor.cpu.kernels import ops
-from model_executor.layers.sharding import default_weight_loader, set_weight_attrs
+from model_executor.layers.sharding import check_shape, default_weight_loader, read_all, set_weight_attrs
 
 
 class RMSNorm(nn.Module):
@@ -62,6 +62,38 @@ class RMSNorm(nn.Module):
             assert residual is not None
             return out, residual
         return self._norm(x), x.float()
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), in float32 (transformers' Gemma3RMSNorm), the result in
+    `out_dtype`. The weight is kept as the float32 1 + w the checkpoint's w gives, so the scale is
+    not rounded to the model dtype. `forward(x, residual)` fuses the residual add as RMSNorm does."""
+
+    def __init__(self, hidden_size: int, eps: float, *, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.out_dtype = out_dtype
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
+        set_weight_attrs(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: object = None) -> None:
+        check_shape(param, tuple(loaded.shape))
+        with torch.no_grad():
+            param.copy_(read_all(loaded).float() + 1.0)
+
+    def _norm(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * self.weight).to(out_dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return self._norm(x, self.out_dtype)
+        residual = residual + x
+        return self._norm(residual, self.out_dtype), residual
+
+    def heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """[n, heads * head_dim] normalized per head (Gemma 3's q_norm and k_norm), in x's dtype."""
+        n = x.shape[0]
+        return self._norm(x.reshape(n, -1, head_dim), x.dtype).view(n, -1)
 
 
 class HeadsRMSNorm(nn.Module):

@@ -1,21 +1,24 @@
 """The config.json fields that change a model's math, and the start-up check that refuses a value srt
 does not implement, naming the field, instead of serving a different model than the one trained.
 
-Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe}.py. Each model class declares in
+Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe,gemma3}.py. Each model class declares in
 `config_fields` which architecture-specific fields its transformers code reads; the rest of the
 table holds for every registered architecture.
 
 | field (config.json) | transformers reads it in | srt |
 |---|---|---|
-| hidden_act | all: down(act(gate) * up) | "silu" and "swish" (both SiLU); others refused |
+| hidden_act | all but Gemma: down(act(gate) * up) | "silu" and "swish" (both SiLU); others refused |
+| hidden_activation | Gemma 3: down(act(gate) * up) | "gelu_pytorch_tanh" and "gelu"; others refused |
 | rope_type (rope_parameters / rope_scaling) | all | default, linear, llama3 (layers/rotary.py); dynamic, yarn, longrope, ... refused |
 | partial_rotary_factor | linear, llama3 rope (below 1 the shapes break); default rope ignores it | refused unless 1: srt rotates the whole head |
-| rope_parameters per layer type | none of them (they read the top-level keys) | refused |
+| rope_parameters per layer type | Gemma 3: its local and global layers' settings | implemented for Gemma 3 (each checked as above); refused elsewhere |
+| query_pre_attn_scalar | Gemma 3: attention scaled by its -1/2 power | implemented |
+| use_bidirectional_attention | Gemma 3: attention to later tokens too | refused when true |
 | attention_bias | Llama, Qwen3: biases on q, k, v and o | implemented (Qwen2: q, k, v always; Mistral: never) |
 | mlp_bias | Llama: biases on gate, up and down | refused when true |
-| sliding_window | Mistral: every layer, when not null (Llama: not read) | refused when narrower than the served context |
-| layer_types (where config.json has none: from use_sliding_window, sliding_window, max_window_layers) | Qwen2, Qwen3 | "sliding_attention" layers as Mistral's; other kinds refused |
-| attn_logit_softcapping, final_logit_softcapping | none of them (Gemma 2's) | refused when set: a checkpoint that sets one was trained with it |
+| sliding_window | Mistral: every layer, when not null (Llama: not read) | implemented (Attention.sliding_window) |
+| layer_types (where config.json has none: from use_sliding_window, sliding_window, max_window_layers) | Qwen2, Qwen3, Gemma 3 | "sliding_attention" layers attend within sliding_window; other kinds refused |
+| attn_logit_softcapping, final_logit_softcapping | Gemma 3 (null in its checkpoints; Gemma 2 sets both) | refused when set: a checkpoint that sets one was trained with it |
 | head_dim | all | implemented |
 | num_experts / num_local_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob | the MoE models | implemented (models/moe.py) |
 | decoder_sparse_step, mlp_only_layers | Qwen2-MoE, Qwen3-MoE: which layers are sparse | implemented |
@@ -26,9 +29,7 @@ table holds for every registered architecture.
 | attention_dropout | training only | ignored |
 | pretraining_tp | none of them (transformers 4 split the matmuls, same math) | ignored |
 
-A sliding window of w tokens lets position q attend to keys q-w+1 .. q; with a context of c tokens
-(positions 0 .. c-1) that is every key as long as w >= c, so a window at least as wide as the context
-srt serves is full attention, exactly.
+A sliding window of w tokens lets position q attend to keys q-w+1 .. q (transformers' sliding mask).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from typing import Any, Literal
 from model_executor.layers.rotary import ROPE_TYPES, rope_parameters
 
 SILU_ACTS = ("silu", "swish")  # transformers' ACT2FN makes both SiLU; srt's MLP is silu(gate) * up
+# transformers' ACT2FN name -> torch's F.gelu approximate= for it
+GELU_ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -53,6 +56,10 @@ class ConfigFields:
     # "layer_types": the layers layer_types marks "sliding_attention" do (Qwen2, Qwen3)
     sliding_window: Literal["ignored", "every_layer", "layer_types"] = "ignored"
     clip_qkv: bool = False  # q, k and v clamped where clip_qkv is set (OLMoE)
+    # "silu": down(silu(gate) * up) whatever hidden_act names, refused unless SiLU; "gelu": Gemma's
+    # down(gelu(gate) * up), with the GELU hidden_activation names (GELU_ACTS)
+    activation: Literal["silu", "gelu"] = "silu"
+    rope_per_layer_type: bool = False  # rope_parameters keyed by layer type (Gemma 3: local and global)
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,12 @@ def check_config(architecture: str, fields: ConfigFields, config: Any, context_l
     """Raises ValueError naming every field of `config` (a transformers config) whose value asks for
     math srt does not implement for `architecture`, served with `context_length` tokens."""
     refusals = [
-        *_activation(config),
-        *_rope(config),
+        *_activation(fields, config),
+        *_rope(fields, config),
+        *_bidirectional(config),
         *_biases(fields, config),
         *_clip_qkv(fields, config),
-        *_sliding_window(fields, config, context_length),
+        *_sliding_window(fields, config),
         *_softcapping(config),
     ]
     if refusals:
@@ -81,18 +89,42 @@ def check_config(architecture: str, fields: ConfigFields, config: Any, context_l
         raise ValueError(f"config.json: {listed} {verb} not implemented by srt for {architecture}{remedies}")
 
 
-def _activation(config: Any) -> list[Refusal]:
+def _activation(fields: ConfigFields, config: Any) -> list[Refusal]:
+    if fields.activation == "gelu":
+        act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act in GELU_ACTS:
+            return []
+        return [
+            Refusal(
+                "hidden_activation",
+                act,
+                f"the MLP's activation; srt computes gelu(gate) * up with {', '.join(GELU_ACTS)}",
+            )
+        ]
     act = getattr(config, "hidden_act", "silu")
     if act in SILU_ACTS:
         return []
     return [Refusal("hidden_act", act, "the MLP's activation; srt computes silu(gate) * up")]
 
 
-def _rope(config: Any) -> list[Refusal]:
+def _bidirectional(config: Any) -> list[Refusal]:
+    if getattr(config, "use_bidirectional_attention", False):
+        return [Refusal("use_bidirectional_attention", True, "attention to later tokens (an encoder)")]
+    return []
+
+
+def _rope(fields: ConfigFields, config: Any) -> list[Refusal]:
     params = rope_parameters(config)
     per_layer_type = sorted(key for key, value in params.items() if isinstance(value, dict))
-    if per_layer_type:
+    if per_layer_type and not fields.rope_per_layer_type:
         return [Refusal("rope_parameters", per_layer_type, "a rope setting per layer type")]
+    if per_layer_type:
+        return [r for kind in per_layer_type for r in _rope_params(dict(params[kind]))]
+    return _rope_params(params)
+
+
+def _rope_params(params: dict[str, Any]) -> list[Refusal]:
+    params.setdefault("rope_type", params.get("type", "default"))
     refusals = []
     rope_type = params["rope_type"]
     if rope_type not in ROPE_TYPES:
@@ -129,34 +161,15 @@ def _clip_qkv(fields: ConfigFields, config: Any) -> list[Refusal]:
     return []
 
 
-def _sliding_window(fields: ConfigFields, config: Any, context_length: int) -> list[Refusal]:
-    if fields.sliding_window == "ignored":
+def _sliding_window(fields: ConfigFields, config: Any) -> list[Refusal]:
+    """Sliding windows are implemented (models/llama.py's sliding_window_of reads them); an attention
+    kind in layer_types other than full and sliding is not."""
+    if fields.sliding_window != "layer_types":
         return []
-    refusals = []
-    where = "in every layer"
-    if fields.sliding_window == "layer_types":
-        layer_types = list(getattr(config, "layer_types", None) or [])
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            refusals.append(
-                Refusal("layer_types", unknown, f"attention kinds other than {', '.join(LAYER_TYPES)}")
-            )
-        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-        if not sliding:
-            return refusals
-        where = f"in layers {_spans(sliding)} (layer_types, from use_sliding_window and max_window_layers)"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and int(window) < context_length:
-        refusals.append(
-            Refusal(
-                "sliding_window",
-                window,
-                f"sliding-window attention {where}, narrower than the {context_length}-token context",
-                f"--context-length {window} or less serves this model exactly (full attention then sees "
-                "the same keys)",
-            )
-        )
-    return refusals
+    unknown = sorted(set(getattr(config, "layer_types", None) or []) - set(LAYER_TYPES))
+    if unknown:
+        return [Refusal("layer_types", unknown, f"attention kinds other than {', '.join(LAYER_TYPES)}")]
+    return []
 
 
 def _softcapping(config: Any) -> list[Refusal]:
@@ -168,14 +181,3 @@ def _softcapping(config: Any) -> list[Refusal]:
         )
         if (value := getattr(config, name, None)) is not None
     ]
-
-
-def _spans(indices: list[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3, 7"."""
-    spans: list[list[int]] = []
-    for i in indices:
-        if spans and spans[-1][1] == i - 1:
-            spans[-1][1] = i
-        else:
-            spans.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -52,6 +52,7 @@ class LlamaAttention(nn.Module):
         *,
         switches: AttentionSwitches,
         rotary_emb: RotaryEmbedding,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -98,7 +99,12 @@ class LlamaAttention(nn.Module):
             )
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(
-            layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, scaling=head_dim**-0.5
+            layer_id,
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_dim,
+            scaling=head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -151,10 +157,17 @@ class LlamaDecoderLayer(nn.Module):
         switches: AttentionSwitches,
         rotary_emb: RotaryEmbedding,
         mlp: nn.Module,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
-            config, layer_id, comm, dtype, switches=switches, rotary_emb=rotary_emb
+            config,
+            layer_id,
+            comm,
+            dtype,
+            switches=switches,
+            rotary_emb=rotary_emb,
+            sliding_window=sliding_window,
         )
         self.mlp = mlp  # LlamaMLP, or a mixture of experts (layers/moe.py): float32 out, all-reduced
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype)
@@ -176,6 +189,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def sliding_window_of(fields: ConfigFields, config: Any, layer_id: int) -> int | None:
+    """Layer `layer_id`'s attention window as the architecture's transformers code reads it
+    (config_check.ConfigFields.sliding_window), or None: full attention."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or fields.sliding_window == "ignored":
+        return None
+    if fields.sliding_window == "layer_types":
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        if layer_id >= len(layer_types) or layer_types[layer_id] != "sliding_attention":
+            return None
+    return int(window)
+
+
 class MissingLayer(nn.Module):
     """Stands where another pipeline stage's layer is: no parameters, never called."""
 
@@ -190,6 +216,7 @@ class LlamaModel(nn.Module):
         switches: AttentionSwitches,
         stage: PipelineStage,
         make_mlp: Callable[[int], nn.Module],
+        window_of: Callable[[int], int | None] = lambda layer_id: None,
     ) -> None:
         super().__init__()
         self.stage = stage
@@ -210,6 +237,7 @@ class LlamaModel(nn.Module):
                 switches=switches,
                 rotary_emb=rotary_emb,
                 mlp=make_mlp(i),
+                sliding_window=window_of(i),
             )
             if stage.owns_layer(i)
             else MissingLayer()
@@ -268,14 +296,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.stage = stage = stage or PipelineStage()
-        self.model = LlamaModel(
-            config,
-            comm,
-            dtype,
-            switches=self.attention_switches(config),
-            stage=stage,
-            make_mlp=lambda layer_id: self.make_mlp(config, layer_id, comm, dtype),
-        )
+        self.model = self.build_model(config, comm, dtype, stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A last stage that is not also the first has no embedding to share: its head loads a copy.
         self.lm_head = (
@@ -288,6 +309,19 @@ class LlamaForCausalLM(CausalLM):
             )
             if stage.is_last
             else None
+        )
+
+    def build_model(self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage) -> Any:
+        """The model below the LM head (`model.` in checkpoint names): embed_tokens, local_layers
+        and norm where the stage has them."""
+        return LlamaModel(
+            config,
+            comm,
+            dtype,
+            switches=self.attention_switches(config),
+            stage=stage,
+            make_mlp=lambda layer_id: self.make_mlp(config, layer_id, comm, dtype),
+            window_of=lambda layer_id: sliding_window_of(self.config_fields, config, layer_id),
         )
 
     def attention_switches(self, config: Any) -> AttentionSwitches:

@@ -9,7 +9,15 @@ from typing import Any
 from model_executor.models.base import CausalLM
 
 _MODELS: dict[str, type[CausalLM]] = {}
-_MODEL_MODULES = ("llama", "mistral", "qwen2", "qwen3", "moe", "bert")  # each registers its classes on import
+_MODEL_MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "moe",
+    "gemma",
+    "bert",
+)  # each registers its classes on import
 
 
 def register_model(*architectures: str) -> Callable[[type[CausalLM]], type[CausalLM]]:

