@@ -325,6 +325,26 @@ def test_decode_attention_attends_within_a_sliding_window(
         assert_bf16_close(out[b], want)
 
 
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 64), (4, 1, 32)])
+def test_decode_attention_soft_caps_the_scores(hq: int, hkv: int, d: int) -> None:
+    """Gemma 2's capping: each scaled score s becomes cap * tanh(s / cap) before the softmax (on the
+    generic loop, also where the AVX-512 BF16 one would take the shape)."""
+    lens, cap, scale = [40, 3, 130], 0.5, d**-0.5
+    c = paged_case(lens, hq, hkv, d)
+    c["q"].mul_(8)  # scores well past the cap
+    args = (c["req_to_token"], c["rows"], c["seq_lens"], max(lens), hq, hkv, d, scale)
+    out = ops.decode_attention(
+        c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["out_loc"], *args, softcap=cap
+    )
+    for b, n in enumerate(lens):
+        slots = c["req_to_token"][c["rows"][b], :n]
+        k = c["k_cache"][slots].float().transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        v = c["v_cache"][slots].float().transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
+        scores = c["q"][b].float().view(hq, 1, d) @ k.transpose(1, 2) * scale
+        want = (torch.tanh(scores / cap) * cap).softmax(-1) @ v
+        assert_bf16_close(out[b], want.reshape(-1))
+
+
 def test_decode_attention_gives_a_request_the_same_bits_alone_and_in_a_batch() -> None:
     """The fast path's splits follow each request's own length, never the batch."""
     lens, hq, hkv, d = [1100, 20, 700, 513, 5, 64, 2048, 9, 300], 9, 3, 64

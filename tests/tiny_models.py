@@ -55,6 +55,30 @@ ARCHS = {
             },
         },
     ),
+    # Gemma 2: soft-capped scores and logits (caps low enough to bend them), window 16 in layer 0
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    # q/k/v and gate/up stored fused, every layer within a window of 16
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"sliding_window": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # norms after attention and the MLP, q and k normed across their heads
+    "olmo2": (
+        transformers.Olmo2Config,
+        transformers.Olmo2ForCausalLM,
+        {"pad_token_id": 0, "eos_token_id": 2},
+    ),
     # every layer attending within its last 16 tokens
     "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 16}),
     # head size 64, 3 query heads per kv head (as SmolLM2): the shapes the AMX attention kernels take
@@ -176,6 +200,8 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 1.0 if name.endswith(".gate.weight") else 0.1)
             elif arch.startswith("gemma") and name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)  # Gemma's norms scale by 1 + w: w starts at 0, which hides a missing 1
+            elif arch == "olmo2" and name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)  # its post-norms and q/k norms: not all ones, which hides a missing norm
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -99,7 +99,8 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
                 layer.num_kv_heads,
                 layer.head_dim,
                 layer.scaling,
-                layer.sliding_window,
+                window=layer.sliding_window,
+                softcap=layer.logit_softcap,
             )
         return super().forward(q, k, v, layer, batch)
 
@@ -130,9 +131,11 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         window = layer.sliding_window
-        if not ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim) or (
-            window is not None and window < max(batch.seq_lens_cpu)
-        ):  # the prefill kernel attends causally over every key: a narrower window runs SDPA's mask
+        if (
+            not ops.prefill_attention_applies(q, layer.num_heads, layer.num_kv_heads, layer.head_dim)
+            or (window is not None and window < max(batch.seq_lens_cpu))
+            or layer.logit_softcap
+        ):  # the prefill kernel attends causally over every key, uncapped: else the torch path
             return super().extend(q, k, v, k_cache, v_cache, layer, batch)
         # bf16 on AMX: every request in one kernel call (faster than SDPA for fresh prompts and than
         # the masked SDPA for a chunk after cached tokens: docs/performance.md). With cached

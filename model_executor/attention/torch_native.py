@@ -38,6 +38,34 @@ def extend_mask(prefix: int, new: int, window: int | None, device: torch.device)
     return mask
 
 
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    layer: Attention,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA of q [..., heads, L, d] over k/v [..., kv_heads, S, d] with a bool `mask` [L, S] (None:
+    causal where `causal`, else every key). With the layer's logit_softcap, as transformers' eager
+    Gemma 2 attention: scaled scores capped to cap * tanh(s / cap), masked, softmax in float32."""
+    gqa = layer.num_heads != layer.num_kv_heads
+    if layer.logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=layer.scaling, enable_gqa=gqa
+        )
+    if gqa:
+        k = k.repeat_interleave(layer.num_heads // layer.num_kv_heads, dim=-3)
+        v = v.repeat_interleave(layer.num_heads // layer.num_kv_heads, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * layer.scaling
+    scores = torch.tanh(scores / layer.logit_softcap) * layer.logit_softcap
+    if mask is None and causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.float().softmax(-1).to(q.dtype), v)
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
@@ -109,14 +137,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         slots = self._decode_slots
         k_all = gather(k_cache, slots).transpose(1, 2)  # [bs, kv_heads, L, d]
         v_all = gather(v_cache, slots).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            k_all,
-            v_all,
-            attn_mask=self._decode_mask_for(layer.sliding_window),
-            scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )
+        out = attention(q.unsqueeze(2), k_all, v_all, self._decode_mask_for(layer.sliding_window), layer)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     def extend(
@@ -132,7 +153,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         """q [n, heads, d], k/v [n, kv_heads, d] for the new tokens (already in the pool) -> [n, heads*d]:
         each new token over its request's prefix and the new tokens up to itself."""
         n = q.shape[0]
-        gqa = layer.num_heads != layer.num_kv_heads
         lens = batch.extend_seq_lens_cpu
         fresh = not any(batch.extend_prefix_lens_cpu)
         window = layer.sliding_window
@@ -143,10 +163,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             qb = q.reshape(bs, new, layer.num_heads, layer.head_dim).transpose(1, 2)
             kb = k.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
             vb = v.reshape(bs, new, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
-            mask = extend_mask(0, new, window, q.device)
-            out = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
-            )
+            out = attention(qb, kb, vb, extend_mask(0, new, window, q.device), layer, causal=True)
             return out.transpose(1, 2).reshape(n, layer.num_heads * layer.head_dim)
         outputs = []
         start = 0
@@ -160,9 +177,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 slots = self.req_to_token[batch.req_pool_indices[i], : prefix + new]
                 ki = gather(k_cache, slots).transpose(0, 1).unsqueeze(0)
                 vi = gather(v_cache, slots).transpose(0, 1).unsqueeze(0)
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
-            )
+            oi = attention(qi, ki, vi, mask, layer, causal=True)
             outputs.append(oi.squeeze(0).transpose(0, 1).reshape(new, -1))
             start += new
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -17,6 +17,7 @@ class Attention(nn.Module):
         head_dim: int,
         scaling: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id  # the layer's index within its pipeline stage: its place in the KV pool
@@ -27,6 +28,8 @@ class Attention(nn.Module):
         # A token at position p attends to keys p - sliding_window + 1 .. p (transformers' sliding
         # mask, llama.cpp's n_swa); None: to every key before it.
         self.sliding_window = sliding_window
+        # Gemma 2: each score s (after scaling) becomes logit_softcap * tanh(s / logit_softcap)
+        self.logit_softcap = logit_softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         assert batch.attn_backend is not None

@@ -36,6 +36,23 @@ def _target(model: nn.Module, name: str) -> tuple[str, Any]:
     return name, None
 
 
+class RowSlice:
+    """Rows start .. start + rows of a checkpoint tensor, under another name: one part of a tensor
+    the checkpoint stores fused (Phi-3's qkv_proj and gate_up_proj), read lazily like the whole."""
+
+    def __init__(self, name: str, source: NamedTensorSource, start: int, rows: int) -> None:
+        self.name, self.source, self.start, self.rows = name, source, start, rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *tuple(self.source.shape)[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.source.narrow(0, self.start + start, length)
+        return self.source.narrow(0, self.start, self.rows).narrow(dim, start, length)
+
+
 def load_weights(
     model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, progress: bool = False
 ) -> None:
@@ -44,8 +61,9 @@ def load_weights(
     unused: list[str] = []
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
     rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
+    split = getattr(model, "split_checkpoint_tensor", lambda tensor: [tensor])
     items = tqdm(checkpoint, desc="Loading weights", unit="tensor", disable=not progress)
-    for tensor in items:
+    for tensor in (part for whole in items for part in split(whole)):
         if skip(tensor.name):
             continue
         target, shard_id = _target(model, rename(tensor.name))

@@ -1,14 +1,14 @@
 """The config.json fields that change a model's math, and the start-up check that refuses a value srt
 does not implement, naming the field, instead of serving a different model than the one trained.
 
-Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe,gemma3}.py. Each model class declares in
+Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe,gemma2,gemma3,phi3,olmo2}.py. Each model class declares in
 `config_fields` which architecture-specific fields its transformers code reads; the rest of the
 table holds for every registered architecture.
 
 | field (config.json) | transformers reads it in | srt |
 |---|---|---|
 | hidden_act | all but Gemma: down(act(gate) * up) | "silu" and "swish" (both SiLU); others refused |
-| hidden_activation | Gemma 3: down(act(gate) * up) | "gelu_pytorch_tanh" and "gelu"; others refused |
+| hidden_activation | Gemma 2, Gemma 3: down(act(gate) * up) | "gelu_pytorch_tanh" and "gelu"; others refused |
 | rope_type (rope_parameters / rope_scaling) | all | default, linear, llama3 (layers/rotary.py); dynamic, yarn, longrope, ... refused |
 | partial_rotary_factor | linear, llama3 rope (below 1 the shapes break); default rope ignores it | refused unless 1: srt rotates the whole head |
 | rope_parameters per layer type | Gemma 3: its local and global layers' settings | implemented for Gemma 3 (each checked as above); refused elsewhere |
@@ -16,9 +16,9 @@ table holds for every registered architecture.
 | use_bidirectional_attention | Gemma 3: attention to later tokens too | refused when true |
 | attention_bias | Llama, Qwen3: biases on q, k, v and o | implemented (Qwen2: q, k, v always; Mistral: never) |
 | mlp_bias | Llama: biases on gate, up and down | refused when true |
-| sliding_window | Mistral: every layer, when not null (Llama: not read) | implemented (Attention.sliding_window) |
-| layer_types (where config.json has none: from use_sliding_window, sliding_window, max_window_layers) | Qwen2, Qwen3, Gemma 3 | "sliding_attention" layers attend within sliding_window; other kinds refused |
-| attn_logit_softcapping, final_logit_softcapping | Gemma 3 (null in its checkpoints; Gemma 2 sets both) | refused when set: a checkpoint that sets one was trained with it |
+| sliding_window | Mistral, Phi-3: every layer, when not null (Llama: not read) | implemented (Attention.sliding_window) |
+| layer_types (where config.json has none: from use_sliding_window, sliding_window, max_window_layers) | Qwen2, Qwen3, Gemma 2, Gemma 3 | "sliding_attention" layers attend within sliding_window; other kinds refused |
+| attn_logit_softcapping, final_logit_softcapping | Gemma 2 (sets both), Gemma 3 (null in its checkpoints) | implemented for Gemma 2; refused when set elsewhere: a checkpoint that sets one was trained with it |
 | head_dim | all | implemented |
 | num_experts / num_local_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob | the MoE models | implemented (models/moe.py) |
 | decoder_sparse_step, mlp_only_layers | Qwen2-MoE, Qwen3-MoE: which layers are sparse | implemented |
@@ -60,6 +60,7 @@ class ConfigFields:
     # down(gelu(gate) * up), with the GELU hidden_activation names (GELU_ACTS)
     activation: Literal["silu", "gelu"] = "silu"
     rope_per_layer_type: bool = False  # rope_parameters keyed by layer type (Gemma 3: local and global)
+    softcapping: bool = False  # attn_logit_softcapping and final_logit_softcapping (Gemma 2)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def check_config(architecture: str, fields: ConfigFields, config: Any, context_l
         *_biases(fields, config),
         *_clip_qkv(fields, config),
         *_sliding_window(fields, config),
-        *_softcapping(config),
+        *([] if fields.softcapping else _softcapping(config)),
     ]
     if refusals:
         listed = ", ".join(f"{r.field}={json.dumps(r.value)} ({r.what})" for r in refusals)

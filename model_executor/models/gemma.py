@@ -18,6 +18,7 @@ result to it unrounded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,11 +30,11 @@ from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import GemmaRMSNorm
-from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
 from model_executor.models.config_check import GELU_ACTS, ConfigFields
-from model_executor.models.llama import LlamaForCausalLM, MissingLayer, head_dim_of
+from model_executor.models.llama import LlamaForCausalLM, LlamaMLP, MissingLayer, head_dim_of, run_stage
 from model_executor.models.registry import register_model
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -54,6 +55,7 @@ class GemmaAttention(nn.Module):
         *,
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -76,8 +78,9 @@ class GemmaAttention(nn.Module):
             what="number of attention heads x head_dim",
         )
         self.head_dim = head_dim
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype)
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype) if qk_norm else None
+        softcap = getattr(config, "attn_logit_softcapping", None)
         self.rotary_emb = rotary_emb  # the layer kind's, shared with the other layers of that kind
         self.attn = Attention(
             layer_id,
@@ -86,25 +89,22 @@ class GemmaAttention(nn.Module):
             head_dim,
             scaling=float(config.query_pre_attn_scalar) ** -0.5,
             sliding_window=sliding_window,
+            logit_softcap=float(softcap) if softcap is not None else None,
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.q_norm.heads(q, self.head_dim), self.k_norm.heads(k, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.heads(q, self.head_dim), self.k_norm.heads(k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(LlamaMLP):
+    """down(gelu(gate) * up): Llama's MLP with GELU (tanh-approximated as Gemma's checkpoints ask)."""
+
     def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], False, comm, params_dtype=dtype
-        )
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, False, comm, params_dtype=dtype, what="intermediate size"
-        )
+        super().__init__(config, comm, dtype)
         self.approximate = GELU_ACTS[getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,11 +122,18 @@ class GemmaDecoderLayer(nn.Module):
         *,
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = GemmaAttention(
-            config, layer_id, comm, dtype, rotary_emb=rotary_emb, sliding_window=sliding_window
+            config,
+            layer_id,
+            comm,
+            dtype,
+            rotary_emb=rotary_emb,
+            sliding_window=sliding_window,
+            qk_norm=qk_norm,
         )
         self.mlp = GemmaMLP(config, comm, dtype)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=dtype)
@@ -153,8 +160,27 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage) -> None:
+# (layer index in the stage, layer index, its rotary table, its window) -> the decoder layer
+MakeLayer = Callable[[int, int, RotaryEmbedding, "int | None"], nn.Module]
+
+
+class PostNormModel(nn.Module):
+    """The model below the LM head of Gemma 3 and OLMo 2, whose layers norm each sublayer's output:
+    embeddings (times `embed_scale`), the stage's layers from `make_layer` (each handed the rotary
+    table of its kind in layer_types and its sliding window, None for full attention), `norm` on
+    the last stage. A layer takes and returns the (hidden, residual) pair whose sum is the stream."""
+
+    def __init__(
+        self,
+        config: Any,
+        comm: Communicator,
+        dtype: torch.dtype,
+        stage: PipelineStage,
+        *,
+        make_layer: MakeLayer,
+        norm: Callable[[], nn.Module],
+        embed_scale: float = 1.0,
+    ) -> None:
         super().__init__()
         self.stage = stage
         self.embed_tokens = (
@@ -162,7 +188,7 @@ class GemmaModel(nn.Module):
             if stage.is_first
             else None
         )
-        self.embed_scale = float(config.hidden_size) ** 0.5
+        self.embed_scale = embed_scale
         max_position = int(getattr(config, "max_position_embeddings", 4096))
         params = rope_parameters(config)
         kinds = layer_kinds(config)
@@ -174,24 +200,18 @@ class GemmaModel(nn.Module):
         self.rotary = nn.ModuleDict(rotary)
         window = getattr(config, "sliding_window", None)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(
-                config,
+            make_layer(
                 i - stage.start_layer,
-                comm,
-                dtype,
-                rotary_emb=rotary[kinds[i]],
-                sliding_window=int(window) if kinds[i] == "sliding_attention" and window else None,
+                i,
+                rotary[kinds[i]],
+                int(window) if kinds[i] == "sliding_attention" and window else None,
             )
             if stage.owns_layer(i)
             else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.local_layers: list[GemmaDecoderLayer] = [
-            m for m in self.layers if isinstance(m, GemmaDecoderLayer)
-        ]
-        self.norm = (
-            GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, out_dtype=dtype) if stage.is_last else None
-        )
+        self.local_layers: list[nn.Module] = [m for m in self.layers if not isinstance(m, MissingLayer)]
+        self.norm = norm() if stage.is_last else None
 
     def forward(
         self,
@@ -200,32 +220,48 @@ class GemmaModel(nn.Module):
         batch: ForwardBatch,
         previous: StageOutput | None = None,
     ) -> torch.Tensor | StageOutput:
-        residual: torch.Tensor | None = None
         for rotary in self.rotary.values():
             assert isinstance(rotary, RotaryEmbedding)
             rotary.forget_positions()
-        if previous is None:
-            assert self.embed_tokens is not None, "only the first pipeline stage embeds the input ids"
-            hidden = self.embed_tokens(input_ids).float() * self.embed_scale
-        else:
-            hidden, residual = previous.hidden, previous.residual
-        for layer in self.local_layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        if self.norm is None:
-            assert residual is not None
-            return StageOutput(hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return run_stage(self, input_ids, positions, batch, previous, self.embed_scale)
 
 
 @register_model("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True  # per-head (1 + w) norms of q and k
     config_fields = ConfigFields(
         attention_bias=True, sliding_window="layer_types", activation="gelu", rope_per_layer_type=True
     )
 
     def build_model(self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage) -> Any:
-        return GemmaModel(config, comm, dtype, stage)
+        return PostNormModel(
+            config,
+            comm,
+            dtype,
+            stage,
+            make_layer=lambda layer_id, i, rotary, window: GemmaDecoderLayer(
+                config, layer_id, comm, dtype, rotary_emb=rotary, sliding_window=window, qk_norm=self.qk_norm
+            ),
+            norm=lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, out_dtype=dtype),
+            embed_scale=float(config.hidden_size) ** 0.5,
+        )
 
     def decoder_stack(self) -> None:
         return None  # the fused decode layer has no post-norms or GeGLU
+
+
+@register_model("Gemma2ForCausalLM")
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's block without the q/k norms, one rope setting for both layer kinds, and
+    soft-capping of the attention scores (attn_logit_softcapping, in every layer) and of the final
+    logits (final_logit_softcapping)."""
+
+    qk_norm = False
+    config_fields = ConfigFields(
+        attention_bias=True, sliding_window="layer_types", activation="gelu", softcapping=True
+    )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -259,20 +259,36 @@ class LlamaModel(nn.Module):
         previous: StageOutput | None = None,
     ) -> torch.Tensor | StageOutput:
         """-> final hidden states on the last stage, this stage's output on the others."""
-        residual: torch.Tensor | None = None
         self.rotary_emb.forget_positions()
-        if previous is None:
-            assert self.embed_tokens is not None, "only the first pipeline stage embeds the input ids"
-            hidden = self.embed_tokens(input_ids)
-        else:
-            hidden, residual = previous.hidden, previous.residual
-        for layer in self.local_layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        if self.norm is None:
-            assert residual is not None
-            return StageOutput(hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return run_stage(self, input_ids, positions, batch, previous)
+
+
+def run_stage(
+    model: Any,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    batch: ForwardBatch,
+    previous: StageOutput | None,
+    embed_scale: float | None = None,
+) -> torch.Tensor | StageOutput:
+    """A pipeline stage of `model` (its embed_tokens, local_layers and norm, None where another stage
+    has them): the input ids embedded (times `embed_scale`: float32) or `previous`'s hand-over, every
+    local layer on the (hidden, residual) pair, then the final norm or the hand-over to the next."""
+    residual: torch.Tensor | None = None
+    if previous is None:
+        assert model.embed_tokens is not None, "only the first pipeline stage embeds the input ids"
+        hidden = model.embed_tokens(input_ids)
+        if embed_scale is not None:
+            hidden = hidden.float() * embed_scale
+    else:
+        hidden, residual = previous.hidden, previous.residual
+    for layer in model.local_layers:
+        hidden, residual = layer(positions, hidden, residual, batch)
+    if model.norm is None:
+        assert residual is not None
+        return StageOutput(hidden, residual)
+    hidden, _ = model.norm(hidden, residual)
+    return hidden
 
 
 @register_model("LlamaForCausalLM")
@@ -382,6 +398,9 @@ class LlamaForCausalLM(CausalLM):
     def rename_checkpoint_tensor(self, name: str) -> str:
         if self._head_loads_embedding and name == "model.embed_tokens.weight":
             return "lm_head.weight"
+        if self.qk_norm_across_heads:  # q_norm / k_norm span all heads: HeadsRMSNorm
+            name = name.replace(".self_attn.q_norm.", ".self_attn.q_heads_norm.")
+            name = name.replace(".self_attn.k_norm.", ".self_attn.k_heads_norm.")
         return name
 
     def forward(

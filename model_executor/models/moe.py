@@ -91,9 +91,3 @@ class OlmoeForCausalLM(MoeCausalLM):
     sparse_step = False
     qk_norm_across_heads = True
     config_fields = ConfigFields(attention_bias=True, clip_qkv=True)
-
-    def rename_checkpoint_tensor(self, name: str) -> str:
-        name = name.replace(".self_attn.q_norm.", ".self_attn.q_heads_norm.")
-        return super().rename_checkpoint_tensor(
-            name.replace(".self_attn.k_norm.", ".self_attn.k_heads_norm.")
-        )

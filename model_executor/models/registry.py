@@ -16,6 +16,8 @@ _MODEL_MODULES = (
     "qwen3",
     "moe",
     "gemma",
+    "phi3",
+    "olmo2",
     "bert",
 )  # each registers its classes on import
 

@@ -334,7 +334,7 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
 static inline __attribute__((always_inline)) void attend_task(
     const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache, const int64_t *req_to_token,
     int64_t rtt_stride, const int64_t *rows, bf16 *out, int64_t b, int64_t kv0, int64_t heads_per_task, int64_t hq,
-    int64_t hkv, int64_t d, float scale, int64_t max_len, int64_t t_start, int64_t len, int64_t group,
+    int64_t hkv, int64_t d, float scale, float softcap, int64_t max_len, int64_t t_start, int64_t len, int64_t group,
     float *restrict scores, float *restrict qf, float *restrict acc) {
     const int64_t row_elems = hkv * d, task_heads = heads_per_task * group;
     const int64_t *slots = req_to_token + rows[b] * rtt_stride + t_start; /* tokens t_start .. t_start + len */
@@ -347,6 +347,9 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int64_t h = 0; h < heads_per_task; h++)
             group_dots(qf + h * group * d, krow + h * d, d, group, scores + h * group * max_len + t, max_len);
     }
+    if (softcap > 0.0f) /* Gemma 2's score soft-capping: softcap * tanh(score / softcap) */
+        for (int64_t r = 0; r < task_heads; r++)
+            for (int64_t t = 0; t < len; t++) scores[r * max_len + t] = softcap * tanhf(scores[r * max_len + t] / softcap);
     softmax_rows(scores, task_heads, max_len, len);
     /* V in blocks of tokens: a block's rows come from memory once (prefetched during the block
      * before) and from L1 for every head and column chunk (one pass over V per chunk was slower
@@ -507,14 +510,15 @@ static inline __attribute__((always_inline)) void attend_task_fast(
  * for every (request b, kv head) attends the group of query heads that share that kv head over
  * the request's seq_lens[b] slots, listed in row rows[b] of req_to_token: each K and V row is
  * read and widened once per group. With a sliding window (window > 0) only the request's last
- * `window` slots, positions seq_lens[b] - window .. seq_lens[b] - 1, as transformers' sliding mask.
+ * `window` slots, positions seq_lens[b] - window .. seq_lens[b] - 1, as transformers' sliding mask;
+ * with softcap > 0 each score s becomes softcap * tanh(s / softcap) (Gemma 2) on the generic path.
  * q/k/v rows are strided (columns of one qkv tensor); out is [bs, hq, d] contiguous. Scores,
  * softmax and the weighted sum are fp32. */
 void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
                           int64_t v_stride, bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc,
                           const int64_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
                           const int64_t *seq_lens, bf16 *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
-                          float scale, int64_t max_len, int64_t window) {
+                          float scale, int64_t max_len, int64_t window, float softcap) {
     const int64_t row_elems = hkv * d, group = hq / hkv;
 #define FIRST_KEY(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
     for (int64_t b = 0; b < bs; b++) {
@@ -528,7 +532,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
     const int64_t heads_per_task = bs >= 8 ? hkv : 1, groups = hkv / heads_per_task;
     const int64_t task_heads = heads_per_task * group; /* query heads of a task */
 #if defined(__AVX512BF16__)
-    const int fast = (d == 64 || d == 128) && group <= FAST_MAX_GROUP;
+    const int fast = (d == 64 || d == 128) && group <= FAST_MAX_GROUP && softcap == 0.0f;
 #else
     const int fast = 0;
 #endif
@@ -596,7 +600,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
 #endif
             switch (group) {
 #define ATTEND(G) attend_task(q, q_stride, k_cache, v_cache, req_to_token, rtt_stride, rows, out, b, kv0, heads_per_task, \
-                              hq, hkv, d, scale, max_len, s0, len, G, scores, qf, acc)
+                              hq, hkv, d, scale, softcap, max_len, s0, len, G, scores, qf, acc)
             case 1: ATTEND(1); break;
             case 2: ATTEND(2); break;
             case 3: ATTEND(3); break;
@@ -766,7 +770,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         memcpy(row, rotated, sizeof rotated);
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
-                         out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len, window);
+                         out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len, window, 0.0f);
     const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, q4, out, out_f32, hidden_size, hq * d);
     srt_rmsnorm(o_f32 ? (const void *)out_f32 : out, o_f32, residual, ln2, x, residual, m, hidden_size, eps);
     if (moe) {

@@ -164,10 +164,11 @@ def decode_attention(
     head_dim: int,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Writes k/v [bs, kv_heads*d] at out_loc, then attends q [bs, heads*d] over each request's
     seq_lens[b] slots of row rows[b] in req_to_token (with a sliding `window`, its last `window`
-    slots only). Returns [bs, heads*d]."""
+    slots only; with `softcap` each score s capped to softcap * tanh(s / softcap)). Returns [bs, heads*d]."""
     lib = _library()
     bs = q.shape[0]
     for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token", req_to_token)):
@@ -202,6 +203,7 @@ def decode_attention(
         scale,
         max_len,
         window or 0,
+        softcap or 0.0,
     )
     return out
 

