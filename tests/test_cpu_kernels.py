@@ -325,6 +325,29 @@ def test_decode_attention_attends_within_a_sliding_window(
         assert_bf16_close(out[b], want)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_f32w_is_gemmas_norm(
+    x_dtype: torch.dtype, out_dtype: torch.dtype, with_residual: bool
+) -> None:
+    """Gemma's norm with a float32 weight (1 + w): the float32 rms, times the weight unrounded, only
+    the output rounded (to bf16 where asked); the residual sum kept in float32."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 640, generator=g) * 3).to(x_dtype)
+    residual = torch.randn(7, 640, generator=g) if with_residual else None
+    weight = 1 + torch.randn(640, generator=g) * 0.3
+    out, new_residual = ops.rmsnorm_f32w(x, weight, 1e-6, out_dtype, residual)
+    total = x.float() + (residual if residual is not None else 0)
+    want = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    assert out.dtype == out_dtype
+    torch.testing.assert_close(
+        out.float(), want.to(out_dtype).float(), rtol=1e-5 if out_dtype == torch.float32 else 8e-3, atol=1e-5
+    )
+    if residual is not None:
+        assert new_residual is not None and torch.equal(new_residual, total)
+
+
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 64), (4, 1, 32)])
 def test_decode_attention_soft_caps_the_scores(hq: int, hkv: int, d: int) -> None:
     """Gemma 2's capping: each scaled score s becomes cap * tanh(s / cap) before the softmax (on the

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.cpu.kernels import ops
+from model_executor.cpu.kernels import build, ops
 from model_executor.layers.sharding import check_shape, default_weight_loader, read_all, set_weight_attrs
 
 
@@ -69,10 +69,11 @@ class GemmaRMSNorm(nn.Module):
     `out_dtype`. The weight is kept as the float32 1 + w the checkpoint's w gives, so the scale is
     not rounded to the model dtype. `forward(x, residual)` fuses the residual add as RMSNorm does."""
 
-    def __init__(self, hidden_size: int, eps: float, *, out_dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, *, out_dtype: torch.dtype, kernel: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.out_dtype = out_dtype
+        self.kernel = kernel  # srt_rmsnorm_f32w where it takes x (a bf16 model's default path)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
         set_weight_attrs(self.weight, self.weight_loader)
 
@@ -84,7 +85,21 @@ class GemmaRMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * self.weight).to(out_dtype)
 
+    def _use_kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+        return (
+            self.kernel
+            and x.device.type == "cpu"
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and out_dtype in (torch.bfloat16, torch.float32)
+            and build.kernels() is not None
+        )
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self._use_kernel(x, self.out_dtype):
+            out, new_residual = ops.rmsnorm_f32w(
+                x.contiguous(), self.weight, self.eps, self.out_dtype, residual
+            )
+            return out if residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x, self.out_dtype)
         residual = residual + x
@@ -93,6 +108,9 @@ class GemmaRMSNorm(nn.Module):
     def heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
         """[n, heads * head_dim] normalized per head (Gemma 3's q_norm and k_norm), in x's dtype."""
         n = x.shape[0]
+        if self._use_kernel(x, x.dtype):
+            out, _ = ops.rmsnorm_f32w(x.contiguous().view(-1, head_dim), self.weight, self.eps, x.dtype)
+            return out.view(n, -1)
         return self._norm(x.reshape(n, -1, head_dim), x.dtype).view(n, -1)
 
 

@@ -78,8 +78,13 @@ class GemmaAttention(nn.Module):
             what="number of attention heads x head_dim",
         )
         self.head_dim = head_dim
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype) if qk_norm else None
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype) if qk_norm else None
+        kernel = dtype == torch.bfloat16  # the norms on srt_rmsnorm_f32w on the default path
+        self.q_norm = (
+            GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype, kernel=kernel) if qk_norm else None
+        )
+        self.k_norm = (
+            GemmaRMSNorm(head_dim, config.rms_norm_eps, out_dtype=dtype, kernel=kernel) if qk_norm else None
+        )
         softcap = getattr(config, "attn_logit_softcapping", None)
         self.rotary_emb = rotary_emb  # the layer kind's, shared with the other layers of that kind
         self.attn = Attention(
@@ -136,10 +141,11 @@ class GemmaDecoderLayer(nn.Module):
             qk_norm=qk_norm,
         )
         self.mlp = GemmaMLP(config, comm, dtype)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=torch.float32)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=torch.float32)
+        kernel, f32 = dtype == torch.bfloat16, torch.float32  # post-norms hand float32 to the stream
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=dtype, kernel=kernel)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=f32, kernel=kernel)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=dtype, kernel=kernel)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps, out_dtype=f32, kernel=kernel)
 
     def forward(
         self,
@@ -242,7 +248,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             make_layer=lambda layer_id, i, rotary, window: GemmaDecoderLayer(
                 config, layer_id, comm, dtype, rotary_emb=rotary, sliding_window=window, qk_norm=self.qk_norm
             ),
-            norm=lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, out_dtype=dtype),
+            norm=lambda: GemmaRMSNorm(
+                config.hidden_size, config.rms_norm_eps, out_dtype=dtype, kernel=dtype == torch.bfloat16
+            ),
             embed_scale=float(config.hidden_size) ** 0.5,
         )
 

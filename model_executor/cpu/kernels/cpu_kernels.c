@@ -117,6 +117,38 @@ void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16
                     weight, out + r * dim, residual_out ? residual_out + r * dim : NULL, dim, eps);
 }
 
+/* Gemma's RMSNorm: out = rmsnorm(x (+ residual)) * weight with a float32 weight (the checkpoint's
+ * 1 + w, unrounded), x bf16 or float32 (x_f32), out bf16 or float32 (out_f32); the residual as in
+ * srt_rmsnorm (x + residual stored unrounded in residual_out and normalised). */
+void srt_rmsnorm_f32w(const void *x, int64_t x_f32, const float *residual, const float *weight, void *out,
+                      int64_t out_f32, float *residual_out, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xf = x_f32 ? (const float *)x + r * dim : NULL;
+        const bf16 *xb = x_f32 ? NULL : (const bf16 *)x + r * dim;
+        const float *rr = residual ? residual + r * dim : NULL;
+        float *ro = residual_out ? residual_out + r * dim : NULL;
+#define X(i) (xf ? xf[i] : bf16_to_f32(xb[i]))
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) {
+            const float f = X(i) + (rr ? rr[i] : 0.0f);
+            if (ro) ro[i] = f;
+            ss += f * f;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        if (out_f32) {
+            float *o = (float *)out + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) o[i] = (ro ? ro[i] : X(i)) * inv * weight[i];
+        } else {
+            bf16 *o = (bf16 *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16((ro ? ro[i] : X(i)) * inv * weight[i]);
+        }
+#undef X
+    }
+}
+
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up. */
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {
 #pragma omp parallel for if (rows * d >= PARALLEL_MIN_ELEMS) schedule(static)

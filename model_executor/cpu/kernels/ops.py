@@ -115,6 +115,39 @@ def rmsnorm(
     return out, residual_out
 
 
+def rmsnorm_f32w(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rmsnorm(x + residual) * weight in out_dtype (bf16 or float32), x + residual) with a float32
+    weight (Gemma's 1 + w); x [rows, dim] bf16 or float32, the residual float32, contiguous."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("weight", weight, torch.float32)
+    if residual is not None:
+        _need_contiguous("residual", residual)
+        _need_dtype("residual", residual, torch.float32)
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=out_dtype)
+    residual_out = torch.empty(x.shape, dtype=torch.float32) if residual is not None else None
+    lib.srt_rmsnorm_f32w(
+        x.data_ptr(),
+        int(x.dtype == torch.float32),
+        data_ptr(residual),
+        weight.data_ptr(),
+        out.data_ptr(),
+        int(out_dtype == torch.float32),
+        data_ptr(residual_out),
+        x.numel() // dim,
+        dim,
+        eps,
+    )
+    return out, residual_out
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """[.., 2d] (gate | up) -> silu(gate) * up; x contiguous."""
     lib = _library()
