@@ -325,6 +325,16 @@ def test_decode_attention_attends_within_a_sliding_window(
         assert_bf16_close(out[b], want)
 
 
+def test_gelu_tanh_mul_is_torchs_gelu_times_up() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 2 * 1000, generator=g) * 3).to(torch.bfloat16)
+    gate, up = x.float().chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(
+        ops.gelu_tanh_mul(x).float(), want.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5
+    )
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_executor.cpu.kernels import ops
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
@@ -113,7 +114,10 @@ class GemmaMLP(LlamaMLP):
         self.approximate = GELU_ACTS[getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.approximate == "tanh" and ops.usable(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(ops.gelu_tanh_mul(gate_up))  # one pass, rounded once
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
 
 

@@ -149,6 +149,21 @@ void srt_rmsnorm_f32w(const void *x, int64_t x_f32, const float *residual, const
     }
 }
 
+/* x [rows, 2d] = (gate | up) -> out [rows, d] = gelu_tanh(gate) * up (Gemma's GeGLU, transformers'
+ * gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))), in float32, rounded once. */
+void srt_gelu_tanh_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+#pragma omp parallel for if (rows * d >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *g = x + r * 2 * d, *u = g + d;
+        bf16 *o = out + r * d;
+        for (int64_t i = 0; i < d; i++) {
+            const float gi = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(0.5f * gi * (1.0f + tanhf(k * (gi + 0.044715f * gi * gi * gi))) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up. */
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {
 #pragma omp parallel for if (rows * d >= PARALLEL_MIN_ELEMS) schedule(static)

@@ -158,6 +158,16 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """[.., 2d] bf16 (gate | up) -> gelu_tanh(gate) * up (Gemma's GeGLU); x contiguous."""
+    lib = _library()
+    _need_contiguous("x", x)
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    lib.srt_gelu_tanh_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    return out
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [n, heads, d] (rows may be strided, heads contiguous) -> rotated contiguous copy."""
     lib = _library()

@@ -20,6 +20,7 @@ void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16
 void srt_rmsnorm_f32w(const void *x, int64_t x_f32, const float *residual, const float *weight, void *out,
                       int64_t out_f32, float *residual_out, int64_t rows, int64_t dim, float eps);
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
+void srt_gelu_tanh_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
               const int64_t *positions, const bf16 *cos, const bf16 *sin);
 void srt_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
