@@ -148,24 +148,24 @@ def rmsnorm_f32w(
     return out, residual_out
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """[.., 2d] (gate | up) -> silu(gate) * up; x contiguous."""
+def _gated(kernel: str, x: torch.Tensor) -> torch.Tensor:
+    """[.., 2d] (gate | up) -> act(gate) * up by the kernel `kernel` of the library; x contiguous."""
     lib = _library()
     _need_contiguous("x", x)
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    lib.srt_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    getattr(lib, kernel)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
     return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[.., 2d] (gate | up) -> silu(gate) * up; x contiguous."""
+    return _gated("srt_silu_mul", x)
 
 
 def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     """[.., 2d] bf16 (gate | up) -> gelu_tanh(gate) * up (Gemma's GeGLU); x contiguous."""
-    lib = _library()
-    _need_contiguous("x", x)
-    d = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    lib.srt_gelu_tanh_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
-    return out
+    return _gated("srt_gelu_tanh_mul", x)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
