@@ -15,3 +15,18 @@ class SiluAndMul(nn.Module):
             return ops.silu_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """[.., 2d] (gate | up) -> gelu(gate) * up, [.., d] (Gemma's GeGLU; approximate "tanh" is
+    transformers' gelu_pytorch_tanh, "none" its exact gelu)."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "tanh" and ops.usable(x) and x.is_contiguous():
+            return ops.gelu_tanh_mul(x)  # one pass, rounded once
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]

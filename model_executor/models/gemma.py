@@ -22,13 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model_executor.cpu.kernels import ops
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.activation import GeluAndMul
 from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import GemmaRMSNorm
 from model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -111,14 +110,10 @@ class GemmaMLP(LlamaMLP):
 
     def __init__(self, config: Any, comm: Communicator, dtype: torch.dtype) -> None:
         super().__init__(config, comm, dtype)
-        self.approximate = GELU_ACTS[getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"]
+        self.act = GeluAndMul(GELU_ACTS[getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.approximate == "tanh" and ops.usable(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(ops.gelu_tanh_mul(gate_up))  # one pass, rounded once
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class GemmaDecoderLayer(nn.Module):
