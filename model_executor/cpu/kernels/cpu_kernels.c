@@ -68,34 +68,44 @@ static inline float exp_f32(float x) {
 /* out = rmsnorm(x (+ residual)) * weight, rows of `dim`; x bf16, or float32 with x_f32 (a layer's
  * output as the kernels' float32 epilogue left it). The residual stream is float32: with a
  * residual, the sum x + residual is stored unrounded in residual_out and normalised; without one
- * and with residual_out, x is widened into it (a decoder's first layer). Only `out` is rounded to
- * bf16, once. */
+ * and with residual_out, x is widened into it (a decoder's first layer). The weight is bf16, or
+ * float32 with w_f32 (Gemma's unrounded 1 + w); out is bf16, rounded once, or float32 with o_f32.
+ * Callers pass x_f32, w_f32 and o_f32 as constants where they can, so each call site keeps only
+ * its own loops. The AVX-512 BF16 loop takes the bf16 weight and output (srt_rmsnorm, the decode
+ * layer's q and k norms); the float32 weight or output stays on the portable loop, whose sum of
+ * squares is ordered as the compiler vectorises it, so its results are those it always had. */
 static inline __attribute__((always_inline)) void rmsnorm_row(const void *xv, const int x_f32, const float *rr,
-                                                              const bf16 *weight, bf16 *o, float *ro, int64_t dim,
-                                                              float eps) {
-    float ss = 0.0f;
+                                                              const void *wv, const int w_f32, void *ov,
+                                                              const int o_f32, float *ro, int64_t dim, float eps) {
 #if SIMD_ROWS
+    if (!w_f32 && !o_f32) {
 #define LOAD_X(i, m) \
     (x_f32 ? _mm512_maskz_loadu_ps(m, (const float *)xv + (i)) : load16_tail((const bf16 *)xv + (i), m))
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i < dim; i += 16) {
-        const __mmask16 m = lanes16(dim - i);
-        __m512 v = LOAD_X(i, m);
-        if (rr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, rr + i));
-        if (ro) _mm512_mask_storeu_ps(ro + i, m, v);
-        acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    ss = _mm512_reduce_add_ps(acc);
-    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dim + eps));
-    for (i = 0; i < dim; i += 16) {
-        const __mmask16 m = lanes16(dim - i);
-        const __m512 v = ro ? _mm512_maskz_loadu_ps(m, ro + i) : LOAD_X(i, m);
-        store16_tail(o + i, _mm512_mul_ps(_mm512_mul_ps(v, inv), load16_tail(weight + i, m)), m);
-    }
+        const bf16 *weight = (const bf16 *)wv;
+        bf16 *o = (bf16 *)ov;
+        __m512 acc = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i < dim; i += 16) {
+            const __mmask16 m = lanes16(dim - i);
+            __m512 v = LOAD_X(i, m);
+            if (rr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, rr + i));
+            if (ro) _mm512_mask_storeu_ps(ro + i, m, v);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        const float ss = _mm512_reduce_add_ps(acc);
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(ss / (float)dim + eps));
+        for (i = 0; i < dim; i += 16) {
+            const __mmask16 m = lanes16(dim - i);
+            const __m512 v = ro ? _mm512_maskz_loadu_ps(m, ro + i) : LOAD_X(i, m);
+            store16_tail(o + i, _mm512_mul_ps(_mm512_mul_ps(v, inv), load16_tail(weight + i, m)), m);
+        }
 #undef LOAD_X
-#else
+        return;
+    }
+#endif
 #define X(i) (x_f32 ? ((const float *)xv)[i] : bf16_to_f32(((const bf16 *)xv)[i]))
+#define W(i) (w_f32 ? ((const float *)wv)[i] : bf16_to_f32(((const bf16 *)wv)[i]))
+    float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < dim; i++) {
         const float f = X(i) + (rr ? rr[i] : 0.0f);
@@ -103,9 +113,16 @@ static inline __attribute__((always_inline)) void rmsnorm_row(const void *xv, co
         ss += f * f;
     }
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16((ro ? ro[i] : X(i)) * inv * bf16_to_f32(weight[i]));
+    if (o_f32) {
+        float *o = (float *)ov;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = (ro ? ro[i] : X(i)) * inv * W(i);
+    } else {
+        bf16 *o = (bf16 *)ov;
+        for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16((ro ? ro[i] : X(i)) * inv * W(i));
+    }
+#undef W
 #undef X
-#endif
 }
 
 void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16 *weight, bf16 *out,
@@ -114,7 +131,7 @@ void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         rmsnorm_row((const char *)x + (size_t)(r * dim) * x_size, (int)x_f32, residual ? residual + r * dim : NULL,
-                    weight, out + r * dim, residual_out ? residual_out + r * dim : NULL, dim, eps);
+                    weight, 0, out + r * dim, 0, residual_out ? residual_out + r * dim : NULL, dim, eps);
 }
 
 /* Gemma's RMSNorm: out = rmsnorm(x (+ residual)) * weight with a float32 weight (the checkpoint's
@@ -122,31 +139,13 @@ void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16
  * srt_rmsnorm (x + residual stored unrounded in residual_out and normalised). */
 void srt_rmsnorm_f32w(const void *x, int64_t x_f32, const float *residual, const float *weight, void *out,
                       int64_t out_f32, float *residual_out, int64_t rows, int64_t dim, float eps) {
+    const size_t x_size = x_f32 ? sizeof(float) : sizeof(bf16);
+    const size_t o_size = out_f32 ? sizeof(float) : sizeof(bf16);
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xf = x_f32 ? (const float *)x + r * dim : NULL;
-        const bf16 *xb = x_f32 ? NULL : (const bf16 *)x + r * dim;
-        const float *rr = residual ? residual + r * dim : NULL;
-        float *ro = residual_out ? residual_out + r * dim : NULL;
-#define X(i) (xf ? xf[i] : bf16_to_f32(xb[i]))
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++) {
-            const float f = X(i) + (rr ? rr[i] : 0.0f);
-            if (ro) ro[i] = f;
-            ss += f * f;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        if (out_f32) {
-            float *o = (float *)out + r * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) o[i] = (ro ? ro[i] : X(i)) * inv * weight[i];
-        } else {
-            bf16 *o = (bf16 *)out + r * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16((ro ? ro[i] : X(i)) * inv * weight[i]);
-        }
-#undef X
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rmsnorm_row((const char *)x + (size_t)(r * dim) * x_size, (int)x_f32, residual ? residual + r * dim : NULL,
+                    weight, 1, (char *)out + (size_t)(r * dim) * o_size, (int)out_f32,
+                    residual_out ? residual_out + r * dim : NULL, dim, eps);
 }
 
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = gelu_tanh(gate) * up (Gemma's GeGLU, transformers'
@@ -812,7 +811,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         bf16 *row = qkv + r * qkv_size;
         if (q_norm && k_norm)
             for (int64_t h = 0; h < hq + hkv; h++)
-                rmsnorm_row(row + h * d, 0, NULL, h < hq ? q_norm : k_norm, row + h * d, NULL, d, eps);
+                rmsnorm_row(row + h * d, 0, NULL, h < hq ? q_norm : k_norm, 0, row + h * d, 0, NULL, d, eps);
         srt_rope(row, qkv_size, rotated, 1, hq + hkv, d, positions + r, cos, sin);
         memcpy(row, rotated, sizeof rotated);
     }
