@@ -89,6 +89,11 @@ class CausalLM(nn.Module):
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """(layers, KV heads on this rank, head_dim): the shape of this rank's KV pool per token."""
 
+    def attention_windows(self) -> list[int | None]:
+        """Every layer's attention window, on every pipeline stage (None: full attention); empty
+        where no layer has one. The KV pool keeps window pages for them (mem_cache/window_pages.py)."""
+        return []
+
     def decoder_stack(self) -> DecoderStack | None:
         """This rank's model as PreNormLayers, or None where its layers are another block or the rank
         holds only part of the model (a pipeline stage)."""

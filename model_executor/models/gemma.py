@@ -34,7 +34,14 @@ from model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
 from model_executor.models.config_check import GELU_ACTS, ConfigFields
-from model_executor.models.llama import LlamaForCausalLM, LlamaMLP, MissingLayer, head_dim_of, run_stage
+from model_executor.models.llama import (
+    LlamaForCausalLM,
+    LlamaMLP,
+    MissingLayer,
+    head_dim_of,
+    run_stage,
+    sliding_window_of,
+)
 from model_executor.models.registry import register_model
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -172,8 +179,8 @@ MakeLayer = Callable[[int, int, RotaryEmbedding, "int | None"], nn.Module]
 class PostNormModel(nn.Module):
     """The model below the LM head of Gemma 3 and OLMo 2, whose layers norm each sublayer's output:
     embeddings (times `embed_scale`), the stage's layers from `make_layer` (each handed the rotary
-    table of its kind in layer_types and its sliding window, None for full attention), `norm` on
-    the last stage. A layer takes and returns the (hidden, residual) pair whose sum is the stream."""
+    table of its kind in layer_types and its sliding window, `window_of`), `norm` on the last
+    stage. A layer takes and returns the (hidden, residual) pair whose sum is the stream."""
 
     def __init__(
         self,
@@ -184,6 +191,7 @@ class PostNormModel(nn.Module):
         *,
         make_layer: MakeLayer,
         norm: Callable[[], nn.Module],
+        window_of: Callable[[int], int | None],
         embed_scale: float = 1.0,
     ) -> None:
         super().__init__()
@@ -203,14 +211,8 @@ class PostNormModel(nn.Module):
             for kind in sorted(set(kinds))
         }
         self.rotary = nn.ModuleDict(rotary)
-        window = getattr(config, "sliding_window", None)
         self.layers = nn.ModuleList(
-            make_layer(
-                i - stage.start_layer,
-                i,
-                rotary[kinds[i]],
-                int(window) if kinds[i] == "sliding_attention" and window else None,
-            )
+            make_layer(i - stage.start_layer, i, rotary[kinds[i]], window_of(i))
             if stage.owns_layer(i)
             else MissingLayer()
             for i in range(config.num_hidden_layers)
@@ -250,6 +252,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             norm=lambda: GemmaRMSNorm(
                 config.hidden_size, config.rms_norm_eps, out_dtype=dtype, kernel=dtype == torch.bfloat16
             ),
+            window_of=lambda layer_id: sliding_window_of(self.config_fields, config, layer_id),
             embed_scale=float(config.hidden_size) ** 0.5,
         )
 

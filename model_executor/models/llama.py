@@ -193,7 +193,7 @@ def sliding_window_of(fields: ConfigFields, config: Any, layer_id: int) -> int |
     """Layer `layer_id`'s attention window as the architecture's transformers code reads it
     (config_check.ConfigFields.sliding_window), or None: full attention."""
     window = getattr(config, "sliding_window", None)
-    if window is None or fields.sliding_window == "ignored":
+    if not window or fields.sliding_window == "ignored":
         return None
     if fields.sliding_window == "layer_types":
         layer_types = list(getattr(config, "layer_types", None) or [])
@@ -349,6 +349,12 @@ class LlamaForCausalLM(CausalLM):
     def make_mlp(self, config: Any, layer_id: int, comm: Communicator, dtype: torch.dtype) -> nn.Module:
         """Layer `layer_id`'s MLP (a mixture-of-experts model's sparse block where it has one)."""
         return LlamaMLP(config, comm, dtype)
+
+    def attention_windows(self) -> list[int | None]:
+        return [
+            sliding_window_of(self.config_fields, self.config, i)
+            for i in range(self.config.num_hidden_layers)
+        ]
 
     def decoder_stack(self) -> DecoderStack | None:
         model = self.model

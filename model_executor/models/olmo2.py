@@ -72,6 +72,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
                 config, layer_id, comm, dtype, switches=switches, rotary_emb=rotary
             ),
             norm=lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype),
+            window_of=lambda layer_id: None,  # OLMo 2 attends to every key
         )
 
     def decoder_stack(self) -> None:
