@@ -1,15 +1,19 @@
 """One rank's KV memory as the scheduler is handed it: request rows, the paged pool, its allocator
-(and each token's routed experts where the server keeps them)."""
+(and the local layers' window pages where the model has sliding windows, each token's routed
+experts where the server keeps them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from mem_cache.allocator import PageAllocator
 from mem_cache.budget import KVBudget
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
 from mem_cache.routes_pool import RoutesPool
+from mem_cache.window_pages import WindowPages
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,31 @@ class KVMemory:
     allocator: PageAllocator
     budget: KVBudget
     routes: RoutesPool | None = None  # each token's experts (--enable-return-routed-experts)
+    window: WindowPages | None = None  # the local layers' pages (mem_cache/window_pages.py)
+
+    def alloc_extend(
+        self, rows: list[int], prefix_lens: list[int], seq_lens: list[int]
+    ) -> torch.Tensor | None:
+        """PageAllocator.alloc_extend on the request table, each new full page with a window page
+        (enough must be free: the KV manager checks). The slots, or None with nothing changed."""
+        table = self.req_to_token_pool.req_to_token
+        if (
+            self.window is not None
+            and self.allocator.pages_needed(prefix_lens, seq_lens) > self.window.allocator.num_free_pages
+        ):
+            return None
+        out = self.allocator.alloc_extend(table, rows, prefix_lens, seq_lens)
+        if out is not None and self.window is not None:
+            self.window.attach(out)
+            self.window.write(table, rows, prefix_lens, seq_lens)
+        return out
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Frees the full pages `slots` fall in, with their window pages. Mutates the allocators;
+        raises as PageAllocator.free_pages does."""
+        if self.window is not None and slots.numel():
+            self.window.free(torch.unique(slots.reshape(-1).to(torch.int64) // self.page_size))
+        self.allocator.free_slots(slots)
 
     @property
     def page_size(self) -> int:

@@ -49,6 +49,7 @@ class KVPool(ABC):
     num_layers: int
     dtype: torch.dtype
     device: torch.device
+    window_layers: frozenset[int] = frozenset()  # layers whose K/V lives in window pages
 
     @abstractmethod
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +89,9 @@ class PagedKVPool(KVPool):
     (`padding_slot`, model_executor/cuda/graph_plan.py).
     Buffers come from `torch.empty`, so on CPU the pages no request has touched yet are not
     resident memory.
+
+    The layers in `window_layers` (local layers whose K/V lives in window pages,
+    mem_cache/window_pages.py) hold `window_pages` pages instead, and one zeroed null page past them.
     """
 
     def __init__(
@@ -101,6 +105,8 @@ class PagedKVPool(KVPool):
         device: str | torch.device = "cpu",
         *,
         padding_page: bool = False,
+        window_layers: frozenset[int] = frozenset(),
+        window_pages: int = 0,
     ) -> None:
         for name, value in (
             ("num_pages", num_pages),
@@ -122,13 +128,22 @@ class PagedKVPool(KVPool):
         self._store_dtype = torch.uint8 if dtype in _FLOAT8_DTYPES else dtype
         # the first slot past the pages requests own; None without a padding page
         self.padding_slot: int | None = self.num_slots if padding_page else None
+        if window_layers and (window_pages < 1 or padding_page):
+            raise ValueError("window layers need window_pages >= 1 and no padding page")
+        self.window_layers = window_layers
+        self.window_pages = window_pages
         shape = (self.num_slots + (page_size if padding_page else 0), num_kv_heads, head_dim)
-        self.k_buffer = [
-            torch.empty(shape, dtype=self._store_dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_buffer = [
-            torch.empty(shape, dtype=self._store_dtype, device=self.device) for _ in range(num_layers)
-        ]
+        window_shape = ((window_pages + 1) * page_size, num_kv_heads, head_dim)
+        self.k_buffer: list[torch.Tensor] = []
+        self.v_buffer: list[torch.Tensor] = []
+        for layer in range(num_layers):
+            for buffers in (self.k_buffer, self.v_buffer):
+                if layer in window_layers:
+                    buffer = torch.empty(window_shape, dtype=self._store_dtype, device=self.device)
+                    buffer[window_pages * page_size :] = 0  # the null page
+                else:
+                    buffer = torch.empty(shape, dtype=self._store_dtype, device=self.device)
+                buffers.append(buffer)
 
     def _check_layer(self, layer_id: int) -> None:
         if not 0 <= layer_id < self.num_layers:
@@ -151,19 +166,35 @@ class PagedKVPool(KVPool):
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of K plus V over the layers of full pages (all but `window_layers`) for one slot."""
+        layers = self.num_layers - len(self.window_layers)
+        return 2 * layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def release_pages(self, pages: torch.Tensor) -> int:
-        """Give the host memory under free `pages` back to the OS: madvise(MADV_DONTNEED) on the
-        whole OS pages inside each run of consecutive KV pages, in every layer's K and V. Returns
-        the bytes released (0 off CPU or without madvise).
+    def release_pages(self, pages: torch.Tensor, window_pages: torch.Tensor | None = None) -> int:
+        """Give the host memory under free `pages` (and free `window_pages`, in the window layers)
+        back to the OS: madvise(MADV_DONTNEED) on the whole OS pages inside each run of consecutive
+        KV pages, in every layer's K and V. Returns the bytes released (0 off CPU or without madvise).
 
         Mutates those slots' contents (they read as zeros afterwards, and are resident again once
         written): pass only pages no request or cache entry holds. Changes no bookkeeping, so a
         call can never change what a rank schedules.
         """
+        full = [
+            (k, v)
+            for i, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer))
+            if i not in self.window_layers
+        ]
+        window = [
+            (k, v) for i, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)) if i in self.window_layers
+        ]
+        released = self._release([b for kv in full for b in kv], pages)
+        if window_pages is not None:
+            released += self._release([b for kv in window for b in kv], window_pages)
+        return released
+
+    def _release(self, buffers: list[torch.Tensor], pages: torch.Tensor) -> int:
         madvise = _madvise()
-        if self.device.type != "cpu" or madvise is None or pages.numel() == 0:
+        if self.device.type != "cpu" or madvise is None or pages.numel() == 0 or not buffers:
             return 0
         ids = torch.sort(pages.reshape(-1).to(torch.int64)).values
         breaks = torch.nonzero(ids[1:] - ids[:-1] != 1).reshape(-1) + 1
@@ -176,7 +207,7 @@ class PagedKVPool(KVPool):
             (a * run_bytes, b * run_bytes) for a, b in zip(starts, ends) if (b - a) * run_bytes >= 2 * os_page
         ]
         released = 0
-        for buffer in (*self.k_buffer, *self.v_buffer):
+        for buffer in buffers:
             base = buffer.data_ptr()
             for lo, hi in runs:
                 first = -(-(base + lo) // os_page) * os_page

@@ -45,6 +45,10 @@ class ReqToTokenPool:
     def num_free(self) -> int:
         return len(self._free_rows)
 
+    def used_rows(self) -> list[int]:
+        """The rows in use, ascending. Mutates nothing."""
+        return [row for row, free in enumerate(self._row_is_free) if not free]
+
     def alloc(self) -> int | None:
         """Take the lowest free row; None (and no change) when every row is in use.
 

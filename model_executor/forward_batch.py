@@ -38,6 +38,9 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int]  # cached tokens before the new ones (decode: seq_len - 1)
     extend_seq_lens_cpu: list[int]  # new tokens per request (decode: all 1)
     attn_backend: AttentionBackend | None = None  # set by the ModelRunner before the forward
+    # the window slots of out_cache_loc, where local layers keep window pages (mem_cache/window_pages.py);
+    # set by the ModelRunner before the forward
+    window_cache_loc: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.seq_lens_cpu)

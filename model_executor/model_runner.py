@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from mem_cache.budget import KVBudget, kv_budget, kv_bytes_per_token
 from mem_cache.kv_memory import KVMemory
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.req_to_token_pool import ReqToTokenPool
+from mem_cache.window_pages import WindowPages
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.registry import create_attention_backend, resolve_attention_backend
 from model_executor.device_wing import device_wing
@@ -68,6 +70,11 @@ class RunnerConfig:
     adaptive_threads: bool = False  # fewer threads while others load the CPUs (cpu/thread_governor.py)
     return_routed_experts: bool = False  # keep every token's experts (--enable-return-routed-experts)
     is_embedding: bool = False  # pool each prompt into an embedding instead of sampling (--is-embedding)
+    # sliding-window layers' K/V in window pages (mem_cache/window_pages.py): window pages per full page,
+    # and whether they are off (--swa-full-tokens-ratio, --disable-hybrid-swa-memory)
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
+    chunked_prefill_size: int = 2048  # new tokens of one request in one step (sizes the window pages' floor)
     # CUDA graphs of decode steps (model_executor/cuda/): None/None: the default sizes
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
@@ -162,12 +169,29 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    def _window_layout(self) -> tuple[int, frozenset[int]] | None:
+        """(the widest window, this stage's pool layers that keep window pages), or None: every
+        layer's K/V in full pages (no window, one wider than the context, or
+        --disable-hybrid-swa-memory). Decided from every stage's layers, so every rank agrees."""
+        windows = [w for w in self.model.attention_windows() if w]
+        if self.config.disable_hybrid_swa_memory or not windows or max(windows) >= self.context_length:
+            return None
+        layers = frozenset(
+            m.layer_id for m in self.model.modules() if isinstance(m, Attention) and m.sliding_window
+        )
+        return max(windows), layers
+
     def _init_memory(self) -> None:
         num_layers, kv_heads, head_dim = self.model.kv_cache_layout()
-        per_token = kv_bytes_per_token(num_layers, kv_heads, head_dim, self.config.dtype)
+        padding = self.wing.pads_decode_batches()  # a spare KV page and request row, never allocated
+        window = None if padding else self._window_layout()  # (a CUDA graph's padding page is a full page)
+        ratio = self.config.swa_full_tokens_ratio
+        local = len(window[1]) if window else 0
+        # a full slot costs its global layers' K/V and `ratio` of a window slot
+        layer_bytes = kv_bytes_per_token(1, kv_heads, head_dim, self.config.dtype)
+        per_token = (num_layers - local) * layer_bytes + math.ceil(ratio * local * layer_bytes)
         page_size = self.config.page_size
         config = self.config
-        padding = self.wing.pads_decode_batches()  # a spare KV page and request row, never allocated
         self.kv_budget: KVBudget = kv_budget(
             device=self.device,
             bytes_per_token=per_token,
@@ -190,6 +214,19 @@ class ModelRunner:
             device=self.device,
             padding_row=padding,
         )
+        self.window_pages: WindowPages | None = None
+        if window is not None:
+            # at least a lone request's widest step: a chunk, the window before it, two part pages
+            floor = -(-(min(config.chunked_prefill_size, self.context_length) + window[0]) // page_size) + 2
+            self.window_pages = WindowPages(
+                num_full_pages=self.num_pages,
+                num_pages=min(self.num_pages, max(math.ceil(ratio * self.num_pages), floor)),
+                page_size=page_size,
+                window=window[0],
+                table_rows=self.req_to_token_pool.req_to_token.shape[0],
+                max_context_len=self.req_to_token_pool.max_context_len,
+                device=self.device,
+            )
         self.kv_pool = PagedKVPool(
             self.num_pages,
             page_size,
@@ -199,6 +236,8 @@ class ModelRunner:
             self.config.dtype,
             self.device,
             padding_page=padding,
+            window_layers=window[1] if window else frozenset(),
+            window_pages=self.window_pages.num_pages if self.window_pages else 0,
         )
         self.allocator = PageAllocator(self.num_pages, page_size, device=self.device)
         self.routes: RouteCapture | None = None
@@ -215,9 +254,19 @@ class ModelRunner:
             self.allocator,
             self.kv_budget,
             self.routes.pool if self.routes is not None else None,
+            self.window_pages,
         )
         if self.parallel.world.is_first:
             logger.info("%s; %d request slots", self.kv_budget.describe(), self.max_running_requests)
+            if self.window_pages is not None:
+                logger.info(
+                    "window pages: %d layers of this stage keep %d tokens (%g of the full pages, at least "
+                    "a %d-token window and a chunk); --swa-full-tokens-ratio sets it",
+                    local,
+                    self.window_pages.num_pages * page_size,
+                    ratio,
+                    self.window_pages.window,
+                )
 
     def _init_attention_backend(self) -> None:
         backend = resolve_attention_backend(self.config.attention_backend, self.device, self.config.dtype)
@@ -237,6 +286,8 @@ class ModelRunner:
                 f"--attention-backend {backend} has no sliding-window attention, which this model's "
                 f"layers use (windows of {windows} tokens); use --attention-backend torch_native"
             )
+        if self.window_pages is not None:
+            self.attn_backend.use_window_pages(self.window_pages.req_to_token)
         if self.config.deterministic:
             logger.info(
                 "deterministic inference: %s",
@@ -280,6 +331,13 @@ class ModelRunner:
         (receiving the previous stage's hand-over unless first); then either sends the hand-over on
         (-> None) or, on the last stage, returns the logits as forward_with_token_logits does."""
         batch.attn_backend = self.attn_backend
+        if self.window_pages is not None:
+            batch.window_cache_loc = self.window_pages.translate(batch.out_cache_loc)
+            if bool((batch.window_cache_loc == self.window_pages.null_slot).any()):
+                raise RuntimeError(
+                    "KV slots without window pages: allocate through KVMemory.alloc_extend, which gives "
+                    "each full page its window page"
+                )
         if self.routes is not None:
             self.routes.begin(batch.out_cache_loc)
         runs = self.step_runner.can_run(batch)

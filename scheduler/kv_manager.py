@@ -2,7 +2,9 @@
 eviction, release into the prefix cache, and the integrity check.
 
 Ownership: a request owns req_to_token[row, cached_len:kv_len]; the prefix cache owns the rest
-(locked through req.last_node while the request lives).
+(locked through req.last_node while the request lives). With window pages (a model with sliding
+windows, mem_cache/window_pages.py) each full page may hold a window page, freed with it or once
+its request has moved a window past it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class KVManager:
         self.req_to_token = memory.req_to_token_pool.req_to_token
         self.allocator = memory.allocator
         self.kv_pool = memory.kv_pool
+        self.window = memory.window
         self.tree_cache = tree_cache
         self.page_size = memory.page_size
         self.max_total_tokens = memory.max_total_tokens
@@ -37,19 +40,28 @@ class KVManager:
         return self.req_to_token_pool.num_free
 
     def available_tokens(self) -> int:
-        return self.allocator.num_free_tokens + self.tree_cache.evictable_size()
+        """Tokens that fit in free pages and what the cache could evict (with window pages, the
+        fewer of full and window tokens; evicting may free fewer window pages than that counts)."""
+        evictable = self.tree_cache.evictable_size()
+        free = self.allocator.num_free_tokens
+        if self.window is not None:
+            free = min(free, self.window.allocator.num_free_tokens)
+        return free + evictable
 
-    def _usable_prefix(self, req: Req, matched: int) -> int:
+    def _usable_prefix(self, req: Req, match: MatchResult) -> int:
         # At least one token must be computed to get logits for the next token (and every
         # position whose logits the request's prompt logprobs need).
         limit = self.tree_cache.page_aligned_len(min(req.seq_len - 1, req.max_cached_prefix_len))
-        return min(matched, limit)
+        usable = min(len(match.kv_indices), limit)
+        if self.window is not None:  # the local layers need the window before it
+            usable = self.window.usable_prefix(match.kv_indices, usable)
+        return usable
 
     def match(self, req: Req) -> tuple[int, MatchResult]:
         """The usable length of `req`'s cached prefix, and the lookup to pass to `admit` if the
         tree does not change in between (a lookup may split a node). Locks nothing."""
         match = self.tree_cache.match_prefix(req.fill_ids)
-        return self._usable_prefix(req, len(match.kv_indices)), match
+        return self._usable_prefix(req, match), match
 
     def peek_prefix_len(self, req: Req) -> int:
         return self.match(req)[0]
@@ -63,8 +75,10 @@ class KVManager:
             raise RuntimeError("no free request row; admission must respect max_running_requests")
         if match is None:
             match = self.tree_cache.match_prefix(req.fill_ids)
-        prefix_len = self._usable_prefix(req, len(match.kv_indices))
+        prefix_len = self._usable_prefix(req, match)
         self.req_to_token[row, :prefix_len] = match.kv_indices[:prefix_len]
+        if self.window is not None:
+            self.window.admit(row, match.kv_indices[:prefix_len])
         self.tree_cache.inc_lock_ref(match.last_node)
         req.req_pool_idx, req.last_node = row, match.last_node
         req.cached_len = req.kv_len = prefix_len
@@ -73,25 +87,53 @@ class KVManager:
         return prefix_len
 
     def _ensure_free_pages(self, pages: int) -> bool:
+        """Whether `pages` full pages (and as many window pages) are free, after evicting cache."""
         short = pages - self.allocator.num_free_pages
         if short > 0:
             self._evict(short * self.page_size)
-        return pages <= self.allocator.num_free_pages
+        window = self.window
+        # a cached page may have lost its window page: evict until enough are free or none is left,
+        # then drop the window pages of cached pages outside every request's window
+        while (
+            window is not None
+            and window.allocator.num_free_pages < pages
+            and self.tree_cache.evictable_size()
+        ):
+            self._evict((pages - window.allocator.num_free_pages) * self.page_size)
+        if window is not None and window.allocator.num_free_pages < pages:
+            self._drop_cached_windows()
+        return pages <= self.allocator.num_free_pages and (
+            window is None or pages <= window.allocator.num_free_pages
+        )
+
+    @rank_consensus(result=True, name="window_drop")
+    def _drop_cached_windows(self) -> int:
+        assert self.window is not None
+        return self.window.drop_unreferenced(self.req_to_token_pool.used_rows())
+
+    def _slide(self, reqs: list[Req]) -> None:
+        """Frees the window pages each request has moved a window past (positions only)."""
+        if self.window is not None:
+            for r in reqs:
+                assert r.req_pool_idx is not None
+                self.window.slide(self.req_to_token, r.req_pool_idx, r.kv_len)
 
     @rank_consensus(args=("num_tokens",), result=True, name="radix_evict")
     def _evict(self, num_tokens: int) -> int:
         return self.tree_cache.evict(num_tokens)
 
     def fits_decode(self, reqs: list[Req]) -> bool:
+        self._slide(reqs)
         kv = [r.kv_len for r in reqs]
         return self._ensure_free_pages(self.allocator.pages_needed(kv, [k + 1 for k in kv]))
 
     def fits_free(self, reqs: list[Req], lens: list[int]) -> bool:
         """Whether `lens[i]` new tokens of each request fit in the free pages, evicting nothing."""
+        self._slide(reqs)
         prefix = [r.kv_len for r in reqs]
-        return (
-            self.allocator.pages_needed(prefix, [k + n for k, n in zip(prefix, lens)])
-            <= self.allocator.num_free_pages
+        pages = self.allocator.pages_needed(prefix, [k + n for k, n in zip(prefix, lens)])
+        return pages <= self.allocator.num_free_pages and (
+            self.window is None or pages <= self.window.allocator.num_free_pages
         )
 
     @rank_consensus(args={"req": lambda r: (r.rid, r.kv_len), "kv_len": int}, name="kv_trim")
@@ -102,18 +144,20 @@ class KVManager:
         assert req.req_pool_idx is not None and req.cached_len <= kv_len <= req.kv_len, (req.rid, kv_len)
         start = -(-kv_len // self.page_size) * self.page_size
         if start < req.kv_len:
-            self.allocator.free_slots(self.req_to_token[req.req_pool_idx, start : req.kv_len])
+            self.memory.free_slots(self.req_to_token[req.req_pool_idx, start : req.kv_len])
         req.kv_len = kv_len
 
     def reserve_extend(self, reqs: list[Req], lens: list[int]) -> bool:
         """Allocates slots for `lens[i]` new tokens of each request (evicting cache if needed).
-        On success `last_out_cache_loc` holds them; on failure nothing changed."""
+        On success `last_out_cache_loc` holds them; on failure nothing changed but window pages
+        the requests had moved past."""
+        self._slide(reqs)
         prefix = [r.kv_len for r in reqs]
         seq = [k + n for k, n in zip(prefix, lens)]
         if not self._ensure_free_pages(self.allocator.pages_needed(prefix, seq)):
             return False
         rows = [r.req_pool_idx for r in reqs]
-        out = self.allocator.alloc_extend(self.req_to_token, rows, prefix, seq)  # type: ignore[arg-type]
+        out = self.memory.alloc_extend(rows, prefix, seq)  # type: ignore[arg-type]
         if out is None:
             return False
         self.last_out_cache_loc = out
@@ -143,11 +187,11 @@ class KVManager:
             # The cache already had kv[cached_len:present] from someone else, and never takes the
             # partial last page kv[aligned:]: both stay ours to free.
             if present > req.cached_len:
-                self.allocator.free_slots(kv[req.cached_len : present])
+                self.memory.free_slots(kv[req.cached_len : present])
             if aligned < req.kv_len:
-                self.allocator.free_slots(kv[aligned:])
+                self.memory.free_slots(kv[aligned:])
         elif req.kv_len > req.cached_len:
-            self.allocator.free_slots(kv[req.cached_len :])
+            self.memory.free_slots(kv[req.cached_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(row)
@@ -161,7 +205,10 @@ class KVManager:
         (a broadcast message asks), though only the eviction changes what a rank schedules."""
         start = time.perf_counter()
         evicted = self._evict(self.tree_cache.evictable_size()) if evict else 0
-        released = self.kv_pool.release_pages(self.allocator.free_page_ids())
+        released = self.kv_pool.release_pages(
+            self.allocator.free_page_ids(),
+            None if self.window is None else self.window.allocator.free_page_ids(),
+        )
         logger.info(
             "KV memory released to the OS: %.1f MB in %.1f ms (%d cached tokens evicted, %d pages free)",
             released / 2**20,
@@ -186,6 +233,15 @@ class KVManager:
             "page_size": self.page_size,
             "num_pages": self.allocator.num_pages,
             **self.page_counts(),
+            **(
+                {}
+                if self.window is None
+                else {
+                    "window_pages": self.window.num_pages,
+                    "window_free_pages": self.window.allocator.num_free_pages,
+                    "window_used_pages": self.window.allocator.num_used_pages,
+                }
+            ),
             "free_tokens": self.allocator.num_free_tokens,
             "cached_tokens": self.tree_cache.total_size(),
             "evictable_tokens": self.tree_cache.evictable_size(),
@@ -209,6 +265,8 @@ class KVManager:
             return str(e)
         if overlap:
             return f"{overlap} KV pages are held by two owners"
+        if self.window is not None and (error := self.window.integrity_error(self.allocator.free_page_ids())):
+            return error
         if (
             self.req_to_token_pool.num_free + len([r for r in live if r.req_pool_idx is not None])
             != self.req_to_token_pool.size

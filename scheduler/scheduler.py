@@ -95,7 +95,7 @@ class Scheduler:
     def _init_cache(self) -> None:
         memory = self.runner.memory
         self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
-            memory.allocator.free_slots, page_size=memory.page_size, device=self.runner.device
+            memory.free_slots, page_size=memory.page_size, device=self.runner.device
         )
         self.kv = KVManager(memory, self.tree_cache)
 

@@ -122,7 +122,7 @@ def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
 
     Leaves the request rows and KV slots free again."""
     bs, input_len = len(prompts), len(prompts[0])
-    pool, allocator, device = runner.req_to_token_pool, runner.allocator, runner.device
+    pool, device = runner.req_to_token_pool, runner.device
     rows = [pool.alloc() for _ in prompts]
     if any(row is None for row in rows):
         raise RuntimeError(f"batch {bs} exceeds the {pool.size} request slots")
@@ -133,7 +133,7 @@ def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
         mode: ForwardMode, input_ids: list[int], prefix_len: int, seq_len: int
     ) -> tuple[float, list[int]]:
         prefix_lens, seq_lens = [prefix_len] * bs, [seq_len] * bs
-        out_cache_loc = allocator.alloc_extend(pool.req_to_token, rows_ok, prefix_lens, seq_lens)
+        out_cache_loc = runner.memory.alloc_extend(rows_ok, prefix_lens, seq_lens)
         if out_cache_loc is None:
             raise RuntimeError(f"KV cache exhausted ({runner.max_total_tokens} tokens)")
         batch = make_forward_batch(mode, input_ids, rows_ok, prefix_lens, seq_lens, out_cache_loc, device)
@@ -150,7 +150,7 @@ def run_batch(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) 
         elapsed, next_ids = step(ForwardMode.DECODE, next_ids, seq_len - 1, seq_len)
         step_s.append(elapsed)
     for row in rows_ok:
-        allocator.free_slots(pool.req_to_token[row, : input_len + decode_steps])
+        runner.memory.free_slots(pool.req_to_token[row, : input_len + decode_steps])
         pool.free(row)
     return prefill_s, step_s
 

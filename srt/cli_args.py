@@ -252,6 +252,18 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)",
             ),
             _flag(
+                "--swa-full-tokens-ratio",
+                type=float,
+                default=_default("swa_full_tokens_ratio"),
+                help="sliding-window layers keep their K/V in window pages, this many per full page (0 to 1]; "
+                "each request holds only its window's",
+            ),
+            _flag(
+                "--disable-hybrid-swa-memory",
+                action="store_true",
+                help="sliding-window layers keep every token's K/V, as global layers do",
+            ),
+            _flag(
                 "--min-available-memory",
                 type=float,
                 default=_default("min_available_memory"),

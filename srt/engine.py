@@ -128,6 +128,7 @@ class Engine:
         quantization: str | None = None,
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int | None = None,
+        disable_hybrid_swa_memory: bool = False,
     ) -> None:
 
         self.model_dir = resolve_model_path(model_path)
@@ -157,6 +158,7 @@ class Engine:
             disable_radix_cache=True,
             speculative_algorithm=speculative_algorithm,
             speculative_num_draft_tokens=speculative_num_draft_tokens,
+            disable_hybrid_swa_memory=disable_hybrid_swa_memory,
         )
         self.config: RunnerConfig = runner_config(self.args, self.model_dir)
         self.runner: ModelRunner | None = None

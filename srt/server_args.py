@@ -147,6 +147,9 @@ class ServerArgs:
     max_running_requests: int = 128
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int = 2048
+    # sliding-window layers' K/V in window pages, this many per full page (mem_cache/window_pages.py)
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     page_size: int = 1
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False  # requests' `priority` orders the waiting queue
@@ -262,6 +265,8 @@ class ServerArgs:
         if self.cpu_kvcache_space is not None:
             if not self.cpu_kvcache_space > 0:
                 raise ValueError(f"--cpu-kvcache-space must be positive (GiB), got {self.cpu_kvcache_space}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not self.min_available_memory >= 0:
             raise ValueError(
                 f"--min-available-memory must be >= 0 (GiB; 0 turns it off), got {self.min_available_memory}"

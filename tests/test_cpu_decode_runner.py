@@ -40,7 +40,7 @@ def prefill(runner: ModelRunner, lens: list[int]) -> list[int]:
     """Prefills one request per length (token ids 3, 4, ...); their request rows."""
     pool = runner.req_to_token_pool
     rows = [int(pool.alloc()) for _ in lens]  # type: ignore[arg-type]
-    loc = runner.allocator.alloc_extend(pool.req_to_token, rows, [0] * len(rows), lens)
+    loc = runner.memory.alloc_extend(rows, [0] * len(rows), lens)
     runner.forward(
         make_forward_batch(
             ForwardMode.EXTEND,
@@ -57,7 +57,7 @@ def prefill(runner: ModelRunner, lens: list[int]) -> list[int]:
 def decode_step(runner: ModelRunner, rows: list[int], lens: list[int]) -> ForwardBatch:
     """The decode step after prefill(runner, lens): one new token a request, its slot allocated."""
     seqs = [n + 1 for n in lens]
-    loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, rows, lens, seqs)
+    loc = runner.memory.alloc_extend(rows, lens, seqs)
     return make_forward_batch(ForwardMode.DECODE, [7 + i for i in range(len(rows))], rows, lens, seqs, loc)
 
 
@@ -129,7 +129,7 @@ def test_declines_prefill_and_runs_it_on_the_layers(
     calls = count_fused_calls(monkeypatch)
     pool = runner.req_to_token_pool
     rows = [int(pool.alloc())]  # type: ignore[arg-type]
-    loc = runner.allocator.alloc_extend(pool.req_to_token, rows, [0], [4])
+    loc = runner.memory.alloc_extend(rows, [0], [4])
     batch = make_forward_batch(ForwardMode.EXTEND, [5, 6, 7, 8], rows, [0], [4], loc)
     assert not runner.step_runner.can_run(batch)
     assert torch.isfinite(runner.forward(batch)).all()

@@ -533,8 +533,7 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(
             parts = [p[lo:hi] for p in prompts]
             prefix, seq = [min(lo, len(p)) for p in prompts], [len(p[:hi]) for p in prompts]
             live = [i for i, part in enumerate(parts) if part]
-            loc = runner.allocator.alloc_extend(
-                runner.req_to_token_pool.req_to_token,
+            loc = runner.memory.alloc_extend(
                 [rows[i] for i in live],
                 [prefix[i] for i in live],
                 [seq[i] for i in live],
@@ -573,10 +572,10 @@ def test_bf16_prefill_with_the_attention_kernel_is_as_accurate_as_sdpa(
 def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
     """Prefill, then decode the `forced` tokens (teacher forcing); logits of every decode step,
     [steps, bs, vocab]. The requests have different lengths, so decode attention is ragged."""
-    pool, allocator = runner.req_to_token_pool, runner.allocator
+    pool, _allocator = runner.req_to_token_pool, runner.allocator
     rows = [int(pool.alloc()) for _ in prompts]  # type: ignore[arg-type]
     lens = [len(p) for p in prompts]
-    loc = allocator.alloc_extend(pool.req_to_token, rows, [0] * len(rows), lens)
+    loc = runner.memory.alloc_extend(rows, [0] * len(rows), lens)
     runner.forward(
         make_forward_batch(
             ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(rows), lens, loc
@@ -586,7 +585,7 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[li
     for step in range(len(forced[0])):
         prefix = [n + step for n in lens]
         seq = [n + 1 for n in prefix]
-        loc = allocator.alloc_extend(pool.req_to_token, rows, prefix, seq)
+        loc = runner.memory.alloc_extend(rows, prefix, seq)
         batch = make_forward_batch(ForwardMode.DECODE, [f[step] for f in forced], rows, prefix, seq, loc)
         steps.append(runner.forward(batch))
     return torch.stack(steps)

@@ -53,9 +53,8 @@ def extend(
     token_logits: bool = False,
 ) -> torch.Tensor:
     """One extend step; logits of every new token (token_logits) or of each request's last."""
-    pool = runner.req_to_token_pool.req_to_token
     seqs = [p + len(t) for p, t in zip(prefixes, parts)]
-    loc = runner.allocator.alloc_extend(pool, rows, prefixes, seqs)
+    loc = runner.memory.alloc_extend(rows, prefixes, seqs)
     batch = make_forward_batch(
         ForwardMode.EXTEND, [t for part in parts for t in part], rows, prefixes, seqs, loc
     )
@@ -65,9 +64,8 @@ def extend(
 
 
 def decode(runner: ModelRunner, rows: list[int], prefixes: list[int], ids: list[int]) -> torch.Tensor:
-    pool = runner.req_to_token_pool.req_to_token
     seqs = [p + 1 for p in prefixes]
-    loc = runner.allocator.alloc_extend(pool, rows, prefixes, seqs)
+    loc = runner.memory.alloc_extend(rows, prefixes, seqs)
     return runner.forward(make_forward_batch(ForwardMode.DECODE, ids, rows, prefixes, seqs, loc))
 
 

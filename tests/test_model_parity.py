@@ -28,9 +28,7 @@ def prefill_batch(runner: ModelRunner, prompts: list[list[int]]) -> ForwardBatch
     """One prefill batch of whole `prompts`, their KV slots taken from the runner's pools."""
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     seq_lens = [len(p) for p in prompts]
-    loc = runner.allocator.alloc_extend(
-        runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), seq_lens
-    )
+    loc = runner.memory.alloc_extend(rows, [0] * len(prompts), seq_lens)
     return make_forward_batch(
         ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts), seq_lens, loc
     )

@@ -91,7 +91,7 @@ def every_position_logits(engine: Engine, prompts: list[list[int]]) -> torch.Ten
     assert runner is not None
     rows = [runner.req_to_token_pool.alloc() for _ in prompts]
     lens = [len(p) for p in prompts]
-    loc = runner.allocator.alloc_extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), lens)
+    loc = runner.memory.alloc_extend(rows, [0] * len(prompts), lens)
     batch = make_forward_batch(
         ForwardMode.EXTEND, [t for p in prompts for t in p], rows, [0] * len(prompts), lens, loc
     )

@@ -23,6 +23,12 @@ class AttentionBackend(ABC):
     # Whether layers with a sliding window (Attention.sliding_window) attend within it here
     supports_sliding_window: bool = True
 
+    def use_window_pages(self, req_to_token: torch.Tensor) -> None:
+        """Gives the local layers' request table (window slots, mem_cache/window_pages.py): the layers
+        in the pool's `window_layers` read through it and write at `batch.window_cache_loc`. Raises
+        ValueError where the backend keeps none."""
+        raise ValueError(f"{type(self).__name__} has no window pages (--disable-hybrid-swa-memory)")
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Builds per-step index tensors shared by every layer (called once per forward).

@@ -27,8 +27,8 @@ from model_executor.layers.attention import Attention
 class CpuKernelsAttnBackend(TorchNativeAttnBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool = False) -> None:
         super().__init__(kv_pool, req_to_token)
-        self._extend_slots: torch.Tensor | None = None  # extend with cached prefixes: each request's
-        # prefix + new slots, one after another (the same for every layer)
+        self._extend_slots: list[torch.Tensor] = []  # extend with cached prefixes: each request's
+        # prefix + new slots, one after another, through req_to_token (and the window table)
         self._rows: tuple[torch.Tensor, torch.Tensor, int] | None = None  # deterministic extend: each new
         # token's (req_to_token row, length with its own slot, longest)
         k_cache, _ = kv_pool.get_kv_buffer(0)
@@ -58,15 +58,21 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
             return
         if not batch.is_decode:
             prefixes = batch.extend_prefix_lens_cpu
+            tables = [self.req_to_token] + (
+                [] if self.window_req_to_token is None else [self.window_req_to_token]
+            )
             self._extend_slots = (
-                torch.cat(
-                    [
-                        self.req_to_token[batch.req_pool_indices[i], : prefix + new]
-                        for i, (prefix, new) in enumerate(zip(prefixes, batch.extend_seq_lens_cpu))
-                    ]
-                )
+                [
+                    torch.cat(
+                        [
+                            table[batch.req_pool_indices[i], : prefix + new]
+                            for i, (prefix, new) in enumerate(zip(prefixes, batch.extend_seq_lens_cpu))
+                        ]
+                    )
+                    for table in tables
+                ]
                 if any(prefixes)
-                else None
+                else []
             )
             return
         if self.kernel_attention:
@@ -90,8 +96,8 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
                 v,
                 k_cache,
                 v_cache,
-                batch.out_cache_loc,
-                self.req_to_token,
+                self.out_loc(layer, batch),
+                self.table(layer),
                 rows,
                 row_lens,
                 max_len,
@@ -113,10 +119,9 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
         layer: Attention,
         batch: ForwardBatch,
     ) -> None:
-        if ops.store_kv_applies(k, v, k_cache, v_cache, batch.out_cache_loc):
-            ops.store_kv(
-                k, v, k_cache, v_cache, batch.out_cache_loc
-            )  # faster than index_copy_ (docs/performance.md)
+        out_loc = self.out_loc(layer, batch)
+        if ops.store_kv_applies(k, v, k_cache, v_cache, out_loc):
+            ops.store_kv(k, v, k_cache, v_cache, out_loc)  # faster than index_copy_ (docs/performance.md)
         else:
             super().store_kv(k, v, k_cache, v_cache, layer, batch)
 
@@ -143,8 +148,8 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
         lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
         if not any(prefixes):
             return ops.prefill_attention(q, k, v, lens, layer.scaling)
-        extend_slots = self._extend_slots
-        assert extend_slots is not None
+        assert self._extend_slots
+        extend_slots = self._extend_slots[int(self.in_window_pages(layer))]
         return ops.prefill_attention(
             q, gather(k_cache, extend_slots), gather(v_cache, extend_slots), lens, layer.scaling, prefixes
         )

@@ -70,35 +70,60 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
-        self._decode_slots: torch.Tensor | None = None  # [bs, L] pool slots, padding repeats slot 0
+        self.window_req_to_token: torch.Tensor | None = None  # the window layers' table, if any
+        # [bs, L] pool slots through req_to_token (and through the window table), padding repeats slot 0
+        self._decode_slots: list[torch.Tensor] = []
         self._decode_mask: torch.Tensor | None = None  # [bs, 1, 1, L] bool, None when no padding
         self._decode_seq_lens: torch.Tensor | None = None
         self._window_masks: dict[int, torch.Tensor | None] = {}  # sliding window -> its decode mask
+
+    def use_window_pages(self, req_to_token: torch.Tensor) -> None:
+        self.window_req_to_token = req_to_token
+
+    def in_window_pages(self, layer: Attention) -> bool:
+        return layer.layer_id in self.kv_pool.window_layers
+
+    def table(self, layer: Attention) -> torch.Tensor:
+        """The request table of the layer's slots: the window table for a layer in window pages."""
+        if self.in_window_pages(layer):
+            assert self.window_req_to_token is not None
+            return self.window_req_to_token
+        return self.req_to_token
+
+    def out_loc(self, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+        """The slots the layer writes the batch's new K/V at."""
+        if self.in_window_pages(layer):
+            assert batch.window_cache_loc is not None
+            return batch.window_cache_loc
+        return batch.out_cache_loc
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.is_decode:
             return
         self._window_masks = {}
         max_len = max(batch.seq_lens_cpu)
-        slots = self.req_to_token[batch.req_pool_indices, :max_len]
+        tables = [self.req_to_token] + (
+            [] if self.window_req_to_token is None else [self.window_req_to_token]
+        )
+        slots = [table[batch.req_pool_indices, :max_len] for table in tables]
         self._decode_seq_lens = batch.seq_lens
         if min(batch.seq_lens_cpu) == max_len:
             self._decode_slots, self._decode_mask = slots, None
             return
-        valid = torch.arange(max_len, device=slots.device).unsqueeze(0) < batch.seq_lens.unsqueeze(1)
+        valid = torch.arange(max_len, device=slots[0].device).unsqueeze(0) < batch.seq_lens.unsqueeze(1)
         # Padding must point at a written slot: the pool is uninitialised memory and NaN * 0 is NaN.
-        self._decode_slots = torch.where(valid, slots, slots[:, :1])
+        self._decode_slots = [torch.where(valid, s, s[:, :1]) for s in slots]
         self._decode_mask = valid[:, None, None, :]
 
     def _decode_mask_for(self, window: int | None) -> torch.Tensor | None:
         """The decode mask of a layer attending within `window` (None: every key): each request's
         keys from seq_len - window on, padding masked."""
-        assert self._decode_slots is not None and self._decode_seq_lens is not None
-        max_len = self._decode_slots.shape[1]
+        assert self._decode_slots and self._decode_seq_lens is not None
+        max_len = self._decode_slots[0].shape[1]
         if window is None or window >= max_len:
             return self._decode_mask
         if window not in self._window_masks:
-            at = torch.arange(max_len, device=self._decode_slots.device).unsqueeze(0)
+            at = torch.arange(max_len, device=self._decode_slots[0].device).unsqueeze(0)
             lens = self._decode_seq_lens.unsqueeze(1)
             self._window_masks[window] = ((at < lens) & (at >= lens - window))[:, None, None, :]
         return self._window_masks[window]
@@ -126,15 +151,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: Attention,
         batch: ForwardBatch,
     ) -> None:
-        """Writes the new tokens' k/v [n, kv_heads, d] at `batch.out_cache_loc` of the layer's pool."""
-        self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        """Writes the new tokens' k/v [n, kv_heads, d] at the layer's `out_loc` of its pool."""
+        self.kv_pool.set_kv_buffer(layer.layer_id, self.out_loc(layer, batch), k, v)
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention
     ) -> torch.Tensor:
         """q [bs, heads, d], one row a request -> [bs, heads*d], over each request's slots."""
-        assert self._decode_slots is not None
-        slots = self._decode_slots
+        slots = self._decode_slots[int(self.in_window_pages(layer))]
         k_all = gather(k_cache, slots).transpose(1, 2)  # [bs, kv_heads, L, d]
         v_all = gather(v_cache, slots).transpose(1, 2)
         out = attention(q.unsqueeze(2), k_all, v_all, self._decode_mask_for(layer.sliding_window), layer)
@@ -174,7 +198,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 ki = k[start : start + new].transpose(0, 1).unsqueeze(0)
                 vi = v[start : start + new].transpose(0, 1).unsqueeze(0)
             else:
-                slots = self.req_to_token[batch.req_pool_indices[i], : prefix + new]
+                slots = self.table(layer)[batch.req_pool_indices[i], : prefix + new]
                 ki = gather(k_cache, slots).transpose(0, 1).unsqueeze(0)
                 vi = gather(v_cache, slots).transpose(0, 1).unsqueeze(0)
             oi = attention(qi, ki, vi, mask, layer, causal=True)

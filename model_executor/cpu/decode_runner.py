@@ -143,6 +143,9 @@ class CpuDecodeRunner(StepRunner):
             batch.req_pool_indices,
             batch.seq_lens,
             max(batch.seq_lens_cpu),
+            None
+            if batch.window_cache_loc is None
+            else (batch.window_cache_loc, self.attn_backend.window_req_to_token),  # type: ignore[arg-type]
         )
         hidden, _ = stack.norm(hidden, residual)
         return hidden
@@ -192,4 +195,5 @@ def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWei
         0 if layer.moe is None else layer.moe.top_k,
         on_route if layer.moe is not None else None,
         attn.sliding_window,
+        attn.layer_id in kv_pool.window_layers,
     )

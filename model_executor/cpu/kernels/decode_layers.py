@@ -40,6 +40,9 @@ class DecodeLayerWeights:
     moe_top_k: int = 0
     on_route: Callable[[torch.Tensor], None] | None = None  # called with each step's expert ids [m, top_k]
     sliding_window: int | None = None  # the layer's attention window (Attention.sliding_window)
+    window_pages: bool = (
+        False  # its K/V in window pages: slots through the window table (mem_cache/window_pages.py)
+    )
 
 
 class DecodeLayers:
@@ -113,9 +116,11 @@ class DecodeLayers:
         rows: torch.Tensor,
         seq_lens: torch.Tensor,
         max_len: int,
+        window: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after every layer, as the op-by-op layers would return them (hidden
-        float32 where the down products store float32 sums, else bf16; the residual float32)."""
+        float32 where the down products store float32 sums, else bf16; the residual float32).
+        `window`: (out_loc, req_to_token) in window slots, for the layers in window pages."""
         lib = kernels()
         m = hidden.shape[0]
         assert lib is not None and (self.packed or m <= GEMV_MAX_ROWS) and hidden.is_contiguous()
@@ -136,15 +141,10 @@ class DecodeLayers:
             out,
         ]
         step = (positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
-        batch = (
-            out_loc.data_ptr(),
-            req_to_token.data_ptr(),
-            req_to_token.stride(0),
-            rows.data_ptr(),
-            seq_lens.data_ptr(),
-            max_len,
-            m,
-        )
+        tail = (rows.data_ptr(), seq_lens.data_ptr(), max_len, m)
+        batches = [(out_loc.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0), *tail)]
+        if window is not None:
+            batches.append((window[0].data_ptr(), window[1].data_ptr(), window[1].stride(0), *tail))
         scratch_ptrs = [t.data_ptr() for t in scratch] + [out_f32.data_ptr()]
         hidden_ptr, hidden_f32, residual_ptr = hidden.data_ptr(), 0, residual.data_ptr()
         # each MoE layer's chosen experts, for its on_route once the step is done
@@ -160,7 +160,7 @@ class DecodeLayers:
                 *weights,
                 *step,
                 *kv,
-                *batch,
+                *batches[int(self.layers[i].window_pages)],
                 *dims,
                 *extras,
                 _p(routes[i]),
