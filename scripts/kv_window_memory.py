@@ -57,7 +57,9 @@ def measure(engine: Engine, length: int) -> dict[str, Any]:
 
     kv.reserve_extend = recording  # type: ignore[method-assign]
     try:
-        ids = torch.randint(10, 20000, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        assert engine.runner is not None
+        vocab = min(engine.runner.vocab_size, 20000)
+        ids = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
         engine.generate([ids], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     finally:
         kv.reserve_extend = reserve  # type: ignore[method-assign]

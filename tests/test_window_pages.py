@@ -8,6 +8,9 @@ cache, and a window pool too small for the cache's windows."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +198,32 @@ def test_a_window_pool_of_two_windows_still_serves_everyone(gemma3: Path) -> Non
     )
     assert h.scheduler.kv.window is not None and h.scheduler.kv.window.num_pages == 16  # the floor
     assert h.tokens == reference.tokens
+
+
+def test_kv_window_memory_script_prints_both_ways(gemma3: Path) -> None:
+    """scripts/kv_window_memory.py on the tiny Gemma 3 (one layer of two within 16 tokens): window
+    pages hold less per token than every position, and less the longer the context."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kv_window_memory.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--model-path",
+            str(gemma3),
+            "--lengths",
+            "64",
+            "256",
+            "--page-size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 layers, 1 of them in window pages (window 16 tokens)" in proc.stdout
+    rows = re.findall(r"^\s+(\d+) \|\s+(\d+) \|\s+(\d+) \|\s+(\d+) \|\s+([\d.]+)x$", proc.stdout, re.M)
+    assert [int(r[0]) for r in rows] == [64, 256], proc.stdout
+    ratios = [float(r[4]) for r in rows]
+    # every position: 2 layers' K/V; window pages: 1 layer's and a window of the other
+    assert 1.0 < ratios[0] < ratios[1] < 2.0, proc.stdout
