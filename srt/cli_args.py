@@ -100,9 +100,9 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 default=None,
                 choices=QUANTIZATIONS,
                 help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) "
-                "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF Q4_1 model's own 4-bit weights for "
-                "decode batches of up to 12 rows and its Q8_0 LM head (if it has one) up to 8 (a bf16 copy "
-                "for more rows); CPU only",
+                "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF model's own Q4_1 layers (AVX-512 BF16) for "
+                "decode batches of up to 12 rows and its Q8_0 LM head (if it has one; AVX-512 VNNI or AVX2) up to "
+                "8 (a bf16 copy for more rows, and for layers of other types); CPU only",
             ),
         ),
     ),

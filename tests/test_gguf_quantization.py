@@ -189,7 +189,7 @@ def test_q8_pack_lays_out_scales_then_biased_quads() -> None:
 
 needs_q8 = pytest.mark.skipif(
     build._compiler() is None or not build.q8_available(),
-    reason="no AVX-512 BF16 and VNNI here: the LM head stays bf16",
+    reason="neither AVX-512 BF16 and VNNI nor AVX2, FMA and F16C here: the LM head stays bf16",
 )
 
 
@@ -204,8 +204,9 @@ def test_q8_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int)
     want = x.double() @ weight.T
     out = ops.q8_linear(x, packing.q8_pack(q, d))
     assert out.dtype == torch.float32 and out.shape == (m, n)
-    # each x is off by at most its block's largest |x| / 65278, and the sums are fp32
-    bound = (x.double().abs().view(m, k // 32, 32).amax(-1).repeat_interleave(32, 1) / 65278) @ weight.abs().T
+    # each x is off by at most its block's largest |x| / 65278 (AVX-512 VNNI; / 64516 on AVX2), and
+    # the sums are fp32
+    bound = (x.double().abs().view(m, k // 32, 32).amax(-1).repeat_interleave(32, 1) / 64516) @ weight.abs().T
     assert ((out.double() - want).abs() <= bound + want.abs() * 1e-6 + 1e-6).all()
     # far closer than the same product with the weights rounded to bf16, as the bf16 copy holds them
     rounded = x.double() @ weight.bfloat16().double().T
@@ -299,16 +300,31 @@ def test_q4_model_runs_larger_batches_on_the_bf16_copy(q4_llama: Path) -> None:
     assert torch.equal(logits[0], logits[1])
 
 
-@needs_q4
-def test_gguf_refuses_weights_that_are_not_q4_1(tiny_model_dirs: dict[str, Path]) -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; "
-        r"model.layers.0.self_attn.qkv_proj.weight \(128, 64\) is not Q4_1",
-    ):
-        ModelRunner(
-            RunnerConfig(model_dir=tiny_model_dirs["llama"], max_total_tokens=512, quantization="gguf")
-        )
+@needs_q8
+def test_gguf_keeps_weights_it_has_no_kernel_for_in_bf16(
+    tiny_model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A layer that is not Q4_1 (a K-quant, here random weights) stays bf16, named in the log: the
+    same logits as without --quantization, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 9)]
+    forced = [torch.randint(3, 320, (3,), generator=g).tolist() for _ in prompts]
+    logits = []
+    for quantization in ("gguf", None):
+        with caplog.at_level("INFO", logger="srt.model_runner"):
+            runner = ModelRunner(
+                RunnerConfig(
+                    model_dir=tiny_model_dirs["llama"], max_total_tokens=512, quantization=quantization
+                )
+            )
+        logits.append(decode_logits(runner, prompts, forced))
+    assert not isinstance(runner.model.model.layers[0].self_attn.qkv_proj.packed_weight, packing.Q4Weight)
+    reason = "not Q4_1 (a K-quant or another type)" if build.q4_available() else "no Q4_1 kernel on this CPU"
+    assert (
+        f"--quantization gguf: 8 linear layers stay bf16 ({reason}): model.layers.0.self_attn.qkv_proj"
+        in (caplog.text)
+    )
+    assert torch.equal(logits[0], logits[1])
 
 
 @needs_q4
@@ -342,7 +358,10 @@ def test_gguf_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="--quantization gguf needs --device cpu and --dtype bfloat16"):
         ServerArgs(quantization="gguf", dtype="float32")
     monkeypatch.setattr(build, "q4_available", lambda: False)
-    with pytest.raises(ValueError, match="--quantization gguf needs a CPU with AVX-512 BF16"):
+    monkeypatch.setattr(build, "q8_available", lambda: False)
+    with pytest.raises(
+        ValueError, match="--quantization gguf needs the CPU kernels built and a CPU with AVX-512 BF16"
+    ):
         check_quantization("gguf", torch.bfloat16, "cpu")
 
 

@@ -21,7 +21,7 @@ from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
 from test_reference_bf16 import TIE_NATS
 from tiny_models import hf_float32, hf_forced_logits, hf_greedy, make_tiny_model
 
-from model_executor.cpu.kernels import ops
+from model_executor.cpu.kernels import build, ops
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.engine import Engine
 
@@ -174,18 +174,25 @@ def first_tie(model: torch.nn.Module, prompt: list[int], greedy: list[int]) -> i
 
 
 @pytest.mark.slow  # ~40 s to read the GGUF into transformers (once), ~70 s a server
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("tp", "flags"), [(1, ()), (2, ()), (1, ("--quantization", "gguf"))], ids=["tp1", "tp2", "tp1-gguf"]
+)
 def test_gemma3_270m_served_matches_transformers(
-    gemma3_270m: tuple[Path, Any, list[list[int]], list[list[int]], list[int]], tp: int
+    gemma3_270m: tuple[Path, Any, list[list[int]], list[list[int]], list[int]],
+    tp: int,
+    flags: tuple[str, ...],
 ) -> None:
     """The default path (bf16) on the real GGUF, at TP=1 and TP=2 (two query heads and the one KV
-    head a rank): greedy tokens are transformers' float32 ones on the same file, up to float32's
-    first near-tie, for prompts of 6 to ~1,100 tokens."""
+    head a rank), and --quantization gguf (the file's Q8_0 token embedding as the LM head, its
+    K-quant layers bf16): greedy tokens are transformers' float32 ones on the same file, up to
+    float32's first near-tie, for prompts of 6 to ~1,100 tokens (past the 512-token window)."""
     path, tokenizer, prompts, expected, ties = gemma3_270m
     assert max(len(p) for p in prompts) > 1000
-    with Server("--model-path", str(path), "--tp-size", str(tp), startup_timeout=400) as server:
+    with Server("--model-path", str(path), "--tp-size", str(tp), *flags, startup_timeout=400) as server:
         served = generate_all(server, prompts, GEMMA_TOKENS)
         assert "divergence" not in server.output()
+        if flags and build.q8_available():
+            assert "the LM head Q8_0 (gguf)" in server.output()
     for prompt, got, want, tie in zip(prompts, served, expected, ties):
         assert got[:tie] == want[:tie], (len(prompt), tie, tokenizer.decode(got), tokenizer.decode(want))
     assert sum(ties) >= 2 * GEMMA_TOKENS  # the comparison reaches past a few tokens

@@ -34,10 +34,11 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
             f"got {device} with {dtype}"
         )
     if quantization == "gguf":
-        if not (build.q4_available() and build.bf16_linear_available()):
+        if not (build.bf16_linear_available() and (build.q4_available() or build.q8_available())):
             raise ValueError(
-                "--quantization gguf needs a CPU with AVX-512 BF16 (AMD Zen 4 or later, Intel Cooper "
-                "Lake or later) and the CPU kernels built; this process has neither"
+                "--quantization gguf needs the CPU kernels built and a CPU with AVX-512 BF16 (AMD Zen 4 or "
+                "later, Intel Cooper Lake or later: Q4_1 layers and a Q8_0 LM head) or AVX2, FMA and F16C "
+                "(a Q8_0 LM head); this process has neither"
             )
         return
     if not build.int8_available():
@@ -55,30 +56,34 @@ def pack_model(
     UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
     with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
     checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
-    where the file holds it so (a tied head: the token embedding; else it stays bf16). Returns how
-    many were packed. Call once, after the weights are loaded. Raises ValueError where a gguf layer
-    is not Q4_1."""
+    where the file holds it so (a tied head: the token embedding). A gguf layer srt has no kernel for
+    here (not Q4_1, as K-quants are, or no AVX-512 BF16 for Q4_1) stays bf16, and the log names how
+    many. Returns how many were packed. Call once, after the weights are loaded."""
     assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
     count = 0
     float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
+    as_bf16: list[str] = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, LinearBase) and isinstance(weight, torch.Tensor):
             quantizable = getattr(module, "quantizable", True)
             q4 = q8 = None
             if quantization == "gguf" and quantizable:
-                q4 = packing.q4_recover(float32_modules[name].weight)
+                q4 = packing.q4_recover(float32_modules[name].weight) if build.q4_available() else None
                 if q4 is None:
-                    raise ValueError(
-                        f"--quantization gguf runs the 4-bit weights of a GGUF Q4_1 file; {name}.weight "
-                        f"{tuple(weight.shape)} is not Q4_1 (not every run of 32 values along its "
-                        "input is d * q + m with q in 0..15 and fp16 d and m)"
-                    )
+                    as_bf16.append(name)
             elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
                 q8 = packing.q8_recover(float32_modules[name].weight)
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
             module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
             count += packed is not None
+    if as_bf16:
+        logger.info(
+            "--quantization gguf: %d linear layers stay bf16 (%s): %s",
+            len(as_bf16),
+            "not Q4_1 (a K-quant or another type)" if build.q4_available() else "no Q4_1 kernel on this CPU",
+            ", ".join(as_bf16[:4]) + (", ..." if len(as_bf16) > 4 else ""),
+        )
     return count
 
 

@@ -236,7 +236,8 @@ def q4_available() -> bool:
 
 
 def q8_available() -> bool:
-    """Whether srt_q8_linear runs here (AVX-512 BF16 and VNNI: cpu_q8_linear.c)."""
+    """Whether srt_q8_linear runs here (AVX-512 BF16 and VNNI, or else AVX2, FMA and F16C:
+    cpu_q8_linear.c)."""
     lib = kernels()
     return lib is not None and bool(lib.srt_q8_linear_available())
 
@@ -267,8 +268,10 @@ def describe_paths() -> str:
     )
     prefill = "C kernel" if prefill_kernel_available() else "torch"
     loops = "AVX-512" if avx512 else "plain loops: this CPU has no AVX-512"
-    q4 = "C kernel" if q4_available() else "refused (no AVX-512 BF16)"
+    q4 = "C kernel" if q4_available() else "bf16 (no AVX-512 BF16)"
+    q8 = "C kernel" if q8_available() else "bf16 (neither AVX-512 VNNI nor AVX2)"
     return (
-        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}; prefill attention on {prefill}; "
+        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q8_0 head {q8}; "
+        f"prefill attention on {prefill}; "
         f"norms, rotary and decode attention in C ({loops}){forced}"
     )

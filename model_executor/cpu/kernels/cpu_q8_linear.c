@@ -145,6 +145,101 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
 }
 
 #define Q8(...) q8_linear(__VA_ARGS__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 has no vpdpbusd, and vpmaddubsw's u8 x s8 pair sums saturate at 32767, so q + 128 cannot go
+ * in unsigned as above. Instead each weight goes in as |q| (u8, q = byte - 128 in -127..127) against
+ * x's part with q's sign (vpsignb), which keeps every pair sum within 2 x 127 x 127; x16 is split in
+ * base 254, x16 = 254 hi + lo with |hi|, |lo| <= 127, so that flipping a part's sign never wraps. Then
+ *   sum_k q x16 = 254 sum q hi + sum q lo
+ * exactly in int32; the block adds d dx times that. Each x is off by at most amax / 64516. The same
+ * packed layout: a chunk's first 32 bytes are outputs 0..7 of a 16-output block (one per 32-bit
+ * lane), the next 32 outputs 8..15. One row at a time against each 16-output block, whose k / 32
+ * blocks stay in L1 between rows. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+
+#define BLOCK_BYTES 544
+#define PARALLEL_MIN 65536
+#define PREFETCH_BLOCKS 20
+#define X16_MAX 32258.0f /* 127 x 254 */
+
+int64_t srt_q8_linear_available(void) { return 1; }
+
+static inline float bf16_f32(bf16 v) {
+    union {
+        uint32_t u;
+        float f;
+    } c = {(uint32_t)v << 16};
+    return c.f;
+}
+
+/* Row r's block kb of x -> hi and lo (int8, k a row) and dx */
+static void x254_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *lo, float *dx) {
+    const int64_t blocks = k / 32;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            const int64_t at = r * k + kb * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(bf16_f32(x[at + i])));
+            const float scale = amax > 0 ? X16_MAX / amax : 0.0f;
+            dx[r * blocks + kb] = amax / X16_MAX;
+            for (int i = 0; i < 32; i++) {
+                const int q = (int)lrintf(bf16_f32(x[at + i]) * scale); /* nearest even, |q| <= 32258 */
+                const int h = q >= 0 ? (q + 127) / 254 : -((127 - q) / 254);
+                hi[at + i] = (int8_t)h;
+                lo[at + i] = (int8_t)(q - 254 * h);
+            }
+        }
+}
+
+/* out[0..15] of one row (x split in hi, lo, dx) against one 16-output block stream wb */
+static void q8_row_block(const int8_t *hi, const int8_t *lo, int64_t k, const float *dx, const uint8_t *wb,
+                         float *out) {
+    const int64_t blocks = k / 32;
+    const int32_t *hp = (const int32_t *)hi, *lp = (const int32_t *)lo; /* four int8 x as one lane */
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        const uint8_t *block = wb + kb * BLOCK_BYTES;
+        for (int l = 0; l < BLOCK_BYTES; l += 64)
+            _mm_prefetch((const char *)(block + PREFETCH_BLOCKS * BLOCK_BYTES + l), _MM_HINT_T0);
+        __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int c = 0; c < 8; c++) {
+            const __m256i xh = _mm256_set1_epi32(hp[kb * 8 + c]), xl = _mm256_set1_epi32(lp[kb * 8 + c]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 32 + 64 * c + 32 * h)), flip);
+                const __m256i a = _mm256_abs_epi8(q);
+                sh[h] = _mm256_add_epi32(sh[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xh, q)), ones));
+                sl[h] = _mm256_add_epi32(sl[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xl, q)), ones));
+            }
+        }
+        const __m256 scale = _mm256_set1_ps(dx[kb]);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * h)));
+            const __m256i t = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(sh[h], 8), _mm256_slli_epi32(sh[h], 1)), sl[h]);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, scale), acc[h]);
+        }
+    }
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+}
+
+static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
+    const int64_t stride = (k / 32) * BLOCK_BYTES, units = n / 16, blocks = k / 32;
+    int8_t *hi = malloc((size_t)(2 * m * k)), *lo = hi + m * k;
+    float *dx = malloc((size_t)(m * blocks) * sizeof(float));
+    x254_split(x, m, k, hi, lo, dx);
+#pragma omp parallel for if (units * k * (m + 8) >= PARALLEL_MIN) schedule(static)
+    for (int64_t u = 0; u < units; u++)
+        for (int64_t r = 0; r < m; r++)
+            q8_row_block(hi + r * k, lo + r * k, k, dx + r * blocks, packed + u * stride, out + r * n + 16 * u);
+    free(hi);
+    free(dx);
+}
+
+#define Q8(...) q8_linear(__VA_ARGS__)
 #else
 int64_t srt_q8_linear_available(void) { return 0; }
 #define Q8(...) abort() /* never called: srt_q8_linear_available() answered 0 */
