@@ -29,6 +29,14 @@ class KVMemory:
     routes: RoutesPool | None = None  # each token's experts (--enable-return-routed-experts)
     window: WindowPages | None = None  # the local layers' pages (mem_cache/window_pages.py)
 
+    def reset(self) -> None:
+        """Frees every page and request row at once (a test's or benchmark's runs; whatever holds
+        them, a KV manager or a radix cache, is not told)."""
+        self.allocator.reset()
+        self.req_to_token_pool.reset()
+        if self.window is not None:
+            self.window.reset()
+
     def alloc_extend(
         self, rows: list[int], prefix_lens: list[int], seq_lens: list[int]
     ) -> torch.Tensor | None:

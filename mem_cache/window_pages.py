@@ -58,6 +58,13 @@ class WindowPages:
         # per row: positions below this hold no window page the request owns (the cache's, or freed)
         self._slid_to = [0] * table_rows
 
+    def reset(self) -> None:
+        """Every window page free, every full page without one, every row null."""
+        self.allocator.reset()
+        self.page_of.fill_(-1)
+        self.req_to_token.fill_(self.null_slot)
+        self._slid_to = [0] * len(self._slid_to)
+
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages

@@ -58,8 +58,7 @@ def child(model_dir: str, out: str) -> None:
     engine = Engine(model_dir, dtype="bfloat16", max_total_tokens=1024)
     assert engine.runner is not None
     logits = decode_logits(engine.runner, prompts, forced)
-    engine.runner.allocator.reset()
-    engine.runner.req_to_token_pool.reset()
+    engine.runner.memory.reset()
     params = SamplingParams(max_new_tokens=STEPS, temperature=0.0, ignore_eos=True)
     greedy = [o.output_ids for o in engine.generate(prompts, params)]
     with Engine(

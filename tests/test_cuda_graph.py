@@ -230,8 +230,7 @@ def test_consecutive_replays_of_one_size_each_see_their_own_positions(
     object with new values, so nothing may be cached by its identity (the rotary tables were, and a
     real capture recorded the warm-up's position-0 rows into every graph)."""
     runner, graphs, memory = graphed
-    memory.allocator.reset()
-    memory.req_to_token_pool.reset()
+    memory.reset()
     table = memory.req_to_token_pool.req_to_token
     row = memory.req_to_token_pool.alloc()
     assert row is not None

@@ -137,8 +137,7 @@ def test_bad_input_is_a_400_naming_it(server: tuple[str, Server]) -> None:
 def runner_embeddings(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
     """The runner's embeddings of `prompts` in one prefill batch, as the scheduler runs it."""
     out = torch.tensor(runner.embed(prefill_batch(runner, prompts)))
-    runner.allocator.reset()
-    runner.req_to_token_pool.reset()
+    runner.memory.reset()
     return out
 
 

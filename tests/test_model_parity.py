@@ -47,8 +47,7 @@ def check_model(
     engine = Engine(str(srt_path or model_dir), dtype="float32", max_total_tokens=4096)
     assert engine.runner is not None
     ours = our_prefill_logits(engine.runner, prompts)
-    engine.runner.allocator.reset()
-    engine.runner.req_to_token_pool.reset()
+    engine.runner.memory.reset()
     with torch.no_grad():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
     assert ours.shape == ref.shape

@@ -162,8 +162,7 @@ def test_the_default_path_keeps_its_bits_at_any_thread_count(lens: tuple[int, in
             gov.set_threads = set_threads
             gov.poll = lambda: None  # type: ignore[method-assign]  # the test sets the count itself
             at_two = decode_logits(runner, prompts, forced)
-            runner.allocator.reset()
-            runner.req_to_token_pool.reset()
+            runner.memory.reset()
             gov.current = 1
             at_one = decode_logits(runner, prompts, forced)
     finally:
