@@ -33,6 +33,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.gpu_status import gpu_paths_in_use, warn_unverified_gpu_paths
 from model_executor.layers.attention import Attention
 from model_executor.layers.moe import SparseMoeBlock
+from model_executor.layers.rotary import longrope_reach, rope_parameters
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
 from model_executor.logits_processor import process_logits, score_tokens
@@ -101,6 +102,11 @@ class ModelRunner:
 
     def _context_length(self) -> int:
         model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096)
+        what = "max_position_embeddings"
+        reach = longrope_reach(rope_parameters(self.hf_config))
+        if reach is not None and reach < model_len:
+            model_len = reach
+            what = "LongRoPE reach here (original_max_position_embeddings: srt computes the short factors)"
         if self.config.is_embedding:  # sentence-transformers' own limit, where the checkpoint has one
             st_config = self.config.model_dir / "sentence_bert_config.json"
             if st_config.exists():
@@ -113,9 +119,7 @@ class ModelRunner:
         if wanted < 1:
             raise ValueError(f"--context-length must be positive, got {wanted}")
         if wanted > model_len:
-            raise ValueError(
-                f"--context-length {wanted} exceeds the model's max_position_embeddings ({model_len})"
-            )
+            raise ValueError(f"--context-length {wanted} exceeds the model's {what} ({model_len})")
         return wanted
 
     def _init_model(self) -> None:

@@ -99,7 +99,7 @@ REFUSED = {
     "hidden_act": ({"hidden_act": "gelu"}, r'hidden_act="gelu" \(the MLP\'s activation; srt computes silu'),
     "yarn": (
         {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-        r'rope_type="yarn" \(in rope_parameters / rope_scaling; srt computes default, linear, llama3\)',
+        r'rope_type="yarn" \(in rope_parameters / rope_scaling; srt computes default, linear, llama3, longrope\)',
     ),
     "dynamic": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r'rope_type="dynamic"'),
     "partial_rotary": (

@@ -51,6 +51,18 @@ def test_tiny_model_matches_transformers(arch: str, family_dirs: dict[str, Path]
     check_model(family_dirs[arch], prompts_for(320), atol=LOGIT_ATOL)
 
 
+def test_phi3_longrope_matches_transformers_within_its_short_factors(tmp_path: Path) -> None:
+    """LongRoPE (the 128k Phi-3 models) on its short factors and attention factor: the context ends at
+    original_max_position_embeddings (128 of 512 here), where transformers turns to the long factors;
+    within it logits and greedy tokens are transformers' float32 ones. A longer --context-length is
+    refused by name."""
+    model_dir = make_tiny_model("phi3_longrope", tmp_path / "phi3_longrope")
+    assert runner(model_dir).context_length == 128
+    check_model(model_dir, prompts_for(320), atol=LOGIT_ATOL)
+    with pytest.raises(ValueError, match=r"--context-length 129 exceeds the model's LongRoPE reach here"):
+        ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, context_length=129))
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_bf16_is_no_further_from_float32_than_transformers_bf16(
     arch: str, family_dirs: dict[str, Path]

@@ -73,6 +73,22 @@ ARCHS = {
         transformers.Phi3ForCausalLM,
         {"sliding_window": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # LongRoPE: short and long factors, a 128-token original context of 512
+    "phi3_longrope": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "original_max_position_embeddings": 128,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+        },
+    ),
     # norms after attention and the MLP, q and k normed across their heads
     "olmo2": (
         transformers.Olmo2Config,

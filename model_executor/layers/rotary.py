@@ -1,5 +1,6 @@
 """Rotary position embedding (neox / rotate-half layout, as transformers' Llama), with Llama 3
-frequency scaling and linear scaling. cos/sin are precomputed for every position once."""
+frequency scaling, linear scaling and LongRoPE's short factors. cos/sin are precomputed for every
+position once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from model_executor.cpu.kernels import ops
 
-ROPE_TYPES = ("default", "linear", "llama3")  # the rope_type values _inv_freq computes
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # the rope_type values _inv_freq computes
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -26,10 +27,35 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def longrope_reach(params: dict[str, Any]) -> int | None:
+    """The positions LongRoPE serves here: srt computes its short factors, which transformers uses
+    while a forward's positions stay within original_max_position_embeddings (past it, the long
+    factors for every position of the forward, the cached keys keeping the short ones); None for
+    another rope."""
+    if params.get("rope_type") != "longrope":
+        return None
+    return int(params["original_max_position_embeddings"])
+
+
+def attention_scaling(params: dict[str, Any], max_position: int) -> float:
+    """What cos and sin are multiplied by: LongRoPE's attention factor (given, or from the context
+    extension factor as transformers computes it), else 1."""
+    if params.get("rope_type") != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = float(params["original_max_position_embeddings"])
+    factor = float(params["factor"]) if params.get("factor") is not None else max_position / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = params.get("rope_type", "default")
+    if rope_type == "longrope":
+        return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**shape)
+    inv_freq = 1.0 / (base**shape)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -65,6 +91,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        scaling = attention_scaling(params, max_position)
+        if scaling != 1.0:  # LongRoPE: transformers scales cos and sin in float32, before the cast
+            cos, sin = cos * scaling, sin * scaling
         # float32 tables, cast once to the model dtype: transformers does the same per step.
         self.cos: torch.Tensor
         self.sin: torch.Tensor
