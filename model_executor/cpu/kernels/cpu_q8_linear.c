@@ -159,6 +159,8 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
 #include <math.h>
 #include <omp.h>
 
+#include "simd_avx2.h"
+
 #define BLOCK_BYTES 544
 #define PARALLEL_MIN 65536
 #define PREFETCH_BLOCKS 20
@@ -166,26 +168,19 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
 
 int64_t srt_q8_linear_available(void) { return 1; }
 
-static inline float bf16_f32(bf16 v) {
-    union {
-        uint32_t u;
-        float f;
-    } c = {(uint32_t)v << 16};
-    return c.f;
-}
-
 /* Row r's block kb of x -> hi and lo (int8, k a row) and dx */
 static void x254_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *lo, float *dx) {
     const int64_t blocks = k / 32;
     for (int64_t r = 0; r < m; r++)
         for (int64_t kb = 0; kb < blocks; kb++) {
             const int64_t at = r * k + kb * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(bf16_f32(x[at + i])));
+            float v[32], amax = 0.0f;
+            for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(v + i, load8(x + at + i)); /* exact */
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float scale = amax > 0 ? X16_MAX / amax : 0.0f;
             dx[r * blocks + kb] = amax / X16_MAX;
             for (int i = 0; i < 32; i++) {
-                const int q = (int)lrintf(bf16_f32(x[at + i]) * scale); /* nearest even, |q| <= 32258 */
+                const int q = (int)lrintf(v[i] * scale); /* nearest even, |q| <= 32258 */
                 const int h = q >= 0 ? (q + 127) / 254 : -((127 - q) / 254);
                 hi[at + i] = (int8_t)h;
                 lo[at + i] = (int8_t)(q - 254 * h);
