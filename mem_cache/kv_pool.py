@@ -179,17 +179,18 @@ class PagedKVPool(KVPool):
         written): pass only pages no request or cache entry holds. Changes no bookkeeping, so a
         call can never change what a rank schedules.
         """
-        full = [
-            (k, v)
-            for i, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer))
-            if i not in self.window_layers
-        ]
-        window = [
-            (k, v) for i, (k, v) in enumerate(zip(self.k_buffer, self.v_buffer)) if i in self.window_layers
-        ]
-        released = self._release([b for kv in full for b in kv], pages)
+
+        def buffers(window: bool) -> list[torch.Tensor]:
+            return [
+                buffer
+                for i in range(self.num_layers)
+                if (i in self.window_layers) == window
+                for buffer in (self.k_buffer[i], self.v_buffer[i])
+            ]
+
+        released = self._release(buffers(False), pages)
         if window_pages is not None:
-            released += self._release([b for kv in window for b in kv], window_pages)
+            released += self._release(buffers(True), window_pages)
         return released
 
     def _release(self, buffers: list[torch.Tensor], pages: torch.Tensor) -> int:

@@ -102,8 +102,12 @@ class KVManager:
             self._evict((pages - window.allocator.num_free_pages) * self.page_size)
         if window is not None and window.allocator.num_free_pages < pages:
             self._drop_cached_windows()
+        return self._pages_free(pages)
+
+    def _pages_free(self, pages: int) -> bool:
+        """Whether `pages` full pages, and as many window pages, are free now."""
         return pages <= self.allocator.num_free_pages and (
-            window is None or pages <= window.allocator.num_free_pages
+            self.window is None or pages <= self.window.allocator.num_free_pages
         )
 
     @rank_consensus(result=True, name="window_drop")
@@ -131,10 +135,7 @@ class KVManager:
         """Whether `lens[i]` new tokens of each request fit in the free pages, evicting nothing."""
         self._slide(reqs)
         prefix = [r.kv_len for r in reqs]
-        pages = self.allocator.pages_needed(prefix, [k + n for k, n in zip(prefix, lens)])
-        return pages <= self.allocator.num_free_pages and (
-            self.window is None or pages <= self.window.allocator.num_free_pages
-        )
+        return self._pages_free(self.allocator.pages_needed(prefix, [k + n for k, n in zip(prefix, lens)]))
 
     @rank_consensus(args={"req": lambda r: (r.rid, r.kv_len), "kv_len": int}, name="kv_trim")
     def trim(self, req: Req, kv_len: int) -> None:

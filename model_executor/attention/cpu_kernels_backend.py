@@ -58,9 +58,6 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
             return
         if not batch.is_decode:
             prefixes = batch.extend_prefix_lens_cpu
-            tables = [self.req_to_token] + (
-                [] if self.window_req_to_token is None else [self.window_req_to_token]
-            )
             self._extend_slots = (
                 [
                     torch.cat(
@@ -69,7 +66,7 @@ class CpuKernelsAttnBackend(TorchNativeAttnBackend):
                             for i, (prefix, new) in enumerate(zip(prefixes, batch.extend_seq_lens_cpu))
                         ]
                     )
-                    for table in tables
+                    for table in self.tables()
                 ]
                 if any(prefixes)
                 else []

@@ -83,12 +83,14 @@ class TorchNativeAttnBackend(AttentionBackend):
     def in_window_pages(self, layer: Attention) -> bool:
         return layer.layer_id in self.kv_pool.window_layers
 
+    def tables(self) -> list[torch.Tensor]:
+        """req_to_token, then the window table where there is one: index a list built over them
+        with int(in_window_pages(layer))."""
+        return [self.req_to_token] + ([] if self.window_req_to_token is None else [self.window_req_to_token])
+
     def table(self, layer: Attention) -> torch.Tensor:
         """The request table of the layer's slots: the window table for a layer in window pages."""
-        if self.in_window_pages(layer):
-            assert self.window_req_to_token is not None
-            return self.window_req_to_token
-        return self.req_to_token
+        return self.tables()[int(self.in_window_pages(layer))]
 
     def out_loc(self, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
         """The slots the layer writes the batch's new K/V at."""
@@ -102,10 +104,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             return
         self._window_masks = {}
         max_len = max(batch.seq_lens_cpu)
-        tables = [self.req_to_token] + (
-            [] if self.window_req_to_token is None else [self.window_req_to_token]
-        )
-        slots = [table[batch.req_pool_indices, :max_len] for table in tables]
+        slots = [table[batch.req_pool_indices, :max_len] for table in self.tables()]
         self._decode_seq_lens = batch.seq_lens
         if min(batch.seq_lens_cpu) == max_len:
             self._decode_slots, self._decode_mask = slots, None
