@@ -22,6 +22,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.model_runner import ModelRunner
 from model_executor.sampling_inputs import SamplingInputs
 from scheduler.admission import Admission, RequestQueues
+from scheduler.draft_model import DraftModelSpeculator, draft_runner
 from scheduler.fault_injection import FaultInjector
 from scheduler.grammar import advance, attach_matcher, draft_matchers
 from scheduler.kv_manager import KVManager
@@ -29,7 +30,7 @@ from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, reco
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
-from scheduler.speculative import NgramSpeculator, accepted_tokens
+from scheduler.speculative import NgramSpeculator, Speculator, accepted_tokens
 from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
 from srt.io_struct import (
@@ -119,11 +120,16 @@ class Scheduler:
             JsonOptions.of(args),
         )
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
-        self.speculator = (
-            NgramSpeculator(args.num_draft_tokens, args.speculative_ngram_max_trie_depth)
-            if args.speculative_algorithm == "NGRAM"
-            else None
-        )
+        self.speculator: Speculator | None = None
+        if args.speculative_algorithm == "NGRAM":
+            self.speculator = NgramSpeculator(args.num_draft_tokens, args.speculative_ngram_max_trie_depth)
+        elif args.speculative_algorithm == "STANDALONE":
+            self.speculator = DraftModelSpeculator(
+                draft_runner(args, self.runner, self.parallel),
+                args.num_draft_tokens,
+                self.parallel.tp,
+                self.runner.vocab_size,
+            )
         self.stats.speculative = self.speculator is not None
         self.context_length = int(self.runner.info()["context_length"])
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once

@@ -1,6 +1,6 @@
-"""Speculative decoding in the scheduler (`--speculative-algorithm NGRAM`): drafts from each
-request's own tokens, checked in one decode step, accepted while they equal what plain decoding
-samples.
+"""Speculative decoding in the scheduler: drafts from each request's own tokens
+(`--speculative-algorithm NGRAM`) or from a small model (STANDALONE: scheduler/draft_model.py),
+checked in one decode step, accepted while they equal what plain decoding samples.
 
 A verify step is a decode step with more rows. Request i, its last token t and its drafts
 d1..dk, feeds k + 1 rows, each a decode row of its own:
@@ -14,10 +14,11 @@ drafts before it been sampled (decode rows do not depend on their batch), and sa
 same counter-based draw. The request takes the samples s0..sa while s(j-1) == dj: those are plain
 decoding's tokens, at any temperature. The KV of rows past the last token taken is freed.
 
-Every rank decides alike: drafts and draft lengths are functions of a request's tokens and of the
-accept counts so far, the sampled ids are MIN-synced over TP (at tp > 1), and each request's
-(drafts, accepted) goes into the consensus digest. A constrained request's row j is masked by a fork
-of its matcher past d1..dj; the request's own matcher advances only on the tokens taken.
+Every rank decides alike: draft lengths are functions of a request's tokens and of the accept counts
+so far, and so are n-gram drafts (a draft model's are MIN-synced over TP); the sampled ids are
+MIN-synced over TP (at tp > 1), and each request's (drafts, accepted) goes into the consensus
+digest. A constrained request's row j is masked by a fork of its matcher past d1..dj; the
+request's own matcher advances only on the tokens taken.
 """
 
 from __future__ import annotations
@@ -33,14 +34,20 @@ MAX_PAUSE = 32  # decode steps a request drafts nothing after drafts kept failin
 
 
 @dataclass
-class NgramState:
-    """One request's n-gram index over its tokens and how long its drafts may be now."""
+class DraftState:
+    """How long one request's drafts may be now, whatever drafts them."""
 
-    positions: dict[int, list[int]] = field(default_factory=dict)  # token -> positions, ascending
-    indexed: int = 0  # tokens indexed (every position but the last, whose successor is unknown)
     max_drafts: int = 0
     misses: int = 0  # verify steps in a row that accepted no draft
     pause: int = 0  # decode steps left without drafts
+
+
+@dataclass
+class NgramState(DraftState):
+    """One request's n-gram index over its tokens, and its draft lengths."""
+
+    positions: dict[int, list[int]] = field(default_factory=dict)  # token -> positions, ascending
+    indexed: int = 0  # tokens indexed (every position but the last, whose successor is unknown)
 
     def index(self, tokens: list[int]) -> None:
         for p in range(self.indexed, len(tokens) - 1):
@@ -78,35 +85,38 @@ def accepted_tokens(drafts: list[int], samples: list[int]) -> list[int]:
     return samples[:n]
 
 
-class NgramSpeculator:
-    """Drafts for a decode batch; `num_draft_tokens` rows at most per request (its last token and
-    up to num_draft_tokens - 1 drafts), `max_match` tokens matched at most."""
+class Speculator:
+    """What every drafter shares: a step verifies at most `num_draft_tokens` rows in all, one per
+    request first and the rest as drafts in batch order (past a few rows a decode step is bound by
+    arithmetic rather than by reading the weights, and a draft row costs about what a request's row
+    does: docs/performance.md), and each request's draft length follows its acceptance."""
 
-    def __init__(self, num_draft_tokens: int, max_match: int) -> None:
+    def __init__(self, num_draft_tokens: int) -> None:
         self.max_drafts = num_draft_tokens - 1
-        self.max_match = max_match
-        self.states: dict[str, NgramState] = {}
+        self.states: dict[str, DraftState] = {}
+
+    def new_state(self) -> DraftState:
+        return DraftState(max_drafts=self.max_drafts)
 
     def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
         """Each request's drafts, never past max_new_tokens or the context (the last row samples
         one more token than it drafts); a constrained request's are cut to what its grammar allows
-        by the scheduler (scheduler/grammar.py draft_matchers). A step verifies at most
-        num_draft_tokens rows in all, one per request first and the rest as drafts in batch order:
-        past a few rows a decode step is bound by arithmetic rather than by reading the weights,
-        and a draft row costs about what a request's row does (docs/performance.md)."""
-        out = []
-        budget = self.max_drafts + 1 - len(reqs)
+        by the scheduler (scheduler/grammar.py draft_matchers)."""
+        limits = []
         for req in reqs:
             state = self.states.get(req.rid)
             if state is None:
-                state = self.states[req.rid] = NgramState(max_drafts=self.max_drafts)
-            room = min(state.max_drafts, req.remaining_new_tokens - 1, context_length - req.seq_len - 1)
+                state = self.states[req.rid] = self.new_state()
+            limit = min(state.max_drafts, req.remaining_new_tokens - 1, context_length - req.seq_len - 1)
             if state.pause > 0:
                 state.pause = max(state.pause - 1, 0)
-                room = 0
-            out.append(ngram_draft(req.fill_ids, state, min(room, budget), self.max_match))
-            budget -= len(out[-1])
-        return out
+                limit = 0
+            limits.append(limit)
+        return self.draft(reqs, limits, self.max_drafts + 1 - len(reqs))
+
+    def draft(self, reqs: list[Req], limits: list[int], budget: int) -> list[list[int]]:
+        """Up to limits[i] drafts for request i, `budget` in all (a drafter's own)."""
+        raise NotImplementedError
 
     def verified(self, req: Req, drafts: list[int], taken: int) -> None:
         """Records a verify step of `req`: `taken` tokens taken (accepted drafts + 1). Draft lengths
@@ -129,3 +139,24 @@ class NgramSpeculator:
 
     def forget(self, rid: str) -> None:
         self.states.pop(rid, None)
+
+
+class NgramSpeculator(Speculator):
+    """Drafts from each request's own tokens (`--speculative-algorithm NGRAM`), `max_match` tokens
+    matched at most."""
+
+    def __init__(self, num_draft_tokens: int, max_match: int) -> None:
+        super().__init__(num_draft_tokens)
+        self.max_match = max_match
+
+    def new_state(self) -> DraftState:
+        return NgramState(max_drafts=self.max_drafts)
+
+    def draft(self, reqs: list[Req], limits: list[int], budget: int) -> list[list[int]]:
+        out = []
+        for req, limit in zip(reqs, limits):
+            state = self.states[req.rid]
+            assert isinstance(state, NgramState)
+            out.append(ngram_draft(req.fill_ids, state, min(limit, budget), self.max_match))
+            budget -= len(out[-1])
+        return out

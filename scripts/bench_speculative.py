@@ -1,8 +1,10 @@
 """Speculative decoding on and off, side by side: output tokens per second and the accept length of
-`--speculative-algorithm NGRAM` against plain decoding, at several batch sizes, on two prompt sets.
+`--speculative-algorithm NGRAM` (or STANDALONE, with `--draft-model-path`) against plain decoding,
+at several batch sizes, on two prompt sets.
 
     python scripts/bench_speculative.py [--batch-sizes 1 8 32] [--max-new-tokens 128] [--rounds 2]
-        [--num-draft-tokens 12] [--model-path PATH] [--llama [--llama-server CMD] [--llama-spec-args ARGS]]
+        [--num-draft-tokens 12] [--model-path PATH] [--draft-model-path PATH]
+        [--llama [--llama-server CMD] [--llama-spec-args ARGS]]
 
 Both sides are srt's offline Engine (the server's scheduler, in this process, TP=1) on the bundled
 SmolLM2-135M-Instruct in bf16, one with speculation and one without; each call generates greedily
@@ -143,6 +145,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--model-path", default=None)
     parser.add_argument(
+        "--draft-model-path", default=None, help="speculate with this draft model (STANDALONE), not NGRAM"
+    )
+    parser.add_argument(
         "--llama", action="store_true", help="also llama.cpp's server on the bundled GGUF, off and on"
     )
     parser.add_argument("--llama-server", default=None, help="its command; default: llama-server on PATH")
@@ -153,13 +158,15 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    algorithm = "STANDALONE" if args.draft_model_path else "NGRAM"
     engines = {
         "off": Engine(args.model_path, dtype="bfloat16"),
         "on": Engine(
             args.model_path,
             dtype="bfloat16",
-            speculative_algorithm="NGRAM",
+            speculative_algorithm=algorithm,
             speculative_num_draft_tokens=args.num_draft_tokens,
+            speculative_draft_model_path=args.draft_model_path,
         ),
     }
     sets = {"repetitive": chat_ids(engines["off"], REPETITIVE), "chat": chat_ids(engines["off"], CHAT)}
@@ -187,12 +194,13 @@ def main() -> None:
         rates, accepts, same = measure(args, sets, sides, run_side, engines["on"])
     draft_tokens = engines["on"].args.num_draft_tokens
     print(
-        f"\nSmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens; srt in bf16, NGRAM with "
+        f"\n{args.model_path or 'SmolLM2-135M-Instruct'}, greedy, {args.max_new_tokens} new tokens; srt in "
+        f"bf16, {algorithm}{' ' + args.draft_model_path if args.draft_model_path else ''} with "
         f"--speculative-num-draft-tokens {draft_tokens}"
         + (f"; llama.cpp on the bundled GGUF, on = {args.llama_spec_args}" if urls else "")
         + f"; median of {2 * args.rounds} runs a side\n"
     )
-    head = "| set | batch | off (tok/s) | NGRAM (tok/s) | ratio | accept length | same tokens |"
+    head = f"| set | batch | off (tok/s) | {algorithm} (tok/s) | ratio | accept length | same tokens |"
     llama_head = " llama.cpp off | llama.cpp on | ratio | same text |"
     print(head + (llama_head if urls else ""))
     print("|---|---:|---:|---:|---:|---:|---|" + ("---:|---:|---:|---|" if urls else ""))

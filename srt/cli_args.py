@@ -502,15 +502,34 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--speculative-algorithm",
                 default=None,
                 help="NGRAM: each decode step checks drafts taken from the request's own prompt and output "
-                "where its last tokens occurred before; the tokens are those of plain decoding (SGLang's other "
-                "algorithms are refused by name)",
+                "where its last tokens occurred before; STANDALONE: drafts decoded by a small model with the same "
+                "tokenizer (--speculative-draft-model-path). The tokens are those of plain decoding (SGLang's "
+                "other algorithms are refused by name)",
+            ),
+            _flag(
+                "--speculative-draft-model-path",
+                default=None,
+                help="STANDALONE's draft model: a directory or GGUF file as --model-path takes, run whole on "
+                "every rank",
+            ),
+            _flag(
+                "--speculative-num-steps",
+                type=int,
+                default=None,
+                help="STANDALONE: drafts decoded per step at most (--speculative-num-draft-tokens - 1)",
+            ),
+            _flag(
+                "--speculative-eagle-topk",
+                type=int,
+                default=None,
+                help="drafts branch per step: 1 only (one chain per request)",
             ),
             _flag(
                 "--speculative-num-draft-tokens",
                 type=int,
                 default=None,
                 help="rows a verify step feeds per request and in all: a request's last token and up to this many - 1 "
-                "drafts (default 4 on CPU, 12 on CUDA)",
+                "drafts (default --speculative-num-steps + 1, else 4 on CPU, 12 on CUDA)",
             ),
             _flag(
                 "--speculative-ngram-max-trie-depth",

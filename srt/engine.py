@@ -128,6 +128,7 @@ class Engine:
         quantization: str | None = None,
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int | None = None,
+        speculative_draft_model_path: str | None = None,
         disable_hybrid_swa_memory: bool = False,
     ) -> None:
 
@@ -158,6 +159,9 @@ class Engine:
             disable_radix_cache=True,
             speculative_algorithm=speculative_algorithm,
             speculative_num_draft_tokens=speculative_num_draft_tokens,
+            speculative_draft_model_path=None
+            if speculative_draft_model_path is None
+            else str(resolve_model_path(speculative_draft_model_path, "speculative_draft_model_path")),
             disable_hybrid_swa_memory=disable_hybrid_swa_memory,
         )
         self.config: RunnerConfig = runner_config(self.args, self.model_dir)

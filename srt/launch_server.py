@@ -122,6 +122,11 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
     from model_executor.loader.weight_source import resolve_model_path  # lazy: imports torch
 
     model_dir = str(resolve_model_path(server_args.model_path))
+    if server_args.speculative_draft_model_path is not None:  # a GGUF draft is converted once, here
+        draft_dir = str(
+            resolve_model_path(server_args.speculative_draft_model_path, "--speculative-draft-model-path")
+        )
+        server_args = dataclasses.replace(server_args, speculative_draft_model_path=draft_dir)
     return LaunchPlan(
         server_args,
         PortArgs.create(init_method),

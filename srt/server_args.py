@@ -27,9 +27,9 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "generic")  # SGLang's two, and srt's own (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/weights.py
-SPECULATIVE_ALGORITHMS = ("NGRAM",)  # scheduler/speculative.py
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # scheduler/speculative.py, scheduler/draft_model.py
 # SGLang's other algorithms, refused by name
-SGLANG_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "DSPARK", "UNO")
+SGLANG_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH", "DSPARK", "UNO")
 # rows a request verifies a step: SGLang's default for NGRAM on a GPU, where rows up to a tile are free;
 # on a CPU a row past the first two or three costs arithmetic (docs/performance.md, speculative decoding)
 NGRAM_NUM_DRAFT_TOKENS = {"cuda": 12, "cpu": 4}
@@ -39,9 +39,6 @@ SPECULATIVE_FIXED: tuple[tuple[str, Any, str], ...] = (
     ("speculative_ngram_max_bfs_breadth", 10, "srt drafts one chain per request"),
     ("speculative_ngram_match_type", "BFS", "srt drafts one chain per request"),
     ("speculative_ngram_capacity", 10_000_000, "srt's n-gram index is the request's own tokens"),
-    ("speculative_draft_model_path", None, "draft models are not implemented"),
-    ("speculative_num_steps", None, "it steps a draft model, which srt does not have"),
-    ("speculative_eagle_topk", None, "EAGLE is not implemented"),
     ("speculative_accept_threshold_single", 1.0, "srt's verification never changes an output"),
     ("speculative_accept_threshold_acc", 1.0, "srt's verification never changes an output"),
 )
@@ -210,16 +207,16 @@ class ServerArgs:
     )
 
     # Speculative decoding (scheduler/speculative.py): SGLang's flags
-    speculative_algorithm: str | None = None  # "NGRAM": drafts from each request's own tokens
+    speculative_algorithm: str | None = None  # "NGRAM" (the request's own tokens) or "STANDALONE" (a model)
     speculative_num_draft_tokens: int | None = None  # rows verified per request a step; None: 4 on CPU, 12
     speculative_ngram_max_trie_depth: int = 18  # the longest suffix matched
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_capacity: int = 10_000_000
-    speculative_draft_model_path: str | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
+    speculative_draft_model_path: str | None = None  # STANDALONE's draft model
+    speculative_num_steps: int | None = None  # STANDALONE: draft tokens per step (num_draft_tokens - 1)
+    speculative_eagle_topk: int | None = None  # 1 only: one chain of drafts per request
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
 
@@ -352,10 +349,15 @@ class ServerArgs:
                     f"--{name.replace('_', '-')} {getattr(self, name)} is not supported ({why}); "
                     f"srt takes only its default, {default}"
                 )
-        for name in ("speculative_num_draft_tokens", "speculative_ngram_max_trie_depth"):
+        for name in (
+            "speculative_num_draft_tokens",
+            "speculative_ngram_max_trie_depth",
+            "speculative_num_steps",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        self._check_draft_model()
         if algorithm is not None and self.quantization == "gguf":
             raise ValueError(
                 "--speculative-algorithm cannot keep outputs unchanged with --quantization gguf: decode "
@@ -364,12 +366,46 @@ class ServerArgs:
         if algorithm is not None and self.is_embedding:
             raise ValueError("--speculative-algorithm decodes; --is-embedding serves no decode step")
 
+    def _check_draft_model(self) -> None:
+        """STANDALONE's flags: a draft model, one chain of drafts, --speculative-num-steps as SGLang
+        means it (drafts per step: --speculative-num-draft-tokens - 1), one pipeline stage."""
+        algorithm = self.speculative_algorithm
+        standalone = algorithm == "STANDALONE"
+        if standalone and self.speculative_draft_model_path is None:
+            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        for name in ("speculative_draft_model_path", "speculative_num_steps"):
+            if getattr(self, name) is not None and not standalone:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} steps a draft model: it needs --speculative-algorithm "
+                    f"STANDALONE (got {algorithm})"
+                )
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(
+                f"--speculative-eagle-topk {self.speculative_eagle_topk} is not supported (srt drafts one "
+                "chain per request); srt takes only 1"
+            )
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens} must be --speculative-num-steps + 1 ({steps + 1}): "
+                "srt verifies one chain of drafts"
+            )
+        if standalone and self.pp_size > 1:
+            raise ValueError(
+                "--speculative-algorithm STANDALONE runs with --pp-size 1 (the stages would each "
+                "decode the draft model and could not agree on its drafts without a collective)"
+            )
+
     @property
     def num_draft_tokens(self) -> int:
         """Rows a speculative step verifies per request (its last token and its drafts), and in all:
-        the flag, else 4 on the CPU and SGLang's 12 on CUDA (the device flag, the same on every
-        rank, never the rank's own hardware: ranks must draft alike)."""
-        return self.speculative_num_draft_tokens or NGRAM_NUM_DRAFT_TOKENS[self.device]
+        the flag (or --speculative-num-steps + 1), else 4 on the CPU and SGLang's 12 on CUDA (the
+        device flag, the same on every rank, never the rank's own hardware: ranks must draft alike)."""
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps + 1
+        return NGRAM_NUM_DRAFT_TOKENS[self.device]
 
     # ---- derived ----
     @property

@@ -6,13 +6,16 @@ accepted on text that repeats; rejected drafts' KV goes back to the allocator.""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from scheduler_harness import Harness
 from transformers import AutoTokenizer
 
 from model_executor.cpu.kernels import build
+from scheduler.draft_model import DraftModelSpeculator
 from scheduler.speculative import NgramSpeculator, NgramState, accepted_tokens, ngram_draft
 from srt.io_struct import BatchTokenIDOut, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
@@ -92,6 +95,35 @@ def test_flags_refused_by_name() -> None:
     assert ServerArgs(speculative_algorithm="NGRAM").num_draft_tokens == 4
 
 
+def test_draft_model_flags_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="STANDALONE needs --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="STANDALONE")
+    with pytest.raises(ValueError, match="--speculative-draft-model-path steps a draft model"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_path="/m")
+    with pytest.raises(ValueError, match="--speculative-num-steps steps a draft model"):
+        ServerArgs(speculative_num_steps=3)
+    with pytest.raises(ValueError, match="--speculative-eagle-topk 2 is not supported"):
+        ServerArgs(
+            speculative_algorithm="STANDALONE", speculative_draft_model_path="/m", speculative_eagle_topk=2
+        )
+    with pytest.raises(
+        ValueError, match="--speculative-num-draft-tokens 5 must be --speculative-num-steps \\+ 1"
+    ):
+        ServerArgs(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path="/m",
+            speculative_num_steps=3,
+            speculative_num_draft_tokens=5,
+        )
+    with pytest.raises(ValueError, match="STANDALONE runs with --pp-size 1"):
+        ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/m", pp_size=2)
+    with pytest.raises(ValueError, match="EAGLE3 is not implemented"):
+        ServerArgs(speculative_algorithm="EAGLE3")
+    standalone = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m"}
+    assert ServerArgs(**standalone, speculative_num_steps=5, speculative_eagle_topk=1).num_draft_tokens == 6
+    assert ServerArgs(**standalone).num_draft_tokens == 4
+
+
 class Run:
     """One in-process scheduler on SmolLM2 bf16; each request's tokens, finish and logprobs."""
 
@@ -101,9 +133,11 @@ class Run:
             dtype="bfloat16",
             eos_token_ids=frozenset({2}),
             tokenizer_loader=lambda: AutoTokenizer.from_pretrained(model_dir),
-            speculative_algorithm="NGRAM" if spec else None,
-            speculative_num_draft_tokens=96 if spec else None,  # room for every request's drafts
-            **args,
+            **{
+                # room for every request's drafts; `args` may name another algorithm
+                **({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 96} if spec else {}),
+                **args,
+            },
         )
         self.logprobs: dict[str, list[float]] = {}
         self.tops: dict[str, list[Any]] = {}
@@ -189,3 +223,52 @@ def test_a_constrained_request_takes_drafts_its_grammar_allows(smollm2_dir: Path
     assert on["tokens"] == off["tokens"] and on["finished"] == off["finished"]
     assert on["finished"]["regex_list"][0] == "stop" and len(on["tokens"]["regex_list"]) > 20
     assert on["steps"] < 0.7 * off["steps"], (on["steps"], off["steps"])
+
+
+def test_a_draft_model_drafts_and_outputs_equal_with_speculation_off(smollm2_dir: Path) -> None:
+    """--speculative-algorithm STANDALONE with SmolLM2 as its own draft model: greedy drafts that
+    verification mostly takes (a seeded request's less often), the same tokens, finishes and
+    logprobs as without speculation, and every draft page and row free again at the end."""
+    requests = [r for r in REQUESTS if r[0] in ("greedy", "seeded", "logprobs", "stop", "regex_list")]
+    off = Run(smollm2_dir, spec=False).run(requests)
+    on_run = Run(
+        smollm2_dir,
+        spec=False,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(smollm2_dir),
+        speculative_num_draft_tokens=12,
+    )
+    on = on_run.run(requests)
+    assert on["tokens"] == off["tokens"] and on["finished"] == off["finished"]
+    assert on["logprobs"] == off["logprobs"] and on["tops"] == off["tops"]
+    assert on["steps"] < 0.7 * off["steps"], (on["steps"], off["steps"])
+    speculator = on_run.h.scheduler.speculator
+    assert isinstance(speculator, DraftModelSpeculator) and not speculator.states
+    memory = speculator.memory
+    assert memory.allocator.num_free_pages == memory.budget.num_pages
+    assert memory.req_to_token_pool.num_free == on_run.h.scheduler.runner.max_running_requests
+
+
+def test_draft_model_drafts_are_min_synced_over_tp_and_cut_at_the_vocabulary() -> None:
+    """Ranks whose draft models drafted differently (another CPU's arithmetic) verify the same rows:
+    the drafts' MIN over TP; a drafted id outside the target's vocabulary ends a request's drafts."""
+
+    class OtherRank:  # a TP group of two whose other rank drafted `theirs`
+        world_size = 2
+
+        def __init__(self, theirs: list[list[int]]) -> None:
+            self.theirs = theirs
+
+        def all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+            assert op == torch.distributed.ReduceOp.MIN
+            for i, draft in enumerate(self.theirs):
+                tensor[i, : len(draft)] = torch.minimum(tensor[i, : len(draft)], torch.tensor(draft))
+            return tensor
+
+    speculator = DraftModelSpeculator.__new__(DraftModelSpeculator)
+    speculator.tp = OtherRank([[5, 9, 7], [], [3, 200]])  # type: ignore[assignment]
+    speculator.vocab_size = 100
+    speculator.runner = SimpleNamespace(device=torch.device("cpu"))  # type: ignore[assignment]
+    assert speculator._agreed([[5, 8, 9], [], [4, 160]]) == [[5, 8, 7], [], [3]]
+    speculator.tp = OtherRank([[150, 1]])  # type: ignore[assignment]
+    assert speculator._agreed([[150, 1]]) == [[]]

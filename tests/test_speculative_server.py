@@ -1,7 +1,7 @@
 """`launch_server --speculative-algorithm NGRAM` on the default path (bundled SmolLM2, bf16, the CPU
 kernels): a client gets the tokens and logprobs plain decoding gives, at TP=1 (against the offline
 engine) and, in the slow tier, at TP=3 (deterministic inference on) and PP=2 (against the same layout
-without speculation);
+without speculation), and STANDALONE (a draft model) at TP=3;
 /metrics and the decode log line show the accept length."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from server_fixture import Server
 from test_speculative import LIST_PROMPT, OTHER_PROMPT
 
 from model_executor.cpu.kernels import build
+from srt.default_model import default_model_path
 from srt.engine import Engine
 from srt.sampling_params import SamplingParams
 
@@ -82,19 +83,39 @@ def test_served_tokens_equal_plain_decoding_and_the_accept_length_is_shown(smoll
     assert gauge.get("srt:spec_accept_length", 0) > 1.0
 
 
-@pytest.mark.slow  # four servers of three ranks or two stages (the TP=1 test above runs by default)
+NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "16")
+
+
+@pytest.mark.slow  # six servers of three ranks or two stages (the TP=1 test above runs by default)
 # At TP >= 3 speculation sums the all-reduces in rank order (a ring's order follows the step's
 # size), which plain decoding does only with deterministic inference: both sides run it there.
+# STANDALONE drafts with the bundled model's own GGUF file (the launcher converts it as it does
+# --model-path): its drafts are mostly taken, and at TP=3 MIN-synced before any rank verifies them.
 @pytest.mark.parametrize(
-    "layout", [("--tp", "3", "--enable-deterministic-inference"), ("--pp-size", "2")], ids=["tp3", "pp2"]
+    ("layout", "spec"),
+    [
+        (("--tp", "3", "--enable-deterministic-inference"), NGRAM),
+        (("--pp-size", "2"), NGRAM),
+        (
+            ("--tp", "3", "--enable-deterministic-inference"),
+            ("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "5"),
+        ),
+    ],
+    ids=["tp3", "pp2", "standalone-tp3"],
 )
-def test_tp3_and_pp2_tokens_and_logprobs_equal_without_speculation(layout: tuple[str, ...]) -> None:
+def test_tp_and_pp_tokens_and_logprobs_equal_without_speculation(
+    layout: tuple[str, ...], spec: tuple[str, ...]
+) -> None:
     results = []
-    spec = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "16")
-    for flags in ((), (*spec, "--enable-rank-consensus-checker")):
+    if "STANDALONE" in spec:
+        spec = (*spec, "--speculative-draft-model-path", default_model_path())
+    for flags in ((), (*spec, "--enable-rank-consensus-checker", "--decode-log-interval", "4")):
         with Server(*layout, *flags, startup_timeout=300) as server:
             results.append(generate_all(server))
+            log = server.output()
     off, on = results
     for a, b in zip(on, off):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    accept = [float(m[1]) for m in map(ACCEPT_LINE.search, log.splitlines()) if m]
+    assert accept and max(accept) > 1.0, log[-3000:]

@@ -36,26 +36,26 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_model_path(model_path: str | None) -> Path:
+def resolve_model_path(model_path: str | None, flag: str = "--model-path") -> Path:
     """Turn `--model-path` into an HF-style model directory.
 
     None means the default model; a `.gguf` file is converted (once, cached); a directory must
-    hold a `config.json`. Raises ValueError naming `--model-path` for anything else.
+    hold a `config.json`. Raises ValueError naming `flag` for anything else.
     """
     if model_path is None:
         return convert_gguf(default_model_path())
     path = Path(model_path).expanduser()
     if not path.exists():
         raise ValueError(
-            f"--model-path {model_path!r} does not exist (downloading from a model hub is not supported: "
+            f"{flag} {model_path!r} does not exist (downloading from a model hub is not supported: "
             f"pass a local model directory or a .gguf file)"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"--model-path {model_path!r} is a file but not a .gguf file")
+            raise ValueError(f"{flag} {model_path!r} is a file but not a .gguf file")
         return convert_gguf(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model-path {model_path!r} is a directory with no config.json")
+        raise ValueError(f"{flag} {model_path!r} is a directory with no config.json")
     return path.resolve()
 
 
