@@ -86,36 +86,36 @@ def test_served_tokens_equal_plain_decoding_and_the_accept_length_is_shown(smoll
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "16")
 
 
-@pytest.mark.slow  # six servers of three ranks or two stages (the TP=1 test above runs by default)
+STANDALONE = ("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "5")
+
+
+@pytest.mark.slow  # five servers of three ranks or two stages (the TP=1 test above runs by default)
 # At TP >= 3 speculation sums the all-reduces in rank order (a ring's order follows the step's
-# size), which plain decoding does only with deterministic inference: both sides run it there.
+# size), which plain decoding does only with deterministic inference: every side runs it there.
 # STANDALONE drafts with the bundled model's own GGUF file (the launcher converts it as it does
 # --model-path): its drafts are mostly taken, and at TP=3 MIN-synced before any rank verifies them.
 @pytest.mark.parametrize(
-    ("layout", "spec"),
+    ("layout", "specs"),
     [
-        (("--tp", "3", "--enable-deterministic-inference"), NGRAM),
-        (("--pp-size", "2"), NGRAM),
-        (
-            ("--tp", "3", "--enable-deterministic-inference"),
-            ("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "5"),
-        ),
+        (("--tp", "3", "--enable-deterministic-inference"), (NGRAM, STANDALONE)),
+        (("--pp-size", "2"), (NGRAM,)),
     ],
-    ids=["tp3", "pp2", "standalone-tp3"],
+    ids=["tp3", "pp2"],
 )
 def test_tp_and_pp_tokens_and_logprobs_equal_without_speculation(
-    layout: tuple[str, ...], spec: tuple[str, ...]
+    layout: tuple[str, ...], specs: tuple[tuple[str, ...], ...]
 ) -> None:
-    results = []
-    if "STANDALONE" in spec:
-        spec = (*spec, "--speculative-draft-model-path", default_model_path())
-    for flags in ((), (*spec, "--enable-rank-consensus-checker", "--decode-log-interval", "4")):
+    with Server(*layout, startup_timeout=300) as server:
+        off = generate_all(server)
+    for spec in specs:
+        if "STANDALONE" in spec:
+            spec = (*spec, "--speculative-draft-model-path", default_model_path())
+        flags = (*spec, "--enable-rank-consensus-checker", "--decode-log-interval", "4")
         with Server(*layout, *flags, startup_timeout=300) as server:
-            results.append(generate_all(server))
+            on = generate_all(server)
             log = server.output()
-    off, on = results
-    for a, b in zip(on, off):
-        assert a["output_ids"] == b["output_ids"]
-        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
-    accept = [float(m[1]) for m in map(ACCEPT_LINE.search, log.splitlines()) if m]
-    assert accept and max(accept) > 1.0, log[-3000:]
+        for a, b in zip(on, off):
+            assert a["output_ids"] == b["output_ids"], spec
+            assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"], spec
+        accept = [float(m[1]) for m in map(ACCEPT_LINE.search, log.splitlines()) if m]
+        assert accept and max(accept) > 1.0, log[-3000:]
