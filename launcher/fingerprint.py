@@ -36,6 +36,9 @@ SHARED_FIELDS = (
     "constrained_json_max_whitespace_cnt",
     "sync_token_ids_across_tp",
     "enable_rank_consensus_checker",
+    "speculative_algorithm",  # a verify step's rows are a collective's shape
+    "num_draft_tokens",
+    "speculative_ngram_max_trie_depth",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 SHOWN_ONLY = "model_path"  # where this node found the model: shown in a message, never compared
@@ -64,6 +67,9 @@ def code_version() -> str:
 def launch_fingerprint(server_args: Any, model_dir: str | Path) -> dict[str, str]:
     """Field name -> value as text (JSON-friendly, compared as strings)."""
     fields = {name: str(getattr(server_args, name)) for name in SHARED_FIELDS}
+    draft = getattr(server_args, "speculative_draft_model_path", None)  # resolved by the launcher
+    if draft is not None:
+        fields["draft_model"] = model_digest(draft)
     return {**fields, "model": model_digest(model_dir), "version": code_version(), SHOWN_ONLY: str(model_dir)}
 
 

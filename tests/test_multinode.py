@@ -192,6 +192,15 @@ def test_fingerprint_names_only_what_differs(model_dir: Path, tmp_path: Path) ->
         d.split(" ")[0]
         for d in fingerprint_diff(a, launch_fingerprint(ServerArgs(tp_size=2, dtype="float32"), copy), 0, 1)
     ] == ["model"]
+    # speculation changes a verify step's rows (a collective's shape), a draft model its drafts
+    ngram = launch_fingerprint(
+        ServerArgs(tp_size=2, dtype="float32", speculative_algorithm="NGRAM"), model_dir
+    )
+    assert fingerprint_diff(a, ngram, 0, 1) == ["speculative_algorithm (node 0: None, node 1: NGRAM)"]
+    drafting = {"speculative_algorithm": "STANDALONE", "tp_size": 2, "dtype": "float32"}
+    mine = launch_fingerprint(ServerArgs(**drafting, speculative_draft_model_path=str(model_dir)), model_dir)
+    theirs = launch_fingerprint(ServerArgs(**drafting, speculative_draft_model_path=str(copy)), model_dir)
+    assert [d.split(" ")[0] for d in fingerprint_diff(mine, theirs, 0, 1)] == ["draft_model"]
 
 
 @pytest.fixture
