@@ -39,7 +39,7 @@ from model_executor.layers.linear_method import LinearLayer, LinearMethod
 
 AMX_MAX_ROWS = 1024  # above this, F.linear (oneDNN) is faster than the AMX kernel (docs/performance.md)
 # what PackedLinearMethod multiplies by (pack_weight)
-PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q8Weight
+PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q4KWeight | packing.Q8Weight
 
 
 def onednn_bf16_available() -> bool:
@@ -65,7 +65,11 @@ def packed_max_rows() -> int:
 
 
 def is_kernel_packed(packed: PackedWeight) -> bool:
-    """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN."""
+    """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN; False
+    for a Q4KWeight, which _linear and linear_silu_mul take themselves (srt_decode_layer has no
+    Q4_K path: the decode runner gives it the weight's packed bf16 copy)."""
+    if isinstance(packed, packing.Q4KWeight):
+        return False
     # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
     return isinstance(packed, (packing.Int8Weight, packing.Q4Weight, packing.Q8Weight)) or packed.dim() == 5
 
@@ -77,11 +81,13 @@ def pack_weight(
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
-    (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, with `q8` (Q8_0, packing.q8_recover) a Q8Weight."""
+    (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, or with its Q4_K blocks (float32 d,
+    packing.q4k_recover) a Q4KWeight, with `q8` (Q8_0, packing.q8_recover) a Q8Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     if q4 is not None and packing.bf16_packable(weight):
-        return packing.Q4Weight(packing.q4_pack(*q4), packing.bf16_pack(weight))
+        kind = packing.Q4KWeight if q4[1].dtype == torch.float32 else packing.Q4Weight
+        return kind(packing.q4_pack(*q4), packing.bf16_pack(weight))
     if q8 is not None and packing.bf16_packable(weight):
         return packing.Q8Weight(packing.q8_pack(*q8), packing.bf16_pack(weight))
     if quantization == "w8a8_int8" and packing.int8_packable(weight):
@@ -122,6 +128,10 @@ def _linear(
         if rows <= ops.Q4_MAX_ROWS:
             return ops.q4_linear(x.contiguous(), packed.packed, bias)
         packed = packed.bf16
+    if isinstance(packed, packing.Q4KWeight):
+        if rows <= ops.Q4_MAX_ROWS:
+            return _q4k_linear(x.contiguous(), packed.packed, bias, silu=False)
+        packed = packed.bf16
     if isinstance(packed, packing.Q8Weight):
         if rows <= ops.Q8_MAX_ROWS and bias is None:
             out = ops.q8_linear(x.contiguous(), packed.packed)
@@ -145,17 +155,37 @@ def _linear(
     return out.view(*shape[:-1], out.shape[-1])
 
 
+def _q4k_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """ops.q4_linear (silu: ops.q4_linear_silu) for a Q4_K weight (q4_pack's [n/16, k/32, 384]):
+    x [.., k] contiguous bf16 -> [.., n] (silu: [.., n/2]) bf16."""
+    lib = build.kernels()
+    assert lib is not None and x.dtype == torch.bfloat16 and x.is_contiguous()
+    n, k = packed.shape[0] * (8 if silu else 16), packed.shape[1] * 32
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    if silu:
+        lib.srt_q4k_linear_silu(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
+    else:
+        lib.srt_q4k_linear(
+            x.data_ptr(), x.numel() // k, packed.data_ptr(), ops.data_ptr(bias), out.data_ptr(), n, k
+        )
+    return out
+
+
 def linear_silu_mul(
     x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
     for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most packed_max_rows()),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
+    if isinstance(packed, packing.Q4KWeight) and bias is None:
+        if x.numel() // x.shape[-1] <= ops.Q4_MAX_ROWS:
+            return _q4k_linear(x.contiguous(), packed.packed, None, silu=True)
+        packed = packed.bf16
     if (
         packed is None
         or bias is not None
         or not is_kernel_packed(packed)
-        or isinstance(packed, packing.Q8Weight)
+        or isinstance(packed, (packing.Q8Weight, packing.Q4KWeight))
     ):
         return None
     if isinstance(packed, packing.Int8Weight):

@@ -37,8 +37,8 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
         if not (build.bf16_linear_available() and (build.q4_available() or build.q8_available())):
             raise ValueError(
                 "--quantization gguf needs the CPU kernels built and a CPU with AVX-512 BF16 (AMD Zen 4 or "
-                "later, Intel Cooper Lake or later: Q4_1 layers and a Q8_0 LM head) or AVX2, FMA and F16C "
-                "(a Q8_0 LM head); this process has neither"
+                "later, Intel Cooper Lake or later) or AVX2, FMA and F16C (Q4_1 layers and a Q8_0 LM "
+                "head); this process has neither"
             )
         return
     if not build.int8_available():
@@ -49,15 +49,22 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
         )
 
 
+def gguf_bf16_reason() -> str:
+    """Why a --quantization gguf layer stays bf16 on this CPU, as pack_model logs it."""
+    if build.q4k_available():
+        return "not Q4_1 or Q4_K (another K-quant or type)"
+    return "not Q4_1 (a K-quant or another type)" if build.q4_available() else "no Q4_1 kernel on this CPU"
+
+
 def pack_model(
     model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
 ) -> int:
     """Packs every linear layer (LinearBase), setting its linear method to a PackedLinearMethod (or
     UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
-    with gguf as its Q4_1 blocks, recovered from the same layer of `float32_model` (the same
+    with gguf as its Q4_1 (or Q4_K) blocks, recovered from the same layer of `float32_model` (the same
     checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
     where the file holds it so (a tied head: the token embedding). A gguf layer srt has no kernel for
-    here (not Q4_1, as K-quants are, or no AVX-512 BF16 for Q4_1) stays bf16, and the log names how
+    here (not Q4_1 or Q4_K, as Q6_K is, or no kernel for it on this CPU) stays bf16, and the log names how
     many. Returns how many were packed. Call once, after the weights are loaded."""
     assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
     count = 0
@@ -69,7 +76,10 @@ def pack_model(
             quantizable = getattr(module, "quantizable", True)
             q4 = q8 = None
             if quantization == "gguf" and quantizable:
-                q4 = packing.q4_recover(float32_modules[name].weight) if build.q4_available() else None
+                exact = float32_modules[name].weight
+                q4 = packing.q4_recover(exact) if build.q4_available() else None
+                if q4 is None and build.q4k_available():
+                    q4 = packing.q4k_recover(exact)
                 if q4 is None:
                     as_bf16.append(name)
             elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
@@ -81,7 +91,7 @@ def pack_model(
         logger.info(
             "--quantization gguf: %d linear layers stay bf16 (%s): %s",
             len(as_bf16),
-            "not Q4_1 (a K-quant or another type)" if build.q4_available() else "no Q4_1 kernel on this CPU",
+            gguf_bf16_reason(),
             ", ".join(as_bf16[:4]) + (", ..." if len(as_bf16) > 4 else ""),
         )
     return count
@@ -106,8 +116,12 @@ def prepare_weights(
     fuse_experts(model)  # a mixture of experts: each layer's experts in one kernel call
     if packed:
         weights = [packed_of(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)]
-        quantized = sum(isinstance(w, (packing.Int8Weight, packing.Q4Weight)) for w in weights)
+        quantized = sum(
+            isinstance(w, (packing.Int8Weight, packing.Q4Weight, packing.Q4KWeight)) for w in weights
+        )
         kind = "Q4_1" if quantization == "gguf" else "int8"
+        if any(isinstance(w, packing.Q4KWeight) for w in weights):
+            kind += " or Q4_K"
         if any(isinstance(w, packing.Q8Weight) for w in weights):
             kind += ", the LM head Q8_0"
         logger.info(

@@ -230,9 +230,17 @@ def int8_available() -> bool:
 
 @functools.cache
 def q4_available() -> bool:
-    """Whether srt_q4_linear runs here (AVX-512 BF16: cpu_q4_linear.c)."""
+    """Whether srt_q4_linear runs here (AVX-512 BF16, or else AVX2, FMA and F16C: cpu_q4_linear.c)."""
     lib = kernels()
     return lib is not None and bool(lib.srt_q4_linear_available())
+
+
+@functools.cache
+def q4k_available() -> bool:
+    """Whether srt_q4k_linear runs here (GGUF Q4_K: AVX2, FMA and F16C without AVX-512 BF16, for
+    now: cpu_q4_linear.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.srt_q4k_linear_available())
 
 
 def q8_available() -> bool:
@@ -268,10 +276,11 @@ def describe_paths() -> str:
     )
     prefill = "C kernel" if prefill_kernel_available() else "torch"
     loops = "AVX-512" if avx512 else "plain loops: this CPU has no AVX-512"
-    q4 = "C kernel" if q4_available() else "bf16 (no AVX-512 BF16)"
+    q4 = "C kernel" if q4_available() else "bf16 (neither AVX-512 BF16 nor AVX2)"
+    q4k = "C kernel" if q4k_available() else "bf16"
     q8 = "C kernel" if q8_available() else "bf16 (neither AVX-512 VNNI nor AVX2)"
     return (
-        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q8_0 head {q8}; "
+        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q4_K {q4k}, Q8_0 head {q8}; "
         f"prefill attention on {prefill}; "
         f"norms, rotary and decode attention in C ({loops}){forced}"
     )

@@ -1,5 +1,6 @@
 /* Linear layers on GGUF Q4_1 weights (--quantization gguf), for decode steps of a few rows, with
- * AVX-512 BF16 dot products (vdpbf16ps). Q4_1 stores each run of 32 weights along k as 4-bit q with
+ * AVX-512 BF16 dot products (vdpbf16ps), or else AVX2 FMAs (the second half, which also takes GGUF
+ * Q4_K's sub-blocks: srt_q4k_linear). Q4_1 stores each run of 32 weights along k as 4-bit q with
  * an fp16 scale d and minimum m: w = d q + m. A decode step at batch 1 streams every weight once,
  * and these are 0.625 bytes a weight against bf16's 2.
  *
@@ -42,6 +43,7 @@
 enum { OUT_BF16, OUT_SILU };
 
 int64_t srt_q4_linear_available(void) { return 1; }
+int64_t srt_q4k_linear_available(void) { return 0; } /* Q4_K: the AVX2 path only, for now */
 
 /* acc[r][b] = row r of x (rows k apart) times block wb[b] (a 16-output stream of k/32 x 320 bytes);
  * xsum[r * kb_count + kb]: row r's sum of x over k block kb */
@@ -183,9 +185,153 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 }
 
 #define Q4(mode, ...) q4_linear(__VA_ARGS__, mode)
+#define Q4K(mode, ...) abort() /* never called: srt_q4k_linear_available() answered 0 */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 has no bf16 dot product: the sums are fp32 FMAs of eight outputs' weights against a
+ * broadcast x. The same packed layout: zero-extended to 32-bit lanes, a chunk's first 16 bytes are
+ * outputs 0..7, each lane q[4c] | q[4c+2] << 4 | q[4c+1] << 8 | q[4c+3] << 12. One mask and one
+ * conversion give each k's eight weights as 2^s q (exact); x, widened to fp32 once per call, comes
+ * pre-scaled by 2^-s (exact), so each product is x q itself. Per 32 k the block adds
+ * d * sum x q + m * sum x. Rows go in tiles of up to four against one 16-output block, whose k / 32
+ * blocks stay in L1 or L2 between tiles.
+ *
+ * srt_q4k_linear takes the same nibbles with fp32 d and m (packing.q4_pack of q4k_recover's
+ * blocks, 384 bytes): a GGUF Q4_K sub-block's scale d sc and minimum -dmin m are products of an
+ * fp16 and a 6-bit integer, exact in fp32 but not in fp16. */
+#include <immintrin.h>
+#include <omp.h>
+
+#include "simd_avx2.h"
+
+#define ROWS 4
+#define SETS 4
+#define PARALLEL_MIN 65536
+#define PREFETCH_BLOCKS 32 /* ~10 KB ahead, as cpu_q8_linear.c's AVX2 path */
+
+enum { OUT_BF16, OUT_SILU };
+
+int64_t srt_q4_linear_available(void) { return 1; }
+int64_t srt_q4k_linear_available(void) { return 1; }
+
+/* d and m of outputs 8h .. 8h + 7 of a block: fp16 (Q4_1) or fp32 (f32: Q4_K) */
+static inline __attribute__((always_inline)) __m256 q4_scale(const uint8_t *p, const int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* acc[r][h] = outputs 8h .. 8h + 7 of block stream wb against row r of xs (fp32, pre-scaled as
+ * above, rows k apart); xsum[r * k / 32 + kb]: row r's sum of x over k block kb */
+static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64_t k, const float *xsum,
+                                                          const uint8_t *wb, const int R, const int f32,
+                                                          __m256 acc[ROWS][2]) {
+    const int64_t blocks = k / 32;
+    const int scales = f32 ? 128 : 64, bytes = scales + 256; /* d and m, then the nibbles */
+    const int S = R == 1 ? 4 : R == 2 ? 2 : 1; /* sums per output: 8 chains of 4-cycle FMAs in flight */
+    const __m256i mask[4] = {_mm256_set1_epi32(0x000F), _mm256_set1_epi32(0x0F00), _mm256_set1_epi32(0x00F0),
+                             _mm256_set1_epi32(0xF000)};
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        const uint8_t *block = wb + kb * bytes;
+        for (int l = 0; l < bytes; l += 64)
+            _mm_prefetch((const char *)(block + PREFETCH_BLOCKS * bytes + l), _MM_HINT_T0);
+        __m256 blk[ROWS][2][SETS];
+        for (int r = 0; r < R; r++)
+            for (int s = 0; s < S; s++) blk[r][0][s] = blk[r][1][s] = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *chunk = block + scales + 32 * c;
+            const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)chunk));
+            const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(chunk + 16)));
+            for (int i = 0; i < 4; i++) {
+                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask[i]));
+                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask[i]));
+                for (int r = 0; r < R; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(xs + r * k + kb * 32 + 4 * c + i);
+                    blk[r][0][i % S] = _mm256_fmadd_ps(w0, xb, blk[r][0][i % S]);
+                    blk[r][1][i % S] = _mm256_fmadd_ps(w1, xb, blk[r][1][i % S]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                for (int s = 1; s < S; s++) blk[r][h][0] = _mm256_add_ps(blk[r][h][0], blk[r][h][s]);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = q4_scale(block + (scales / 4) * h, f32);
+            const __m256 m = q4_scale(block + scales / 2 + (scales / 4) * h, f32);
+            for (int r = 0; r < R; r++) {
+                acc[r][h] = _mm256_fmadd_ps(blk[r][h][0], d, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[r * blocks + kb]), m, acc[r][h]);
+            }
+        }
+    }
+}
+
+/* q4_tile with constant row count and scale type for each instance */
+static void q4_rows(const float *xs, int64_t k, const float *xsum, const uint8_t *wb, const int R, const int f32,
+                    __m256 acc[ROWS][2]) {
+    switch (R * 2 + f32) {
+    case 8: q4_tile(xs, k, xsum, wb, 4, 0, acc); break;
+    case 9: q4_tile(xs, k, xsum, wb, 4, 1, acc); break;
+    case 6: q4_tile(xs, k, xsum, wb, 3, 0, acc); break;
+    case 7: q4_tile(xs, k, xsum, wb, 3, 1, acc); break;
+    case 4: q4_tile(xs, k, xsum, wb, 2, 0, acc); break;
+    case 5: q4_tile(xs, k, xsum, wb, 2, 1, acc); break;
+    case 3: q4_tile(xs, k, xsum, wb, 1, 1, acc); break;
+    default: q4_tile(xs, k, xsum, wb, 1, 0, acc); break;
+    }
+}
+
+/* every row of x against 16-output block stream wb (and, OUT_SILU, the up block's `up`), R rows a
+ * tile; out's first column at `out` (row stride n) */
+static void q4_unit(const float *xs, int64_t m, int64_t k, const float *xsum, const uint8_t *wb,
+                    const uint8_t *up, const bf16 *bias, bf16 *out, int64_t n, const int mode, const int f32) {
+    __m256 acc[ROWS][2], acc_up[ROWS][2];
+    const int64_t blocks = k / 32;
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int R = m - r0 < ROWS ? (int)(m - r0) : ROWS;
+        q4_rows(xs + r0 * k, k, xsum + r0 * blocks, wb, R, f32, acc);
+        if (mode == OUT_SILU) q4_rows(xs + r0 * k, k, xsum + r0 * blocks, up, R, f32, acc_up);
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                bf16 *o = out + (r0 + r) * n + 8 * h;
+                if (mode == OUT_SILU)
+                    store8(o, silu_mul8(round8(acc[r][h]), round8(acc_up[r][h])));
+                else
+                    store8(o, bias ? _mm256_add_ps(acc[r][h], load8(bias + 8 * h)) : acc[r][h]);
+            }
+    }
+}
+
+/* out[m][n] = x[m][k] @ w.T (+ bias), or with OUT_SILU silu(gate) * up of the [2d, k] gate_up
+ * weight into out[m][d] (n = d): the 16-output blocks split evenly over the threads */
+static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                      int64_t k, const int mode, const int f32) {
+    const int64_t units = n / 16, blocks = k / 32, stride = blocks * (f32 ? 384 : 320);
+    const float scale[4] = {1.0f, 1.0f / 256, 1.0f / 16, 1.0f / 4096}; /* k 4c + i's lane shift */
+    float *xs = malloc((size_t)(m * k) * sizeof(float)), *xsum = malloc((size_t)(m * blocks) * sizeof(float));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            float v[32], sum = 0.0f;
+            for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(v + i, load8(x + r * k + kb * 32 + i));
+            for (int i = 0; i < 32; i++) {
+                sum += v[i];
+                xs[r * k + kb * 32 + i] = v[i] * scale[i % 4];
+            }
+            xsum[r * blocks + kb] = sum;
+        }
+#pragma omp parallel for if (units * k * (m + 8) >= PARALLEL_MIN) schedule(static)
+    for (int64_t u = 0; u < units; u++)
+        q4_unit(xs, m, k, xsum, packed + u * stride, mode == OUT_SILU ? packed + (units + u) * stride : NULL,
+                bias ? bias + 16 * u : NULL, out + 16 * u, n, mode, f32);
+    free(xs);
+    free(xsum);
+}
+
+#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, 0)
+#define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, 1)
 #else
 int64_t srt_q4_linear_available(void) { return 0; }
+int64_t srt_q4k_linear_available(void) { return 0; }
 #define Q4(mode, ...) abort() /* never called: srt_q4_linear_available() answered 0 */
+#define Q4K(mode, ...) abort() /* never called: srt_q4k_linear_available() answered 0 */
 #endif
 
 /* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the Q4_1 weight packed by packing.q4_pack; x rows
@@ -199,4 +345,15 @@ void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *
  * first), without the [m][2d] product: the same values as srt_q4_linear then srt_silu_mul */
 void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k) {
     Q4(OUT_SILU, x, m, packed, NULL, act, d, k);
+}
+
+/* srt_q4_linear for a GGUF Q4_K weight: q4_pack of q4k_recover's blocks (fp32 d and m) */
+void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                    int64_t k) {
+    Q4K(OUT_BF16, x, m, packed, bias, out, n, k);
+}
+
+/* srt_q4_linear_silu for a GGUF Q4_K gate_up weight */
+void srt_q4k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k) {
+    Q4K(OUT_SILU, x, m, packed, NULL, act, d, k);
 }

@@ -1,9 +1,9 @@
 """Weights in the layouts the linear kernels stream them in, packed once at load, and the GGUF
-blocks (Q4_1, Q8_0) recovered from a dequantized float32 weight.
+blocks (Q4_1, Q4_K, Q8_0) recovered from a dequantized float32 weight.
 
 bf16_pack: bf16 for srt_bf16_linear; int8_pack -> Int8Weight for srt_int8_linear; q4_recover +
-q4_pack -> Q4Weight for srt_q4_linear; q8_recover + q8_pack -> Q8Weight for srt_q8_linear. Each
-layout is drawn in the .c file that reads it.
+q4_pack -> Q4Weight for srt_q4_linear; q4k_recover + q4_pack -> Q4KWeight for srt_q4k_linear;
+q8_recover + q8_pack -> Q8Weight for srt_q8_linear. Each layout is drawn in the .c file that reads it.
 """
 
 from __future__ import annotations
@@ -81,14 +81,57 @@ def q4_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.to(torch.uint8).view(n, k), d, m
 
 
+Q4K_BLOCK_BYTES = 384  # cpu_q4_linear.c's srt_q4k_linear: the same with fp32 d and m
+
+
+def _round_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x (float64) rounded to `bits` significant bits, as float32."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.round(mantissa * 2**bits), exponent - bits).float()
+
+
+def q4k_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q4_K sub-blocks behind a float32 [n, k] weight, if it is one: (q [n, k] uint8 in
+    0..15, d [n, k/32] and m [n, k/32] float32) with float32(d * q + m) equal to every value; None
+    where some 32-value run along k is no such block. gguf-py dequantizes a sub-block as
+    (d sc) q - dmin mn in float32: d sc and dmin mn (fp16 times a 6-bit integer) are exact, 17
+    significant bits at most, and so is each (d sc) q, so one rounding makes each value. Here m is
+    the run's smallest value (its q is 0 in all but ~1e-4 of Gemma-3's sub-blocks, and the check
+    takes any other that reproduces every value) and d the smallest gap between its values times
+    the whole number of gaps in its range, rounded to 17 bits (or 1 or 2 such units off); every
+    value is checked."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32 or not torch.isfinite(weight).all():
+        return None
+    w = weight.detach().view(n, k // 32, 32)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    gaps = w.sort(-1).values.diff(dim=-1)
+    step = torch.where(gaps > 0, gaps, torch.inf).amin(-1, keepdim=True)
+    spans = torch.where(high > low, ((high - low) / step).round().clamp(1, 15), 1.0)
+    estimate = _round_bits((high.double() - low.double()) / spans.double(), 17)
+    unit = torch.ldexp(torch.ones_like(estimate), torch.frexp(estimate)[1] - 17)
+    found = high == low  # a constant run: d = 0, q = 0
+    d, q = torch.zeros_like(low), torch.zeros_like(w)
+    for shift in (0, -1, 1, -2, 2):
+        candidate = torch.where(high > low, estimate + shift * unit, 0.0)
+        safe = torch.where(candidate > 0, candidate, 1.0)
+        qc = torch.where(candidate > 0, torch.round((w - low) / safe), 0.0).clamp(0, 15)
+        ok = (candidate * qc + low == w).all(-1, keepdim=True) & ~found
+        d, q, found = torch.where(ok, candidate, d), torch.where(ok, qc, q), found | ok
+    if not found.all():
+        return None
+    return q.to(torch.uint8).view(n, k), d[..., 0], low[..., 0]
+
+
 def q4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks (q_recover's form) -> srt_q4_linear's order, [n/16, k/32, 320] uint8: per 16
+    """Q4_1 blocks (q4_recover's form) -> srt_q4_linear's order, [n/16, k/32, 320] uint8: per 16
     outputs and 32 k, 16 d and 16 m (fp16), then for each quad of k 32 bytes: byte 2j q[j][4c] |
-    q[j][4c + 2] << 4, byte 2j + 1 q[j][4c + 1] | q[j][4c + 3] << 4. n % 16 == 0."""
+    q[j][4c + 2] << 4, byte 2j + 1 q[j][4c + 1] | q[j][4c + 3] << 4. n % 16 == 0. Q4_K blocks
+    (q4k_recover's, d and m float32) -> srt_q4k_linear's [n/16, k/32, 384], the same with fp32 d, m."""
     n, k = q.shape
     blocks = k // 32
     scales = torch.stack([d, m], dim=1).view(n // 16, 16, 2, blocks).permute(0, 3, 2, 1)  # [n/16, kb, 2, 16]
-    scales = scales.contiguous().view(torch.uint8).reshape(n // 16, blocks, 64)
+    scales = scales.contiguous().view(torch.uint8).reshape(n // 16, blocks, -1)
     quads = q.view(n // 16, 16, blocks, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [n/16, kb, c, j, pair, low/high]
     nibbles = (quads[..., 0] | (quads[..., 1] << 4)).reshape(n // 16, blocks, 256)
     return torch.cat([scales, nibbles], dim=-1).contiguous()
@@ -100,6 +143,16 @@ class Q4Weight:
     its bf16 copy packed for srt_bf16_linear (more rows: a prefill, a big decode batch)."""
 
     packed: torch.Tensor  # q4_pack's [n/16, k/32, 320]
+    bf16: torch.Tensor  # bf16_pack's
+
+
+@dataclass(frozen=True)
+class Q4KWeight:
+    """A layer's GGUF Q4_K weight for srt_q4k_linear (decode steps of up to Q4_MAX_ROWS rows) and
+    its bf16 copy packed for srt_bf16_linear (more rows). Not a Q4Weight: the fused decode layer
+    (srt_decode_layer) reads only Q4_1's layout."""
+
+    packed: torch.Tensor  # q4_pack's [n/16, k/32, 384]
     bf16: torch.Tensor  # bf16_pack's
 
 

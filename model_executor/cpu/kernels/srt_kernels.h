@@ -94,6 +94,11 @@ int64_t srt_q4_linear_available(void);
 void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                    int64_t k);
 void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
+/* the same on GGUF Q4_K blocks (q4_pack's layout with fp32 scales; AVX2, FMA and F16C only) */
+int64_t srt_q4k_linear_available(void);
+void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                    int64_t k);
+void srt_q4k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
 
 /* cpu_q8_linear.c: the LM head on GGUF Q8_0 blocks (q8_pack's layout), fp32 logits */
 int64_t srt_q8_linear_available(void);
