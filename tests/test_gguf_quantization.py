@@ -322,6 +322,27 @@ def test_q8_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int)
     assert (out.double() - want).norm() * 10 < (rounded - want).norm()
 
 
+def forced_decode_case(model_dir: Path) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """Five seeded prompts of 1-30 tokens, six forced tokens after each, and transformers fp32's
+    logits at those positions."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
+    forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
+    return prompts, forced, hf_forced_logits(hf_float32(model_dir), prompts, forced)
+
+
+def first_layer_weights(runner: ModelRunner) -> list[object]:
+    """The packed qkv, o, gate_up and down weights of the runner's first layer."""
+    layer = runner.model.model.layers[0]  # type: ignore[attr-defined]
+    projections = (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
+    return [proj.packed_weight for proj in projections]
+
+
 @needs_q4k
 def test_q4k_model_decodes_on_the_q4k_kernel(
     tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -333,19 +354,9 @@ def test_q4k_model_decodes_on_the_q4k_kernel(
     tensors = load_file(target / "model.safetensors")
     tensors = {name: quantize_q4_k(t) if name.endswith("proj.weight") else t for name, t in tensors.items()}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
-    forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    ref = hf_forced_logits(hf_float32(target), prompts, forced)
+    prompts, forced, ref = forced_decode_case(target)
     runner = ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf"))
-    layer = runner.model.model.layers[0]
-    for proj in (
-        layer.self_attn.qkv_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_up_proj,
-        layer.mlp.down_proj,
-    ):
-        assert isinstance(proj.packed_weight, packing.Q4KWeight)
+    assert all(isinstance(w, packing.Q4KWeight) for w in first_layer_weights(runner))
     assert runner.step_runner.layers().packed  # type: ignore[attr-defined]
     fused = decode_logits(runner, prompts, forced)
     monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q4k_linear
@@ -367,20 +378,9 @@ def test_q4k_model_decodes_on_the_q4k_kernel(
 def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(
     q4_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30, 7, 19, 1)]
-    forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
-    ref = hf_forced_logits(hf_float32(q4_llama), prompts, forced)
-
+    prompts, forced, ref = forced_decode_case(q4_llama)
     runner = ModelRunner(RunnerConfig(model_dir=q4_llama, max_total_tokens=512, quantization="gguf"))
-    layer = runner.model.model.layers[0]
-    for linear in (
-        layer.self_attn.qkv_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_up_proj,
-        layer.mlp.down_proj,
-    ):
-        assert isinstance(linear.packed_weight, packing.Q4Weight)
+    assert all(isinstance(w, packing.Q4Weight) for w in first_layer_weights(runner))
     assert isinstance(
         runner.model.lm_head.packed_weight, packing.Q8Weight if build.q8_available() else torch.Tensor
     )
