@@ -65,13 +65,10 @@ def packed_max_rows() -> int:
 
 
 def is_kernel_packed(packed: PackedWeight) -> bool:
-    """Whether our kernels read `packed` (srt_bf16_linear's or the int8 layout), not oneDNN; False
-    for a Q4KWeight, which _linear and linear_silu_mul take themselves (srt_decode_layer has no
-    Q4_K path: the decode runner gives it the weight's packed bf16 copy)."""
-    if isinstance(packed, packing.Q4KWeight):
-        return False
+    """Whether our kernels read `packed` (srt_bf16_linear's, the int8 or a GGUF layout), not oneDNN."""
+    quantized = (packing.Int8Weight, packing.Q4Weight, packing.Q4KWeight, packing.Q8Weight)
     # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
-    return isinstance(packed, (packing.Int8Weight, packing.Q4Weight, packing.Q8Weight)) or packed.dim() == 5
+    return isinstance(packed, quantized) or packed.dim() == 5
 
 
 def pack_weight(
@@ -124,13 +121,9 @@ def _linear(
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
-    if isinstance(packed, packing.Q4Weight):
+    if isinstance(packed, (packing.Q4Weight, packing.Q4KWeight)):
         if rows <= ops.Q4_MAX_ROWS:
             return ops.q4_linear(x.contiguous(), packed.packed, bias)
-        packed = packed.bf16
-    if isinstance(packed, packing.Q4KWeight):
-        if rows <= ops.Q4_MAX_ROWS:
-            return _q4k_linear(x.contiguous(), packed.packed, bias, silu=False)
         packed = packed.bf16
     if isinstance(packed, packing.Q8Weight):
         if rows <= ops.Q8_MAX_ROWS and bias is None:
@@ -155,46 +148,22 @@ def _linear(
     return out.view(*shape[:-1], out.shape[-1])
 
 
-def _q4k_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """ops.q4_linear (silu: ops.q4_linear_silu) for a Q4_K weight (q4_pack's [n/16, k/32, 384]):
-    x [.., k] contiguous bf16 -> [.., n] (silu: [.., n/2]) bf16."""
-    lib = build.kernels()
-    assert lib is not None and x.dtype == torch.bfloat16 and x.is_contiguous()
-    n, k = packed.shape[0] * (8 if silu else 16), packed.shape[1] * 32
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    if silu:
-        lib.srt_q4k_linear_silu(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
-    else:
-        lib.srt_q4k_linear(
-            x.data_ptr(), x.numel() // k, packed.data_ptr(), ops.data_ptr(bias), out.data_ptr(), n, k
-        )
-    return out
-
-
 def linear_silu_mul(
     x: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
     for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most packed_max_rows()),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
-    if isinstance(packed, packing.Q4KWeight) and bias is None:
-        if x.numel() // x.shape[-1] <= ops.Q4_MAX_ROWS:
-            return _q4k_linear(x.contiguous(), packed.packed, None, silu=True)
-        packed = packed.bf16
-    if (
-        packed is None
-        or bias is not None
-        or not is_kernel_packed(packed)
-        or isinstance(packed, (packing.Q8Weight, packing.Q4KWeight))
-    ):
+    if packed is None or bias is not None or isinstance(packed, packing.Q8Weight):
         return None
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear_silu(x.contiguous(), packed)
-    if isinstance(packed, packing.Q4Weight):
-        if x.numel() // x.shape[-1] <= ops.Q4_MAX_ROWS:
+    rows = x.numel() // x.shape[-1]
+    if isinstance(packed, (packing.Q4Weight, packing.Q4KWeight)):
+        if rows <= ops.Q4_MAX_ROWS:
             return ops.q4_linear_silu(x.contiguous(), packed.packed)
         packed = packed.bf16
-    if x.numel() // x.shape[-1] > packed_max_rows():
+    if not is_kernel_packed(packed) or rows > packed_max_rows():
         return None
     return ops.bf16_linear_silu(x.contiguous(), packed)
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from model_executor.cpu.kernels import build
-from model_executor.cpu.kernels.packing import Int8Weight
+from model_executor.cpu.kernels.packing import Q4K_BLOCK_BYTES, Int8Weight
 
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
@@ -458,20 +458,22 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, for the weight `packed` holds (q4_pack)."""
+    """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, for the weight `packed` holds (q4_pack:
+    Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear)."""
     lib = _library()
     _need_contiguous("x", x)
     _need_dtype("x", x, torch.bfloat16)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    lib.srt_q4_linear(x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k)
+    kernel = lib.srt_q4k_linear if packed.shape[-1] == Q4K_BLOCK_BYTES else lib.srt_q4_linear
+    kernel(x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k)
     return out
 
 
 def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [.., k] bf16 and a Q4_1 gate_up weight [2d, k] (gate rows, then up rows) -> silu(gate) * up
-    [.., d] in one pass, equal to silu_mul(q4_linear(x, packed, None))."""
+    """x [.., k] bf16 and a Q4_1 or Q4_K gate_up weight [2d, k] (gate rows, then up rows) ->
+    silu(gate) * up [.., d] in one pass, equal to silu_mul(q4_linear(x, packed, None))."""
     lib = _library()
     _need_contiguous("x", x)
     _need_dtype("x", x, torch.bfloat16)
@@ -479,7 +481,8 @@ def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     d, k = packed.shape[0] * 8, packed.shape[1] * 32
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
-    lib.srt_q4_linear_silu(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
+    kernel = lib.srt_q4k_linear_silu if packed.shape[-1] == Q4K_BLOCK_BYTES else lib.srt_q4_linear_silu
+    kernel(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
     return out
 
 
