@@ -61,6 +61,14 @@ class KVMemory:
             self.window.free(torch.unique(slots.reshape(-1).to(torch.int64) // self.page_size))
         self.allocator.free_slots(slots)
 
+    def free_tail(self, row: int, keep: int, end: int) -> None:
+        """Frees the pages of request row `row` (holding `end` tokens) past its first `keep`: the
+        pages that start at or after keep; a partly kept page stays the row's, and its next tokens
+        continue it."""
+        start = -(-keep // self.page_size) * self.page_size
+        if start < end:
+            self.free_slots(self.req_to_token_pool.req_to_token[row, start:end])
+
     @property
     def page_size(self) -> int:
         return self.budget.page_size

@@ -78,7 +78,6 @@ class DraftModelSpeculator(Speculator):
         super().__init__(num_draft_tokens)
         self.runner = runner
         self.memory = runner.memory
-        self.table = runner.memory.req_to_token_pool.req_to_token
         self.tp = tp
         self.vocab_size = vocab_size
         self.context_length = int(runner.info()["context_length"])
@@ -139,9 +138,7 @@ class DraftModelSpeculator(Speculator):
 
     def _trim(self, state: DraftModelState, keep: int) -> None:
         """Frees the row's K/V past its first `keep` tokens (a partly kept page stays the row's)."""
-        start = -(-keep // self.memory.page_size) * self.memory.page_size
-        if start < len(state.tokens):
-            self.memory.free_slots(self.table[state.row, start : len(state.tokens)])
+        self.memory.free_tail(state.row, keep, len(state.tokens))  # type: ignore[arg-type]
         del state.tokens[keep:]
 
     def _catch_up(self, reqs: list[Req], states: list[DraftModelState]) -> list[int]:

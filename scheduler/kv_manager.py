@@ -143,9 +143,7 @@ class KVManager:
         the pages that start at or after kv_len; a partly kept page stays the request's, and its
         next tokens continue it."""
         assert req.req_pool_idx is not None and req.cached_len <= kv_len <= req.kv_len, (req.rid, kv_len)
-        start = -(-kv_len // self.page_size) * self.page_size
-        if start < req.kv_len:
-            self.memory.free_slots(self.req_to_token[req.req_pool_idx, start : req.kv_len])
+        self.memory.free_tail(req.req_pool_idx, kv_len, req.kv_len)
         req.kv_len = kv_len
 
     def reserve_extend(self, reqs: list[Req], lens: list[int]) -> bool:
