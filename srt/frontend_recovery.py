@@ -71,14 +71,15 @@ class FrontendRecovery:
             return f"recovering: {self.reason}; {self.held_back} requests are waiting already"
         return None
 
-    async def until_recovered(self) -> None:
-        """Hold a new request back while the engine restarts; ServiceUnavailableError after a failure."""
+    async def until_recovered(self, requests: int = 1) -> None:
+        """Hold new requests (a call's `requests`) back while the engine restarts;
+        ServiceUnavailableError after a failure."""
         while self.reason is not None and self._failure() is None:
-            self.held_back += 1
+            self.held_back += requests
             try:
                 await self._recovered.wait()
             finally:
-                self.held_back -= 1
+                self.held_back -= requests
         failure = self._failure()
         if failure is not None:
             raise ServiceUnavailableError(failure)

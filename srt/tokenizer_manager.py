@@ -304,10 +304,12 @@ class TokenizerManager:
         ]
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
+            await self.recovery.until_recovered(len(call.reqs))
             for req, state in zip(call.reqs, states):
-                await self.recovery.until_recovered()
                 state.sent = req  # with the send, no await between: a restart replays exactly the sent ones
-                self._send_nowait(req)
+            # a batch in one message, as SGLang's BatchTokenizedGenerateReqInput: the scheduler
+            # receives it whole, so its requests start in one step rather than split by their arrival
+            self._send_nowait(call.reqs[0] if len(call.reqs) == 1 else list(call.reqs))
             pending = list(states)
             last_check = time.perf_counter()
             while pending:

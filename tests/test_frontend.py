@@ -55,6 +55,7 @@ class FakeBackend(threading.Thread):
         self.port_args = port_args
         self.detokenizer = DetokenizerManager(tokenizer)
         self.received: list[Any] = []
+        self.sent_lists: list[list[Any]] = []  # the batches that came as one message, as sent
         self.held: dict[str, TokenizedGenerateReq] = {}
         self.answer_control = True
         self.stopping = threading.Event()
@@ -67,7 +68,11 @@ class FakeBackend(threading.Thread):
         push.connect(self.port_args.tokenizer_manager_ipc)
         while not self.stopping.is_set():
             if pull.poll(20):
-                self.handle(pull.recv_pyobj(), push)
+                message = pull.recv_pyobj()
+                if isinstance(message, list):  # a batch in one message, as scheduler/receiver.py takes it
+                    self.sent_lists.append(message)
+                for msg in message if isinstance(message, list) else [message]:
+                    self.handle(msg, push)
         context.destroy(linger=0)
 
     def handle(self, msg: Any, push: zmq.Socket) -> None:
@@ -365,6 +370,11 @@ def test_batch_requests_keep_order(server: Server, tokenizer: Any) -> None:
     texts = server.post("/generate", {"text": ["one two three four", "five six seven"]}).json()
     assert [t["output_ids"] for t in texts] == [
         tokenizer(s)["input_ids"][-3:] for s in ("one two three four", "five six seven")
+    ]
+    # each batch reached the scheduler in one message, so its requests start in one step
+    assert [[m.rid for m in batch] for batch in server.backend.sent_lists[-2:]] == [
+        [o["meta_info"]["id"] for o in outs],
+        [t["meta_info"]["id"] for t in texts],
     ]
 
 
