@@ -91,15 +91,18 @@ def test_packed_linear_is_the_fp32_product_rounded_once(m: int) -> None:
     reason="the AVX-512 BF16 and AVX2 kernels run only where AMX does not",
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_without_amx_gives_each_row_the_same_bits_in_any_batch(threads: int) -> None:
+@pytest.mark.parametrize(("n", "k"), [(1024, 576), (352, 1056)])
+def test_linear_without_amx_gives_each_row_the_same_bits_in_any_batch(threads: int, n: int, k: int) -> None:
     """Without AMX (AVX-512 BF16, or AVX2 and FMA) a row's outputs do not depend on the rows beside
     it nor on the thread count (each sum runs over k in one order whatever the row count, tiling
     and thread split): a request decodes the same tokens alone or in a batch, and speculative
-    decoding's verify step gives the draft's bits. n = 1024 outputs, so that two threads share
-    them; every tail of the 6-row (AVX-512) and 3-row (AVX2) tiles; all three output forms; the
-    whole batch on 2 threads against its parts on `threads`."""
-    weight, bias, x, packed = kernel_case(70, 1024, 576)
-    d = 512  # as a gate_up weight: gate rows 0-511, up rows 512-1023
+    decoding's verify step gives the draft's bits. n = 1024 or 352 outputs, so that two threads
+    share them (352: 11 blocks each, an odd count, and 5 and 6 gate blocks); every tail of the
+    6-row (AVX-512) and 3-row (AVX2) tiles, AVX2's rows up to 8 against its panel path's 6-row
+    tiles past 8 (9 rows, 64, the whole 70); all three output forms; the whole batch on 2 threads
+    against its parts on `threads`."""
+    weight, bias, x, packed = kernel_case(70, n, k)
+    d = n // 2  # as a gate_up weight: gate rows 0 to d - 1, up rows d to n - 1
 
     def forms(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (
@@ -113,7 +116,7 @@ def test_linear_without_amx_gives_each_row_the_same_bits_in_any_batch(threads: i
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64):
             for start in (0, 70 - rows):
                 for got, want in zip(forms(x[start : start + rows]), whole):
                     assert torch.equal(got, want[start : start + rows]), (rows, start, threads)
