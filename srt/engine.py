@@ -104,6 +104,21 @@ def _tokenizer_loader(path: str) -> Callable[[], Any]:
     return load
 
 
+def _check_prompts(prompts: object) -> None:
+    """Engine.generate takes token ids; anything else is refused by name before a step runs."""
+    if not isinstance(prompts, list):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            raise TypeError(
+                f"prompts[{i}] is a str: the offline Engine takes token ids (tokenize the text first)"
+            )
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError(f"prompts[{i}] must be a list of int token ids")
+
+
 class Engine:
     """`Engine(model_path=None, tp_size=1, dtype="auto").generate(prompts, params)`.
 
@@ -266,7 +281,12 @@ class Engine:
     ) -> list[GenerateOutput]:
         if params is None:
             params = SamplingParams()
+        _check_prompts(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(
+                f"params: {len(plist)} SamplingParams for {len(prompts)} prompts; give one, or one each"
+            )
         constrained = next((p.grammar.kind for p in plist if p.grammar is not None), None)
         if constrained is not None:
             raise ValueError(f"{constrained}: the offline Engine does not constrain outputs; serve the model")

@@ -35,6 +35,20 @@ def reference(tiny_model_dirs: dict[str, Path]) -> dict[str, list[int]]:
     return {f"r{i}": o.output_ids for i, o in enumerate(outs)}
 
 
+def test_offline_engine_refuses_what_it_cannot_run_by_name(tiny_model_dirs: dict[str, Path]) -> None:
+    """Text where token ids go, and a params list of another length than the prompts (which zip
+    would cut short, dropping requests silently), are refused before a step; the engine still runs."""
+    engine = Engine(str(tiny_model_dirs["llama"]), dtype="float32", max_total_tokens=1024)
+    with pytest.raises(TypeError, match=r"prompts\[1\] is a str: the offline Engine takes token ids"):
+        engine.generate([[5, 6], "hello"], GREEDY)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a list of int token ids"):
+        engine.generate([[5.0, 6]], GREEDY)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="params: 1 SamplingParams for 2 prompts"):
+        engine.generate([[5, 6], [7, 8]], [GREEDY])
+    outs = engine.generate([[5, 6], [7, 8]], [GREEDY, GREEDY])
+    assert [len(o.output_ids) for o in outs] == [12, 12]
+
+
 def run(model_dir: Path, **kwargs: object) -> Harness:
     h = Harness(model_dir, **kwargs)  # type: ignore[arg-type]
     for i, p in enumerate(mixed_prompts(32)):
