@@ -64,6 +64,18 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return (d.half().float() * q).view(n, k)
 
 
+def quantize_q5_0(weight: torch.Tensor, levels: int = 16) -> torch.Tensor:
+    """llama.cpp's Q5_0 (quantize_row_q5_0_ref; levels=8: Q4_0's) of a float weight, dequantized
+    again: d = the run's largest-magnitude value / -levels, q = min(2 levels - 1, trunc(x / d +
+    levels + 0.5)), each value (q - levels) fp16(d)."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // 32, 32)
+    peak = w.gather(-1, w.abs().argmax(-1, keepdim=True))
+    d = peak / -levels
+    q = torch.trunc(w * torch.where(d != 0, 1 / d, 0.0) + levels + 0.5).clamp(max=2 * levels - 1)
+    return ((q - levels) * d.half().float()).view(n, k)
+
+
 def q8_0_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random Q8_0 blocks as llama.cpp's quantizer makes them: each run of 32 holds a +-127."""
     g = torch.Generator().manual_seed(seed)
@@ -285,6 +297,26 @@ def test_q8_recover_finds_the_blocks_and_nothing_else() -> None:
     assert packing.q8_recover(weight[:, :48]) is None  # k % 32 != 0
 
 
+def test_q8_recover_finds_q5_0_and_q4_0_blocks_too() -> None:
+    """Q5_0 and Q4_0 runs (d the largest-magnitude value / -16 or / -8) are the same form, fp16 d
+    times a small int, so they run on the 8-bit kernel; a weight may mix the three kinds by run."""
+    g = torch.Generator().manual_seed(4)
+    for levels in (16, 8):  # a Q4_0 run is also a Q5_0 one, at half its d
+        weight = quantize_q5_0(torch.randn(32, 128, generator=g), levels)
+        found = packing.q8_recover(weight)
+        assert found is not None
+        q, d = found
+        assert int(q.min()) >= -16 and int(q.max()) <= 15
+        assert torch.equal(d.float().repeat_interleave(32, 1) * q.float(), weight)
+    mixed = torch.cat(
+        [quantize_q5_0(torch.randn(16, 64, generator=g)), quantize_q8_0(torch.randn(16, 64))], 1
+    )
+    assert packing.q8_recover(mixed) is not None
+    nudged = quantize_q5_0(torch.randn(16, 64, generator=g))
+    nudged[3, 10] = torch.nextafter(nudged[3, 10], torch.tensor(1.0))
+    assert packing.q8_recover(nudged) is None
+
+
 def test_q8_pack_lays_out_scales_then_biased_quads() -> None:
     q, d = q8_0_blocks(32, 64, seed=3)
     packed = packing.q8_pack(q, d)
@@ -369,6 +401,38 @@ def test_q4k_model_decodes_on_the_q4k_kernel(
         forced,
     )
     assert calls
+    scale = ref.abs().max().item()
+    err_fused, err_plain = ((x - ref).abs().max().item() / scale for x in (fused, plain))
+    assert err_fused < 0.03 and err_plain < 0.03, (err_fused, err_plain)
+
+
+@needs_q8
+def test_q5_0_model_decodes_on_the_8_bit_kernel(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every projection on a Q5_0 grid (as Gemma-3's Q4_K_M file holds the layers whose k is not
+    a multiple of 256): each a Q8Weight; decode steps (fused layers on the packed bf16 copies, or
+    op by op on srt_q8_linear) as close to fp32 as the Q4_K model's."""
+    target = tmp_path / "llama"
+    shutil.copytree(tiny_model_dirs["llama"], target)
+    tensors = load_file(target / "model.safetensors")
+    tensors = {name: quantize_q5_0(t) if name.endswith("proj.weight") else t for name, t in tensors.items()}
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    prompts, forced, ref = forced_decode_case(target)
+    runner = ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf"))
+    assert all(isinstance(w, packing.Q8Weight) for w in first_layer_weights(runner))
+    assert runner.step_runner.layers().packed  # type: ignore[attr-defined]
+    fused = decode_logits(runner, prompts, forced)
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q8_linear
+    calls: list[int] = []
+    real = build.kernels().srt_q8_linear  # type: ignore[union-attr]
+    monkeypatch.setattr(build.kernels(), "srt_q8_linear", lambda *a: (calls.append(1), real(*a))[1])
+    plain = decode_logits(
+        ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf")),
+        prompts,
+        forced,
+    )
+    assert len(calls) > 6  # the layers', not only the LM head's
     scale = ref.abs().max().item()
     err_fused, err_plain = ((x - ref).abs().max().item() / scale for x in (fused, plain))
     assert err_fused < 0.03 and err_plain < 0.03, (err_fused, err_plain)
@@ -538,8 +602,8 @@ def test_server_serves_on_q4_1_weights(q4_llama: Path, smollm2_dir: Path) -> Non
         )
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
-        head = ", the LM head Q8_0" if build.q8_available() else ""
-        assert f"packed 9 weights for the CPU kernels, 8 of them Q4_1{head} (gguf)" in server.output()
+        head = ", 1 8-bit (Q8_0, Q5_0 or Q4_0 blocks)" if build.q8_available() else ""  # the LM head
+        assert f"packed 9 weights for the CPU kernels, of them 8 Q4_1{head} (gguf)" in server.output()
 
 
 def test_tiny_q4_copy_is_on_the_grid(q4_llama: Path) -> None:

@@ -149,4 +149,4 @@ def test_server_serves_with_int8_weights() -> None:
         )
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
-        assert "packed 121 weights for the CPU kernels, 120 of them int8 (w8a8_int8)" in server.output()
+        assert "packed 121 weights for the CPU kernels, of them 120 int8 (w8a8_int8)" in server.output()

@@ -51,9 +51,12 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
 
 def gguf_bf16_reason() -> str:
     """Why a --quantization gguf layer stays bf16 on this CPU, as pack_model logs it."""
+    eight = ", Q8_0, Q5_0 or Q4_0" if build.q8_available() else ""
     if build.q4k_available():
-        return "not Q4_1 or Q4_K (another K-quant or type)"
-    return "not Q4_1 (a K-quant or another type)" if build.q4_available() else "no Q4_1 kernel on this CPU"
+        return f"not Q4_1, Q4_K{eight} (Q5_K, Q6_K or another type)"
+    if build.q4_available():
+        return f"not Q4_1{eight} (a K-quant or another type)"
+    return "no 4-bit kernel on this CPU"
 
 
 def pack_model(
@@ -61,11 +64,12 @@ def pack_model(
 ) -> int:
     """Packs every linear layer (LinearBase), setting its linear method to a PackedLinearMethod (or
     UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
-    with gguf as its Q4_1 (or Q4_K) blocks, recovered from the same layer of `float32_model` (the same
-    checkpoint loaded in float32: its exact dequantized values), and the LM head as its Q8_0 blocks
-    where the file holds it so (a tied head: the token embedding). A gguf layer srt has no kernel for
-    here (not Q4_1 or Q4_K, as Q6_K is, or no kernel for it on this CPU) stays bf16, and the log names how
-    many. Returns how many were packed. Call once, after the weights are loaded."""
+    with gguf as its Q4_1 (or Q4_K) blocks, or its Q8_0, Q5_0 or Q4_0 blocks (on the 8-bit kernel),
+    recovered from the same layer of `float32_model` (the same checkpoint loaded in float32: its
+    exact dequantized values), and the LM head as its Q8_0 blocks where the file holds it so (a tied
+    head: the token embedding). A gguf layer srt has no kernel for here (Q5_K, Q6_K, or no kernel
+    for it on this CPU) stays bf16, and the log names how many. Returns how many were packed. Call
+    once, after the weights are loaded."""
     assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
     count = 0
     float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
@@ -80,7 +84,9 @@ def pack_model(
                 q4 = packing.q4_recover(exact) if build.q4_available() else None
                 if q4 is None and build.q4k_available():
                     q4 = packing.q4k_recover(exact)
-                if q4 is None:
+                if q4 is None and build.q8_available():  # Q8_0, Q5_0 or Q4_0 blocks
+                    q8 = packing.q8_recover(exact)
+                if q4 is None and q8 is None:
                     as_bf16.append(name)
             elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
                 q8 = packing.q8_recover(float32_modules[name].weight)
@@ -116,18 +122,18 @@ def prepare_weights(
     fuse_experts(model)  # a mixture of experts: each layer's experts in one kernel call
     if packed:
         weights = [packed_of(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)]
-        quantized = sum(
-            isinstance(w, (packing.Int8Weight, packing.Q4Weight, packing.Q4KWeight)) for w in weights
+        kinds = (
+            (packing.Int8Weight, "int8"),
+            (packing.Q4Weight, "Q4_1"),
+            (packing.Q4KWeight, "Q4_K"),
+            (packing.Q8Weight, "8-bit (Q8_0, Q5_0 or Q4_0 blocks)"),
         )
-        kind = "Q4_1" if quantization == "gguf" else "int8"
-        if any(isinstance(w, packing.Q4KWeight) for w in weights):
-            kind += " or Q4_K"
-        if any(isinstance(w, packing.Q8Weight) for w in weights):
-            kind += ", the LM head Q8_0"
+        counts = [f"{sum(isinstance(w, kind) for w in weights)} {name}" for kind, name in kinds]
+        quantized = [c for c in counts if not c.startswith("0 ")]
         logger.info(
             "packed %d weights for the CPU kernels%s",
             packed,
-            f", {quantized} of them {kind} ({quantization})" if quantization else "",
+            f", of them {', '.join(quantized)} ({quantization})" if quantization else "",
         )
     if dtype in (torch.bfloat16, torch.float16):
         logger.info(build.describe_paths())

@@ -160,20 +160,31 @@ Q8_BLOCK_BYTES = 544  # cpu_q8_linear.c: 16 outputs x 32 k of Q8_0 (fp16 d, then
 
 
 def q8_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The GGUF Q8_0 blocks behind a float32 [n, k] weight, if it is one: (q [n, k] int8 in -127..127,
-    d [n, k/32] fp16) with float32(d * q) equal to every value; None where some run of 32 along k
-    is not such a block. d is the block's largest magnitude / 127, as llama.cpp's Q8_0 quantizer
-    sets it (that value's q is +-127); every value is checked."""
+    """The GGUF blocks of 32 values with one fp16 scale behind a float32 [n, k] weight, if it is
+    such: (q [n, k] int8, d [n, k/32] fp16) with float32(d * q) equal to every value; None where
+    some run of 32 along k is no such block. Q8_0 (q in -127..127, d the run's largest magnitude /
+    127, as llama.cpp's quantizer sets it), Q5_0 (q - 16 in -16..15, d = its largest-magnitude
+    value / -16) and Q4_0 (q - 8 in -8..7, d = that value / -8) all dequantize so, and all run on
+    srt_q8_linear; a run may be any of the three. Every value is checked."""
     n, k = weight.shape
-    if weight.dtype != torch.float32 or k % 32:
+    if weight.dtype != torch.float32 or k % 32 or not torch.isfinite(weight).all():
         return None
     w = weight.detach().view(n, k // 32, 32)
-    d = (w.abs().amax(-1) / 127).half()
-    if not (torch.isfinite(w).all() and torch.isfinite(d).all()):
-        return None
-    df = d.float()[..., None]
-    q = torch.where(df > 0, torch.round(w / torch.where(df > 0, df, 1.0)), 0.0)
-    if (q.abs() > 127).any() or not torch.equal(df * q, w):
+    peak = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)  # the largest-magnitude value
+    d = torch.zeros(n, k // 32, dtype=torch.float16)
+    q = torch.zeros_like(w)
+    found = torch.zeros(n, k // 32, dtype=torch.bool)
+    for scale, low, high in ((w.abs().amax(-1) / 127, -127, 127), (peak / -16, -16, 15), (peak / -8, -8, 7)):
+        candidate = scale.half()
+        if not torch.isfinite(candidate).all():
+            continue
+        df = candidate.float()[..., None]
+        qc = torch.where(df != 0, torch.round(w / torch.where(df != 0, df, 1.0)), 0.0)
+        ok = ~found & ((qc >= low) & (qc <= high) & (df * qc == w)).all(-1)
+        d = torch.where(ok, candidate, d)
+        q = torch.where(ok[..., None], qc, q)
+        found |= ok
+    if not found.all():
         return None
     return q.to(torch.int8).view(n, k), d
 
