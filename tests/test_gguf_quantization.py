@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -375,64 +376,45 @@ def first_layer_weights(runner: ModelRunner) -> list[object]:
     return [proj.packed_weight for proj in projections]
 
 
-@needs_q4k
-def test_q4k_model_decodes_on_the_q4k_kernel(
-    tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("quantize", "kind", "kernel"),
+    [
+        pytest.param(quantize_q4_k, packing.Q4KWeight, "srt_q4k_linear", marks=needs_q4k, id="q4_k"),
+        # as Gemma-3's Q4_K_M file holds the layers whose k is not a multiple of 256
+        pytest.param(quantize_q5_0, packing.Q8Weight, "srt_q8_linear", marks=needs_q8, id="q5_0"),
+    ],
+)
+def test_k_quant_and_q5_0_models_decode_on_their_kernels(
+    tiny_model_dirs: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    quantize: Any,
+    kind: type,
+    kernel: str,
 ) -> None:
-    """Every projection on a Q4_K grid: each a Q4KWeight; decode steps (fused layers on the weights'
-    packed bf16 copies, or op by op on srt_q4k_linear) as close to fp32 as the Q4_1 model's."""
+    """Every projection on a Q4_K (or Q5_0) grid: each a Q4KWeight (Q8Weight); decode steps (fused
+    layers on the weights' packed bf16 copies, or op by op on srt_q4k_linear, srt_q8_linear) as
+    close to fp32 as the Q4_1 model's."""
     target = tmp_path / "llama"
     shutil.copytree(tiny_model_dirs["llama"], target)
     tensors = load_file(target / "model.safetensors")
-    tensors = {name: quantize_q4_k(t) if name.endswith("proj.weight") else t for name, t in tensors.items()}
+    tensors = {name: quantize(t) if name.endswith("proj.weight") else t for name, t in tensors.items()}
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     prompts, forced, ref = forced_decode_case(target)
     runner = ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf"))
-    assert all(isinstance(w, packing.Q4KWeight) for w in first_layer_weights(runner))
+    assert all(isinstance(w, kind) for w in first_layer_weights(runner))
     assert runner.step_runner.layers().packed  # type: ignore[attr-defined]
     fused = decode_logits(runner, prompts, forced)
-    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q4k_linear
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on its kernel
     calls: list[int] = []
-    real = build.kernels().srt_q4k_linear  # type: ignore[union-attr]
-    monkeypatch.setattr(build.kernels(), "srt_q4k_linear", lambda *a: (calls.append(1), real(*a))[1])
+    real = getattr(build.kernels(), kernel)
+    monkeypatch.setattr(build.kernels(), kernel, lambda *a: (calls.append(1), real(*a))[1])
     plain = decode_logits(
         ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf")),
         prompts,
         forced,
     )
-    assert calls
-    scale = ref.abs().max().item()
-    err_fused, err_plain = ((x - ref).abs().max().item() / scale for x in (fused, plain))
-    assert err_fused < 0.03 and err_plain < 0.03, (err_fused, err_plain)
-
-
-@needs_q8
-def test_q5_0_model_decodes_on_the_8_bit_kernel(
-    tiny_model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every projection on a Q5_0 grid (as Gemma-3's Q4_K_M file holds the layers whose k is not
-    a multiple of 256): each a Q8Weight; decode steps (fused layers on the packed bf16 copies, or
-    op by op on srt_q8_linear) as close to fp32 as the Q4_K model's."""
-    target = tmp_path / "llama"
-    shutil.copytree(tiny_model_dirs["llama"], target)
-    tensors = load_file(target / "model.safetensors")
-    tensors = {name: quantize_q5_0(t) if name.endswith("proj.weight") else t for name, t in tensors.items()}
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    prompts, forced, ref = forced_decode_case(target)
-    runner = ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf"))
-    assert all(isinstance(w, packing.Q8Weight) for w in first_layer_weights(runner))
-    assert runner.step_runner.layers().packed  # type: ignore[attr-defined]
-    fused = decode_logits(runner, prompts, forced)
-    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q8_linear
-    calls: list[int] = []
-    real = build.kernels().srt_q8_linear  # type: ignore[union-attr]
-    monkeypatch.setattr(build.kernels(), "srt_q8_linear", lambda *a: (calls.append(1), real(*a))[1])
-    plain = decode_logits(
-        ModelRunner(RunnerConfig(model_dir=target, max_total_tokens=512, quantization="gguf")),
-        prompts,
-        forced,
-    )
-    assert len(calls) > 6  # the layers', not only the LM head's
+    assert len(calls) > 6  # the layers', not only an LM head's
     scale = ref.abs().max().item()
     err_fused, err_plain = ((x - ref).abs().max().item() / scale for x in (fused, plain))
     assert err_fused < 0.03 and err_plain < 0.03, (err_fused, err_plain)
