@@ -8,9 +8,10 @@ srt: `launch_server --is-embedding` on all-MiniLM-L6-v2 (from the `all-minilm-l6
 texts one /v1/embeddings request, one after another, on one kept-alive connection. The peer: what
 sentence-transformers runs for this model, in this process: transformers' AutoModel in float32
 (its default on a CPU), each batch padded, mean-pooled over its mask and normalized, on the same
-number of threads as srt's rank. The texts are seeded sentences of 8 to 60 words. Each round times both sides at every batch
-size, alternating which goes first (the machine is shared and noisy); the table gives each side's
-median over rounds, their ratio, and the lowest cosine between the two sides' embeddings.
+number of threads as srt's rank. The texts are seeded sentences of 8 to 60 words. Each round times
+both sides at every batch size, alternating which goes first (the machine is shared and noisy); the
+table gives each side's median over rounds, their ratio, and the lowest cosine between the two
+sides' embeddings.
 """
 
 from __future__ import annotations

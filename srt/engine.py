@@ -33,6 +33,7 @@ from model_executor.model_runner import ModelRunner, RunnerConfig
 from scheduler.entry import run_scheduler_process, runner_config
 from scheduler.receiver import RequestReceiver
 from scheduler.scheduler import Scheduler
+from srt.generate_parse import is_int
 from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
@@ -113,9 +114,7 @@ def _check_prompts(prompts: object) -> None:
             raise TypeError(
                 f"prompts[{i}] is a str: the offline Engine takes token ids (tokenize the text first)"
             )
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):
             raise TypeError(f"prompts[{i}] must be a list of int token ids")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -388,7 +388,7 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     tiny_model_dirs: dict[str, Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    quantize: Any,
+    quantize: Callable[[torch.Tensor], torch.Tensor],
     kind: type,
     kernel: str,
 ) -> None:

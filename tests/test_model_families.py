@@ -6,6 +6,7 @@ Q8_0 tensors), served, for prompts shorter and longer than its 512-token window.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,8 @@ def test_gemma3_270m_served_matches_transformers(
         served = generate_all(server, prompts, GEMMA_TOKENS)
         assert "divergence" not in server.output()
         if flags and build.q8_available():
-            assert "8-bit (Q8_0, Q5_0 or Q4_0 blocks) (gguf)" in server.output()  # q/k/v, gate/up, head
+            eight_bit = re.search(r"(\d+) 8-bit \(Q8_0, Q5_0 or Q4_0 blocks\) \(gguf\)", server.output())
+            assert eight_bit and int(eight_bit[1]) == 37  # q/k/v and gate/up of 18 layers, the head
     for prompt, got, want, tie in zip(prompts, served, expected, ties):
         assert got[:tie] == want[:tie], (len(prompt), tie, tokenizer.decode(got), tokenizer.decode(want))
     assert sum(ties) >= 2 * GEMMA_TOKENS  # the comparison reaches past a few tokens

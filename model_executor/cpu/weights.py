@@ -59,6 +59,19 @@ def gguf_bf16_reason() -> str:
     return "no 4-bit kernel on this CPU"
 
 
+def gguf_blocks(
+    exact: torch.Tensor, quantizable: bool
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(the Q4_1 or Q4_K blocks, the Q8_0, Q5_0 or Q4_0 blocks) of a layer's exact float32 weight
+    that this CPU has a kernel for, each None where the weight is not so or the kernel is missing;
+    the 4-bit ones only for a quantizable layer (the LM head is not: it runs 8-bit blocks only)."""
+    q4 = packing.q4_recover(exact) if quantizable and build.q4_available() else None
+    if quantizable and q4 is None and build.q4k_available():
+        q4 = packing.q4k_recover(exact)
+    q8 = packing.q8_recover(exact) if q4 is None and build.q8_available() else None
+    return q4, q8
+
+
 def pack_model(
     model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
 ) -> int:
@@ -79,17 +92,10 @@ def pack_model(
         if isinstance(module, LinearBase) and isinstance(weight, torch.Tensor):
             quantizable = getattr(module, "quantizable", True)
             q4 = q8 = None
-            if quantization == "gguf" and quantizable:
-                exact = float32_modules[name].weight
-                q4 = packing.q4_recover(exact) if build.q4_available() else None
-                if q4 is None and build.q4k_available():
-                    q4 = packing.q4k_recover(exact)
-                if q4 is None and build.q8_available():  # Q8_0, Q5_0 or Q4_0 blocks
-                    q8 = packing.q8_recover(exact)
-                if q4 is None and q8 is None:
+            if quantization == "gguf":
+                q4, q8 = gguf_blocks(float32_modules[name].weight, quantizable)
+                if quantizable and q4 is None and q8 is None:
                     as_bf16.append(name)
-            elif quantization == "gguf" and build.q8_available():  # the LM head: the file's Q8_0 if it is
-                q8 = packing.q8_recover(float32_modules[name].weight)
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
             module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
             count += packed is not None
@@ -128,8 +134,8 @@ def prepare_weights(
             (packing.Q4KWeight, "Q4_K"),
             (packing.Q8Weight, "8-bit (Q8_0, Q5_0 or Q4_0 blocks)"),
         )
-        counts = [f"{sum(isinstance(w, kind) for w in weights)} {name}" for kind, name in kinds]
-        quantized = [c for c in counts if not c.startswith("0 ")]
+        counts = [(sum(isinstance(w, kind) for w in weights), name) for kind, name in kinds]
+        quantized = [f"{count} {name}" for count, name in counts if count]
         logger.info(
             "packed %d weights for the CPU kernels%s",
             packed,

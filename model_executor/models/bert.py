@@ -89,7 +89,7 @@ class BertSelfAttention(nn.Module):
         each request's tokens attending to all of its own (float32)."""
         qkv = self.qkv_proj(hidden.to(self.qkv_proj.weight.dtype), torch.float32)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(0, 1) for t in self.qkv_proj.split(qkv))
-        out = torch.empty(qkv.shape[0], q.shape[0], self.head_dim)  # [tokens, heads, head_dim]
+        out = qkv.new_empty(qkv.shape[0], q.shape[0], self.head_dim)  # [tokens, heads, head_dim]
         start = 0
         for length in lengths:
             rows = slice(start, start + length)
