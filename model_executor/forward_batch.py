@@ -41,6 +41,10 @@ class ForwardBatch:
     # the window slots of out_cache_loc, where local layers keep window pages (mem_cache/window_pages.py);
     # set by the ModelRunner before the forward
     window_cache_loc: torch.Tensor | None = None
+    # each request's prompt length (LongRoPE's rule, layers/rotary.py); None: each request's tokens
+    # through this step, as one forward of transformers sees them
+    prompt_lens_cpu: list[int] | None = None
+    rope_rows: bool = False  # positions were mapped to rotary table rows (LongRoPE's long ones)
 
     def __post_init__(self) -> None:
         bs = len(self.seq_lens_cpu)
@@ -72,8 +76,10 @@ def make_forward_batch(
     seq_lens: list[int],
     out_cache_loc: torch.Tensor,
     device: torch.device | str = "cpu",
+    prompt_lens: list[int] | None = None,
 ) -> ForwardBatch:
-    """Builds the step's tensors from per-request Python lists (prefix_lens[i] < seq_lens[i])."""
+    """Builds the step's tensors from per-request Python lists (prefix_lens[i] < seq_lens[i]);
+    prompt_lens: each request's prompt length, where the model's rotary needs it (LongRoPE)."""
     new_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     if mode is ForwardMode.DECODE:
         positions = [s - 1 for s in seq_lens]
@@ -89,4 +95,5 @@ def make_forward_batch(
         seq_lens_cpu=list(seq_lens),
         extend_prefix_lens_cpu=list(prefix_lens),
         extend_seq_lens_cpu=new_lens,
+        prompt_lens_cpu=None if prompt_lens is None else list(prompt_lens),
     )

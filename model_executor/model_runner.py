@@ -33,7 +33,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.gpu_status import gpu_paths_in_use, warn_unverified_gpu_paths
 from model_executor.layers.attention import Attention
 from model_executor.layers.moe import SparseMoeBlock
-from model_executor.layers.rotary import longrope_reach, rope_parameters
+from model_executor.layers.rotary import long_rope, rope_parameters
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
 from model_executor.logits_processor import process_logits, score_tokens
@@ -93,6 +93,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.wing = device_wing(config, self.parallel)  # what the device adds (model_executor/device_wing.py)
         self.hf_config = load_hf_config(config.model_dir)
+        self.long_rope = long_rope(
+            rope_parameters(self.hf_config),
+            int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096),
+        )
         self.context_length = self._context_length()
         self._init_model()
         self._init_memory()
@@ -103,10 +107,6 @@ class ModelRunner:
     def _context_length(self) -> int:
         model_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 4096)
         what = "max_position_embeddings"
-        reach = longrope_reach(rope_parameters(self.hf_config))
-        if reach is not None and reach < model_len:
-            model_len = reach
-            what = "LongRoPE reach here (original_max_position_embeddings: srt computes the short factors)"
         if self.config.is_embedding:  # sentence-transformers' own limit, where the checkpoint has one
             st_config = self.config.model_dir / "sentence_bert_config.json"
             if st_config.exists():
@@ -334,6 +334,7 @@ class ModelRunner:
         """This stage's part of the step: on the step runner where it takes the batch, else op by op
         (receiving the previous stage's hand-over unless first); then either sends the hand-over on
         (-> None) or, on the last stage, returns the logits as forward_with_token_logits does."""
+        self._rope_rows(batch)
         batch.attn_backend = self.attn_backend
         if self.window_pages is not None:
             batch.window_cache_loc = self.window_pages.translate(batch.out_cache_loc)
@@ -371,12 +372,22 @@ class ModelRunner:
         logits = self.model.compute_logits(torch.cat([last, extra]))
         return logits[: batch.batch_size], logits[batch.batch_size :]
 
+    def _rope_rows(self, batch: ForwardBatch) -> None:
+        """With LongRoPE's long factors, the batch's positions become rows of the rotary tables (the
+        long ones past the short: layers/rotary.py LongRope), once; positions feed the rotary only."""
+        if self.long_rope is None or batch.rope_rows:
+            return
+        prompts = batch.prompt_lens_cpu if batch.prompt_lens_cpu is not None else batch.seq_lens_cpu
+        batch.positions = self.long_rope.rows(batch.positions, prompts, batch.extend_seq_lens_cpu)
+        batch.rope_rows = True
+
     @torch.inference_mode()
     def embed(self, batch: ForwardBatch) -> list[list[float]]:
         """The embedding of each request of a prefill batch whose prompts are whole (--is-embedding):
         the model's final hidden states pooled (model_executor/pooler.py), float32."""
         assert self.pooler is not None, "not an embedding runner"
         assert not any(batch.extend_prefix_lens_cpu), "an embedding pools a whole prompt"
+        self._rope_rows(batch)
         batch.attn_backend = self.attn_backend
         self.step_runner.begin_step(batch, False)
         self.attn_backend.init_forward_metadata(batch)
@@ -438,6 +449,8 @@ class ModelRunner:
             "kv_budget": self.kv_budget.describe(),
             "page_size": self.config.page_size,
             "context_length": self.context_length,
+            # LongRoPE: prompts longer than this run on the long factors throughout (their KV is kept apart)
+            "long_rope_original": None if self.long_rope is None else self.long_rope.original,
             "weight_bytes": self.weight_bytes,
             "vocab_size": self.vocab_size,
             "hidden_size": int(self.hf_config.hidden_size),  # an embedding's size (--is-embedding)

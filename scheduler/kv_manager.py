@@ -24,8 +24,14 @@ logger = logging.getLogger("srt.scheduler")
 
 
 class KVManager:
-    def __init__(self, memory: KVMemory, tree_cache: BasePrefixCache) -> None:
+    def __init__(
+        self, memory: KVMemory, tree_cache: BasePrefixCache, long_prompt_over: int | None = None
+    ) -> None:
+        """`long_prompt_over`: with LongRoPE's long factors, the prompt length past which a request
+        runs every position on them (layers/rotary.py LongRope), so its KV differs from a shorter
+        prompt's at the same tokens: the prefix cache keeps the two apart (cache_key)."""
         self.memory = memory
+        self.long_prompt_over = long_prompt_over
         self.req_to_token_pool = memory.req_to_token_pool
         self.req_to_token = memory.req_to_token_pool.req_to_token
         self.allocator = memory.allocator
@@ -57,10 +63,19 @@ class KVManager:
             usable = self.window.usable_prefix(match.kv_indices, usable)
         return usable
 
+    def cache_key(self, req: Req, n: int | None = None) -> list[int]:
+        """The prefix cache's key of req's first n tokens (all by default): their ids, or for a
+        prompt on LongRoPE's long factors throughout each id as -1 - id, an id no token has, so
+        the long and the short rotations of the same tokens never share a cached prefix."""
+        ids = req.fill_ids if n is None else req.fill_ids[:n]
+        if self.long_prompt_over is not None and len(req.origin_input_ids) > self.long_prompt_over:
+            return [-1 - t for t in ids]
+        return ids
+
     def match(self, req: Req) -> tuple[int, MatchResult]:
         """The usable length of `req`'s cached prefix, and the lookup to pass to `admit` if the
         tree does not change in between (a lookup may split a node). Locks nothing."""
-        match = self.tree_cache.match_prefix(req.fill_ids)
+        match = self.tree_cache.match_prefix(self.cache_key(req))
         return self._usable_prefix(req, match), match
 
     def peek_prefix_len(self, req: Req) -> int:
@@ -74,7 +89,7 @@ class KVManager:
         if row is None:
             raise RuntimeError("no free request row; admission must respect max_running_requests")
         if match is None:
-            match = self.tree_cache.match_prefix(req.fill_ids)
+            match = self.tree_cache.match_prefix(self.cache_key(req))
         prefix_len = self._usable_prefix(req, match)
         self.req_to_token[row, :prefix_len] = match.kv_indices[:prefix_len]
         if self.window is not None:
@@ -181,7 +196,7 @@ class KVManager:
         row = req.req_pool_idx
         kv = self.req_to_token[row, : req.kv_len].clone()
         if insert:
-            present = self.tree_cache.insert(req.fill_ids[: req.kv_len], kv)
+            present = self.tree_cache.insert(self.cache_key(req, req.kv_len), kv)
             aligned = self.tree_cache.page_aligned_len(req.kv_len)
             # The cache already had kv[cached_len:present] from someone else, and never takes the
             # partial last page kv[aligned:]: both stay ours to free.

@@ -56,7 +56,17 @@ class ScheduleBatch:
         rows = [r.req_pool_idx for r in self.reqs]
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)]
-        return make_forward_batch(mode, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device)  # type: ignore[arg-type]
+        prompts = [len(r.origin_input_ids) for r in self.reqs]
+        return make_forward_batch(
+            mode,
+            input_ids,
+            rows,  # type: ignore[arg-type]
+            prefix_lens,
+            seq_lens,
+            out_cache_loc,
+            device,
+            prompts,
+        )
 
     def verify_rows(self, drafts: list[list[int]]) -> ScheduleBatch:
         """A verify step's rows as a batch of their own, request i repeated once per row (its
@@ -73,13 +83,15 @@ class ScheduleBatch:
         input_ids: list[int] = []
         rows: list[int] = []
         prefix_lens: list[int] = []
+        prompts: list[int] = []
         for req, draft in zip(self.reqs, drafts):
             input_ids += [req.output_ids[-1], *draft]
             rows += [req.req_pool_idx] * (1 + len(draft))  # type: ignore[list-item]
             prefix_lens += range(req.kv_len, req.kv_len + 1 + len(draft))
+            prompts += [len(req.origin_input_ids)] * (1 + len(draft))
         seq_lens = [p + 1 for p in prefix_lens]
         return make_forward_batch(
-            ForwardMode.DECODE, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device
+            ForwardMode.DECODE, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device, prompts
         )
 
 

@@ -98,7 +98,10 @@ class Scheduler:
         self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
             memory.free_slots, page_size=memory.page_size, device=self.runner.device
         )
-        self.kv = KVManager(memory, self.tree_cache)
+        original = self.runner.info().get("long_rope_original")
+        self.kv = KVManager(
+            memory, self.tree_cache, long_prompt_over=None if original is None else int(original)
+        )
 
     def _init_state(self) -> None:
         self.queues = RequestQueues()

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from scheduler_harness import Harness
 from server_fixture import Server
 from test_config_refusal import edited, runner
 from test_cpu_kernels import decode_logits
-from test_model_parity import LOGIT_ATOL, check_model, prompts_for
+from test_model_parity import GREEDY, LOGIT_ATOL, check_model, prompts_for
 from test_moe import every_position_logits, mean_logprob_distance
 from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
 from test_reference_bf16 import TIE_NATS
@@ -52,16 +53,75 @@ def test_tiny_model_matches_transformers(arch: str, family_dirs: dict[str, Path]
     check_model(family_dirs[arch], prompts_for(320), atol=LOGIT_ATOL)
 
 
-def test_phi3_longrope_matches_transformers_within_its_short_factors(tmp_path: Path) -> None:
-    """LongRoPE (the 128k Phi-3 models) on its short factors and attention factor: the context ends at
-    original_max_position_embeddings (128 of 512 here), where transformers turns to the long factors;
-    within it logits and greedy tokens are transformers' float32 ones. A longer --context-length is
-    refused by name."""
+def test_phi3_longrope_matches_transformers_on_both_sets_of_factors(tmp_path: Path) -> None:
+    """LongRoPE (the 128k Phi-3 models): transformers rotates a forward on the long factors once its
+    last position is past original_max_position_embeddings (128 of 512 here), so a prompt longer than
+    that runs on them throughout and a shorter one switches at position 128 (its cached keys keep the
+    short ones). Prompts on either side, and ones that decode across 128: transformers' float32
+    logits and greedy tokens, in 16-token chunks too; and through the prefix cache, a long prompt
+    that starts with a short one's tokens and a short prompt that starts a long one's reuse neither's
+    KV (their rotations differ): each still gives its own tokens."""
     model_dir = make_tiny_model("phi3_longrope", tmp_path / "phi3_longrope")
-    assert runner(model_dir).context_length == 128
-    check_model(model_dir, prompts_for(320), atol=LOGIT_ATOL)
-    with pytest.raises(ValueError, match=r"--context-length 129 exceeds the model's LongRoPE reach here"):
-        ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, context_length=129))
+    assert runner(model_dir).context_length == 512
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (9, 110, 120, 128, 129, 150, 200)]
+    check_model(model_dir, prompts, atol=LOGIT_ATOL)
+    hf = hf_float32(model_dir)
+    chunked = Engine(str(model_dir), dtype="float32", max_total_tokens=4096, max_prefill_tokens=16)
+    for prompt, out in zip(prompts, chunked.generate(prompts, GREEDY)):
+        assert out.output_ids == hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens, in chunks"
+    h = Harness(model_dir, dtype="float32", max_total_tokens=2048)  # the prefix cache on
+    short = prompts[1]  # 110 tokens, decoding across 128
+    h.submit("short", short, GREEDY)
+    h.run_until_idle()
+    turns = {
+        "longer": short + h.tokens["short"] + prompts[0],  # 151: long factors throughout
+        "long": prompts[5],
+        "start of long": prompts[5][:100],  # short factors
+        "start of short": short[:100] + prompts[0],  # short factors, the short prompt's KV
+    }
+    for rid, prompt in turns.items():
+        h.submit(rid, prompt, GREEDY)
+        h.run_until_idle()
+    assert [h.meta[rid]["cached_tokens"] for rid in turns] == [0, 0, 0, 100]
+    for rid, prompt in [("short", short), *turns.items()]:
+        assert h.tokens[rid] == hf_greedy(hf, prompt, 32), rid
+
+
+def cached_forced_logits(model: Any, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    """transformers' logits of each `forced` token fed one at a time after its prompt, on its own
+    cache (as generate runs: LongRoPE switches at the step that passes the original context),
+    [steps, bs, vocab]."""
+    rows = []
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, forced):
+            cache = model(torch.tensor([prompt]), use_cache=True).past_key_values
+            steps = []
+            for token in tokens:
+                out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                steps.append(out.logits[0, -1])
+            rows.append(torch.stack(steps))
+    return torch.stack(rows, dim=1).float()
+
+
+def test_phi3_longrope_bf16_decodes_across_the_switch_as_near_float32_as_transformers_bf16(
+    tmp_path: Path,
+) -> None:
+    """The default path (bf16, the CPU kernels): teacher-forced decode steps of a 120-token prompt
+    across position 128 (short factors, then long) and of a 140-token one (long throughout) are as
+    near transformers' float32 as transformers' own bf16 is."""
+    model_dir = make_tiny_model("phi3_longrope", tmp_path / "phi3_longrope")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (120, 140)]
+    forced = [torch.randint(3, 320, (16,), generator=g).tolist() for _ in prompts]
+    hf = hf_float32(model_dir)
+    reference = cached_forced_logits(hf, prompts, forced)
+    theirs = cached_forced_logits(hf.to(torch.bfloat16), prompts, forced)
+    config = RunnerConfig(model_dir=model_dir, dtype=torch.bfloat16, max_total_tokens=512)
+    ours = decode_logits(ModelRunner(config), prompts, forced)
+    err_ours, err_theirs = (ours - reference).abs().max().item(), (theirs - reference).abs().max().item()
+    assert err_ours <= 1.5 * err_theirs + 1e-3, (err_ours, err_theirs)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -150,9 +150,14 @@ class CudaGraphRunner(StepRunner):
         try:
             with torch.inference_mode():
                 for bs in reversed(self.plan.sizes):  # largest first: the smaller reuse its pool memory
+                    static = {f: t[:bs] for f, t in self._static.items()}
                     batch = ForwardBatch(
                         mode=ForwardMode.DECODE,
-                        **{f: t[:bs] for f, t in self._static.items()},
+                        input_ids=static["input_ids"],
+                        positions=static["positions"],  # rotary table rows: the live batch's are copied in
+                        req_pool_indices=static["req_pool_indices"],
+                        seq_lens=static["seq_lens"],
+                        out_cache_loc=static["out_cache_loc"],
                         seq_lens_cpu=[1] * bs,  # placeholders: a capture-safe backend never reads them
                         extend_prefix_lens_cpu=[0] * bs,
                         extend_seq_lens_cpu=[1] * bs,

@@ -1,10 +1,11 @@
 """Rotary position embedding (neox / rotate-half layout, as transformers' Llama), with Llama 3
-frequency scaling, linear scaling and LongRoPE's short factors. cos/sin are precomputed for every
-position once."""
+frequency scaling, linear scaling and LongRoPE's short and long factors. cos/sin are precomputed for
+every position once (LongRoPE: for each set of factors)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,14 +28,39 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def longrope_reach(params: dict[str, Any]) -> int | None:
-    """The positions LongRoPE serves here: srt computes its short factors, which transformers uses
-    while a forward's positions stay within original_max_position_embeddings (past it, the long
-    factors for every position of the forward, the cached keys keeping the short ones); None for
-    another rope."""
-    if params.get("rope_type") != "longrope":
+@dataclass(frozen=True)
+class LongRope:
+    """Where LongRoPE's long factors apply. transformers picks the factors per forward: the long ones
+    for every position of a forward whose last position is past original_max_position_embeddings (a
+    prompt longer than that: all of it; a decode step past it: that token; the cached keys keep what
+    they were computed with), else the short ones. Per token that is: long where the request's prompt
+    is longer than `original` or the position is at least `original`, a function of the request and
+    the position, never of the batch or the chunk, so chunked prefill, batching, retraction and
+    replay rotate a token alike. The rotary tables hold the short rows, then the long ones from row
+    `offset`: `rows` maps positions to table rows."""
+
+    original: int
+    offset: int
+
+    def rows(self, positions: torch.Tensor, prompt_lens: list[int], new_lens: list[int]) -> torch.Tensor:
+        """Table rows of a step's positions; prompt_lens[i] and new_lens[i]: request i's prompt
+        length and its tokens in this step (positions is request-major)."""
+        prompt = torch.tensor(prompt_lens, dtype=torch.int64).repeat_interleave(torch.tensor(new_lens))
+        long = (prompt.to(positions.device) > self.original) | (positions >= self.original)
+        return positions + self.offset * long
+
+    def long_prompt(self, prompt_len: int) -> bool:
+        """Whether a request of this prompt length runs every position on the long factors."""
+        return prompt_len > self.original
+
+
+def long_rope(params: dict[str, Any], max_position: int) -> LongRope | None:
+    """The LongRope of a checkpoint with LongRoPE's short and long factors and a context past its
+    original_max_position_embeddings; None for another rope (or no long factors)."""
+    if params.get("rope_type") != "longrope" or params.get("long_factor") is None:
         return None
-    return int(params["original_max_position_embeddings"])
+    original = int(params["original_max_position_embeddings"])
+    return LongRope(original, max_position) if original < max_position else None
 
 
 def attention_scaling(params: dict[str, Any], max_position: int) -> float:
@@ -49,12 +75,14 @@ def attention_scaling(params: dict[str, Any], max_position: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def _inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def _inv_freq(head_dim: int, params: dict[str, Any], long: bool = False) -> torch.Tensor:
+    """Inverse frequencies; `long`: LongRoPE's long factors, not its short ones."""
     base = float(params["rope_theta"])
     shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     rope_type = params.get("rope_type", "default")
     if rope_type == "longrope":
-        return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**shape)
+        factors = params["long_factor"] if long else params["short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**shape)
     inv_freq = 1.0 / (base**shape)
     if rope_type == "default":
         return inv_freq
@@ -87,9 +115,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = _inv_freq(head_dim, params)
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, _inv_freq(head_dim, params))
+        if long_rope(params, max_position) is not None:  # the long factors' rows after the short ones
+            freqs = torch.cat([freqs, torch.outer(t, _inv_freq(head_dim, params, long=True))])
         cos, sin = freqs.cos(), freqs.sin()
         scaling = attention_scaling(params, max_position)
         if scaling != 1.0:  # LongRoPE: transformers scales cos and sin in float32, before the cast

@@ -9,7 +9,7 @@ table holds for every registered architecture.
 |---|---|---|
 | hidden_act | all but Gemma: down(act(gate) * up) | "silu" and "swish" (both SiLU); others refused |
 | hidden_activation | Gemma 2, Gemma 3: down(act(gate) * up) | "gelu_pytorch_tanh" and "gelu"; others refused |
-| rope_type (rope_parameters / rope_scaling) | all | default, linear, llama3, longrope (its short factors and attention factor; the context ends at original_max_position_embeddings, where transformers turns to the long factors) (layers/rotary.py); dynamic, yarn, ... refused |
+| rope_type (rope_parameters / rope_scaling) | all | default, linear, llama3, longrope (short and long factors and the attention factor: long for a prompt past original_max_position_embeddings, and for any position from it on) (layers/rotary.py); dynamic, yarn, ... refused |
 | partial_rotary_factor | linear, llama3 rope (below 1 the shapes break); default rope ignores it | refused unless 1: srt rotates the whole head |
 | rope_parameters per layer type | Gemma 3: its local and global layers' settings | implemented for Gemma 3 (each checked as above); refused elsewhere |
 | query_pre_attn_scalar | Gemma 3: attention scaled by its -1/2 power | implemented |

@@ -1,8 +1,8 @@
 """Phi-3 and Phi-4 (Phi3ForCausalLM): the Llama block whose checkpoint stores q, k and v as one
 `qkv_proj` tensor and gate and up as one `gate_up_proj`; split back into the parts srt's packed
 layers load, so tensor parallelism shards them as any Llama's. A sliding window in every layer where
-sliding_window is set (Phi-3-mini-4k: 2047). LongRoPE (the 128k models) on its short factors, so the
-context ends at original_max_position_embeddings (layers/rotary.py); a partial rotary factor
+sliding_window is set (Phi-3-mini-4k: 2047). LongRoPE (the 128k models) on its short and long factors,
+chosen per request and position (layers/rotary.py LongRope); a partial rotary factor
 (Phi-4-mini) is refused by name (models/config_check.py)."""
 
 from __future__ import annotations
