@@ -237,8 +237,8 @@ def q4_available() -> bool:
 
 @functools.cache
 def q4k_available() -> bool:
-    """Whether srt_q4k_linear runs here (GGUF Q4_K: AVX2, FMA and F16C without AVX-512 BF16, for
-    now: cpu_q4_linear.c)."""
+    """Whether srt_q4k_linear runs here (GGUF Q4_K: AVX-512 BF16, or else AVX2, FMA and F16C:
+    cpu_q4_linear.c)."""
     lib = kernels()
     return lib is not None and bool(lib.srt_q4k_linear_available())
 

@@ -1,7 +1,7 @@
 /* Linear layers on GGUF Q4_1 weights (--quantization gguf), for decode steps of a few rows, with
- * AVX-512 BF16 dot products (vdpbf16ps), or else AVX2 FMAs (the second half, which also takes GGUF
- * Q4_K's sub-blocks: srt_q4k_linear). Q4_1 stores each run of 32 weights along k as 4-bit q with
- * an fp16 scale d and minimum m: w = d q + m. A decode step at batch 1 streams every weight once,
+ * AVX-512 BF16 dot products (vdpbf16ps), or else AVX2 FMAs (the second half). Both also take GGUF
+ * Q4_K's sub-blocks (srt_q4k_linear), whose d and m are fp32. Q4_1 stores each run of 32 weights
+ * along k as 4-bit q with an fp16 scale d and minimum m: w = d q + m. A decode step at batch 1 streams every weight once,
  * and these are 0.625 bytes a weight against bf16's 2.
  *
  * Packed by packing.q4_pack as [n/16][k/32][320 bytes]: for each block of 16 outputs and 32 k, the 16
@@ -43,15 +43,22 @@
 enum { OUT_BF16, OUT_SILU };
 
 int64_t srt_q4_linear_available(void) { return 1; }
-int64_t srt_q4k_linear_available(void) { return 0; } /* Q4_K: the AVX2 path only, for now */
+int64_t srt_q4k_linear_available(void) { return 1; }
 
-/* acc[r][b] = row r of x (rows k apart) times block wb[b] (a 16-output stream of k/32 x 320 bytes);
- * xsum[r * kb_count + kb]: row r's sum of x over k block kb */
+/* d and m of a block's 16 outputs: fp16 (Q4_1) or fp32 (f32: Q4_K) */
+static inline __attribute__((always_inline)) __m512 q4_scale(const uint8_t *p, const int f32) {
+    return f32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* acc[r][b] = row r of x (rows k apart) times block wb[b] (a 16-output stream of k/32 blocks of
+ * BLOCK_BYTES, or with f32 Q4_K's 384: fp32 d and m); xsum[r * kb_count + kb]: row r's sum of x
+ * over k block kb */
 static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t k, const float *xsum,
                                                           const uint8_t *const *wb, const int R, const int NB,
-                                                          __m512 acc[ROWS][GROUP]) {
+                                                          const int f32, __m512 acc[ROWS][GROUP]) {
     const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
     const int64_t blocks = k / 32;
+    const int scales = f32 ? 128 : 64, bytes = scales + 256; /* d and m, then the nibbles */
     const int32_t *xp = (const int32_t *)x; /* a pair of bf16 x values as one 32-bit lane */
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
@@ -60,8 +67,8 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
         for (int r = 0; r < R; r++)
             for (int b = 0; b < NB; b++) blk[r][b] = _mm512_setzero_ps();
         for (int b = 0; b < NB; b++) /* past a block's end: the next block's start, or nothing we need */
-            for (int l = 0; l < BLOCK_BYTES; l += 64)
-                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * BLOCK_BYTES + l), _MM_HINT_T1);
+            for (int l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * bytes + l), _MM_HINT_T1);
         for (int c = 0; c < 8; c++) {
             __m512bh xa[ROWS], xb[ROWS];
             for (int r = 0; r < R; r++) {
@@ -70,7 +77,7 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
             }
             for (int b = 0; b < NB; b++) {
                 const __m512i raw =
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wb[b] + kb * BLOCK_BYTES + 64 + 32 * c)));
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wb[b] + kb * bytes + scales + 32 * c)));
                 const __m512bh wa = (__m512bh)_mm512_ternarylogic_epi32(raw, nibbles, magic, 0xEA); /* a & b | c */
                 const __m512bh wbh =
                     (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, magic, 0xEA);
@@ -81,9 +88,8 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
             }
         }
         for (int b = 0; b < NB; b++) {
-            const uint8_t *s = wb[b] + kb * BLOCK_BYTES;
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 32)));
+            const uint8_t *s = wb[b] + kb * bytes;
+            const __m512 d = q4_scale(s, f32), m = q4_scale(s + scales / 2, f32);
             const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m); /* m - 128 d */
             for (int r = 0; r < R; r++) {
                 acc[r][b] = _mm512_fmadd_ps(blk[r][b], d, acc[r][b]);
@@ -110,7 +116,7 @@ static inline __attribute__((always_inline)) void q4_store(__m512 acc[ROWS][GROU
 
 static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_t m, int64_t k, const float *xsum,
                                                            const uint8_t *const *wb, const int NB, const bf16 *bias,
-                                                           bf16 *out, int64_t n, const int mode) {
+                                                           bf16 *out, int64_t n, const int mode, const int f32) {
     __m512 acc[ROWS][GROUP];
     int64_t r0 = 0;
     for (; m - r0 >= 4; r0 += 4) {
@@ -119,16 +125,16 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
         if (mode == OUT_SILU) {
             for (int h = 0; h < NB / 2; h++) {
                 const uint8_t *sub[2] = {wb[h], wb[h + NB / 2]};
-                q4_tile(xr, k, sr, sub, 4, 2, acc);
+                q4_tile(xr, k, sr, sub, 4, 2, f32, acc);
                 q4_store(acc, 4, 2, NULL, out + r0 * n + 16 * h, n, mode);
             }
         } else {
             for (int h = 0; h < NB; h += 2) {
                 if (NB - h >= 2) {
-                    q4_tile(xr, k, sr, wb + h, 4, 2, acc);
+                    q4_tile(xr, k, sr, wb + h, 4, 2, f32, acc);
                     q4_store(acc, 4, 2, bias ? bias + 16 * h : NULL, out + r0 * n + 16 * h, n, mode);
                 } else {
-                    q4_tile(xr, k, sr, wb + h, 4, 1, acc);
+                    q4_tile(xr, k, sr, wb + h, 4, 1, f32, acc);
                     q4_store(acc, 4, 1, bias ? bias + 16 * h : NULL, out + r0 * n + 16 * h, n, mode);
                 }
             }
@@ -138,10 +144,10 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
         const bf16 *xr = x + r0 * k;
         const float *sr = xsum + r0 * (k / 32);
         if (m - r0 >= 2) {
-            q4_tile(xr, k, sr, wb, 2, NB, acc);
+            q4_tile(xr, k, sr, wb, 2, NB, f32, acc);
             q4_store(acc, 2, NB, bias, out + r0 * n, n, mode);
         } else {
-            q4_tile(xr, k, sr, wb, 1, NB, acc);
+            q4_tile(xr, k, sr, wb, 1, NB, f32, acc);
             q4_store(acc, 1, NB, bias, out + r0 * n, n, mode);
         }
     }
@@ -151,8 +157,8 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
  * weight into out[m][d] (n = d): each thread a contiguous run of 16-output blocks, GROUP at a time
  * (silu: two gate blocks with their up blocks) */
 static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
-                      int64_t k, const int mode) {
-    const int64_t stride = (k / 32) * BLOCK_BYTES, units = n / 16, blocks = k / 32;
+                      int64_t k, const int mode, const int f32) {
+    const int64_t stride = (k / 32) * (f32 ? 384 : BLOCK_BYTES), units = n / 16, blocks = k / 32;
     const int64_t step = mode == OUT_SILU ? GROUP / 2 : GROUP;
     float *xsum = malloc((size_t)(m * blocks) * sizeof(float));
     for (int64_t r = 0; r < m; r++)
@@ -173,19 +179,23 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
                 for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (units + u + i) * stride;
             bf16 *o = out + 16 * u;
             const bf16 *b = bias ? bias + 16 * u : NULL;
-            switch (nb) { /* a constant block count for each instance */
-            case 4: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode); break;
-            case 3: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode); break;
-            case 2: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode); break;
-            default: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode); break;
+            switch (nb * 2 + f32) { /* a constant block count and scale type for each instance */
+            case 9: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, 1); break;
+            case 8: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, 0); break;
+            case 7: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, 1); break;
+            case 6: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, 0); break;
+            case 5: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, 1); break;
+            case 4: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, 0); break;
+            case 3: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, 1); break;
+            default: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, 0); break;
             }
         }
     }
     free(xsum);
 }
 
-#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode)
-#define Q4K(mode, ...) abort() /* never called: srt_q4k_linear_available() answered 0 */
+#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, 0)
+#define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, 1)
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 has no bf16 dot product: the sums are fp32 FMAs of eight outputs' weights against a
  * broadcast x. The same packed layout: zero-extended to 32-bit lanes, a chunk's first 16 bytes are
