@@ -131,6 +131,47 @@ def quantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
     return (scale * q - mn).view(n, k)
 
 
+def q6_k_file_values(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random GGUF Q6_K super-blocks (fp16 d, 16 int8 sc, 6-bit q) in the file's 210-byte layout,
+    dequantized by gguf-py as the converter does: (float32 [n, k], q [n, k] in -32..31, D = d sc
+    [n, k/16]), k % 256 == 0. Each run of 16 holds a q of -32, as llama.cpp's quantizer gives its
+    largest-magnitude value, so that its (D, q) are the only ones; sc are never 0."""
+    import gguf
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    supers = n * k // 256
+    q = torch.randint(-32, 32, (supers, 16, 16), generator=g)
+    q.scatter_(-1, torch.randint(0, 16, (supers, 16, 1), generator=g), -32)
+    v = (q + 32).to(torch.uint8).view(supers, 2, 128)  # two halves of 128 values
+    low = (v & 15).view(supers, 2, 2, 64)  # value 64 s + b of a half: byte b, nibble s
+    ql = (low[:, :, 0] | low[:, :, 1] << 4).reshape(supers, 128)
+    high = (v >> 4).view(supers, 2, 4, 32)  # value 32 t + b of a half: byte b, bits 2t and 2t + 1
+    qh = (high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6).reshape(supers, 64)
+    sc = torch.randint(1, 128, (supers, 16), generator=g) * (
+        torch.randint(0, 2, (supers, 16), generator=g) * 2 - 1
+    )
+    d = (torch.rand(supers, 1, generator=g) * 1e-3 + 1e-6).half()
+    raw = torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), d.view(torch.uint8)], dim=1)
+    values = gguf.quants.dequantize(raw.view(n, k // 256 * 210).numpy(), gguf.GGMLQuantizationType.Q6_K)
+    scales = (d.float() * sc.float()).view(n, k // 16)
+    return torch.from_numpy(np.array(values, dtype=np.float32)), q.view(n, k), scales
+
+
+def quantize_q6_k(weight: torch.Tensor) -> torch.Tensor:
+    """A Q6_K grid of a float weight, dequantized as gguf-py does: each run of 16 along k gets the
+    scale D = d sc of an fp16 d (one a row here, not one per 256 values as in a file) and an int8
+    sc, and its values q in -32..31, the largest-magnitude one near -32."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // 16, 16)
+    scale = w.gather(-1, w.abs().argmax(-1, keepdim=True)) / -32
+    d = (scale.abs().amax(1, keepdim=True) / 127).half().float()
+    sc = torch.round(scale / torch.where(d > 0, d, 1.0)).clamp(-128, 127)
+    scales = d * sc
+    q = torch.round(w / torch.where(scales != 0, scales, 1.0)).clamp(-32, 31)
+    return (scales * q).view(n, k)
+
+
 def q4_1_copy(model_dir: Path, target: Path) -> Path:
     """The tiny model with every projection weight on its Q4_1 grid and the LM head on its Q8_0 grid,
     as a GGUF Q4_1 file converts (llama.cpp keeps the output weight at 8 bits)."""
@@ -355,6 +396,85 @@ def test_q8_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int)
     assert (out.double() - want).norm() * 10 < (rounded - want).norm()
 
 
+def test_q6k_recover_finds_the_file_values_exactly_and_nothing_else() -> None:
+    """Q6_K runs of 16 as gguf-py dequantizes a file's super-blocks: the file's D = d sc and q
+    recovered; runs whose largest |q| is smaller, or whose D is negative, need more tries and are
+    found too; every value is float32(D q)."""
+    weight, q, scales = q6_k_file_values(48, 512, seed=1)
+    # d sc q has at most 11 + 7 + 5 significant bits: gguf-py's float32 products are exact
+    assert torch.equal((scales.double().repeat_interleave(16, 1) * q.double()).float(), weight)
+    assert packing.q8_recover(weight) is None and packing.q4k_recover(weight) is None
+    found = packing.q6k_recover(weight)
+    assert found is not None
+    assert found[0].dtype == torch.int8 and found[1].dtype == torch.float32
+    assert torch.equal(found[0], q.to(torch.int8)) and torch.equal(found[1], scales)
+    g = torch.Generator().manual_seed(2)
+    small = torch.randint(-5, 6, (32, 96), generator=g).float()  # peaks of any q from -5 to 5
+    small[:, 16:32] = torch.randint(-32, 32, (32, 16), generator=g).float()
+    small[3, :16] = 0  # a run of zeros: D = 0
+    small_scales = (torch.rand(32, 6, generator=g) * 1e-3 + 1e-6).half().float()
+    small_scales *= torch.randint(-128, 128, (32, 6), generator=g).float()  # D = 0 too, for some
+    made = small_scales.repeat_interleave(16, 1) * small
+    found = packing.q6k_recover(made)
+    assert found is not None
+    q_found, d_found = found
+    assert int(q_found.min()) >= -32 and int(q_found.max()) <= 31
+    assert torch.equal(d_found.repeat_interleave(16, 1) * q_found.float(), made)
+    nudged = weight.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))  # one value off its run's grid
+    assert packing.q6k_recover(nudged) is None
+    assert packing.q6k_recover(torch.randn(32, 512)) is None  # never quantized
+    assert packing.q6k_recover(weight.bfloat16()) is None
+    assert packing.q6k_recover(weight[:, :48]) is None  # k % 32 != 0
+    packed = packing.q8_pack(q.to(torch.int8), scales)
+    assert packed.shape == (3, 16, packing.Q6K_BLOCK_BYTES)
+    block = packed[1, 2]  # outputs 16..31, k 64..95
+    assert torch.equal(block[:64].view(torch.float32), scales[16:32, 4])  # k 64..79
+    assert torch.equal(block[64:128].view(torch.float32), scales[16:32, 5])  # k 80..95
+    chunk = block[128 + 64 * 5 : 128 + 64 * 6]  # k 64 + 20 .. 64 + 23
+    assert chunk[4 * 7 : 4 * 7 + 4].tolist() == [int(v) + 128 for v in q[16 + 7, 84:88]]
+
+
+def q6_k_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q6_K runs of 16 (any k % 32 == 0): q [n, k] int8 in -32..31, each run with a -32, and
+    D = d sc [n, k/16] (an fp16 d a row, int8 sc)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    q[:, 5::16] = -32
+    d = (torch.rand(n, 1, generator=g) * 1e-3 + 1e-6).half().float()
+    return q, d * torch.randint(-128, 128, (n, k // 16), generator=g).float()
+
+
+@needs_q8
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 640, 2048),
+        (2, 64, 96),
+        (3, 48, 512),
+        (4, 32, 288),
+        (5, 16, 32),
+        (6, 80, 768),
+        (7, 96, 160),
+        (8, 128, 1024),
+    ],
+)
+def test_q6k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int) -> None:
+    """srt_q6k_linear (ops.q8_linear on a 640-byte block) within the x rounding srt_q8_linear has."""
+    q, scales = q6_k_blocks(n, k, seed=m)
+    weight = scales.double().repeat_interleave(16, 1) * q.double()
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    x[0, :32] *= 1e-3  # a block of small values: each has its own scale
+    want = x.double() @ weight.T
+    out = ops.q8_linear(x, packing.q8_pack(q, scales))
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    bound = (x.double().abs().view(m, k // 32, 32).amax(-1).repeat_interleave(32, 1) / 64516) @ weight.abs().T
+    assert ((out.double() - want).abs() <= bound + want.abs() * 1e-6 + 1e-6).all()
+    rounded = x.double() @ weight.bfloat16().double().T
+    assert (out.double() - want).norm() * 10 < (rounded - want).norm()
+
+
 def forced_decode_case(model_dir: Path) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
     """Five seeded prompts of 1-30 tokens, six forced tokens after each, and transformers fp32's
     logits at those positions."""
@@ -382,6 +502,8 @@ def first_layer_weights(runner: ModelRunner) -> list[object]:
         pytest.param(quantize_q4_k, packing.Q4KWeight, "srt_q4k_linear", marks=needs_q4k, id="q4_k"),
         # as Gemma-3's Q4_K_M file holds the layers whose k is not a multiple of 256
         pytest.param(quantize_q5_0, packing.Q8Weight, "srt_q8_linear", marks=needs_q8, id="q5_0"),
+        # as it holds half the down projections
+        pytest.param(quantize_q6_k, packing.Q8Weight, "srt_q6k_linear", marks=needs_q8, id="q6_k"),
     ],
 )
 def test_k_quant_and_q5_0_models_decode_on_their_kernels(
@@ -392,9 +514,9 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     kind: type,
     kernel: str,
 ) -> None:
-    """Every projection on a Q4_K (or Q5_0) grid: each a Q4KWeight (Q8Weight); decode steps (fused
-    layers on the weights' packed bf16 copies, or op by op on srt_q4k_linear, srt_q8_linear) as
-    close to fp32 as the Q4_1 model's."""
+    """Every projection on a Q4_K (or Q5_0, or Q6_K) grid: each a Q4KWeight (Q8Weight); decode steps
+    (fused layers on the weights' packed bf16 copies, or op by op on srt_q4k_linear, srt_q8_linear,
+    srt_q6k_linear) as close to fp32 as the Q4_1 model's."""
     target = tmp_path / "llama"
     shutil.copytree(tiny_model_dirs["llama"], target)
     tensors = load_file(target / "model.safetensors")
@@ -584,7 +706,7 @@ def test_server_serves_on_q4_1_weights(q4_llama: Path, smollm2_dir: Path) -> Non
         )
         assert response.status_code == 200, response.text
         assert response.json()["meta_info"]["completion_tokens"] == 8
-        head = ", 1 8-bit (Q8_0, Q5_0 or Q4_0 blocks)" if build.q8_available() else ""  # the LM head
+        head = ", 1 8-bit (Q8_0, Q5_0, Q4_0 or Q6_K blocks)" if build.q8_available() else ""  # the LM head
         assert f"packed 9 weights for the CPU kernels, of them 8 Q4_1{head} (gguf)" in server.output()
 
 

@@ -256,8 +256,8 @@ def test_gemma3_270m_served_matches_transformers(
     flags: tuple[str, ...],
 ) -> None:
     """The default path (bf16) on the real GGUF, at TP=1 and TP=2 (two query heads and the one KV
-    head a rank), and --quantization gguf (the file's Q8_0 token embedding as the LM head, its Q5_0
-    and Q8_0 layers on the 8-bit kernel, Q4_K on the 4-bit one where the CPU has it, Q6_K bf16):
+    head a rank), and --quantization gguf (the file's Q8_0 token embedding as the LM head, its Q5_0,
+    Q8_0 and Q6_K layers on the 8-bit kernel, Q4_K on the 4-bit one where the CPU has it):
     greedy tokens are transformers' float32 ones on the same file, up to
     float32's first near-tie, for prompts of 6 to ~1,100 tokens (past the 512-token window)."""
     path, tokenizer, prompts, expected, ties = gemma3_270m
@@ -266,8 +266,11 @@ def test_gemma3_270m_served_matches_transformers(
         served = generate_all(server, prompts, GEMMA_TOKENS)
         assert "divergence" not in server.output()
         if flags and build.q8_available():
-            eight_bit = re.search(r"(\d+) 8-bit \(Q8_0, Q5_0 or Q4_0 blocks\) \(gguf\)", server.output())
-            assert eight_bit and int(eight_bit[1]) == 37  # q/k/v and gate/up of 18 layers, the head
+            eight_bit = re.search(
+                r"(\d+) 8-bit \(Q8_0, Q5_0, Q4_0 or Q6_K blocks\) \(gguf\)", server.output()
+            )
+            # q/k/v and gate/up of 18 layers, the 9 Q6_K down projections, the head
+            assert eight_bit and int(eight_bit[1]) == 46
     for prompt, got, want, tie in zip(prompts, served, expected, ties):
         assert got[:tie] == want[:tie], (len(prompt), tie, tokenizer.decode(got), tokenizer.decode(want))
     assert sum(ties) >= 2 * GEMMA_TOKENS  # the comparison reaches past a few tokens

@@ -37,7 +37,7 @@ from model_executor.step_runner import StepRunner
 def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight | None] | None:
     """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1;
     with a mixture of experts qkv and o, then None twice), or None. A Q4_K or 8-bit (Q8_0, Q5_0,
-    Q4_0) weight gives its packed bf16 copy: srt_decode_layer has no path for them."""
+    Q4_0, Q6_K) weight gives its packed bf16 copy: srt_decode_layer has no path for them."""
     mlp = (layer.gate_up_proj, layer.down_proj) if layer.moe is None else ()
     packed: list[PackedWeight | None] = [
         packed_of(linear.linear_method)

@@ -79,7 +79,8 @@ def pack_weight(
 ) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
     (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, or with its Q4_K blocks (float32 d,
-    packing.q4k_recover) a Q4KWeight, with `q8` (Q8_0, packing.q8_recover) a Q8Weight."""
+    packing.q4k_recover) a Q4KWeight, with `q8` (Q8_0, Q5_0 or Q4_0, packing.q8_recover; or Q6_K,
+    packing.q6k_recover) a Q8Weight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     if q4 is not None and packing.bf16_packable(weight):

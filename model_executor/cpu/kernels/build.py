@@ -280,7 +280,7 @@ def describe_paths() -> str:
     q4k = "C kernel" if q4k_available() else "bf16"
     q8 = "C kernel" if q8_available() else "bf16 (neither AVX-512 VNNI nor AVX2)"
     return (
-        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q4_K {q4k}, Q8_0 / Q5_0 / Q4_0 {q8}; "
+        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q4_K {q4k}, Q8_0 / Q5_0 / Q4_0 / Q6_K {q8}; "
         f"prefill attention on {prefill}; "
         f"norms, rotary and decode attention in C ({loops}){forced}"
     )

@@ -14,6 +14,14 @@
  * Packed by packing.q8_pack as [n/16][k/32][544 bytes]: per 16 outputs and 32 k, the 16 d (fp16), then
  * 8 chunks of 64 bytes, chunk c byte 4j + i = q[j][4c + i] + 128: lane j of a vpdpbusd operand.
  * Rows go in tiles of two against four 16-output blocks, as in cpu_q4_linear.c.
+ *
+ * GGUF Q6_K layers run here too (srt_q6k_linear): each run of 16 weights along k is float32(D q) with
+ * q in -32..31 and D = d sc (an fp16 times an int8, exact in fp32). Their layout (q8_pack with fp32
+ * scales) is [n/16][k/32][640 bytes]: the 16 outputs' D for k 0..15 and then for k 16..31 (32 fp32),
+ * then the same 512 bytes of q + 128. Chunks 0..3 (k 0..15) and 4..7 (k 16..31) are summed apart,
+ * each half with its own scale and its own correction term. The q6k argument of the functions below
+ * is a constant in each instance, so the Q8_0 instances keep their one pass over the 8 chunks (and
+ * give the same bits: the int sum of x16 is kept per 16 k and added back).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,14 +36,16 @@
 
 #define ROWS 2
 #define GROUP 4
-#define BLOCK_BYTES 544 /* 16 outputs x 32 k: 32 bytes of d, 512 of q + 128 */
+#define BLOCK_BYTES 544    /* 16 outputs x 32 k: 32 bytes of d, 512 of q + 128 */
+#define Q6K_BLOCK_BYTES 640 /* the same with 128 bytes of fp32 D, two per output */
 #define PARALLEL_MIN 65536
 #define PREFETCH_BLOCKS 40 /* ~20 KB ahead into L2, as cpu_q4_linear.c */
 #define X16_MAX 32639.0f   /* (X16_MAX + 128) >> 8 = 127: hi stays an int8 */
 
 int64_t srt_q8_linear_available(void) { return 1; }
 
-/* Row r's block kb of x (k values a row) -> hi and lo (int8, k a row), dx and the int sum of x16 */
+/* Row r's block kb of x (k values a row) -> hi and lo (int8, k a row), dx and the int sums of x16 over
+ * k 0..15 and 16..31 (sum16[2 (r blocks + kb)] and the next) */
 static void x16_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *lo, float *dx, int32_t *sum16) {
     const int64_t blocks = k / 32;
     const __m512i c128 = _mm512_set1_epi32(128);
@@ -48,7 +58,8 @@ static void x16_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *l
             dx[r * blocks + kb] = amax / X16_MAX;
             const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)); /* nearest even */
             const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scale));
-            sum16[r * blocks + kb] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            sum16[2 * (r * blocks + kb)] = _mm512_reduce_add_epi32(qa);
+            sum16[2 * (r * blocks + kb) + 1] = _mm512_reduce_add_epi32(qb);
             const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, c128), 8);
             const __m512i hb = _mm512_srai_epi32(_mm512_add_epi32(qb, c128), 8);
             _mm_storeu_si128((__m128i *)(hi + at), _mm512_cvtepi32_epi8(ha));
@@ -58,43 +69,50 @@ static void x16_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *l
         }
 }
 
-/* acc[r][b] = row r (rows k apart) times block stream wb[b] */
+/* acc[r][b] = row r (rows k apart) times block stream wb[b]; q6k: Q6_K's layout, two halves a block */
 static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, const int8_t *lo, int64_t k,
                                                           const float *dx, const int32_t *sum16,
                                                           const uint8_t *const *wb, const int R, const int NB,
-                                                          __m512 acc[ROWS][GROUP]) {
+                                                          const int q6k, __m512 acc[ROWS][GROUP]) {
     const int64_t blocks = k / 32;
+    const int bytes = q6k ? Q6K_BLOCK_BYTES : BLOCK_BYTES, scales = q6k ? 128 : 32, halves = q6k ? 2 : 1;
     const int32_t *hp = (const int32_t *)hi, *lp = (const int32_t *)lo; /* four int8 x as one lane */
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < blocks; kb++) {
-        __m512i sh[ROWS][GROUP], sl[ROWS][GROUP];
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < NB; b++) sh[r][b] = sl[r][b] = _mm512_setzero_si512();
         for (int b = 0; b < NB; b++)
-            for (int l = 0; l < BLOCK_BYTES; l += 64)
-                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * BLOCK_BYTES + l), _MM_HINT_T1);
-        for (int c = 0; c < 8; c++) {
-            __m512i xh[ROWS], xl[ROWS];
-            for (int r = 0; r < R; r++) {
-                xh[r] = _mm512_set1_epi32(hp[r * (k / 4) + kb * 8 + c]);
-                xl[r] = _mm512_set1_epi32(lp[r * (k / 4) + kb * 8 + c]);
-            }
-            for (int b = 0; b < NB; b++) {
-                const __m512i w = _mm512_loadu_si512((const void *)(wb[b] + kb * BLOCK_BYTES + 32 + 64 * c));
+            for (int l = 0; l < bytes; l += 64)
+                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * bytes + l), _MM_HINT_T1);
+        for (int h = 0; h < halves; h++) { /* Q8_0: chunks 0..7 at once; Q6_K: 0..3, then 4..7 */
+            __m512i sh[ROWS][GROUP], sl[ROWS][GROUP];
+            for (int r = 0; r < R; r++)
+                for (int b = 0; b < NB; b++) sh[r][b] = sl[r][b] = _mm512_setzero_si512();
+            for (int c = 8 / halves * h; c < 8 / halves * (h + 1); c++) {
+                __m512i xh[ROWS], xl[ROWS];
                 for (int r = 0; r < R; r++) {
-                    sh[r][b] = _mm512_dpbusd_epi32(sh[r][b], w, xh[r]);
-                    sl[r][b] = _mm512_dpbusd_epi32(sl[r][b], w, xl[r]);
+                    xh[r] = _mm512_set1_epi32(hp[r * (k / 4) + kb * 8 + c]);
+                    xl[r] = _mm512_set1_epi32(lp[r * (k / 4) + kb * 8 + c]);
+                }
+                for (int b = 0; b < NB; b++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(wb[b] + kb * bytes + scales + 64 * c));
+                    for (int r = 0; r < R; r++) {
+                        sh[r][b] = _mm512_dpbusd_epi32(sh[r][b], w, xh[r]);
+                        sl[r][b] = _mm512_dpbusd_epi32(sl[r][b], w, xl[r]);
+                    }
                 }
             }
-        }
-        for (int b = 0; b < NB; b++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb[b] + kb * BLOCK_BYTES)));
-            for (int r = 0; r < R; r++) {
-                const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[r][b], 8), sl[r][b]),
-                                                   _mm512_set1_epi32(128 * sum16[r * blocks + kb]));
-                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + kb])),
-                                            acc[r][b]);
+            for (int b = 0; b < NB; b++) {
+                const uint8_t *s = wb[b] + kb * bytes;
+                const __m512 d = q6k ? _mm512_loadu_ps((const float *)s + 16 * h)
+                                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+                for (int r = 0; r < R; r++) {
+                    const int32_t *x_sums = sum16 + 2 * (r * blocks + kb);
+                    const int32_t x_sum = q6k ? x_sums[h] : x_sums[0] + x_sums[1];
+                    const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[r][b], 8), sl[r][b]),
+                                                       _mm512_set1_epi32(128 * x_sum));
+                    acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
+                                                _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + kb])), acc[r][b]);
+                }
             }
         }
     }
@@ -102,26 +120,27 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, cons
 
 static inline __attribute__((always_inline)) void q8_group(const int8_t *hi, const int8_t *lo, int64_t m, int64_t k,
                                                            const float *dx, const int32_t *sum16,
-                                                           const uint8_t *const *wb, const int NB, float *out,
-                                                           int64_t n) {
+                                                           const uint8_t *const *wb, const int NB, const int q6k,
+                                                           float *out, int64_t n) {
     __m512 acc[ROWS][GROUP];
     const int64_t blocks = k / 32;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
         const int R = m - r0 >= 2 ? 2 : 1;
         if (R == 2)
-            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + r0 * blocks, wb, 2, NB, acc);
+            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + 2 * r0 * blocks, wb, 2, NB, q6k, acc);
         else
-            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + r0 * blocks, wb, 1, NB, acc);
+            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + 2 * r0 * blocks, wb, 1, NB, q6k, acc);
         for (int r = 0; r < R; r++)
             for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + (r0 + r) * n + 16 * b, acc[r][b]);
     }
 }
 
-static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
-    const int64_t stride = (k / 32) * BLOCK_BYTES, units = n / 16, blocks = k / 32;
+static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k,
+                      const int q6k) {
+    const int64_t stride = (k / 32) * (q6k ? Q6K_BLOCK_BYTES : BLOCK_BYTES), units = n / 16, blocks = k / 32;
     int8_t *hi = malloc((size_t)(2 * m * k)), *lo = hi + m * k;
     float *dx = malloc((size_t)(m * blocks) * sizeof(float));
-    int32_t *sum16 = malloc((size_t)(m * blocks) * sizeof(int32_t));
+    int32_t *sum16 = malloc((size_t)(2 * m * blocks) * sizeof(int32_t));
     x16_split(x, m, k, hi, lo, dx, sum16);
 #pragma omp parallel if (units * k * (m + 8) >= PARALLEL_MIN)
     {
@@ -131,11 +150,15 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
             const int64_t left = u1 - u < GROUP ? u1 - u : GROUP;
             const uint8_t *wb[GROUP];
             for (int64_t i = 0; i < left; i++) wb[i] = packed + (u + i) * stride;
-            switch (left) { /* a constant block count for each instance */
-            case 4: q8_group(hi, lo, m, k, dx, sum16, wb, 4, out + 16 * u, n); break;
-            case 3: q8_group(hi, lo, m, k, dx, sum16, wb, 3, out + 16 * u, n); break;
-            case 2: q8_group(hi, lo, m, k, dx, sum16, wb, 2, out + 16 * u, n); break;
-            default: q8_group(hi, lo, m, k, dx, sum16, wb, 1, out + 16 * u, n); break;
+            switch (left * 2 + q6k) { /* a constant block count and layout for each instance */
+            case 9: q8_group(hi, lo, m, k, dx, sum16, wb, 4, 1, out + 16 * u, n); break;
+            case 8: q8_group(hi, lo, m, k, dx, sum16, wb, 4, 0, out + 16 * u, n); break;
+            case 7: q8_group(hi, lo, m, k, dx, sum16, wb, 3, 1, out + 16 * u, n); break;
+            case 6: q8_group(hi, lo, m, k, dx, sum16, wb, 3, 0, out + 16 * u, n); break;
+            case 5: q8_group(hi, lo, m, k, dx, sum16, wb, 2, 1, out + 16 * u, n); break;
+            case 4: q8_group(hi, lo, m, k, dx, sum16, wb, 2, 0, out + 16 * u, n); break;
+            case 3: q8_group(hi, lo, m, k, dx, sum16, wb, 1, 1, out + 16 * u, n); break;
+            default: q8_group(hi, lo, m, k, dx, sum16, wb, 1, 0, out + 16 * u, n); break;
             }
         }
     }
@@ -154,7 +177,7 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
  * exactly in int32; the block adds d dx times that. Each x is off by at most amax / 64516. The same
  * packed layout: a chunk's first 32 bytes are outputs 0..7 of a 16-output block (one per 32-bit
  * lane), the next 32 outputs 8..15. One row at a time against each 16-output block, whose k / 32
- * blocks stay in L1 between rows. */
+ * blocks stay in L1 between rows. Q6_K's layout the same way, its two halves of a block summed apart. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -162,6 +185,7 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
 #include "simd_avx2.h"
 
 #define BLOCK_BYTES 544
+#define Q6K_BLOCK_BYTES 640
 #define PARALLEL_MIN 65536
 #define PREFETCH_BLOCKS 20
 #define X16_MAX 32258.0f /* 127 x 254 */
@@ -188,48 +212,66 @@ static void x254_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *
         }
 }
 
-/* out[0..15] of one row (x split in hi, lo, dx) against one 16-output block stream wb */
-static void q8_row_block(const int8_t *hi, const int8_t *lo, int64_t k, const float *dx, const uint8_t *wb,
-                         float *out) {
+/* out[0..15] of one row (x split in hi, lo, dx) against one 16-output block stream wb; q6k: Q6_K's
+ * layout, the block's k 0..15 and 16..31 each with its own scales. h is the half of the 16 outputs, kh
+ * the half of k. */
+static inline __attribute__((always_inline)) void q8_row_block(const int8_t *hi, const int8_t *lo, int64_t k,
+                                                               const float *dx, const uint8_t *wb, const int q6k,
+                                                               float *out) {
     const int64_t blocks = k / 32;
+    const int bytes = q6k ? Q6K_BLOCK_BYTES : BLOCK_BYTES, scales = q6k ? 128 : 32, halves = q6k ? 2 : 1;
     const int32_t *hp = (const int32_t *)hi, *lp = (const int32_t *)lo; /* four int8 x as one lane */
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t kb = 0; kb < blocks; kb++) {
-        const uint8_t *block = wb + kb * BLOCK_BYTES;
-        for (int l = 0; l < BLOCK_BYTES; l += 64)
-            _mm_prefetch((const char *)(block + PREFETCH_BLOCKS * BLOCK_BYTES + l), _MM_HINT_T0);
-        __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        __m256i sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int c = 0; c < 8; c++) {
-            const __m256i xh = _mm256_set1_epi32(hp[kb * 8 + c]), xl = _mm256_set1_epi32(lp[kb * 8 + c]);
-            for (int h = 0; h < 2; h++) {
-                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(block + 32 + 64 * c + 32 * h)), flip);
-                const __m256i a = _mm256_abs_epi8(q);
-                sh[h] = _mm256_add_epi32(sh[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xh, q)), ones));
-                sl[h] = _mm256_add_epi32(sl[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xl, q)), ones));
-            }
-        }
+        const uint8_t *block = wb + kb * bytes;
+        for (int l = 0; l < bytes; l += 64)
+            _mm_prefetch((const char *)(block + PREFETCH_BLOCKS * bytes + l), _MM_HINT_T0);
         const __m256 scale = _mm256_set1_ps(dx[kb]);
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * h)));
-            const __m256i t = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(sh[h], 8), _mm256_slli_epi32(sh[h], 1)), sl[h]);
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, scale), acc[h]);
+        for (int kh = 0; kh < halves; kh++) { /* Q8_0: chunks 0..7 at once; Q6_K: 0..3, then 4..7 */
+            __m256i sh[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            __m256i sl[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int c = 8 / halves * kh; c < 8 / halves * (kh + 1); c++) {
+                const __m256i xh = _mm256_set1_epi32(hp[kb * 8 + c]), xl = _mm256_set1_epi32(lp[kb * 8 + c]);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i q = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i *)(block + scales + 64 * c + 32 * h)), flip);
+                    const __m256i a = _mm256_abs_epi8(q);
+                    sh[h] = _mm256_add_epi32(sh[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xh, q)), ones));
+                    sl[h] = _mm256_add_epi32(sl[h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(xl, q)), ones));
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256 d = q6k ? _mm256_loadu_ps((const float *)block + 16 * kh + 8 * h)
+                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * h)));
+                const __m256i t = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(sh[h], 8), _mm256_slli_epi32(sh[h], 1)), sl[h]);
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, scale), acc[h]);
+            }
         }
     }
     _mm256_storeu_ps(out, acc[0]);
     _mm256_storeu_ps(out + 8, acc[1]);
 }
 
-static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
-    const int64_t stride = (k / 32) * BLOCK_BYTES, units = n / 16, blocks = k / 32;
-    int8_t *hi = malloc((size_t)(2 * m * k)), *lo = hi + m * k;
-    float *dx = malloc((size_t)(m * blocks) * sizeof(float));
-    x254_split(x, m, k, hi, lo, dx);
+/* the row-block loop for one layout: q6k a constant here, so each layout has its own inner loop */
+static void q8_blocks(const int8_t *hi, const int8_t *lo, int64_t m, int64_t k, const float *dx,
+                      const uint8_t *packed, float *out, int64_t n, const int q6k) {
+    const int64_t units = n / 16, blocks = k / 32, stride = blocks * (q6k ? Q6K_BLOCK_BYTES : BLOCK_BYTES);
 #pragma omp parallel for if (units * k * (m + 8) >= PARALLEL_MIN) schedule(static)
     for (int64_t u = 0; u < units; u++)
         for (int64_t r = 0; r < m; r++)
-            q8_row_block(hi + r * k, lo + r * k, k, dx + r * blocks, packed + u * stride, out + r * n + 16 * u);
+            if (q6k)
+                q8_row_block(hi + r * k, lo + r * k, k, dx + r * blocks, packed + u * stride, 1, out + r * n + 16 * u);
+            else
+                q8_row_block(hi + r * k, lo + r * k, k, dx + r * blocks, packed + u * stride, 0, out + r * n + 16 * u);
+}
+
+static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k,
+                      const int q6k) {
+    int8_t *hi = malloc((size_t)(2 * m * k)), *lo = hi + m * k;
+    float *dx = malloc((size_t)(m * (k / 32)) * sizeof(float));
+    x254_split(x, m, k, hi, lo, dx);
+    q8_blocks(hi, lo, m, k, dx, packed, out, n, q6k);
     free(hi);
     free(dx);
 }
@@ -243,5 +285,10 @@ int64_t srt_q8_linear_available(void) { return 0; }
 /* out[m][n] (float32) = x[m][k] @ w.T for the Q8_0 weight packed by packing.q8_pack; x rows contiguous;
  * n % 16 == 0 and k % 32 == 0 (the caller checks) */
 void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
-    Q8(x, m, packed, out, n, k);
+    Q8(x, m, packed, out, n, k, 0);
+}
+
+/* the same for the Q6_K weight packed by packing.q8_pack with fp32 scales (640 bytes a block) */
+void srt_q6k_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
+    Q8(x, m, packed, out, n, k, 1);
 }

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from model_executor.cpu.kernels import build
-from model_executor.cpu.kernels.packing import Q4K_BLOCK_BYTES, Int8Weight
+from model_executor.cpu.kernels.packing import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Int8Weight
 
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
@@ -487,11 +487,13 @@ def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [.., k] bf16 -> x @ (d q).T in float32, for the weight `packed` holds (q8_pack)."""
+    """x [.., k] bf16 -> x @ (d q).T in float32, for the weight `packed` holds (q8_pack: fp16 d a
+    run of 32, or Q6_K's fp32 d a run of 16, on srt_q6k_linear)."""
     lib = _library()
     _need_contiguous("x", x)
     _need_dtype("x", x, torch.bfloat16)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    lib.srt_q8_linear(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
+    kernel = lib.srt_q6k_linear if packed.shape[-1] == Q6K_BLOCK_BYTES else lib.srt_q8_linear
+    kernel(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
     return out

@@ -1,9 +1,10 @@
 """Weights in the layouts the linear kernels stream them in, packed once at load, and the GGUF
-blocks (Q4_1, Q4_K, Q8_0) recovered from a dequantized float32 weight.
+blocks (Q4_1, Q4_K, Q8_0, Q5_0, Q4_0, Q6_K) recovered from a dequantized float32 weight.
 
 bf16_pack: bf16 for srt_bf16_linear; int8_pack -> Int8Weight for srt_int8_linear; q4_recover +
 q4_pack -> Q4Weight for srt_q4_linear; q4k_recover + q4_pack -> Q4KWeight for srt_q4k_linear;
-q8_recover + q8_pack -> Q8Weight for srt_q8_linear. Each layout is drawn in the .c file that reads it.
+q8_recover + q8_pack -> Q8Weight for srt_q8_linear; q6k_recover + q8_pack -> Q8Weight for
+srt_q6k_linear. Each layout is drawn in the .c file that reads it.
 """
 
 from __future__ import annotations
@@ -189,18 +190,67 @@ def q8_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return q.to(torch.int8).view(n, k), d
 
 
+Q6K_BLOCK_BYTES = 640  # cpu_q8_linear.c's srt_q6k_linear: 16 outputs x 32 k, fp32 D per 16 k, then q + 128
+
+
+def _q6k_runs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q6k_recover on runs of 16 ([runs, 16] float32): (q [runs, 16], D [runs, 1]) or None."""
+    peak = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # [runs, 1]
+    d, q = torch.zeros_like(peak), torch.zeros_like(w)
+    todo = (peak != 0).squeeze(-1).nonzero().squeeze(-1)  # the runs not found yet; zeros are: D = 0
+    for size in range(32, 0, -1):
+        for q_peak in (-size, size) if size < 32 else (-size,):  # q in -32..31
+            if not todo.numel():
+                return q, d
+            wt = w[todo]
+            candidate = _round_bits(peak[todo].double() / q_peak, 19)  # never 0: the peak is not
+            qc = torch.round(wt / candidate)
+            ok = ((qc >= -32) & (qc <= 31) & (candidate * qc == wt)).all(-1)
+            d[todo[ok]], q[todo[ok]] = candidate[ok], qc[ok]
+            todo = todo[~ok]
+    return None if todo.numel() else (q, d)
+
+
+def q6k_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q6_K blocks behind a float32 [n, k] weight, if it is one: (q [n, k] int8 in
+    -32..31, D [n, k/16] float32) with float32(D * q) equal to every value; None where some run of
+    16 along k is no such block (or k % 32 != 0, which the kernel needs). gguf-py dequantizes a run
+    as (d sc) q in float32: d sc (an fp16 times an int8) is exact, 18 significant bits at most, and
+    so is its product with q (5 more bits at most, within fp32's 24). So for the right q_p, the
+    run's largest-magnitude value w_p over q_p is D, on the 19-bit grid the candidates are rounded
+    to; each value is still checked as float32(D q), as gguf-py computes it. Each run tries q_p =
+    -32, -31, 31, -30, 30, .. (D of either sign) until a D gives every q = round(w / D) in -32..31
+    with float32(D q) equal to its value; llama.cpp's quantizer gives the peak a q near -32, so most
+    runs stop at the first tries. A run of zeros has D = 0. The first 1024 runs are tried alone
+    first, so a weight of another type is refused before the tries run over all of it."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32 or not torch.isfinite(weight).all():
+        return None
+    w = weight.detach().reshape(-1, 16)
+    if _q6k_runs(w[:1024]) is None:
+        return None
+    found = _q6k_runs(w)
+    if found is None:
+        return None
+    q, d = found
+    return q.to(torch.int8).view(n, k), d.view(n, k // 16)
+
+
 def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks (q8_recover's form) -> srt_q8_linear's order, [n/16, k/32, 544] uint8: per 16
     outputs and 32 k, the 16 d (fp16), then for each quad c of k 64 bytes, byte 4j + i being
-    q[j][4c + i] + 128. n % 16 == 0."""
+    q[j][4c + i] + 128. n % 16 == 0. Q6_K blocks (q6k_recover's, D [n, k/16] float32) ->
+    srt_q6k_linear's [n/16, k/32, 640]: the 16 outputs' D for k 0..15, then for k 16..31 (fp32),
+    then the same 512 bytes."""
     n, k = q.shape
     blocks = k // 32
+    halves = 2 if d.dtype == torch.float32 else 1  # Q6_K: a scale per 16 k
     scales = (
-        d.view(n // 16, 16, blocks)
-        .permute(0, 2, 1)
+        d.view(n // 16, 16, blocks, halves)
+        .permute(0, 2, 3, 1)
         .contiguous()
         .view(torch.uint8)
-        .reshape(n // 16, blocks, 32)
+        .reshape(n // 16, blocks, -1)
     )
     biased = (q.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, blocks, 8, 4)
     return torch.cat(
@@ -210,8 +260,9 @@ def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Q8Weight:
-    """The tied LM head's GGUF Q8_0 weight for srt_q8_linear (up to Q8_MAX_ROWS rows) and its bf16
-    copy packed for srt_bf16_linear (more rows)."""
+    """A GGUF weight of Q8_0, Q5_0 or Q4_0 blocks (a layer's, or the tied LM head's) for
+    srt_q8_linear, or of Q6_K blocks for srt_q6k_linear (up to Q8_MAX_ROWS rows), and its bf16 copy
+    packed for srt_bf16_linear (more rows)."""
 
-    packed: torch.Tensor  # q8_pack's [n/16, k/32, 544]
+    packed: torch.Tensor  # q8_pack's [n/16, k/32, 544], or 640 for Q6_K
     bf16: torch.Tensor  # bf16_pack's

@@ -100,9 +100,11 @@ void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 
                     int64_t k);
 void srt_q4k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
 
-/* cpu_q8_linear.c: the LM head on GGUF Q8_0 blocks (q8_pack's layout), fp32 logits */
+/* cpu_q8_linear.c: linears on GGUF Q8_0, Q5_0 or Q4_0 blocks (q8_pack's layout), fp32 out */
 int64_t srt_q8_linear_available(void);
 void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
+/* the same on GGUF Q6_K blocks (q8_pack's layout with fp32 scales, one per 16 k; runs where srt_q8_linear does) */
+void srt_q6k_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
 
 /* cpu_prefill_attention.c: causal prefill attention (AMX where granted, else AVX-512 BF16) */
 int64_t srt_dp_prefill_attention_available(void);
