@@ -475,6 +475,25 @@ def test_q6k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int
     assert (out.double() - want).norm() * 10 < (rounded - want).norm()
 
 
+@needs_q8
+def test_q6k_layer_runs_up_to_q6k_max_rows_then_the_bf16_copy() -> None:
+    """A Q6_K layer decodes on its blocks up to ops.Q6K_MAX_ROWS rows (past them they lost to the bf16
+    copy: docs/performance.md), a Q8_0 layer up to Q8_MAX_ROWS."""
+    q, scales = q6_k_blocks(32, 256, seed=3)
+    weight = (scales.repeat_interleave(16, 1) * q.float()).contiguous()
+    packed = cpu_linear.pack_weight(weight.bfloat16(), q8=packing.q6k_recover(weight))
+    assert isinstance(packed, packing.Q8Weight) and ops.q8_max_rows(packed.packed) == ops.Q6K_MAX_ROWS
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, ops.Q6K_MAX_ROWS, ops.Q6K_MAX_ROWS + 1):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        out = cpu_linear.linear(x, weight.bfloat16(), None, packed)
+        on_blocks = ops.q8_linear(x, packed.packed).bfloat16()
+        copy = ops.bf16_linear(x, packed.bf16, None, torch.bfloat16)
+        assert torch.equal(out, on_blocks if rows <= ops.Q6K_MAX_ROWS else copy), rows
+    q8 = packing.q8_pack(*q8_0_blocks(32, 256, seed=4))
+    assert ops.q8_max_rows(q8) == ops.Q8_MAX_ROWS
+
+
 def forced_decode_case(model_dir: Path) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
     """Five seeded prompts of 1-30 tokens, six forced tokens after each, and transformers fp32's
     logits at those positions."""
@@ -528,6 +547,7 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     assert runner.step_runner.layers().packed  # type: ignore[attr-defined]
     fused = decode_logits(runner, prompts, forced)
     monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on its kernel
+    monkeypatch.setattr(ops, "Q6K_MAX_ROWS", ops.Q8_MAX_ROWS)  # the 5 rows on Q6_K's blocks too
     calls: list[int] = []
     real = getattr(build.kernels(), kernel)
     monkeypatch.setattr(build.kernels(), kernel, lambda *a: (calls.append(1), real(*a))[1])

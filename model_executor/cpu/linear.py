@@ -127,7 +127,7 @@ def _linear(
             return ops.q4_linear(x.contiguous(), packed.packed, bias)
         packed = packed.bf16
     if isinstance(packed, packing.Q8Weight):
-        if rows <= ops.Q8_MAX_ROWS and bias is None:
+        if rows <= ops.q8_max_rows(packed.packed) and bias is None:
             out = ops.q8_linear(x.contiguous(), packed.packed)
             return out if float32_out else out.to(x.dtype)
         packed = packed.bf16

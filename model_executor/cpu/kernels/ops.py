@@ -26,6 +26,16 @@ Q4_MAX_ROWS = 12
 # The LM head runs on its Q8_0 weight for at most this many rows (measured on SmolLM2, see
 # docs/performance.md), on the bf16 copy for more.
 Q8_MAX_ROWS = 8
+# A Q6_K layer runs on its blocks for at most this many rows: streaming 640 x 2048 layers
+# (scripts/bench_gguf_kernels.py, Zen 4) they were 1.4-1.6x the bf16 copy's speed at 1 row, 0.95-1.4x
+# at 2 and 0.7-1.04x at 4 on AVX-512 VNNI, and on the AVX2 path 1.03-1.07x at 2 rows and 0.9x at 4
+# (two scales a block cost more than Q8_0's one; docs/performance.md).
+Q6K_MAX_ROWS = 2
+
+
+def q8_max_rows(packed: torch.Tensor) -> int:
+    """The most rows srt_q8_linear / srt_q6k_linear takes the packed 8-bit weight for."""
+    return Q6K_MAX_ROWS if packed.shape[-1] == Q6K_BLOCK_BYTES else Q8_MAX_ROWS
 
 
 def fused_gemv_max_batch() -> int:

@@ -261,7 +261,7 @@ def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Q8Weight:
     """A GGUF weight of Q8_0, Q5_0 or Q4_0 blocks (a layer's, or the tied LM head's) for
-    srt_q8_linear, or of Q6_K blocks for srt_q6k_linear (up to Q8_MAX_ROWS rows), and its bf16 copy
+    srt_q8_linear, or of Q6_K blocks for srt_q6k_linear (up to ops.q8_max_rows rows), and its bf16 copy
     packed for srt_bf16_linear (more rows)."""
 
     packed: torch.Tensor  # q8_pack's [n/16, k/32, 544], or 640 for Q6_K
