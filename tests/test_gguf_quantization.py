@@ -233,7 +233,7 @@ def test_q4k_recover_finds_the_file_values_exactly_and_nothing_else() -> None:
 
 needs_q4k = pytest.mark.skipif(
     build._compiler() is None or not build.q4k_available(),
-    reason="no Q4_K kernel here (AVX2, FMA and F16C without AVX-512 BF16)",
+    reason="no Q4_K kernel here (it needs AVX-512 BF16, or AVX2, FMA and F16C)",
 )
 
 
