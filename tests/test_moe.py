@@ -24,11 +24,11 @@ from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
 from test_restart import smollm2_payloads, streams_through_a_kill
 from tiny_models import ARCHS, MOE_ARCHS, hf_float32, hf_greedy, make_tiny_model
 
-from model_executor.cpu.kernels import build
-from model_executor.cpu.linear import set_one_arithmetic
+from model_executor.cpu.kernels import build, packing
+from model_executor.cpu.linear import packed_of, set_one_arithmetic
 from model_executor.cpu.moe import FusedExperts
 from model_executor.forward_batch import ForwardMode, make_forward_batch
-from model_executor.layers.moe import SparseMoeBlock, select_experts
+from model_executor.layers.moe import Expert, SparseMoeBlock, select_experts
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.engine import Engine
 
@@ -127,6 +127,47 @@ def test_bf16_is_no_further_from_float32_than_transformers_bf16(arch: str, moe_d
         f"{arch}: mean |dlogprob| from transformers float32: srt bf16 {got:.5f}, transformers bf16 {budget:.5f}"
     )
     assert got <= 1.25 * budget
+
+
+@pytest.mark.skipif(
+    build._compiler() is None or not build.int8_available(),
+    reason="neither AMX int8 tiles nor AVX-512 VNNI here: --quantization w8a8_int8 is refused",
+)
+def test_w8a8_int8_experts_run_each_active_expert_once_a_step(
+    moe_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--quantization w8a8_int8 on a mixture of experts: every expert's gate_up and down are int8, a
+    step runs each active expert once for all of its tokens (its weights read once), and the
+    log-probabilities at every position stay within 4x transformers' own bf16 distance from float32
+    (int8 rounds more than bf16)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (7, 19, 33)]
+    hf = hf_float32(moe_dirs["qwen3_moe"])
+    with torch.no_grad():
+        reference = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+        theirs = torch.cat([hf.to(torch.bfloat16)(torch.tensor([p])).logits[0] for p in prompts])
+    engine = Engine(
+        str(moe_dirs["qwen3_moe"]), dtype="bfloat16", max_total_tokens=2048, quantization="w8a8_int8"
+    )
+    assert engine.runner is not None
+    blocks = [m for m in engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    experts = [e for block in blocks for e in block.experts]
+    assert blocks and all(
+        isinstance(packed_of(linear.linear_method), packing.Int8Weight)
+        for e in experts
+        for linear in (e.gate_up_proj, e.down_proj)  # type: ignore[union-attr]
+    )
+    calls: list[int] = []
+    real = Expert.partial
+    monkeypatch.setattr(Expert, "partial", lambda self, x: (calls.append(id(self)), real(self, x))[1])
+    routes: list[torch.Tensor] = []
+    for block in blocks:
+        block.route_hook = lambda layer_id, ids: routes.append(ids.clone())
+    ours = every_position_logits(engine, prompts)
+    chosen = sum(len(ids.unique()) for ids in routes)  # the distinct experts each layer chose
+    assert len(calls) == len(set(calls)) == chosen  # each once, for all of its tokens
+    budget, got = mean_logprob_distance(theirs, reference), mean_logprob_distance(ours, reference)
+    assert got <= 4 * budget, (got, budget)
 
 
 @pytest.mark.parametrize(
