@@ -52,11 +52,8 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
 def gguf_bf16_reason() -> str:
     """Why a --quantization gguf layer stays bf16 on this CPU, as pack_model logs it."""
     eight = ", Q8_0, Q5_0, Q4_0 or Q6_K" if build.q8_available() else ""
-    if build.q4k_available():
+    if build.q4k_available():  # wherever Q4_1's kernel runs (cpu_q4_linear.c: both ISA paths)
         return f"not Q4_1, Q4_K{eight} (Q5_K or another type)"
-    if build.q4_available():
-        kinds = "Q4_K, Q5_K" if build.q8_available() else "a K-quant"
-        return f"not Q4_1{eight} ({kinds} or another type)"
     return "no 4-bit kernel on this CPU"
 
 

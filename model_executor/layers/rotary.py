@@ -49,10 +49,6 @@ class LongRope:
         long = (prompt.to(positions.device) > self.original) | (positions >= self.original)
         return positions + self.offset * long
 
-    def long_prompt(self, prompt_len: int) -> bool:
-        """Whether a request of this prompt length runs every position on the long factors."""
-        return prompt_len > self.original
-
 
 def long_rope(params: dict[str, Any], max_position: int) -> LongRope | None:
     """The LongRope of a checkpoint with LongRoPE's short and long factors and a context past its

@@ -227,12 +227,11 @@ def q6k_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     if weight.dtype != torch.float32 or k % 32 or not torch.isfinite(weight).all():
         return None
     w = weight.detach().reshape(-1, 16)
-    if _q6k_runs(w[:1024]) is None:
+    head = _q6k_runs(w[:1024])
+    rest = _q6k_runs(w[1024:]) if head is not None else None
+    if head is None or rest is None:
         return None
-    found = _q6k_runs(w)
-    if found is None:
-        return None
-    q, d = found
+    q, d = (torch.cat(parts) for parts in zip(head, rest))
     return q.to(torch.int8).view(n, k), d.view(n, k // 16)
 
 
