@@ -1,7 +1,8 @@
 """Wire messages between the front end, the scheduler ranks and the detokenizer.
 
 Flow: TokenizerManager --(ZMQ)--> scheduler rank 0 --(gloo broadcast_pyobj)--> every rank;
-output rank --(ZMQ)--> detokenizer --(ZMQ)--> TokenizerManager. Everything is pickled; keep
+output rank --(ZMQ)--> detokenizer --(ZMQ)--> TokenizerManager (with --is-embedding the output rank
+sends to the TokenizerManager directly: there is no text to decode). Everything is pickled; keep
 messages small (a decode step sends new token ids, never whole sequences).
 """
 
@@ -173,7 +174,7 @@ class ControlReply:
     payload: dict[str, Any] = field(default_factory=dict)
 
 
-# ---- detokenizer -> TokenizerManager ----
+# ---- detokenizer (or, with --is-embedding, the output rank) -> TokenizerManager ----
 
 
 @dataclass
@@ -189,3 +190,18 @@ class BatchStrOut:
     input_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     routed_experts: list[str | None] = field(default_factory=list)
     embeddings: list[list[float] | None] = field(default_factory=list)
+
+    @classmethod
+    def without_text(cls, out: BatchTokenIDOut) -> BatchStrOut:
+        """An --is-embedding server's output, which the output rank sends straight to the
+        TokenizerManager (no detokenizer: an embedding has no text)."""
+        return cls(
+            rids=out.rids,
+            texts=[""] * len(out.rids),
+            new_token_ids=out.new_token_ids,
+            finished_reasons=out.finished_reasons,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            embeddings=out.embeddings,
+        )

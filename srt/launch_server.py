@@ -1,7 +1,7 @@
 """`launch_server` / `python -m srt.launch_server`: start one node of the server.
 
-Node 0: one scheduler per local rank + the detokenizer as children, the TokenizerManager and the
-HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; this process
+Node 0: one scheduler per local rank + the detokenizer (none with --is-embedding) as children, the
+TokenizerManager and the HTTP server in this process. Nodes with --node-rank > 0: only their schedulers; this process
 just supervises them. Before any child starts, every node meets the others at the rendezvous
 (launcher.rendezvous: duplicate node ranks and differing configurations fail there). Any child's
 death, or another node going down, takes the node down (launcher.supervisor, launcher.peers);
@@ -154,7 +154,7 @@ def child_specs(
         )
         for rank, (num_threads, cpus) in zip(plan.ranks, threads, strict=True)
     ]
-    if args.node_rank == 0:
+    if args.node_rank == 0 and not args.is_embedding:  # an embedding has no text to decode
         replica = dp_rank_label()
         specs.append(
             ChildSpec(

@@ -2,7 +2,8 @@
 
 It validates and tokenizes (bad input -> RequestError, an HTTP 400, before anything reaches a
 rank), pushes TokenizedGenerateReq / AbortReq / control messages to scheduler rank 0, and routes
-what the detokenizer sends back (BatchStrOut, ControlReply) to the waiting callers.
+what the detokenizer sends back (BatchStrOut, ControlReply; with --is-embedding the output rank's
+BatchTokenIDOut, directly) to the waiting callers.
 
 Usage: `call = tm.parse_generate(obj)` (synchronous, raises; generate_parse.py), then `async for
 out in tm.generate(call, request)`. Streaming yields one dict per update with the *cumulative*
@@ -37,6 +38,7 @@ from srt.generate_parse import GenerateCall, GenerateParser, RequestError
 from srt.io_struct import (
     AbortReq,
     BatchStrOut,
+    BatchTokenIDOut,
     ControlReply,
     FlushCacheReq,
     GetInternalStateReq,
@@ -173,7 +175,11 @@ class TokenizerManager:
         self._send_sock.setsockopt(zmq.SNDHWM, 0)
         self._send_sock.connect(self.port_args.tokenizer_ipc)
         self._recv_sock = self._zmq.socket(zmq.PULL)
-        self._recv_sock.bind(self.port_args.tokenizer_manager_ipc)
+        # an embedding server has no detokenizer: the output rank's messages come here directly
+        embed = self.server_args.is_embedding
+        self._recv_sock.bind(
+            self.port_args.detokenizer_ipc if embed else self.port_args.tokenizer_manager_ipc
+        )
         self._handle_task = self._loop.create_task(self.handle_loop())
 
     async def close(self) -> None:
@@ -442,6 +448,8 @@ class TokenizerManager:
             self.fail_all(f"the response loop failed: {error!r}")
 
     def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenIDOut):  # --is-embedding: from the output rank
+            msg = BatchStrOut.without_text(msg)
         if isinstance(msg, BatchStrOut):
             for i, rid in enumerate(msg.rids):
                 state = self.rid_to_state.get(rid)

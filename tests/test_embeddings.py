@@ -109,6 +109,16 @@ def refused(srv: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return error
 
 
+def test_an_embedding_server_runs_no_detokenizer(server: tuple[str, Server]) -> None:
+    """The output rank sends embeddings to the front end directly (an embedding has no text): the
+    node's processes are the front end and the rank, and control replies still come back."""
+    _, srv = server
+    info = requests.get(srv.url + "/server_info", timeout=30).json()
+    assert [p["name"] for p in info["memory"]["processes"]] == ["main", "scheduler TP0"]
+    assert info["internal_states"][0]  # a control call's reply, from the rank straight to the front end
+    assert requests.post(srv.url + "/flush_cache", timeout=30).ok
+
+
 def test_bad_input_is_a_400_naming_it(server: tuple[str, Server]) -> None:
     dtype, srv = server
     if dtype != "bf16":
