@@ -160,13 +160,20 @@ class PageAllocator:
             return None
 
         ps, dev = self.page_size, self.device
-        if ps == 1 and all(n == 1 for n in extend_lens):
-            # A decode step on one-token pages: request i's new token is new_pages[i] (the general
-            # path below gives the same in ~20 tensor ops; this is on every decode step's path).
+        if ps == 1:
+            # One-token pages: the tokens' slots are the new pages in order (the general path below
+            # gives the same in ~20 tensor ops; this is on every step's path).
             slots = new_pages.clone()
-            rows_t = torch.tensor(req_pool_indices, dtype=torch.int64, device=req_to_token.device)
-            pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=req_to_token.device)
-            req_to_token[rows_t, pos_t] = slots.to(req_to_token.device)
+            table_slots = slots.to(req_to_token.device)
+            if all(n == 1 for n in extend_lens):  # a decode step: one index op
+                rows_t = torch.tensor(req_pool_indices, dtype=torch.int64, device=req_to_token.device)
+                pos_t = torch.tensor(prefix_lens, dtype=torch.int64, device=req_to_token.device)
+                req_to_token[rows_t, pos_t] = table_slots
+                return slots
+            start = 0
+            for row, prefix, seq in zip(req_pool_indices, prefix_lens, seq_lens, strict=True):
+                req_to_token[row, prefix:seq] = table_slots[start : start + seq - prefix]
+                start += seq - prefix
             return slots
         # Per request, on Python ints: where the partial last page ends and where its fresh pages
         # start in `new_pages`.
