@@ -183,6 +183,42 @@ def test_rmsnorm_with_and_without_residual(rows: int, dim: int) -> None:
         ops.rmsnorm(x, weight, 1e-5, residual)
 
 
+# 384: all-MiniLM-L6-v2's width; 40: not a multiple of 16; 4096 rows: the parallel loop
+@pytest.mark.parametrize(("rows", "dim"), [(1, 384), (25, 384), (3, 40), (4096, 384)])
+def test_layernorm_is_torchs_in_float32_and_rounds_once(rows: int, dim: int) -> None:
+    """BERT's post-norm: layernorm(x + residual) * weight + bias in float32, as torch's to a few
+    float32 ulps, and the same rounded to bf16 (torch's cast of it, bit for bit)."""
+    g = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    residual = torch.randn(rows, dim, generator=g) * 3 + 1  # a mean far from 0: the two passes matter
+    for x in (rand(rows, dim, seed=8), torch.randn(rows, dim, generator=g)):  # bf16 or float32 x
+        out, rounded = ops.layernorm(x, weight, bias, 1e-12, residual, with_bf16=True)
+        want = F.layer_norm(residual + x.float(), (dim,), weight, bias, 1e-12)
+        assert out.dtype == torch.float32 and (out - want).abs().max().item() < 1e-5 * want.abs().max().item()
+        assert rounded is not None and torch.equal(rounded, out.bfloat16())
+    out, none = ops.layernorm(residual, weight, bias, 1e-5)  # no residual, no bf16 copy
+    assert none is None
+    torch.testing.assert_close(out, F.layer_norm(residual, (dim,), weight, bias, 1e-5), rtol=0, atol=1e-5)
+
+
+# 4608 and 38400: the MLP's 1536 wide rows of 3 and 25 tokens (the second on the parallel loop)
+@pytest.mark.parametrize("n", [4608, 38400, 37])
+def test_gelu_erf_is_the_exact_gelu_rounded_once(n: int) -> None:
+    """srt_gelu_erf against GELU in float64 (x erfc(-x / sqrt 2) / 2, accurate in the negative tail
+    too): within one bf16 rounding (2^-8 of the value) plus erfc's approximation error, relative
+    everywhere; past x = -13 (exp's clamp) within 1e-36. Where torch's float32 gelu is accurate (x
+    above -3) the two nearly always round to the same bf16."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(9)) * 4
+    x[:6] = torch.tensor([-100.0, -10.0, 0.0, -0.0, 10.0, 100.0])  # the tails, both signs of 0
+    got = ops.gelu_erf(x)
+    x64 = x.double()
+    want = x64 * torch.special.erfc(-x64 / 2**0.5) / 2
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= want.abs() * (2.0**-8 + 1e-6) + 1e-36).all()
+    body = x > -3
+    assert (got[body] != F.gelu(x[body]).bfloat16()).float().mean().item() < 0.01  # a few ties, no more
+
+
 @pytest.mark.parametrize(("rows", "d"), [(1, 1536), (33, 1536), (2, 20), (4096, 1536)])
 def test_silu_mul(rows: int, d: int) -> None:
     x = rand(rows, 2 * d, seed=4, scale=4.0)

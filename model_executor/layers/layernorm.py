@@ -155,3 +155,27 @@ class HeadsRMSNorm(nn.Module):
         transformers' RMSNorm rounds it: the normalized row in x's dtype, then the weight."""
         inv = torch.rsqrt(sum_squares / self.full_size + self.eps)
         return self.weight * (x.float() * inv).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """transformers' LayerNorm (weight and bias; BERT's post-norms), in float32 whatever the model's dtype: its
+    parameters are kept in float32 as loaded."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layernorm(x + residual) in float32, the same in `dtype`, the next linear's input): in one
+        pass of srt_layernorm for a bf16 model on the CPU kernels, op by op otherwise."""
+        if dtype == torch.bfloat16 and x.device.type == "cpu" and build.kernels() is not None:
+            normed, rounded = ops.layernorm(x.contiguous(), self.weight, self.bias, self.eps, residual, True)
+            assert rounded is not None
+            return normed, rounded
+        summed = x.float() if residual is None else residual + x.float()
+        normed = F.layer_norm(summed, x.shape[-1:], self.weight, self.bias, self.eps)
+        return normed, normed.to(dtype)

@@ -17,12 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.activation import gelu_erf
+from model_executor.layers.layernorm import LayerNorm
 from model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
 from model_executor.models.base import CausalLM
@@ -35,20 +36,6 @@ _REFUSED_UNLESS = {
     "is_decoder": (False, "causal self-attention"),
     "add_cross_attention": (False, "cross-attention to an encoder"),
 }
-
-
-class LayerNorm(nn.Module):
-    """transformers' LayerNorm (weight and bias), in float32 whatever the model's dtype: its
-    parameters are kept in float32 as loaded."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps)
 
 
 class BertEmbeddings(nn.Module):
@@ -64,7 +51,8 @@ class BertEmbeddings(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first layer's input in float32, the same in the model's dtype)."""
         # token type 0 throughout unless given: srt embeds one text per input, as sentence-transformers does
         types = (
             self.token_type_embeddings.weight[0].float()
@@ -72,7 +60,7 @@ class BertEmbeddings(nn.Module):
             else self.token_type_embeddings(token_types).float()
         )
         summed = self.word_embeddings(input_ids).float() + self.position_embeddings(positions).float() + types
-        return self.LayerNorm(summed)
+        return self.LayerNorm(summed, None, self.position_embeddings.weight.dtype)
 
 
 class BertSelfAttention(nn.Module):
@@ -85,18 +73,22 @@ class BertSelfAttention(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """hidden [tokens, hidden] -> this rank's heads' attention output [tokens, heads x head_dim],
-        each request's tokens attending to all of its own (float32)."""
-        qkv = self.qkv_proj(hidden.to(self.qkv_proj.weight.dtype), torch.float32)
+        """hidden [tokens, hidden] in the model's dtype -> this rank's heads' attention output
+        [tokens, heads x head_dim], each request's tokens attending to all of its own (float32),
+        rounded to the model's dtype once."""
+        qkv = self.qkv_proj(hidden, torch.float32)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(0, 1) for t in self.qkv_proj.split(qkv))
-        out = qkv.new_empty(qkv.shape[0], q.shape[0], self.head_dim)  # [tokens, heads, head_dim]
+        out = hidden.new_empty(qkv.shape[0], q.shape[0], self.head_dim)  # [tokens, heads, head_dim]
         start = 0
         for length in lengths:
             rows = slice(start, start + length)
             # softmax(q k^T / sqrt(d)) v as two batched products over the heads: at these lengths
             # faster than scaled_dot_product_attention, whose CPU path for 3-D inputs is its
-            # unfused math one (docs/performance.md)
-            scores = torch.bmm(q[:, rows], k[:, rows].transpose(1, 2)).mul_(self.head_dim**-0.5)
+            # unfused math one (docs/performance.md). beta=0: the first argument only shapes it.
+            scores = q.new_empty(q.shape[0], length, length)
+            scores = torch.baddbmm(
+                scores, q[:, rows], k[:, rows].transpose(1, 2), beta=0, alpha=self.head_dim**-0.5
+            )
             out[rows] = torch.bmm(scores.softmax(-1), v[:, rows]).transpose(0, 1)
             start += length
         return out.flatten(1)
@@ -108,20 +100,25 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config, comm, dtype)
         self.output = BertOutput(config.hidden_size, config, comm, dtype, what="number of attention heads")
 
-    def forward(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        return self.output(self.self(hidden, lengths), hidden)
+    def forward(
+        self, hidden: tuple[torch.Tensor, torch.Tensor], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32, the model's dtype) -> the same of LayerNorm(hidden + dense(attention))."""
+        return self.output(self.self(hidden[1], lengths), hidden[0])
 
 
 class BertOutput(nn.Module):
-    """dense (row-parallel, float32 sum), then LayerNorm of the residual plus it."""
+    """dense (row-parallel, float32 sum), then LayerNorm of the residual plus it: (float32, the
+    model's dtype)."""
 
     def __init__(self, size: int, config: Any, comm: Communicator, dtype: torch.dtype, what: str) -> None:
         super().__init__()
         self.dense = RowParallelLinear(size, config.hidden_size, True, comm, params_dtype=dtype, what=what)
         self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(residual + self.dense(x.to(self.dense.weight.dtype)).float())
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.dense.weight.dtype
+        return self.LayerNorm(self.dense(x.to(dtype)), residual, dtype)
 
 
 class BertIntermediate(nn.Module):
@@ -132,8 +129,9 @@ class BertIntermediate(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [tokens, hidden] -> gelu(dense(hidden)), float32 (the dense's sums unrounded)."""
-        return F.gelu(self.dense(hidden.to(self.dense.weight.dtype), torch.float32))
+        """hidden [tokens, hidden] in the model's dtype -> gelu(dense(hidden)) of the dense's float32
+        sums, in the model's dtype."""
+        return gelu_erf(self.dense(hidden, torch.float32), hidden.dtype)
 
 
 class BertLayer(nn.Module):
@@ -143,9 +141,12 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config, comm, dtype)
         self.output = BertOutput(config.intermediate_size, config, comm, dtype, what="intermediate size")
 
-    def forward(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(
+        self, hidden: tuple[torch.Tensor, torch.Tensor], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: (float32, the same in the model's dtype), as the LayerNorms give both."""
         hidden = self.attention(hidden, lengths)
-        return self.output(self.intermediate(hidden), hidden)
+        return self.output(self.intermediate(hidden[1]), hidden[0])
 
 
 class BertEncoder(nn.Module):
@@ -203,7 +204,7 @@ class BertModel(CausalLM):
         hidden = self.embeddings(input_ids, positions, self.token_types(input_ids, batch.extend_seq_lens_cpu))
         for layer in self.encoder.layer:
             hidden = layer(hidden, batch.extend_seq_lens_cpu)
-        return hidden
+        return hidden[0]
 
     def token_types(self, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:
         """None: every token is of type 0 (one text per input)."""

@@ -148,6 +148,68 @@ void srt_rmsnorm_f32w(const void *x, int64_t x_f32, const float *residual, const
                     residual_out ? residual_out + r * dim : NULL, dim, eps);
 }
 
+/* out = layernorm(x + residual) * weight + bias (a BERT layer's post-norm), rows of `dim`, in float32
+ * (the next residual stream) and, with out_bf16, rounded once to bf16 as well (the next linear's
+ * input); x bf16, or float32 with x_f32; weight and bias float32. The mean first, then the biased
+ * variance of the differences from it, as torch's layer_norm; the loops are ordered as the compiler
+ * vectorises them. */
+void srt_layernorm(const void *x, int64_t x_f32, const float *residual, const float *weight, const float *bias,
+                   float *out, bf16 *out_bf16, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xf = (const float *)x + r * dim, *rr = residual ? residual + r * dim : NULL;
+        const bf16 *xb = (const bf16 *)x + r * dim;
+        float *o = out + r * dim;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) {
+            const float f = (x_f32 ? xf[i] : bf16_to_f32(xb[i])) + (rr ? rr[i] : 0.0f);
+            o[i] = f;
+            sum += f;
+        }
+        const float mean = sum / (float)dim;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++) ss += (o[i] - mean) * (o[i] - mean);
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = (o[i] - mean) * inv * weight[i] + bias[i];
+        if (out_bf16)
+            for (int64_t i = 0; i < dim; i++) out_bf16[r * dim + i] = f32_to_bf16(o[i]);
+    }
+}
+
+/* out = gelu(x) = x erfc(-x / sqrt(2)) / 2, the exact GELU of BERT's MLP, x float32 (the dense's
+ * unrounded sums) -> bf16, rounded once. erfc(z), z >= 0, by the Chebyshev fit of Numerical
+ * Recipes' erfcc (relative error under 1.2e-7 everywhere, so the small negative tail is as exact
+ * as the rest) with exp_f32, so the loop vectorises; erfc(-z) = 2 - erfc(z). */
+void srt_gelu_erf(const float *x, bf16 *out, int64_t n) {
+    enum { CHUNK = 2048 };
+#pragma omp parallel for if (n >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t c = 0; c < n; c += CHUNK) {
+        const int64_t len = n - c < CHUNK ? n - c : CHUNK;
+        float g[CHUNK];
+#pragma omp simd
+        for (int64_t i = 0; i < len; i++) {
+            const float v = x[c + i], z = fabsf(v) * 0.70710678118654752f;
+            const float t = 1.0f / (1.0f + 0.5f * z);
+            float p = 0.17087277f;
+            p = p * t - 0.82215223f;
+            p = p * t + 1.48851587f;
+            p = p * t - 1.13520398f;
+            p = p * t + 0.27886807f;
+            p = p * t - 0.18628806f;
+            p = p * t + 0.09678418f;
+            p = p * t + 0.37409196f;
+            p = p * t + 1.00002368f;
+            p = p * t - 1.26551223f;
+            const float erfc_z = t * exp_f32(p - z * z);
+            g[i] = 0.5f * v * (v < 0.0f ? erfc_z : 2.0f - erfc_z);
+        }
+        for (int64_t i = 0; i < len; i++) out[c + i] = f32_to_bf16(g[i]);
+    }
+}
+
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = gelu_tanh(gate) * up (Gemma's GeGLU, transformers'
  * gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))), in float32, rounded once. */
 void srt_gelu_tanh_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {

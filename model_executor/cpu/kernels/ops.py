@@ -158,6 +158,53 @@ def rmsnorm_f32w(
     return out, residual_out
 
 
+def layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    with_bf16: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(layernorm(x + residual) * weight + bias in float32, the same rounded to bf16 where
+    `with_bf16`, else None); x [rows, dim] bf16 or float32, the residual, weight and bias float32,
+    contiguous."""
+    lib = _library()
+    _need_contiguous("x", x)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be torch.bfloat16 or torch.float32; got {x.dtype}")
+    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if t is not None:
+            _need_contiguous(name, t)
+            _need_dtype(name, t, torch.float32)
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.float32)
+    out_bf16 = torch.empty(x.shape, dtype=torch.bfloat16) if with_bf16 else None
+    lib.srt_layernorm(
+        x.data_ptr(),
+        int(x.dtype == torch.float32),
+        data_ptr(residual),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        out.data_ptr(),
+        data_ptr(out_bf16),
+        x.numel() // dim,
+        dim,
+        eps,
+    )
+    return out, out_bf16
+
+
+def gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """x float32, contiguous -> gelu(x) (the exact, erf GELU) in bf16, rounded once."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.float32)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.srt_gelu_erf(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
 def _gated(kernel: str, x: torch.Tensor) -> torch.Tensor:
     """[.., 2d] (gate | up) -> act(gate) * up by the kernel `kernel` of the library; x contiguous."""
     lib = _library()

@@ -19,6 +19,9 @@ void srt_rmsnorm(const void *x, int64_t x_f32, const float *residual, const bf16
                  float *residual_out, int64_t rows, int64_t dim, float eps);
 void srt_rmsnorm_f32w(const void *x, int64_t x_f32, const float *residual, const float *weight, void *out,
                       int64_t out_f32, float *residual_out, int64_t rows, int64_t dim, float eps);
+void srt_layernorm(const void *x, int64_t x_f32, const float *residual, const float *weight, const float *bias,
+                   float *out, bf16 *out_bf16, int64_t rows, int64_t dim, float eps);
+void srt_gelu_erf(const float *x, bf16 *out, int64_t n);
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_gelu_tanh_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
