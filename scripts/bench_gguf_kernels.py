@@ -6,10 +6,10 @@ A decode step reads each layer's weight once, from memory, not from cache; so ea
 over `--copies` distinct copies of one [n, k] weight (64 copies of a 640 x 2048 layer are 168 MB in
 bf16, past this CPU's caches), and the table gives microseconds per layer call, the best of 3 passes,
 for each round: srt_bf16_linear on the bf16 copy (what a layer without a block kernel runs), and
-srt_q4k_linear (Q4_K), srt_q8_linear (Q8_0, Q5_0, Q4_0) and srt_q6k_linear (Q6_K) on their packed
-blocks, with each one's speed-up over bf16. The weights are random; the kernels' cost does not depend
-on the values. The row limits in model_executor/cpu/kernels/ops.py (Q4_MAX_ROWS, Q8_MAX_ROWS,
-Q6K_MAX_ROWS) come from tables like this one.
+srt_q4k_linear (Q4_K), srt_q5k_linear (Q5_K), srt_q8_linear (Q8_0, Q5_0, Q4_0) and srt_q6k_linear
+(Q6_K) on their packed blocks, with each one's speed-up over bf16. The weights are random; the
+kernels' cost does not depend on the values. The row limits in model_executor/cpu/kernels/ops.py
+(Q4_MAX_ROWS, Q5K_MAX_ROWS, Q8_MAX_ROWS, Q6K_MAX_ROWS) come from tables like this one.
 """
 
 from __future__ import annotations
@@ -41,18 +41,20 @@ def weights(n: int, k: int, copies: int) -> dict[str, list[torch.Tensor]]:
     bf16 = packing.bf16_pack(torch.randn(n, k, generator=g).bfloat16())
     q4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     q4k = packing.q4_pack(q4, torch.rand(n, k // 32, generator=g), -torch.rand(n, k // 32, generator=g))
+    q5 = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+    q5k = packing.q5k_pack(q5, torch.rand(n, k // 32, generator=g), -torch.rand(n, k // 32, generator=g))
     q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     q8_0 = packing.q8_pack(q8, torch.rand(n, k // 32, generator=g).half())
     q6 = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
     q6k = packing.q8_pack(q6, torch.rand(n, k // 16, generator=g))
-    kinds = {"bf16": bf16, "Q4_K": q4k, "Q8_0": q8_0, "Q6_K": q6k}
+    kinds = {"bf16": bf16, "Q4_K": q4k, "Q5_K": q5k, "Q8_0": q8_0, "Q6_K": q6k}
     return {kind: [w.clone() for _ in range(copies)] for kind, w in kinds.items()}
 
 
 def call(kind: str, x: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
     if kind == "bf16":
         return lambda: ops.bf16_linear(x, w, None, torch.bfloat16)
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         return lambda: ops.q4_linear(x, w, None)
     return lambda: ops.q8_linear(x, w)
 
@@ -67,7 +69,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    if not (build.bf16_linear_available() and build.q4k_available() and build.q8_available()):
+    if not (build.bf16_linear_available() and build.q5k_available() and build.q8_available()):
         raise SystemExit(f"the block kernels do not all run here: {build.describe_paths()}")
     print(build.describe_paths())
     print(f"layer {args.n} x {args.k}, {args.copies} copies; microseconds per call (speed-up over bf16)")

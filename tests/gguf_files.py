@@ -102,3 +102,84 @@ def write_qwen_moe_gguf(model_dir: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def q5_k_blocks(n: int, k: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor]:
+    """Random GGUF Q5_K super-blocks of an [n, k] weight (k % 256 == 0) in the file's 176-byte layout:
+    fp16 d and dmin, 12 bytes of 6-bit scales and mins (Q4_K's packing), qh[32] (bit s of byte l:
+    the fifth bit of sub-block s's value l), qs[128] (sub-blocks 2i and 2i + 1 in the low and high
+    nibbles of bytes 32i .. 32i + 31). Returns (the blocks as uint8 [n, k / 256 * 176], q [n, k] in
+    0..31). Each sub-block holds a q of 0 and one of 31, its values within about +-0.2."""
+    supers = n * k // 256
+    scales_and_mins = torch.randint(32, 64, (supers, 2, 8), generator=g, dtype=torch.uint8)
+    sc, mn = scales_and_mins[:, 0], scales_and_mins[:, 1]
+    scales = torch.cat(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4,
+        ],
+        dim=1,
+    )
+    q = torch.randint(0, 32, (supers, 8, 32), generator=g, dtype=torch.uint8)
+    q[:, :, 5], q[:, :, 20] = 0, 31
+    qs = ((q[:, 0::2] & 15) | (q[:, 1::2] & 15) << 4).reshape(supers, 128)
+    qh = ((q >> 4) << torch.arange(8, dtype=torch.uint8)[:, None]).sum(1, dtype=torch.uint8)
+    d = torch.rand(supers, 1, generator=g) * 1e-4 + 1.5e-4
+    dmin = d * (torch.rand(supers, 1, generator=g) + 15)  # dmin mn about d sc 15.5: values around 0
+    raw = torch.cat([torch.cat([d, dmin], 1).half().view(torch.uint8), scales, qh, qs], dim=1)
+    return raw.view(n, k // 256 * 176).numpy(), q.view(n, k)
+
+
+def write_llama_q5_k_gguf(out: Path, seed: int = 0) -> Path:
+    """A tiny random Llama of SmolLM2's vocabulary (hidden 256, so that every projection's input is
+    a multiple of Q5_K's 256) as llama.cpp's `llama` architecture: every projection Q5_K blocks
+    (q5_k_blocks), the token embedding and output fp16 (of bf16 values), the norms float32."""
+    hidden, intermediate, layers, heads, kv_heads, vocab = 256, 512, 2, 4, 2, 49152
+    g = torch.Generator().manual_seed(seed)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name("tiny-llama-q5_k")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q5_K_M)
+    writer.add_block_count(layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    copy_tokenizer(writer, vocab)
+
+    def dense(name: str, shape: tuple[int, ...], std: float) -> None:
+        """fp16 values that bf16 holds exactly: srt's bf16 copy is the file's weight"""
+        values = (torch.randn(shape, generator=g) * std).bfloat16().float()
+        writer.add_tensor(name, values.numpy().astype(np.float16))
+
+    dense("token_embd.weight", (vocab, hidden), 1.0)
+    head_dim = hidden // heads
+    for i in range(layers):
+        for name, (n, k) in {
+            "attn_q": (hidden, hidden),
+            "attn_k": (kv_heads * head_dim, hidden),
+            "attn_v": (kv_heads * head_dim, hidden),
+            "attn_output": (hidden, hidden),
+            "ffn_gate": (intermediate, hidden),
+            "ffn_up": (intermediate, hidden),
+            "ffn_down": (hidden, intermediate),
+        }.items():
+            blocks = q5_k_blocks(n, k, g)[0]
+            writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    head = (torch.randn(vocab, hidden, generator=g) * 0.05).bfloat16().float()
+    head[::192] *= (
+        10  # 256 tokens far likelier than the rest: greedy picks with clear margins, as a trained model's
+    )
+    writer.add_tensor("output.weight", head.numpy().astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_gguf_kernels.p
 
 
 @pytest.mark.skipif(
-    not (build.bf16_linear_available() and build.q4k_available() and build.q8_available()),
+    not (build.bf16_linear_available() and build.q5k_available() and build.q8_available()),
     reason="the block kernels need AVX-512 BF16 and VNNI, or AVX2, FMA and F16C",
 )
 def test_small_run_prints_every_kind_per_rows_and_round() -> None:
@@ -41,8 +41,8 @@ def test_small_run_prints_every_kind_per_rows_and_round() -> None:
         check=True,
         timeout=120,
     ).stdout
-    assert "bf16 |           Q4_K |           Q8_0 |           Q6_K" in out
+    assert "bf16 |           Q4_K |           Q5_K |           Q8_0 |           Q6_K" in out
     rows = re.findall(r"^\s+(\d+) \|\s+(\d+) \|(.*)$", out, re.M)
     assert [(int(r), int(n)) for r, n, _ in rows] == [(1, 1), (1, 2), (3, 1), (3, 2)]
     for _, _, cells in rows:
-        assert len(re.findall(r"\d+\.\d \((\d+\.\d\d)x\)", cells)) == 4 and "(1.00x)" in cells.split("|")[0]
+        assert len(re.findall(r"\d+\.\d \((\d+\.\d\d)x\)", cells)) == 5 and "(1.00x)" in cells.split("|")[0]

@@ -8,17 +8,21 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
+from gguf_files import q5_k_blocks, write_llama_q5_k_gguf
 from safetensors.torch import load_file, save_file
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
-from tiny_models import hf_float32, hf_forced_logits
+from tiny_models import hf_float32, hf_forced_logits, hf_greedy
 
 from model_executor.cpu import linear as cpu_linear
 from model_executor.cpu.kernels import build, decode_layers, ops, packing
-from model_executor.cpu.weights import check_quantization, gguf_bf16_reason
+from model_executor.cpu.weights import check_quantization, gguf_bf16_reason, gguf_blocks
+from model_executor.loader.gguf_convert import convert_gguf
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.cli_args import parse_server_args
 from srt.server_args import ServerArgs
@@ -128,6 +132,27 @@ def quantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
     scale = ((high - low) / 15 / sc).half().float() * sc
     mn = (-low.clamp(max=0) / 61).half().float() * 61
     q = torch.round((w + mn) / scale).clamp(0, 15)
+    return (scale * q - mn).view(n, k)
+
+
+def q5_k_file_values(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random GGUF Q5_K super-blocks in the file's 176-byte layout (gguf_files.q5_k_blocks),
+    dequantized by gguf-py as the converter does: (float32 [n, k], the file's q [n, k] in 0..31),
+    k % 256 == 0."""
+    raw, q = q5_k_blocks(n, k, torch.Generator().manual_seed(seed))
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K)
+    return torch.from_numpy(np.array(values, dtype=np.float32)), q
+
+
+def quantize_q5_k(weight: torch.Tensor) -> torch.Tensor:
+    """quantize_q4_k's grid with 32 levels (q in 0..31), as Q5_K's sub-blocks hold a weight."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // 32, 32)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    sc = torch.arange(n * k // 32).view(n, k // 32, 1) % 24 + 40
+    scale = ((high - low) / 31 / sc).half().float() * sc
+    mn = (-low.clamp(max=0) / 61).half().float() * 61
+    q = torch.round((w + mn) / scale).clamp(0, 31)
     return (scale * q - mn).view(n, k)
 
 
@@ -268,6 +293,90 @@ def test_q4k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int
     assert act is not None
     ref = torch.nn.functional.silu(gate) * up
     assert ((act.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3 * ref.abs().max()).all()
+
+
+needs_q5k = pytest.mark.skipif(
+    build._compiler() is None or not build.q5k_available(),
+    reason="no Q5_K kernel here (it needs AVX-512 BF16, or AVX2, FMA and F16C)",
+)
+
+
+def test_q5k_recover_finds_the_file_values_exactly_and_nothing_else() -> None:
+    weight, file_q = q5_k_file_values(48, 512, seed=1)
+    found = packing.q5k_recover(weight)
+    assert found is not None
+    q, d, m = found
+    assert torch.equal(q, file_q) and d.dtype == m.dtype == torch.float32
+    assert torch.equal(d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1), weight)
+    # no other type's recovery takes it: its runs span 31 steps, and each has a minimum
+    assert packing.q4k_recover(weight) is None and packing.q4_recover(weight) is None
+    assert packing.q8_recover(weight) is None and packing.q6k_recover(weight) is None
+    nudged = weight.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))
+    assert packing.q5k_recover(nudged) is None
+    assert packing.q5k_recover(torch.randn(32, 64)) is None  # never quantized
+    assert packing.q5k_recover(weight.bfloat16()) is None
+    assert packing.q5k_recover(weight[:, :48]) is None  # k % 32 != 0
+    q4k = q4_k_file_values(16, 256, seed=2)
+    assert packing.q5k_recover(q4k) is not None  # a Q4_K weight is a Q5_K one too ...
+    if build.q5k_available():  # ... and stays Q4_K, the smaller layout; a Q5_K weight is Q5_K
+        assert [part is not None for part in gguf_blocks(q4k, True)] == [True, False, False]
+        assert [part is not None for part in gguf_blocks(weight, True)] == [False, True, False]
+    packed = packing.q5k_pack(*found)
+    assert packed.shape == (3, 16, packing.Q5K_BLOCK_BYTES)
+    assert torch.equal(packed[..., :384], packing.q4_pack(q & 15, d, m))  # Q4_K's block of the low bits
+    words = packed[1, 2, 384 + 8 * 3 : 384 + 8 * 4].view(torch.int32)  # outputs 16..31, k 64 + 12 .. 64 + 15
+    for j, i in ((0, 0), (5, 1), (9, 2), (15, 3), (12, 1)):
+        assert (int(words[i // 2]) >> (4 + j + 16 * (i % 2)) % 32) & 1 == int(q[16 + j, 76 + i]) >> 4
+
+
+@needs_q5k
+@pytest.mark.parametrize(
+    ("m", "n", "k", "with_bias"),
+    [
+        (1, 640, 1024, False),
+        (2, 64, 256, True),
+        (3, 96, 288, False),  # k no multiple of 256: the kernel takes any run of 32
+        (4, 96, 512, True),
+        (7, 32, 2048, False),
+        (12, 128, 256, True),
+    ],
+)
+def test_q5k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int, with_bias: bool) -> None:
+    weight = q5_k_file_values(n, (k + 255) // 256 * 256, seed=m)[0][:, :k].contiguous()
+    packed = packing.q5k_pack(*packing.q5k_recover(weight))  # type: ignore[misc]
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    want = x.float() @ weight.T + (0 if bias is None else bias.float())
+    out = ops.q4_linear(x, packed, bias).float()
+    assert ((out - want).abs() <= want.abs() * 2**-8 + 2e-3 * want.abs().max()).all(), (
+        (out - want).abs().max()
+    )
+    rounded = (
+        (x.float() @ weight.bfloat16().float().T + (0 if bias is None else bias.float())).bfloat16().float()
+    )
+    assert (out - want).norm() < (rounded - want).norm()
+    gate, up = (x.float() @ weight.T).bfloat16().float().chunk(2, dim=-1)
+    act = ops.q4_linear_silu(x, packed).float()
+    ref = torch.nn.functional.silu(gate) * up
+    assert ((act - ref).abs() <= ref.abs() * 2**-7 + 2e-3 * ref.abs().max()).all()
+
+
+@needs_q5k
+def test_q5k_layer_runs_up_to_q5k_max_rows_then_the_bf16_copy() -> None:
+    """A Q5_K layer decodes on its blocks up to ops.Q5K_MAX_ROWS rows (past them the bf16 copy was as
+    fast: docs/performance.md)."""
+    weight = q5_k_file_values(32, 256, seed=3)[0]
+    packed = cpu_linear.pack_weight(weight.bfloat16(), q5=packing.q5k_recover(weight))
+    assert isinstance(packed, packing.Q5KWeight) and ops.q4_max_rows(packed.packed) == ops.Q5K_MAX_ROWS
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, ops.Q5K_MAX_ROWS, ops.Q5K_MAX_ROWS + 1):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        out = cpu_linear.linear(x, weight.bfloat16(), None, packed)
+        on_blocks = ops.q4_linear(x, packed.packed, None)
+        copy = ops.bf16_linear(x, packed.bf16, None, torch.bfloat16)
+        assert torch.equal(out, on_blocks if rows <= ops.Q5K_MAX_ROWS else copy), rows
 
 
 def test_q4_pack_lays_out_scales_then_nibble_pairs() -> None:
@@ -516,6 +625,7 @@ def first_layer_weights(runner: ModelRunner) -> list[object]:
     ("quantize", "kind", "kernel"),
     [
         pytest.param(quantize_q4_k, packing.Q4KWeight, "srt_q4k_linear", marks=needs_q4k, id="q4_k"),
+        pytest.param(quantize_q5_k, packing.Q5KWeight, "srt_q5k_linear", marks=needs_q5k, id="q5_k"),
         # as Gemma-3's Q4_K_M file holds the layers whose k is not a multiple of 256
         pytest.param(quantize_q5_0, packing.Q8Weight, "srt_q8_linear", marks=needs_q8, id="q5_0"),
         # as it holds half the down projections
@@ -530,9 +640,9 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     kind: type,
     kernel: str,
 ) -> None:
-    """Every projection on a Q4_K (or Q5_0, or Q6_K) grid: each a Q4KWeight (Q8Weight); decode steps
-    (fused layers on the weights' packed bf16 copies, or op by op on srt_q4k_linear, srt_q8_linear,
-    srt_q6k_linear) as close to fp32 as the Q4_1 model's."""
+    """Every projection on a Q4_K (or Q5_K, Q5_0, Q6_K) grid: each a Q4KWeight (Q5KWeight, Q8Weight);
+    decode steps (fused layers on the weights' packed bf16 copies, or op by op on srt_q4k_linear,
+    srt_q5k_linear, srt_q8_linear, srt_q6k_linear) as close to fp32 as the Q4_1 model's."""
     target = tmp_path / "llama"
     shutil.copytree(tiny_model_dirs["llama"], target)
     tensors = load_file(target / "model.safetensors")
@@ -545,6 +655,7 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     fused = decode_logits(runner, prompts, forced)
     monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on its kernel
     monkeypatch.setattr(ops, "Q6K_MAX_ROWS", ops.Q8_MAX_ROWS)  # the 5 rows on Q6_K's blocks too
+    monkeypatch.setattr(ops, "Q5K_MAX_ROWS", ops.Q4_MAX_ROWS)  # and on Q5_K's
     calls: list[int] = []
     real = getattr(build.kernels(), kernel)
     monkeypatch.setattr(build.kernels(), kernel, lambda *a: (calls.append(1), real(*a))[1])
@@ -557,6 +668,36 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     scale = ref.abs().max().item()
     err_fused, err_plain = ((x - ref).abs().max().item() / scale for x in (fused, plain))
     assert err_fused < 0.03 and err_plain < 0.03, (err_fused, err_plain)
+
+
+@needs_q5k
+def test_q5_k_gguf_file_decodes_on_its_blocks_as_transformers_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q5_K GGUF file as llama.cpp writes one (gguf_files.write_llama_q5_k_gguf: raw Q5_K blocks),
+    loaded from the .gguf: every projection a Q5KWeight, and decode steps op by op on
+    srt_q5k_linear within 3% of transformers' fp32 on the same file (as for the tiny K-quant models
+    above), picking transformers' greedy tokens."""
+    path = write_llama_q5_k_gguf(tmp_path / "tiny-q5_k.gguf")
+    model_dir = convert_gguf(path, cache_dir=tmp_path / "cache")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op: each linear on srt_q5k_linear
+    monkeypatch.setattr(ops, "Q5K_MAX_ROWS", ops.Q4_MAX_ROWS)  # for the 3 rows too
+    calls: list[int] = []
+    real = build.kernels().srt_q5k_linear  # type: ignore[union-attr]
+    monkeypatch.setattr(build.kernels(), "srt_q5k_linear", lambda *a: (calls.append(1), real(*a))[1])
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="gguf"))
+    assert all(isinstance(w, packing.Q5KWeight) for w in first_layer_weights(runner))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    greedy = [hf_greedy(hf.eval(), p, 7) for p in prompts]
+    forced = [tokens[:6] for tokens in greedy]  # step s decodes greedy[s] and picks greedy[s + 1]
+    ref = hf_forced_logits(hf, prompts, forced)
+    logits = decode_logits(runner, prompts, forced)
+    assert len(calls) >= 6 * 2 * 3  # every decode step's qkv, o and down (gate_up: srt_q5k_linear_silu)
+    err = (logits - ref).abs().max().item()
+    assert err / ref.abs().max().item() < 0.03, err
+    assert torch.equal(logits.argmax(-1), torch.tensor([tokens[1:] for tokens in greedy]).T)
 
 
 @needs_q4

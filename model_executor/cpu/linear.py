@@ -39,7 +39,16 @@ from model_executor.layers.linear_method import LinearLayer, LinearMethod
 
 AMX_MAX_ROWS = 1024  # above this, F.linear (oneDNN) is faster than the AMX kernel (docs/performance.md)
 # what PackedLinearMethod multiplies by (pack_weight)
-PackedWeight = torch.Tensor | packing.Int8Weight | packing.Q4Weight | packing.Q4KWeight | packing.Q8Weight
+PackedWeight = (
+    torch.Tensor
+    | packing.Int8Weight
+    | packing.Q4Weight
+    | packing.Q4KWeight
+    | packing.Q5KWeight
+    | packing.Q8Weight
+)
+# the weights of the 4-bit kernel (cpu_q4_linear.c: Q4_1, Q4_K, and Q5_K with its fifth bits)
+FOUR_BIT = (packing.Q4Weight, packing.Q4KWeight, packing.Q5KWeight)
 
 
 def onednn_bf16_available() -> bool:
@@ -66,7 +75,7 @@ def packed_max_rows() -> int:
 
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's, the int8 or a GGUF layout), not oneDNN."""
-    quantized = (packing.Int8Weight, packing.Q4Weight, packing.Q4KWeight, packing.Q8Weight)
+    quantized = (packing.Int8Weight, *FOUR_BIT, packing.Q8Weight)
     # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
     return isinstance(packed, quantized) or packed.dim() == 5
 
@@ -76,16 +85,19 @@ def pack_weight(
     quantization: str | None = None,
     q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
     (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, or with its Q4_K blocks (float32 d,
     packing.q4k_recover) a Q4KWeight, with `q8` (Q8_0, Q5_0 or Q4_0, packing.q8_recover; or Q6_K,
-    packing.q6k_recover) a Q8Weight."""
+    packing.q6k_recover) a Q8Weight, with `q5` (Q5_K, packing.q5k_recover) a Q5KWeight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     if q4 is not None and packing.bf16_packable(weight):
         kind = packing.Q4KWeight if q4[1].dtype == torch.float32 else packing.Q4Weight
         return kind(packing.q4_pack(*q4), packing.bf16_pack(weight))
+    if q5 is not None and packing.bf16_packable(weight):
+        return packing.Q5KWeight(packing.q5k_pack(*q5), packing.bf16_pack(weight))
     if q8 is not None and packing.bf16_packable(weight):
         return packing.Q8Weight(packing.q8_pack(*q8), packing.bf16_pack(weight))
     if quantization == "w8a8_int8" and packing.int8_packable(weight):
@@ -122,8 +134,8 @@ def _linear(
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear(x.contiguous(), packed, bias)
     rows = x.numel() // x.shape[-1]
-    if isinstance(packed, (packing.Q4Weight, packing.Q4KWeight)):
-        if rows <= ops.Q4_MAX_ROWS:
+    if isinstance(packed, FOUR_BIT):
+        if rows <= ops.q4_max_rows(packed.packed):
             return ops.q4_linear(x.contiguous(), packed.packed, bias)
         packed = packed.bf16
     if isinstance(packed, packing.Q8Weight):
@@ -160,8 +172,8 @@ def linear_silu_mul(
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear_silu(x.contiguous(), packed)
     rows = x.numel() // x.shape[-1]
-    if isinstance(packed, (packing.Q4Weight, packing.Q4KWeight)):
-        if rows <= ops.Q4_MAX_ROWS:
+    if isinstance(packed, FOUR_BIT):
+        if rows <= ops.q4_max_rows(packed.packed):
             return ops.q4_linear_silu(x.contiguous(), packed.packed)
         packed = packed.bf16
     if not is_kernel_packed(packed) or rows > packed_max_rows():

@@ -1,7 +1,7 @@
 """A loaded model's weights laid out for the CPU kernels, once at start-up (the CPU wing's
 prepare_weights): every linear layer's weight packed for the kernel that multiplies by it
 (cpu/linear.py), as int8 with --quantization w8a8_int8, as a GGUF file's own blocks (Q4_1, Q4_K,
-Q8_0, Q5_0, Q4_0, Q6_K, and a Q8_0 LM head) with --quantization gguf."""
+Q5_K, Q8_0, Q5_0, Q4_0, Q6_K, and a Q8_0 LM head) with --quantization gguf."""
 
 from __future__ import annotations
 
@@ -52,25 +52,32 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: str
 def gguf_bf16_reason() -> str:
     """Why a --quantization gguf layer stays bf16 on this CPU, as pack_model logs it."""
     eight = ", Q8_0, Q5_0, Q4_0 or Q6_K" if build.q8_available() else ""
-    if build.q4k_available():  # wherever Q4_1's kernel runs (cpu_q4_linear.c: both ISA paths)
-        return f"not Q4_1, Q4_K{eight} (Q5_K or another type)"
+    if build.q5k_available():  # wherever Q4_1's kernel runs (cpu_q4_linear.c: both ISA paths)
+        return f"not Q4_1, Q4_K, Q5_K{eight} (another type)"
     return "no 4-bit kernel on this CPU"
+
+
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def gguf_blocks(
     exact: torch.Tensor, quantizable: bool
-) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(the Q4_1 or Q4_K blocks, the Q8_0, Q5_0, Q4_0 or Q6_K blocks) of a layer's exact float32
-    weight that this CPU has a kernel for, each None where the weight is not so or the kernel is
-    missing; the 4-bit ones and Q6_K only for a quantizable layer (the LM head is not: it runs
-    Q8_0-style blocks only). Q6_K's come as q8_recover's form with float32 D, one per 16 k."""
+) -> tuple[Blocks | None, Blocks | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(the Q4_1 or Q4_K blocks, the Q5_K blocks, the Q8_0, Q5_0, Q4_0 or Q6_K blocks) of a layer's
+    exact float32 weight that this CPU has a kernel for, each None where the weight is not so or the
+    kernel is missing; at most one is found. The 4-bit ones, Q5_K and Q6_K only for a quantizable
+    layer (the LM head is not: it runs Q8_0-style blocks only). Q6_K's come as q8_recover's form
+    with float32 D, one per 16 k. Q4_K before Q5_K: a Q4_K weight is a Q5_K one too."""
     q4 = packing.q4_recover(exact) if quantizable and build.q4_available() else None
     if quantizable and q4 is None and build.q4k_available():
         q4 = packing.q4k_recover(exact)
     q8 = packing.q8_recover(exact) if q4 is None and build.q8_available() else None
-    if quantizable and q4 is None and q8 is None and build.q8_available():
+    q5 = None
+    if quantizable and q4 is None and q8 is None and build.q5k_available():
+        q5 = packing.q5k_recover(exact)
+    if quantizable and q4 is None and q5 is None and q8 is None and build.q8_available():
         q8 = packing.q6k_recover(exact)
-    return q4, q8
+    return q4, q5, q8
 
 
 def pack_model(
@@ -78,11 +85,11 @@ def pack_model(
 ) -> int:
     """Packs every linear layer (LinearBase), setting its linear method to a PackedLinearMethod (or
     UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
-    with gguf as its Q4_1 (or Q4_K) blocks, or its Q8_0, Q5_0, Q4_0 or Q6_K blocks (on the 8-bit kernel),
+    with gguf as its Q4_1 (or Q4_K, or Q5_K) blocks, or its Q8_0, Q5_0, Q4_0 or Q6_K blocks (on the 8-bit kernel),
     recovered from the same layer of `float32_model` (the same checkpoint loaded in float32: its
     exact dequantized values), and the LM head as its Q8_0 blocks where the file holds it so (a tied
-    head: the token embedding). A gguf layer srt has no kernel for here (Q5_K, or no kernel
-    for it on this CPU) stays bf16, and the log names how many. Returns how many were packed. Call
+    head: the token embedding). A gguf layer srt has no kernel for here (another type, or
+    no kernel for it on this CPU) stays bf16, and the log names how many. Returns how many were packed. Call
     once, after the weights are loaded."""
     assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
     count = 0
@@ -92,12 +99,12 @@ def pack_model(
         weight = getattr(module, "weight", None)
         if isinstance(module, LinearBase) and isinstance(weight, torch.Tensor):
             quantizable = getattr(module, "quantizable", True)
-            q4 = q8 = None
+            q4 = q5 = q8 = None
             if quantization == "gguf":
-                q4, q8 = gguf_blocks(float32_modules[name].weight, quantizable)
-                if quantizable and q4 is None and q8 is None:
+                q4, q5, q8 = gguf_blocks(float32_modules[name].weight, quantizable)
+                if quantizable and q4 is None and q5 is None and q8 is None:
                     as_bf16.append(name)
-            packed = pack_weight(weight, quantization if quantizable else None, q4, q8)
+            packed = pack_weight(weight, quantization if quantizable else None, q4, q8, q5)
             module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
             count += packed is not None
     if as_bf16:
@@ -133,6 +140,7 @@ def prepare_weights(
             (packing.Int8Weight, "int8"),
             (packing.Q4Weight, "Q4_1"),
             (packing.Q4KWeight, "Q4_K"),
+            (packing.Q5KWeight, "Q5_K"),
             (packing.Q8Weight, "8-bit (Q8_0, Q5_0, Q4_0 or Q6_K blocks)"),
         )
         counts = [(sum(isinstance(w, kind) for w in weights), name) for kind, name in kinds]

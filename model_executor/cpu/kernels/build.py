@@ -243,6 +243,13 @@ def q4k_available() -> bool:
     return lib is not None and bool(lib.srt_q4k_linear_available())
 
 
+@functools.cache
+def q5k_available() -> bool:
+    """Whether srt_q5k_linear runs here (GGUF Q5_K: wherever srt_q4k_linear does, cpu_q4_linear.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.srt_q5k_linear_available())
+
+
 def q8_available() -> bool:
     """Whether srt_q8_linear runs here (AVX-512 BF16 and VNNI, or else AVX2, FMA and F16C:
     cpu_q8_linear.c)."""
@@ -278,9 +285,10 @@ def describe_paths() -> str:
     loops = "AVX-512" if avx512 else "plain loops: this CPU has no AVX-512"
     q4 = "C kernel" if q4_available() else "bf16 (neither AVX-512 BF16 nor AVX2)"
     q4k = "C kernel" if q4k_available() else "bf16"
+    q5k = "C kernel" if q5k_available() else "bf16"
     q8 = "C kernel" if q8_available() else "bf16 (neither AVX-512 VNNI nor AVX2)"
     return (
-        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q4_K {q4k}, Q8_0 / Q5_0 / Q4_0 / Q6_K {q8}; "
+        f"CPU paths: bf16 linears on {bf16}; w8a8_int8 {int8}; gguf Q4_1 {q4}, Q4_K {q4k}, Q5_K {q5k}, Q8_0 / Q5_0 / Q4_0 / Q6_K {q8}; "
         f"prefill attention on {prefill}; "
         f"norms, rotary and decode attention in C ({loops}){forced}"
     )

@@ -1,7 +1,7 @@
 /* Linear layers on GGUF Q4_1 weights (--quantization gguf), for decode steps of a few rows, with
  * AVX-512 BF16 dot products (vdpbf16ps), or else AVX2 FMAs (the second half). Both also take GGUF
- * Q4_K's sub-blocks (srt_q4k_linear), whose d and m are fp32. Q4_1 stores each run of 32 weights
- * along k as 4-bit q with an fp16 scale d and minimum m: w = d q + m. A decode step at batch 1 streams every weight once,
+ * Q4_K's sub-blocks (srt_q4k_linear), whose d and m are fp32, and Q5_K's (srt_q5k_linear).
+ * Q4_1 stores each run of 32 weights along k as 4-bit q with an fp16 scale d and minimum m: w = d q + m. A decode step at batch 1 streams every weight once,
  * and these are 0.625 bytes a weight against bf16's 2.
  *
  * Packed by packing.q4_pack as [n/16][k/32][320 bytes]: for each block of 16 outputs and 32 k, the 16
@@ -19,11 +19,23 @@
  * tile, and a task's weights come from memory for its first tile and from L1/L2 for the others.
  * Four-row tiles took less time than two-row ones on SmolLM2's 30 layers, with the same bits
  * (docs/performance.md, "Four-row tiles").
+ *
+ * GGUF Q5_K (srt_q5k_linear) is Q4_K with a fifth bit on each q (0..31): packing.q5k_pack writes
+ * Q4_K's 384 bytes of the low four bits, then 64 bytes, two 32-bit words per chunk c: word p holds
+ * the fifth bits of q[j][4c + 2p] and q[j][4c + 2p + 1] at bits (4 + j) % 32 and (20 + j) % 32, so
+ * that broadcast and rotated right by j in output j's 32-bit lane they sit at bits 4 and 20: 16 in
+ * each of its two 16-bit halves. One ternary-logic op keeps those bits and sets 0x4300, and the
+ * nibbles' own one ORs them in: 128 + q, exact in bf16 up to 255.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "srt_kernels.h"
+
+/* the block kinds, 16 outputs x 32 k each: Q4_1 (fp16 d and m), Q4_K (fp32), Q5_K (Q4_K's, then the
+ * fifth bits) */
+enum { Q4_1, Q4_K, Q5_K };
+static inline int kind_bytes(const int kind) { return kind == Q5_K ? 448 : kind == Q4_K ? 384 : 320; }
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -33,7 +45,6 @@
 
 #define ROWS 4
 #define GROUP 4
-#define BLOCK_BYTES 320 /* 16 outputs x 32 k: 64 bytes of d and m, 256 of nibbles */
 #define PARALLEL_MIN 65536
 /* Each k block's lines are prefetched into L2 this many k blocks (20 KB) ahead: a core spends
  * ~40 cycles on a block's 320 bytes, too few loads in flight for the hardware prefetchers alone.
@@ -44,21 +55,25 @@ enum { OUT_BF16, OUT_SILU };
 
 int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
+int64_t srt_q5k_linear_available(void) { return 1; }
 
-/* d and m of a block's 16 outputs: fp16 (Q4_1) or fp32 (f32: Q4_K) */
+/* d and m of a block's 16 outputs: fp16 (Q4_1) or fp32 (f32: Q4_K, Q5_K) */
 static inline __attribute__((always_inline)) __m512 q4_scale(const uint8_t *p, const int f32) {
     return f32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* acc[r][b] = row r of x (rows k apart) times block wb[b] (a 16-output stream of k/32 blocks of
- * BLOCK_BYTES, or with f32 Q4_K's 384: fp32 d and m); xsum[r * kb_count + kb]: row r's sum of x
- * over k block kb */
+ * 320 bytes (kind Q4_1), Q4_K's 384 (fp32 d and m) or Q5_K's 448 (then the fifth bits));
+ * xsum[r * kb_count + kb]: row r's sum of x over k block kb */
 static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t k, const float *xsum,
                                                           const uint8_t *const *wb, const int R, const int NB,
-                                                          const int f32, __m512 acc[ROWS][GROUP]) {
+                                                          const int kind, __m512 acc[ROWS][GROUP]) {
     const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+    /* Q5_K: rotated right by its output's index, a fifth-bit word holds them at bits 4 and 20 */
+    const __m512i turn = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i fifth = _mm512_set1_epi32(0x00100010);
     const int64_t blocks = k / 32;
-    const int scales = f32 ? 128 : 64, bytes = scales + 256; /* d and m, then the nibbles */
+    const int f32 = kind != Q4_1, scales = f32 ? 128 : 64, bytes = kind_bytes(kind); /* d, m, nibbles(, bits) */
     const int32_t *xp = (const int32_t *)x; /* a pair of bf16 x values as one 32-bit lane */
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
@@ -78,9 +93,16 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
             for (int b = 0; b < NB; b++) {
                 const __m512i raw =
                     _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wb[b] + kb * bytes + scales + 32 * c)));
-                const __m512bh wa = (__m512bh)_mm512_ternarylogic_epi32(raw, nibbles, magic, 0xEA); /* a & b | c */
+                __m512i top[2] = {magic, magic}; /* the bits above each lane's nibble: 128, and Q5_K's 16 */
+                if (kind == Q5_K) {
+                    const int32_t *bits = (const int32_t *)(wb[b] + kb * bytes + 384) + 2 * c;
+                    for (int p = 0; p < 2; p++)
+                        top[p] = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32(bits[p]), turn),
+                                                           fifth, magic, 0xEA);
+                }
+                const __m512bh wa = (__m512bh)_mm512_ternarylogic_epi32(raw, nibbles, top[0], 0xEA); /* a & b | c */
                 const __m512bh wbh =
-                    (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, magic, 0xEA);
+                    (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, top[1], 0xEA);
                 for (int r = 0; r < R; r++) {
                     blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wa, xa[r]);
                     blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wbh, xb[r]);
@@ -116,7 +138,7 @@ static inline __attribute__((always_inline)) void q4_store(__m512 acc[ROWS][GROU
 
 static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_t m, int64_t k, const float *xsum,
                                                            const uint8_t *const *wb, const int NB, const bf16 *bias,
-                                                           bf16 *out, int64_t n, const int mode, const int f32) {
+                                                           bf16 *out, int64_t n, const int mode, const int kind) {
     __m512 acc[ROWS][GROUP];
     int64_t r0 = 0;
     for (; m - r0 >= 4; r0 += 4) {
@@ -125,16 +147,16 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
         if (mode == OUT_SILU) {
             for (int h = 0; h < NB / 2; h++) {
                 const uint8_t *sub[2] = {wb[h], wb[h + NB / 2]};
-                q4_tile(xr, k, sr, sub, 4, 2, f32, acc);
+                q4_tile(xr, k, sr, sub, 4, 2, kind, acc);
                 q4_store(acc, 4, 2, NULL, out + r0 * n + 16 * h, n, mode);
             }
         } else {
             for (int h = 0; h < NB; h += 2) {
                 if (NB - h >= 2) {
-                    q4_tile(xr, k, sr, wb + h, 4, 2, f32, acc);
+                    q4_tile(xr, k, sr, wb + h, 4, 2, kind, acc);
                     q4_store(acc, 4, 2, bias ? bias + 16 * h : NULL, out + r0 * n + 16 * h, n, mode);
                 } else {
-                    q4_tile(xr, k, sr, wb + h, 4, 1, f32, acc);
+                    q4_tile(xr, k, sr, wb + h, 4, 1, kind, acc);
                     q4_store(acc, 4, 1, bias ? bias + 16 * h : NULL, out + r0 * n + 16 * h, n, mode);
                 }
             }
@@ -144,10 +166,10 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
         const bf16 *xr = x + r0 * k;
         const float *sr = xsum + r0 * (k / 32);
         if (m - r0 >= 2) {
-            q4_tile(xr, k, sr, wb, 2, NB, f32, acc);
+            q4_tile(xr, k, sr, wb, 2, NB, kind, acc);
             q4_store(acc, 2, NB, bias, out + r0 * n, n, mode);
         } else {
-            q4_tile(xr, k, sr, wb, 1, NB, f32, acc);
+            q4_tile(xr, k, sr, wb, 1, NB, kind, acc);
             q4_store(acc, 1, NB, bias, out + r0 * n, n, mode);
         }
     }
@@ -157,8 +179,8 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
  * weight into out[m][d] (n = d): each thread a contiguous run of 16-output blocks, GROUP at a time
  * (silu: two gate blocks with their up blocks) */
 static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
-                      int64_t k, const int mode, const int f32) {
-    const int64_t stride = (k / 32) * (f32 ? 384 : BLOCK_BYTES), units = n / 16, blocks = k / 32;
+                      int64_t k, const int mode, const int kind) {
+    const int64_t stride = (k / 32) * kind_bytes(kind), units = n / 16, blocks = k / 32;
     const int64_t step = mode == OUT_SILU ? GROUP / 2 : GROUP;
     float *xsum = malloc((size_t)(m * blocks) * sizeof(float));
     for (int64_t r = 0; r < m; r++)
@@ -179,23 +201,28 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
                 for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (units + u + i) * stride;
             bf16 *o = out + 16 * u;
             const bf16 *b = bias ? bias + 16 * u : NULL;
-            switch (nb * 2 + f32) { /* a constant block count and scale type for each instance */
-            case 9: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, 1); break;
-            case 8: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, 0); break;
-            case 7: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, 1); break;
-            case 6: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, 0); break;
-            case 5: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, 1); break;
-            case 4: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, 0); break;
-            case 3: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, 1); break;
-            default: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, 0); break;
+            switch (nb * 3 + kind) { /* a constant block count and block kind for each instance */
+            case 14: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q5_K); break;
+            case 13: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q4_K); break;
+            case 12: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q4_1); break;
+            case 11: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, Q5_K); break;
+            case 10: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, Q4_K); break;
+            case 9: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, Q4_1); break;
+            case 8: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, Q5_K); break;
+            case 7: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, Q4_K); break;
+            case 6: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, Q4_1); break;
+            case 5: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, Q5_K); break;
+            case 4: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, Q4_K); break;
+            default: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, Q4_1); break;
             }
         }
     }
     free(xsum);
 }
 
-#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, 0)
-#define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, 1)
+#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_1)
+#define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_K)
+#define Q5K(mode, ...) q4_linear(__VA_ARGS__, mode, Q5_K)
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 has no bf16 dot product: the sums are fp32 FMAs of eight outputs' weights against a
  * broadcast x. The same packed layout: zero-extended to 32-bit lanes, a chunk's first 16 bytes are
@@ -207,7 +234,10 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
  *
  * srt_q4k_linear takes the same nibbles with fp32 d and m (packing.q4_pack of q4k_recover's
  * blocks, 384 bytes): a GGUF Q4_K sub-block's scale d sc and minimum -dmin m are products of an
- * fp16 and a 6-bit integer, exact in fp32 but not in fp16. */
+ * fp16 and a 6-bit integer, exact in fp32 but not in fp16. srt_q5k_linear (Q5_K, 448 bytes) rotates
+ * each fifth-bit word right by the lane's output (two variable shifts), which puts the fifth bits of
+ * k 4c and 4c + 1 (or 4c + 2 and 4c + 3) at bits 4 and 20, and moves the second nibble from bit 8 to
+ * bit 16: two 5-bit fields a lane, at bits 0 and 16, x pre-scaled by 1 and 2^-16. */
 #include <immintrin.h>
 #include <omp.h>
 
@@ -222,8 +252,9 @@ enum { OUT_BF16, OUT_SILU };
 
 int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
+int64_t srt_q5k_linear_available(void) { return 1; }
 
-/* d and m of outputs 8h .. 8h + 7 of a block: fp16 (Q4_1) or fp32 (f32: Q4_K) */
+/* d and m of outputs 8h .. 8h + 7 of a block: fp16 (Q4_1) or fp32 (f32: Q4_K, Q5_K) */
 static inline __attribute__((always_inline)) __m256 q4_scale(const uint8_t *p, const int f32) {
     return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
@@ -231,13 +262,21 @@ static inline __attribute__((always_inline)) __m256 q4_scale(const uint8_t *p, c
 /* acc[r][h] = outputs 8h .. 8h + 7 of block stream wb against row r of xs (fp32, pre-scaled as
  * above, rows k apart); xsum[r * k / 32 + kb]: row r's sum of x over k block kb */
 static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64_t k, const float *xsum,
-                                                          const uint8_t *wb, const int R, const int f32,
+                                                          const uint8_t *wb, const int R, const int kind,
                                                           __m256 acc[ROWS][2]) {
     const int64_t blocks = k / 32;
-    const int scales = f32 ? 128 : 64, bytes = scales + 256; /* d and m, then the nibbles */
+    const int f32 = kind != Q4_1, scales = f32 ? 128 : 64, bytes = kind_bytes(kind); /* d and m, nibbles(, bits) */
     const int S = R == 1 ? 4 : R == 2 ? 2 : 1; /* sums per output: 8 chains of 4-cycle FMAs in flight */
     const __m256i mask[4] = {_mm256_set1_epi32(0x000F), _mm256_set1_epi32(0x0F00), _mm256_set1_epi32(0x00F0),
                              _mm256_set1_epi32(0xF000)};
+    /* Q5_K: q[4c] and q[4c + 1] (or q[4c + 2] and q[4c + 3]) as 5-bit fields at bits 0 and 16; a
+     * fifth-bit word rotated right by the lane's output holds their fifth bits at bits 4 and 20 */
+    const __m256i mask5[2] = {_mm256_set1_epi32(0x1F), _mm256_set1_epi32(0x1F0000)};
+    const __m256i first = _mm256_set1_epi32(0xF), second = _mm256_set1_epi32(0xF0000);
+    const __m256i fifth = _mm256_set1_epi32(0x100010);
+    const __m256i turn[2] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)};
+    const __m256i back[2] = {_mm256_sub_epi32(_mm256_set1_epi32(32), turn[0]),
+                             _mm256_sub_epi32(_mm256_set1_epi32(32), turn[1])};
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < blocks; kb++) {
         const uint8_t *block = wb + kb * bytes;
@@ -250,9 +289,26 @@ static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64
             const uint8_t *chunk = block + scales + 32 * c;
             const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)chunk));
             const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(chunk + 16)));
+            __m256i fields[2][2]; /* Q5_K: [outputs 0..7, 8..15][k 4c, 4c + 1 | 4c + 2, 4c + 3] */
+            if (kind == Q5_K) {
+                const int32_t *bits = (const int32_t *)(block + 384) + 2 * c;
+                for (int p = 0; p < 2; p++) { /* p: the k pair */
+                    const __m256i word = _mm256_set1_epi32(bits[p]);
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i fives = _mm256_or_si256(_mm256_srlv_epi32(word, turn[h]),
+                                                              _mm256_sllv_epi32(word, back[h])); /* rotated */
+                        const __m256i nib = p ? _mm256_srli_epi32(h ? hi : lo, 4) : h ? hi : lo;
+                        const __m256i both = _mm256_or_si256(_mm256_and_si256(nib, first),
+                                                             _mm256_and_si256(_mm256_slli_epi32(nib, 8), second));
+                        fields[h][p] = _mm256_or_si256(both, _mm256_and_si256(fives, fifth));
+                    }
+                }
+            }
             for (int i = 0; i < 4; i++) {
-                const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask[i]));
-                const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask[i]));
+                const __m256 w0 = _mm256_cvtepi32_ps(kind == Q5_K ? _mm256_and_si256(fields[0][i / 2], mask5[i % 2])
+                                                                  : _mm256_and_si256(lo, mask[i]));
+                const __m256 w1 = _mm256_cvtepi32_ps(kind == Q5_K ? _mm256_and_si256(fields[1][i / 2], mask5[i % 2])
+                                                                  : _mm256_and_si256(hi, mask[i]));
                 for (int r = 0; r < R; r++) {
                     const __m256 xb = _mm256_broadcast_ss(xs + r * k + kb * 32 + 4 * c + i);
                     blk[r][0][i % S] = _mm256_fmadd_ps(w0, xb, blk[r][0][i % S]);
@@ -274,31 +330,35 @@ static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64
     }
 }
 
-/* q4_tile with constant row count and scale type for each instance */
-static void q4_rows(const float *xs, int64_t k, const float *xsum, const uint8_t *wb, const int R, const int f32,
+/* q4_tile with constant row count and block kind for each instance */
+static void q4_rows(const float *xs, int64_t k, const float *xsum, const uint8_t *wb, const int R, const int kind,
                     __m256 acc[ROWS][2]) {
-    switch (R * 2 + f32) {
-    case 8: q4_tile(xs, k, xsum, wb, 4, 0, acc); break;
-    case 9: q4_tile(xs, k, xsum, wb, 4, 1, acc); break;
-    case 6: q4_tile(xs, k, xsum, wb, 3, 0, acc); break;
-    case 7: q4_tile(xs, k, xsum, wb, 3, 1, acc); break;
-    case 4: q4_tile(xs, k, xsum, wb, 2, 0, acc); break;
-    case 5: q4_tile(xs, k, xsum, wb, 2, 1, acc); break;
-    case 3: q4_tile(xs, k, xsum, wb, 1, 1, acc); break;
-    default: q4_tile(xs, k, xsum, wb, 1, 0, acc); break;
+    switch (R * 3 + kind) {
+    case 14: q4_tile(xs, k, xsum, wb, 4, Q5_K, acc); break;
+    case 13: q4_tile(xs, k, xsum, wb, 4, Q4_K, acc); break;
+    case 12: q4_tile(xs, k, xsum, wb, 4, Q4_1, acc); break;
+    case 11: q4_tile(xs, k, xsum, wb, 3, Q5_K, acc); break;
+    case 10: q4_tile(xs, k, xsum, wb, 3, Q4_K, acc); break;
+    case 9: q4_tile(xs, k, xsum, wb, 3, Q4_1, acc); break;
+    case 8: q4_tile(xs, k, xsum, wb, 2, Q5_K, acc); break;
+    case 7: q4_tile(xs, k, xsum, wb, 2, Q4_K, acc); break;
+    case 6: q4_tile(xs, k, xsum, wb, 2, Q4_1, acc); break;
+    case 5: q4_tile(xs, k, xsum, wb, 1, Q5_K, acc); break;
+    case 4: q4_tile(xs, k, xsum, wb, 1, Q4_K, acc); break;
+    default: q4_tile(xs, k, xsum, wb, 1, Q4_1, acc); break;
     }
 }
 
 /* every row of x against 16-output block stream wb (and, OUT_SILU, the up block's `up`), R rows a
  * tile; out's first column at `out` (row stride n) */
 static void q4_unit(const float *xs, int64_t m, int64_t k, const float *xsum, const uint8_t *wb,
-                    const uint8_t *up, const bf16 *bias, bf16 *out, int64_t n, const int mode, const int f32) {
+                    const uint8_t *up, const bf16 *bias, bf16 *out, int64_t n, const int mode, const int kind) {
     __m256 acc[ROWS][2], acc_up[ROWS][2];
     const int64_t blocks = k / 32;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
         const int R = m - r0 < ROWS ? (int)(m - r0) : ROWS;
-        q4_rows(xs + r0 * k, k, xsum + r0 * blocks, wb, R, f32, acc);
-        if (mode == OUT_SILU) q4_rows(xs + r0 * k, k, xsum + r0 * blocks, up, R, f32, acc_up);
+        q4_rows(xs + r0 * k, k, xsum + r0 * blocks, wb, R, kind, acc);
+        if (mode == OUT_SILU) q4_rows(xs + r0 * k, k, xsum + r0 * blocks, up, R, kind, acc_up);
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++) {
                 bf16 *o = out + (r0 + r) * n + 8 * h;
@@ -313,9 +373,11 @@ static void q4_unit(const float *xs, int64_t m, int64_t k, const float *xsum, co
 /* out[m][n] = x[m][k] @ w.T (+ bias), or with OUT_SILU silu(gate) * up of the [2d, k] gate_up
  * weight into out[m][d] (n = d): the 16-output blocks split evenly over the threads */
 static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
-                      int64_t k, const int mode, const int f32) {
-    const int64_t units = n / 16, blocks = k / 32, stride = blocks * (f32 ? 384 : 320);
-    const float scale[4] = {1.0f, 1.0f / 256, 1.0f / 16, 1.0f / 4096}; /* k 4c + i's lane shift */
+                      int64_t k, const int mode, const int kind) {
+    const int64_t units = n / 16, blocks = k / 32, stride = blocks * kind_bytes(kind);
+    /* k 4c + i's lane shift: Q5_K's fields sit at bits 0 and 16 of two lanes */
+    const float scale[4] = {1.0f, kind == Q5_K ? 1.0f / 65536 : 1.0f / 256, kind == Q5_K ? 1.0f : 1.0f / 16,
+                            kind == Q5_K ? 1.0f / 65536 : 1.0f / 4096};
     float *xs = malloc((size_t)(m * k) * sizeof(float)), *xsum = malloc((size_t)(m * blocks) * sizeof(float));
     for (int64_t r = 0; r < m; r++)
         for (int64_t kb = 0; kb < blocks; kb++) {
@@ -330,18 +392,21 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 #pragma omp parallel for if (units * k * (m + 8) >= PARALLEL_MIN) schedule(static)
     for (int64_t u = 0; u < units; u++)
         q4_unit(xs, m, k, xsum, packed + u * stride, mode == OUT_SILU ? packed + (units + u) * stride : NULL,
-                bias ? bias + 16 * u : NULL, out + 16 * u, n, mode, f32);
+                bias ? bias + 16 * u : NULL, out + 16 * u, n, mode, kind);
     free(xs);
     free(xsum);
 }
 
-#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, 0)
-#define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, 1)
+#define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_1)
+#define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_K)
+#define Q5K(mode, ...) q4_linear(__VA_ARGS__, mode, Q5_K)
 #else
 int64_t srt_q4_linear_available(void) { return 0; }
 int64_t srt_q4k_linear_available(void) { return 0; }
+int64_t srt_q5k_linear_available(void) { return 0; }
 #define Q4(mode, ...) abort() /* never called: srt_q4_linear_available() answered 0 */
 #define Q4K(mode, ...) abort() /* never called: srt_q4k_linear_available() answered 0 */
+#define Q5K(mode, ...) abort() /* never called: srt_q5k_linear_available() answered 0 */
 #endif
 
 /* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the Q4_1 weight packed by packing.q4_pack; x rows
@@ -366,4 +431,15 @@ void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 
 /* srt_q4_linear_silu for a GGUF Q4_K gate_up weight */
 void srt_q4k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k) {
     Q4K(OUT_SILU, x, m, packed, NULL, act, d, k);
+}
+
+/* srt_q4_linear for a GGUF Q5_K weight: q5k_pack of q5k_recover's blocks (Q4_K's with a fifth bit) */
+void srt_q5k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                    int64_t k) {
+    Q5K(OUT_BF16, x, m, packed, bias, out, n, k);
+}
+
+/* srt_q4_linear_silu for a GGUF Q5_K gate_up weight */
+void srt_q5k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k) {
+    Q5K(OUT_SILU, x, m, packed, NULL, act, d, k);
 }

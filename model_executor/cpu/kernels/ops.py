@@ -8,12 +8,12 @@ RuntimeError (callers check `usable` or the `*_applies` / `build.*_available` pr
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from model_executor.cpu.kernels import build
-from model_executor.cpu.kernels.packing import Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Int8Weight
+from model_executor.cpu.kernels.packing import Q4K_BLOCK_BYTES, Q5K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Int8Weight
 
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
@@ -31,6 +31,18 @@ Q8_MAX_ROWS = 8
 # at 2 and 0.7-1.04x at 4 on AVX-512 VNNI, and on the AVX2 path 1.03-1.07x at 2 rows and 0.9x at 4
 # (two scales a block cost more than Q8_0's one; docs/performance.md).
 Q6K_MAX_ROWS = 2
+# A Q5_K layer runs on its blocks for at most this many rows: streaming 640 x 2048 layers
+# (scripts/bench_gguf_kernels.py, Zen 4, shared, two runs) they were 1.14-1.53x the bf16 copy's speed
+# at 1 row, 1.00-1.09x at 2 and 0.71-0.82x at 3 to 8 on AVX-512 BF16; on the AVX2 path 1.03-1.32x at
+# 1 row, 1.00-1.30x at 2 and 0.97-1.17x at 3 (the fifth bits cost vector work per weight that Q4_K's
+# do not; docs/performance.md).
+Q5K_MAX_ROWS = 2
+
+
+def q4_max_rows(packed: torch.Tensor) -> int:
+    """The most rows srt_q4_linear / srt_q4k_linear / srt_q5k_linear takes the packed 4-bit (or Q5_K)
+    weight for."""
+    return Q5K_MAX_ROWS if packed.shape[-1] == Q5K_BLOCK_BYTES else Q4_MAX_ROWS
 
 
 def q8_max_rows(packed: torch.Tensor) -> int:
@@ -514,22 +526,30 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     return out
 
 
+def _q4_kernel(lib: ctypes.CDLL, packed: torch.Tensor, silu: bool) -> Callable[..., object]:
+    """The kernel for a packed Q4_1, Q4_K or Q5_K weight, told apart by its block size."""
+    kind = {Q4K_BLOCK_BYTES: "q4k", Q5K_BLOCK_BYTES: "q5k"}.get(packed.shape[-1], "q4")
+    return getattr(lib, f"srt_{kind}_linear{'_silu' if silu else ''}")
+
+
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, for the weight `packed` holds (q4_pack:
-    Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear)."""
+    Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear; q5k_pack: Q5_K's, on
+    srt_q5k_linear)."""
     lib = _library()
     _need_contiguous("x", x)
     _need_dtype("x", x, torch.bfloat16)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    kernel = lib.srt_q4k_linear if packed.shape[-1] == Q4K_BLOCK_BYTES else lib.srt_q4_linear
-    kernel(x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k)
+    _q4_kernel(lib, packed, silu=False)(
+        x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k
+    )
     return out
 
 
 def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [.., k] bf16 and a Q4_1 or Q4_K gate_up weight [2d, k] (gate rows, then up rows) ->
+    """x [.., k] bf16 and a Q4_1, Q4_K or Q5_K gate_up weight [2d, k] (gate rows, then up rows) ->
     silu(gate) * up [.., d] in one pass, equal to silu_mul(q4_linear(x, packed, None))."""
     lib = _library()
     _need_contiguous("x", x)
@@ -538,8 +558,7 @@ def q4_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     d, k = packed.shape[0] * 8, packed.shape[1] * 32
     m = x.numel() // k
     out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
-    kernel = lib.srt_q4k_linear_silu if packed.shape[-1] == Q4K_BLOCK_BYTES else lib.srt_q4_linear_silu
-    kernel(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
+    _q4_kernel(lib, packed, silu=True)(x.data_ptr(), m, packed.data_ptr(), out.data_ptr(), d, k)
     return out
 
 

@@ -1,10 +1,11 @@
 """Weights in the layouts the linear kernels stream them in, packed once at load, and the GGUF
-blocks (Q4_1, Q4_K, Q8_0, Q5_0, Q4_0, Q6_K) recovered from a dequantized float32 weight.
+blocks (Q4_1, Q4_K, Q5_K, Q8_0, Q5_0, Q4_0, Q6_K) recovered from a dequantized float32 weight.
 
 bf16_pack: bf16 for srt_bf16_linear; int8_pack -> Int8Weight for srt_int8_linear; q4_recover +
 q4_pack -> Q4Weight for srt_q4_linear; q4k_recover + q4_pack -> Q4KWeight for srt_q4k_linear;
-q8_recover + q8_pack -> Q8Weight for srt_q8_linear; q6k_recover + q8_pack -> Q8Weight for
-srt_q6k_linear. Each layout is drawn in the .c file that reads it.
+q5k_recover + q5k_pack -> Q5KWeight for srt_q5k_linear; q8_recover + q8_pack -> Q8Weight for
+srt_q8_linear; q6k_recover + q8_pack -> Q8Weight for srt_q6k_linear. Each layout is drawn in the .c
+file that reads it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,31 @@ def _round_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.ldexp(torch.round(mantissa * 2**bits), exponent - bits).float()
 
 
+def _k_recover(weight: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q4k_recover (top 15) or q5k_recover (top 31): the runs' q in 0..top."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or k % 32 or not torch.isfinite(weight).all():
+        return None
+    w = weight.detach().view(n, k // 32, 32)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    gaps = w.sort(-1).values.diff(dim=-1)
+    step = torch.where(gaps > 0, gaps, torch.inf).amin(-1, keepdim=True)
+    spans = torch.where(high > low, ((high - low) / step).round().clamp(1, top), 1.0)
+    estimate = _round_bits((high.double() - low.double()) / spans.double(), 17)
+    unit = torch.ldexp(torch.ones_like(estimate), torch.frexp(estimate)[1] - 17)
+    found = high == low  # a constant run: d = 0, q = 0
+    d, q = torch.zeros_like(low), torch.zeros_like(w)
+    for shift in (0, -1, 1, -2, 2):
+        candidate = torch.where(high > low, estimate + shift * unit, 0.0)
+        safe = torch.where(candidate > 0, candidate, 1.0)
+        qc = torch.where(candidate > 0, torch.round((w - low) / safe), 0.0).clamp(0, top)
+        ok = (candidate * qc + low == w).all(-1, keepdim=True) & ~found
+        d, q, found = torch.where(ok, candidate, d), torch.where(ok, qc, q), found | ok
+    if not found.all():
+        return None
+    return q.to(torch.uint8).view(n, k), d[..., 0], low[..., 0]
+
+
 def q4k_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The GGUF Q4_K sub-blocks behind a float32 [n, k] weight, if it is one: (q [n, k] uint8 in
     0..15, d [n, k/32] and m [n, k/32] float32) with float32(d * q + m) equal to every value; None
@@ -101,27 +127,15 @@ def q4k_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     takes any other that reproduces every value) and d the smallest gap between its values times
     the whole number of gaps in its range, rounded to 17 bits (or 1 or 2 such units off); every
     value is checked."""
-    n, k = weight.shape
-    if weight.dtype != torch.float32 or k % 32 or not torch.isfinite(weight).all():
-        return None
-    w = weight.detach().view(n, k // 32, 32)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    gaps = w.sort(-1).values.diff(dim=-1)
-    step = torch.where(gaps > 0, gaps, torch.inf).amin(-1, keepdim=True)
-    spans = torch.where(high > low, ((high - low) / step).round().clamp(1, 15), 1.0)
-    estimate = _round_bits((high.double() - low.double()) / spans.double(), 17)
-    unit = torch.ldexp(torch.ones_like(estimate), torch.frexp(estimate)[1] - 17)
-    found = high == low  # a constant run: d = 0, q = 0
-    d, q = torch.zeros_like(low), torch.zeros_like(w)
-    for shift in (0, -1, 1, -2, 2):
-        candidate = torch.where(high > low, estimate + shift * unit, 0.0)
-        safe = torch.where(candidate > 0, candidate, 1.0)
-        qc = torch.where(candidate > 0, torch.round((w - low) / safe), 0.0).clamp(0, 15)
-        ok = (candidate * qc + low == w).all(-1, keepdim=True) & ~found
-        d, q, found = torch.where(ok, candidate, d), torch.where(ok, qc, q), found | ok
-    if not found.all():
-        return None
-    return q.to(torch.uint8).view(n, k), d[..., 0], low[..., 0]
+    return _k_recover(weight, 15)
+
+
+def q5k_recover(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The GGUF Q5_K sub-blocks behind a float32 [n, k] weight, as q4k_recover finds Q4_K's: gguf-py
+    dequantizes them the same way, (d sc) q - dmin mn, with q in 0..31 (its 5 bits keep (d sc) q
+    within 22 significant bits, still exact). A Q4_K weight is one too (q within 0..15): try
+    q4k_recover first."""
+    return _k_recover(weight, 31)
 
 
 def q4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -136,6 +150,23 @@ def q4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     quads = q.view(n // 16, 16, blocks, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [n/16, kb, c, j, pair, low/high]
     nibbles = (quads[..., 0] | (quads[..., 1] << 4)).reshape(n // 16, blocks, 256)
     return torch.cat([scales, nibbles], dim=-1).contiguous()
+
+
+Q5K_BLOCK_BYTES = 448  # cpu_q4_linear.c's srt_q5k_linear: Q4_K's 384 bytes, then 64 of the q's fifth bits
+
+
+def q5k_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks (q5k_recover's) -> srt_q5k_linear's order, [n/16, k/32, 448] uint8: q4_pack's 384
+    bytes of the low four bits, then per quad c of k two 32-bit words of fifth bits, word p holding
+    those of q[j][4c + 2p] at bit (4 + j) % 32 and of q[j][4c + 2p + 1] at bit (20 + j) % 32: rotated
+    right by j, output j's two sit at bits 4 and 20, over its lane of the chunk. n % 16 == 0."""
+    n, k = q.shape
+    blocks = k // 32
+    high = (q >> 4).view(n // 16, 16, blocks, 8, 2, 2).permute(0, 2, 3, 4, 5, 1).long()  # [.., c, p, i, j]
+    j, i = torch.arange(16), torch.arange(2)[:, None]
+    words = (high << (4 + j + 16 * i) % 32).sum((-2, -1))  # [n/16, kb, c, p], 32 bits each
+    fifths = words.view(torch.uint8).view(n // 16, blocks, 16, 8)[..., :4]  # little-endian: the low 4 bytes
+    return torch.cat([q4_pack(q & 15, d, m), fifths.reshape(n // 16, blocks, 64)], dim=-1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -154,6 +185,15 @@ class Q4KWeight:
     (srt_decode_layer) reads only Q4_1's layout."""
 
     packed: torch.Tensor  # q4_pack's [n/16, k/32, 384]
+    bf16: torch.Tensor  # bf16_pack's
+
+
+@dataclass(frozen=True)
+class Q5KWeight:
+    """A layer's GGUF Q5_K weight for srt_q5k_linear (decode steps of up to Q5K_MAX_ROWS rows) and
+    its bf16 copy packed for srt_bf16_linear (more rows)."""
+
+    packed: torch.Tensor  # q5k_pack's [n/16, k/32, 448]
     bf16: torch.Tensor  # bf16_pack's
 
 

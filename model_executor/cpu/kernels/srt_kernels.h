@@ -97,11 +97,16 @@ int64_t srt_q4_linear_available(void);
 void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                    int64_t k);
 void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
-/* the same on GGUF Q4_K blocks (q4_pack's layout with fp32 scales; AVX2, FMA and F16C only) */
+/* the same on GGUF Q4_K blocks (q4_pack's layout with fp32 scales) */
 int64_t srt_q4k_linear_available(void);
 void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                     int64_t k);
 void srt_q4k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
+/* the same on GGUF Q5_K blocks (packing.q5k_pack's layout: Q4_K's and the fifth bits) */
+int64_t srt_q5k_linear_available(void);
+void srt_q5k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                    int64_t k);
+void srt_q5k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
 
 /* cpu_q8_linear.c: linears on GGUF Q8_0, Q5_0 or Q4_0 blocks (q8_pack's layout), fp32 out */
 int64_t srt_q8_linear_available(void);
