@@ -104,6 +104,20 @@ def write_qwen_moe_gguf(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def k_quant_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Q4_K's and Q5_K's 12 bytes of a super-block's eight 6-bit scales `sc` and mins `mn` (uint8
+    [supers, 8] each): the low six bits of the first four of each, then the last four's low nibbles,
+    their top two bits in the first eight bytes' top bits."""
+    return torch.cat(
+        [
+            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
+            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
+            (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4,
+        ],
+        dim=1,
+    )
+
+
 def q5_k_blocks(n: int, k: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor]:
     """Random GGUF Q5_K super-blocks of an [n, k] weight (k % 256 == 0) in the file's 176-byte layout:
     fp16 d and dmin, 12 bytes of 6-bit scales and mins (Q4_K's packing), qh[32] (bit s of byte l:
@@ -112,15 +126,7 @@ def q5_k_blocks(n: int, k: int, g: torch.Generator) -> tuple[np.ndarray, torch.T
     0..31). Each sub-block holds a q of 0 and one of 31, its values within about +-0.2."""
     supers = n * k // 256
     scales_and_mins = torch.randint(32, 64, (supers, 2, 8), generator=g, dtype=torch.uint8)
-    sc, mn = scales_and_mins[:, 0], scales_and_mins[:, 1]
-    scales = torch.cat(
-        [
-            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
-            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
-            (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4,
-        ],
-        dim=1,
-    )
+    scales = k_quant_scales(scales_and_mins[:, 0], scales_and_mins[:, 1])
     q = torch.randint(0, 32, (supers, 8, 32), generator=g, dtype=torch.uint8)
     q[:, :, 5], q[:, :, 20] = 0, 31
     qs = ((q[:, 0::2] & 15) | (q[:, 1::2] & 15) << 4).reshape(supers, 128)

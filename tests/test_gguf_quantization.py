@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_files import q5_k_blocks, write_llama_q5_k_gguf
+from gguf_files import k_quant_scales, q5_k_blocks, write_llama_q5_k_gguf
 from safetensors.torch import load_file, save_file
 from server_fixture import Server
 from test_cpu_kernels import decode_logits
@@ -101,15 +101,7 @@ def q4_k_file_values(n: int, k: int, seed: int) -> torch.Tensor:
     supers = n * k // 256
     scales_and_mins = torch.randint(0, 64, (supers, 2, 8), generator=g, dtype=torch.uint8)
     scales_and_mins[:, :, 0] = 63  # llama.cpp scales d and dmin to the largest: 63
-    sc, mn = scales_and_mins[:, 0], scales_and_mins[:, 1]
-    scales = torch.cat(
-        [
-            sc[:, :4] | (sc[:, 4:] >> 4) << 6,
-            mn[:, :4] | (mn[:, 4:] >> 4) << 6,
-            (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4,
-        ],
-        dim=1,
-    )
+    scales = k_quant_scales(scales_and_mins[:, 0], scales_and_mins[:, 1])
     q = torch.randint(0, 16, (supers, 8, 32), generator=g, dtype=torch.uint8)
     q[:, :, 5] = 0
     q[::7, 3, 5] = 1  # with no other 0 in the run, most such runs have none
@@ -122,16 +114,17 @@ def q4_k_file_values(n: int, k: int, seed: int) -> torch.Tensor:
     )
 
 
-def quantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
+def quantize_q4_k(weight: torch.Tensor, top: int = 15) -> torch.Tensor:
     """A Q4_K-like grid of a float weight, dequantized as gguf-py does: each run of 32 gets the scale
-    d sc and minimum dmin mn of an fp16 and a 6-bit integer (not fp16-exact, so not Q4_1's)."""
+    d sc and minimum dmin mn of an fp16 and a 6-bit integer (not fp16-exact, so not Q4_1's), its q
+    in 0..top."""
     n, k = weight.shape
     w = weight.float().view(n, k // 32, 32)
     low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     sc = torch.arange(n * k // 32).view(n, k // 32, 1) % 24 + 40
-    scale = ((high - low) / 15 / sc).half().float() * sc
+    scale = ((high - low) / top / sc).half().float() * sc
     mn = (-low.clamp(max=0) / 61).half().float() * 61
-    q = torch.round((w + mn) / scale).clamp(0, 15)
+    q = torch.round((w + mn) / scale).clamp(0, top)
     return (scale * q - mn).view(n, k)
 
 
@@ -146,14 +139,7 @@ def q5_k_file_values(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 def quantize_q5_k(weight: torch.Tensor) -> torch.Tensor:
     """quantize_q4_k's grid with 32 levels (q in 0..31), as Q5_K's sub-blocks hold a weight."""
-    n, k = weight.shape
-    w = weight.float().view(n, k // 32, 32)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    sc = torch.arange(n * k // 32).view(n, k // 32, 1) % 24 + 40
-    scale = ((high - low) / 31 / sc).half().float() * sc
-    mn = (-low.clamp(max=0) / 61).half().float() * 61
-    q = torch.round((w + mn) / scale).clamp(0, 31)
-    return (scale * q - mn).view(n, k)
+    return quantize_q4_k(weight, top=31)
 
 
 def q6_k_file_values(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,8 +265,19 @@ def test_q4k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=g) * 2).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    act = cpu_linear.linear_silu_mul(x, packed, None)
+    assert act is not None
+    assert_exact_4bit_product(weight, x, bias, cpu_linear.linear(x, weight.bfloat16(), bias, packed), act)
+
+
+def assert_exact_4bit_product(
+    weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, act: torch.Tensor
+) -> None:
+    """`out` (x @ weight.T + bias by a 4-bit kernel) within bf16's rounding of the product with the
+    exact weights, and nearer it than the product with bf16 weights; `act` (silu(gate) * up of x @
+    weight.T, no bias) within two roundings of it."""
+    out = out.float()
     want = x.float() @ weight.T + (0 if bias is None else bias.float())
-    out = cpu_linear.linear(x, weight.bfloat16(), bias, packed).float()
     assert ((out - want).abs() <= want.abs() * 2**-8 + 2e-3 * want.abs().max()).all(), (
         (out - want).abs().max()
     )
@@ -289,8 +286,6 @@ def test_q4k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int
     )
     assert (out - want).norm() < (rounded - want).norm()
     gate, up = (x.float() @ weight.T).bfloat16().float().chunk(2, dim=-1)
-    act = cpu_linear.linear_silu_mul(x, packed, None)
-    assert act is not None
     ref = torch.nn.functional.silu(gate) * up
     assert ((act.float() - ref).abs() <= ref.abs() * 2**-7 + 2e-3 * ref.abs().max()).all()
 
@@ -348,19 +343,7 @@ def test_q5k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(m, k, generator=g) * 2).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    want = x.float() @ weight.T + (0 if bias is None else bias.float())
-    out = ops.q4_linear(x, packed, bias).float()
-    assert ((out - want).abs() <= want.abs() * 2**-8 + 2e-3 * want.abs().max()).all(), (
-        (out - want).abs().max()
-    )
-    rounded = (
-        (x.float() @ weight.bfloat16().float().T + (0 if bias is None else bias.float())).bfloat16().float()
-    )
-    assert (out - want).norm() < (rounded - want).norm()
-    gate, up = (x.float() @ weight.T).bfloat16().float().chunk(2, dim=-1)
-    act = ops.q4_linear_silu(x, packed).float()
-    ref = torch.nn.functional.silu(gate) * up
-    assert ((act - ref).abs() <= ref.abs() * 2**-7 + 2e-3 * ref.abs().max()).all()
+    assert_exact_4bit_product(weight, x, bias, ops.q4_linear(x, packed, bias), ops.q4_linear_silu(x, packed))
 
 
 @needs_q5k
