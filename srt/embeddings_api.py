@@ -28,6 +28,7 @@ from srt.http_common import (
     OPENAI_ERRORS,
     ErrorFamily,
     batch_outputs,
+    json_body,
     manager,
     read_json_object,
 )
@@ -122,7 +123,7 @@ async def embeddings(request: Request) -> Response:
     if isinstance(outs, JSONResponse):
         return outs
     prompt = sum(out["meta_info"]["prompt_tokens"] for out in outs)
-    return JSONResponse(
+    return json_body(
         {
             "object": "list",
             "data": [
@@ -151,4 +152,4 @@ async def encode(request: Request) -> Response:
     batch = isinstance(body.get("text", body.get("input_ids")), list) and (
         isinstance(body.get("text"), list) or isinstance((body.get("input_ids") or [None])[0], list)
     )
-    return JSONResponse(replies if batch else replies[0])
+    return json_body(replies if batch else replies[0])

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from srt.generate_parse import RequestError
 from srt.request_state import ServiceUnavailableError
@@ -251,6 +251,12 @@ async def batch_outputs(
         except Aborted as aborted:
             return errors.response(aborted.status, str(aborted))
     return results
+
+
+def json_body(body: Any, status_code: int = 200) -> Response:
+    """A JSON response encoded by orjson: the same values as JSONResponse's, in a fraction of the
+    time for many floats (embeddings: docs/performance.md)."""
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
 
 
 # ---- server-sent events ----
