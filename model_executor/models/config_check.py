@@ -1,7 +1,7 @@
 """The config.json fields that change a model's math, and the start-up check that refuses a value srt
 does not implement, naming the field, instead of serving a different model than the one trained.
 
-Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe,gemma2,gemma3,phi3,olmo2}.py. Each model class declares in
+Decided from transformers 5's modeling_{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,olmoe,gemma2,gemma3,phi3,olmo2,glm4}.py. Each model class declares in
 `config_fields` which architecture-specific fields its transformers code reads; the rest of the
 table holds for every registered architecture.
 
@@ -10,7 +10,7 @@ table holds for every registered architecture.
 | hidden_act | all but Gemma: down(act(gate) * up) | "silu" and "swish" (both SiLU); others refused |
 | hidden_activation | Gemma 2, Gemma 3: down(act(gate) * up) | "gelu_pytorch_tanh" and "gelu"; others refused |
 | rope_type (rope_parameters / rope_scaling) | all | default, linear, llama3, longrope (short and long factors and the attention factor: long for a prompt past original_max_position_embeddings, and for any position from it on) (layers/rotary.py); dynamic, yarn, ... refused |
-| partial_rotary_factor | linear, llama3 rope (below 1 the shapes break); default rope ignores it | refused unless 1: srt rotates the whole head |
+| partial_rotary_factor | Phi-3, GLM-4: only the first int(head_dim * factor) dims of each head rotate; elsewhere linear, llama3 rope (below 1 the shapes break), default rope ignores it | implemented for Phi-3 and GLM-4 (layers/rotary.py: q and k rows reordered at load, whole-head tables with frequency 0 on the rest), where both parts of a head are even; refused unless 1 elsewhere |
 | rope_parameters per layer type | Gemma 3: its local and global layers' settings | implemented for Gemma 3 (each checked as above); refused elsewhere |
 | query_pre_attn_scalar | Gemma 3: attention scaled by its -1/2 power | implemented |
 | use_bidirectional_attention | Gemma 3: attention to later tokens too | refused when true |
@@ -38,7 +38,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from model_executor.layers.rotary import ROPE_TYPES, rope_parameters
+from model_executor.layers.rotary import ROPE_TYPES, rope_parameters, rotary_dim
 
 SILU_ACTS = ("silu", "swish")  # transformers' ACT2FN makes both SiLU; srt's MLP is silu(gate) * up
 # transformers' ACT2FN name -> torch's F.gelu approximate= for it
@@ -61,6 +61,7 @@ class ConfigFields:
     activation: Literal["silu", "gelu"] = "silu"
     rope_per_layer_type: bool = False  # rope_parameters keyed by layer type (Gemma 3: local and global)
     softcapping: bool = False  # attn_logit_softcapping and final_logit_softcapping (Gemma 2)
+    partial_rotary: bool = False  # partial_rotary_factor: the first part of each head rotates (Phi-3, GLM-4)
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,11 @@ def _rope(fields: ConfigFields, config: Any) -> list[Refusal]:
     if per_layer_type and not fields.rope_per_layer_type:
         return [Refusal("rope_parameters", per_layer_type, "a rope setting per layer type")]
     if per_layer_type:
-        return [r for kind in per_layer_type for r in _rope_params(dict(params[kind]))]
-    return _rope_params(params)
+        return [r for kind in per_layer_type for r in _rope_params(dict(params[kind]), fields, config)]
+    return _rope_params(params, fields, config)
 
 
-def _rope_params(params: dict[str, Any]) -> list[Refusal]:
+def _rope_params(params: dict[str, Any], fields: ConfigFields, config: Any) -> list[Refusal]:
     params.setdefault("rope_type", params.get("type", "default"))
     refusals = []
     rope_type = params["rope_type"]
@@ -137,7 +138,20 @@ def _rope_params(params: dict[str, Any]) -> list[Refusal]:
             )
         )
     partial = params.get("partial_rotary_factor")
-    if partial is not None and float(partial) != 1.0:
+    if partial is None or float(partial) == 1.0:
+        return refusals
+    if fields.partial_rotary:
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        rotary = rotary_dim(head_dim, params)
+        if rotary % 2 or (head_dim - rotary) % 2:
+            refusals.append(
+                Refusal(
+                    "partial_rotary_factor",
+                    partial,
+                    f"{rotary} rotary dims of a head of {head_dim}; srt needs both parts even",
+                )
+            )
+    else:
         refusals.append(
             Refusal(
                 "partial_rotary_factor",

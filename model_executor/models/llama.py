@@ -21,8 +21,9 @@ from model_executor.layers.attention import Attention
 from model_executor.layers.layernorm import HeadsRMSNorm, RMSNorm
 from model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.moe import SparseMoeBlock
-from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from model_executor.layers.rotary import RotaryEmbedding, rope_parameters, rope_permutation, rotary_dim
 from model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from model_executor.loader.load_weights import NamedTensorSource, PermutedRows
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 from model_executor.models.config_check import ConfigFields
 from model_executor.models.registry import register_model
@@ -296,6 +297,7 @@ class LlamaForCausalLM(CausalLM):
     qkv_bias = False  # True: q/k/v biases whatever attention_bias says (Qwen2)
     qk_norm = False
     qk_norm_across_heads = False
+    rope_interleaved = False  # True: transformers rotates pairs (2i, 2i + 1) of each head (GLM-4)
     config_fields = ConfigFields(attention_bias=True, mlp_bias=True)
     # checkpoint name part -> (parameter name part, shard id)
     packed_modules_mapping: dict[str, tuple[str, object]] = {
@@ -312,6 +314,11 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.stage = stage = stage or PipelineStage()
+        head_dim = head_dim_of(config)
+        # each head's q and k rows in srt's rotary layout (partial or interleaved rotary), or None
+        self._rope_order = rope_permutation(
+            head_dim, rotary_dim(head_dim, rope_parameters(config)), self.rope_interleaved
+        )
         self.model = self.build_model(config, comm, dtype, stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A last stage that is not also the first has no embedding to share: its head loads a copy.
@@ -382,6 +389,25 @@ class LlamaForCausalLM(CausalLM):
                 )
             )
         return DecoderStack(model.embed_tokens, layers, model.norm, model.rotary_emb)
+
+    def split_checkpoint_tensor(self, tensor: NamedTensorSource) -> list[NamedTensorSource]:
+        """The parts of a tensor the checkpoint stores fused (split_fused), q's and k's rows
+        reordered head by head where transformers' rotary layout is not srt's (layers/rotary.py
+        rope_permutation: a partial or interleaved rotary). Whole heads move together, so tensor
+        parallelism's shards of heads hold the same heads' rows."""
+        return [self._rope_layout(part) for part in self.split_fused(tensor)]
+
+    def split_fused(self, tensor: NamedTensorSource) -> list[NamedTensorSource]:
+        return [tensor]
+
+    def _rope_layout(self, tensor: NamedTensorSource) -> NamedTensorSource:
+        order = self._rope_order
+        prefix = tensor.name.rpartition(".")[0]
+        if order is None or not prefix.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
+            return tensor
+        head_dim = len(order)
+        heads = int(tuple(tensor.shape)[0]) // head_dim
+        return PermutedRows(tensor, (order + head_dim * torch.arange(heads)[:, None]).flatten())
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Rotary caches, a tied head's own copy, and whatever other pipeline stages own."""

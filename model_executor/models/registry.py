@@ -18,6 +18,7 @@ _MODEL_MODULES = (
     "gemma",
     "phi3",
     "olmo2",
+    "glm4",
     "bert",
 )  # each registers its classes on import
 
