@@ -160,13 +160,15 @@ void srt_layernorm(const void *x, int64_t x_f32, const float *residual, const fl
         const float *xf = (const float *)x + r * dim, *rr = residual ? residual + r * dim : NULL;
         const bf16 *xb = (const bf16 *)x + r * dim;
         float *o = out + r * dim;
+        if (x_f32)
+            memcpy(o, xf, (size_t)dim * sizeof(float));
+        else
+            for (int64_t i = 0; i < dim; i++) o[i] = bf16_to_f32(xb[i]);
+        if (rr)
+            for (int64_t i = 0; i < dim; i++) o[i] += rr[i];
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; i++) {
-            const float f = (x_f32 ? xf[i] : bf16_to_f32(xb[i])) + (rr ? rr[i] : 0.0f);
-            o[i] = f;
-            sum += f;
-        }
+        for (int64_t i = 0; i < dim; i++) sum += o[i];
         const float mean = sum / (float)dim;
         float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
