@@ -16,6 +16,8 @@ Fields: OpenAI's `embeddings.create` (openai 3.60) and SGLang's `EmbeddingReques
 from __future__ import annotations
 
 import base64
+import logging
+import math
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
 from srt.vocabulary import NONE, Field, advisory, impl, off
 
+logger = logging.getLogger("srt.embeddings_api")
 router = APIRouter()
 
 EMBEDDINGS: dict[str, Field] = {
@@ -87,9 +90,26 @@ def _inputs(value: Any) -> tuple[str, Any]:
 async def embed_outputs(
     tm: TokenizerManager, request: Request, body: dict[str, Any], errors: ErrorFamily, renamed: dict[str, str]
 ) -> list[dict[str, Any]] | JSONResponse:
-    """The outputs of an embedding /generate body in input order, or the error to answer."""
+    """The outputs of an embedding /generate body in input order, or the error to answer: a 500
+    where an embedding is not finite (orjson would write its NaN as null)."""
     call = tm.parse_generate({**body, "sampling_params": {"max_new_tokens": 0}}, embed=True)
-    return await batch_outputs(tm.generate(call, request), errors, renamed)
+    outs = await batch_outputs(tm.generate(call, request), errors, renamed)
+    bad = None if isinstance(outs, JSONResponse) else first_non_finite([out["embedding"] for out in outs])
+    if bad is None:
+        return outs
+    message = f"the model's embedding of input {bad} is not finite (NaN or infinity)"
+    logger.error(message)
+    return errors.response(500, message)
+
+
+def first_non_finite(embeddings: list[list[float]]) -> int | None:
+    """The index of the first embedding holding a NaN or an infinity, or None. A NaN or an infinity
+    makes the sum of the values NaN or infinite, so a finite sum clears an embedding in one C loop;
+    a non-finite one (or an overflow of finite values) is looked at value by value."""
+    for i, embedding in enumerate(embeddings):
+        if not math.isfinite(sum(embedding)) and not all(map(math.isfinite, embedding)):
+            return i
+    return None
 
 
 def _encoded(embedding: list[float], fmt: str) -> list[float] | str:

@@ -7,6 +7,7 @@ token. The encoder's config fields srt does not implement are refused by name at
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Iterator
@@ -19,11 +20,14 @@ import requests
 import torch
 import torch.nn.functional as F
 import transformers
+from fastapi.responses import JSONResponse
 from server_fixture import Server
 from test_model_parity import prefill_batch
 
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.pooler import Pooler
+from srt.embeddings_api import embed_outputs, first_non_finite
+from srt.http_common import OPENAI_ERRORS
 
 TEXTS = [
     "The cat sat on the mat.",
@@ -117,6 +121,27 @@ def test_an_embedding_server_runs_no_detokenizer(server: tuple[str, Server]) -> 
     assert [p["name"] for p in info["memory"]["processes"]] == ["main", "scheduler TP0"]
     assert info["internal_states"][0]  # a control call's reply, from the rank straight to the front end
     assert requests.post(srv.url + "/flush_cache", timeout=30).ok
+
+
+def test_a_non_finite_embedding_is_a_500_naming_its_input() -> None:
+    """orjson would write a NaN as null: an embedding holding one (or an infinity) is answered as an
+    error in the API's shape, naming which input, never as a vector of nulls."""
+    nan, inf = float("nan"), float("inf")
+    assert first_non_finite([[0.5, -0.25], [1e308, 1e308]]) is None  # finite values whose sum overflows
+    assert first_non_finite([[0.5, 0.5], [0.1, nan], [inf, 0.0]]) == 1
+    assert first_non_finite([[inf, -inf]]) == 0
+
+    class Manager:  # the TokenizerManager's two calls embed_outputs makes
+        def parse_generate(self, body: dict[str, Any], embed: bool) -> None:
+            return None
+
+        async def generate(self, call: None, request: None) -> Any:
+            for i, embedding in enumerate(([0.6, 0.8], [0.6, nan])):
+                yield {"index": i, "embedding": embedding, "meta_info": {"finish_reason": {"type": "length"}}}
+
+    reply = asyncio.run(embed_outputs(Manager(), None, {"text": ["a", "b"]}, OPENAI_ERRORS, {}))  # type: ignore[arg-type]
+    assert isinstance(reply, JSONResponse) and reply.status_code == 500
+    assert "embedding of input 1 is not finite" in json.loads(bytes(reply.body))["error"]["message"]
 
 
 def test_bad_input_is_a_400_naming_it(server: tuple[str, Server]) -> None:
