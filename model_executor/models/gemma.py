@@ -29,7 +29,7 @@ from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.activation import GeluAndMul
 from model_executor.layers.attention import Attention
-from model_executor.layers.layernorm import GemmaRMSNorm
+from model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
@@ -231,6 +231,26 @@ class PostNormModel(nn.Module):
             assert isinstance(rotary, RotaryEmbedding)
             rotary.forget_positions()
         return run_stage(self, input_ids, positions, batch, previous, self.embed_scale)
+
+
+def full_attention_model(
+    config: Any,
+    comm: Communicator,
+    dtype: torch.dtype,
+    stage: PipelineStage,
+    layer: Callable[[int, RotaryEmbedding], nn.Module],
+) -> PostNormModel:
+    """A PostNormModel whose layers attend to every key and whose final norm is a plain RMSNorm in
+    the model's dtype (OLMo 2, GLM-4); `layer(layer_id, rotary)` makes the stage's layers."""
+    return PostNormModel(
+        config,
+        comm,
+        dtype,
+        stage,
+        make_layer=lambda layer_id, i, rotary, window: layer(layer_id, rotary),
+        norm=lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype),
+        window_of=lambda layer_id: None,
+    )
 
 
 @register_model("Gemma3ForCausalLM")

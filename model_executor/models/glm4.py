@@ -22,7 +22,7 @@ from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.loader.load_weights import NamedTensorSource
 from model_executor.models.config_check import ConfigFields
-from model_executor.models.gemma import PostNormModel
+from model_executor.models.gemma import full_attention_model
 from model_executor.models.llama import AttentionSwitches, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from model_executor.models.phi3 import FusedParts, split_rows
 from model_executor.models.registry import register_model
@@ -84,16 +84,14 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     def build_model(self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage) -> Any:
         switches = self.attention_switches(config)
-        return PostNormModel(
+        return full_attention_model(
             config,
             comm,
             dtype,
             stage,
-            make_layer=lambda layer_id, i, rotary, window: Glm4DecoderLayer(
+            lambda layer_id, rotary: Glm4DecoderLayer(
                 config, layer_id, comm, dtype, switches=switches, rotary_emb=rotary
             ),
-            norm=lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype),
-            window_of=lambda layer_id: None,  # GLM-4 attends to every key
         )
 
     def split_fused(self, tensor: NamedTensorSource) -> list[NamedTensorSource]:

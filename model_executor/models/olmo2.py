@@ -17,7 +17,7 @@ from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.layernorm import RMSNorm
 from model_executor.layers.rotary import RotaryEmbedding
 from model_executor.models.config_check import ConfigFields
-from model_executor.models.gemma import PostNormModel
+from model_executor.models.gemma import full_attention_model
 from model_executor.models.llama import AttentionSwitches, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from model_executor.models.registry import register_model
 
@@ -63,16 +63,14 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def build_model(self, config: Any, comm: Communicator, dtype: torch.dtype, stage: PipelineStage) -> Any:
         switches = self.attention_switches(config)
-        return PostNormModel(
+        return full_attention_model(
             config,
             comm,
             dtype,
             stage,
-            make_layer=lambda layer_id, i, rotary, window: Olmo2DecoderLayer(
+            lambda layer_id, rotary: Olmo2DecoderLayer(
                 config, layer_id, comm, dtype, switches=switches, rotary_emb=rotary
             ),
-            norm=lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype=dtype),
-            window_of=lambda layer_id: None,  # OLMo 2 attends to every key
         )
 
     def decoder_stack(self) -> None:
