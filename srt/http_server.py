@@ -157,8 +157,11 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") 
     )
 
 
-def run_http_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGTERM/SIGINT, drain (DrainingServer, --shutdown-timeout), return. Blocks; call
-    it from the main thread, where signal handlers can be installed."""
+def run_http_server(app: FastAPI, listener: socket.socket, log_level: str = "info") -> None:
+    """Serve on `listener` (bound by the launcher before any child started: launcher.net) until
+    SIGTERM/SIGINT, drain (DrainingServer, --shutdown-timeout), return. Blocks; call it from the
+    main thread, where signal handlers can be installed."""
     tm: TokenizerManager = app.state.tokenizer_manager
-    DrainingServer(uvicorn_config(app, host, port, log_level), tm, tm.server_args.shutdown_timeout).run()
+    host, port = listener.getsockname()[:2]
+    config = uvicorn_config(app, host, port, log_level)
+    DrainingServer(config, tm, tm.server_args.shutdown_timeout).run(sockets=[listener])

@@ -51,7 +51,7 @@ from launcher.layout import (
 )
 from launcher.log import configure_logging
 from launcher.metrics_relay import MetricsRelay, RemoteMetrics
-from launcher.net import check_port_free
+from launcher.net import bind_listener, check_port_free
 from launcher.peers import PeerWatch
 from launcher.process import ChildProcess, LaunchError, spawn_child, stop_children, wait_ready
 from launcher.rendezvous import USE_AGENT_STORE, Rendezvous
@@ -287,7 +287,13 @@ def run(
     peers: PeerWatch | None = None
     farewell = f"node {args.node_rank} shut down"  # what the other nodes are told when this one exits
     deliberate = False  # a signal asked for the exit (then node 0 going down is a clean exit for the others)
+    listener: socket.socket | None = None
     try:
+        if args.node_rank == 0:  # held from now on, so that no child's ephemeral port can take it
+            try:
+                listener = bind_listener(args.host, args.port)
+            except ValueError as e:
+                raise LaunchError(str(e)) from None
         peers = meet_other_nodes(plan)
         plan = route_outputs_across_nodes(plan, peers.rdzv)
         for spec in child_specs(plan, scheduler_target, detokenizer_target):
@@ -322,7 +328,8 @@ def run(
         remote = (
             RemoteMetrics(plan.rendezvous, args.nnodes) if args.enable_metrics and args.nnodes > 1 else None
         )
-        return serve(plan, merge_model_info(plan, infos), frontend, remote, children)
+        assert listener is not None
+        return serve(plan, merge_model_info(plan, infos), frontend, listener, remote, children)
     except LaunchError as e:
         logger.error("launch failed: %s", e)
         farewell = f"node {args.node_rank} failed to start: {e}"
@@ -343,12 +350,15 @@ def run(
         stop_children(children)
         kill_process_tree(os.getpid(), include_self=False, timeout=2.0)
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+        if listener is not None:
+            listener.close()
 
 
 def serve(
     plan: LaunchPlan,
     model_info: dict[str, Any],
     frontend: Frontend,
+    listener: socket.socket,
     remote_metrics: RemoteMetrics | None = None,
     children: list[ChildProcess] | None = None,
 ) -> int:
@@ -370,7 +380,7 @@ def serve(
     }
     app = create_app(frontend.tm, server_info)
     logger.info("serving on http://%s:%d", args.host, args.port)
-    run_http_server(app, args.host, args.port, args.log_level)
+    run_http_server(app, listener, args.log_level)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -63,11 +64,22 @@ def fake_scheduler(
     if mode == "raise" and mine:
         raise RuntimeError(f"fake failure on {rank_info.name}")
     info = dict(FAKE_MODEL_INFO) if rank_info.is_input_rank or rank_info.is_output_rank else {}
+    info["http_port_bindable"] = _bindable(server_args.port)
     ready_conn.send(("ready", {**info, "world_rank": rank_info.world_rank}))
     if mode == "die" and mine:
         time.sleep(float(os.environ.get("SRT_TEST_DIE_AFTER", "1")))
         os._exit(7)
     time.sleep(600)
+
+
+def _bindable(port: int) -> bool:
+    """Whether this process could take the server's HTTP port (as a child's own socket might)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _record_pid(title: str) -> None:
@@ -108,7 +120,7 @@ def spawning_parent(parent_death_signal: str) -> None:
 def install_fake_frontend() -> None:
     """Stand-ins for srt.tokenizer_manager / srt.http_server with the interface launch_server uses:
     TokenizerManager(server_args, port_args, tokenizer_path, model_info) with `loop` and
-    `fail_all(message)`, create_app(tm, server_info), run_http_server(app, host, port, log_level)."""
+    `fail_all(message)`, create_app(tm, server_info), run_http_server(app, listener, log_level)."""
     import asyncio
     import types
     from collections.abc import AsyncIterator
@@ -146,8 +158,8 @@ def install_fake_frontend() -> None:
 
         return app
 
-    def run_http_server(app: FastAPI, host: str, port: int, log_level: str) -> None:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    def run_http_server(app: FastAPI, listener: socket.socket, log_level: str) -> None:
+        uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[listener])
 
     sys.modules["srt.tokenizer_manager"] = types.SimpleNamespace(TokenizerManager=TokenizerManager)  # type: ignore
     sys.modules["srt.http_server"] = types.SimpleNamespace(

@@ -181,6 +181,7 @@ def test_serves_then_stops_on_sigterm(tmp_path: Path, model_dir: Path) -> None:
     wait_healthy(node, port)
     info = json.loads(http_get(port, "/server_info")[1])
     assert info["context_length"] == 2048 and info["model_dir"] == str(model_dir)
+    assert info["http_port_bindable"] is False  # held from before the children started: none can take it
     pids = node.child_pids()
     assert set(pids) == {"srt::scheduler_TP0", "srt::scheduler_TP1", "srt::detokenizer"}
     node.proc.send_signal(signal.SIGTERM)
