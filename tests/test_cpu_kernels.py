@@ -219,6 +219,47 @@ def test_gelu_erf_is_the_exact_gelu_rounded_once(n: int) -> None:
     assert (got[body] != F.gelu(x[body]).bfloat16()).float().mean().item() < 0.01  # a few ties, no more
 
 
+# MiniLM's 12 heads of 32 on one short and one long text; several requests of odd lengths (keys
+# padded to blocks of 16, queries in groups of 4); heads of 24 and 40 (dims padded); one token alone
+@pytest.mark.parametrize(
+    ("lens", "heads", "d"),
+    [([25], 12, 32), ([300], 12, 32), ([1, 17, 5, 40], 4, 64), ([9, 3], 3, 24), ([1], 2, 40)],
+)
+def test_encoder_attention_is_the_float32_softmax_rounded_once(lens: list[int], heads: int, d: int) -> None:
+    """srt_encoder_attention against softmax(q k^T / sqrt d) v in float64, each request's tokens
+    attending to all of its own (not another's): within one bf16 rounding plus float32's error, and
+    nearly always the same bf16 as the float64 value rounded. q, k, v are strided views of one qkv
+    row, as BERT's projection gives them."""
+    n, width = sum(lens), heads * d
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(n, 3 * width + 5, generator=g) * 2  # 5 more columns: rows wider than q, k, v
+    q, k, v = qkv[:, :width], qkv[:, width : 2 * width], qkv[:, 2 * width : 3 * width]
+    got = ops.encoder_attention(q, k, v, lens, d, d**-0.5)
+    want, start = [], 0
+    for length in lens:
+        qh, kh, vh = (
+            t[start : start + length].double().unflatten(1, (heads, d)).transpose(0, 1) for t in (q, k, v)
+        )
+        scores = (qh @ kh.transpose(1, 2) * d**-0.5).softmax(-1)
+        want.append((scores @ vh).transpose(0, 1).flatten(1))
+        start += length
+    expected = torch.cat(want)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, width)
+    assert ((got.double() - expected).abs() <= expected.abs() * 2.0**-8 + 1e-5).all()
+    assert (got != expected.bfloat16()).float().mean().item() < 0.01  # a few ties, no more
+
+
+def test_encoder_attention_refuses_mismatched_arguments() -> None:
+    qkv = torch.randn(6, 96)
+    q, k, v = qkv[:, :32], qkv[:, 32:64], qkv[:, 64:]
+    with pytest.raises(ValueError, match=r"lens \[2, 3\] must be positive and sum to 6"):
+        ops.encoder_attention(q, k, v, [2, 3], 16, 0.25)
+    with pytest.raises(ValueError, match="heads of 12 in 32"):
+        ops.encoder_attention(q, k, v, [6], 12, 0.25)
+    with pytest.raises(ValueError, match=r"v must be float32 \[6, 32\] rows of q's stride 96"):
+        ops.encoder_attention(q, k, v.contiguous(), [6], 16, 0.25)
+
+
 @pytest.mark.parametrize(("rows", "d"), [(1, 1536), (33, 1536), (2, 20), (4096, 1536)])
 def test_silu_mul(rows: int, d: int) -> None:
     x = rand(rows, 2 * d, seed=4, scale=4.0)

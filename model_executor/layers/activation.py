@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_executor.cpu.kernels import build, ops
+from model_executor.cpu.kernels import ops
 
 
 class SiluAndMul(nn.Module):
@@ -35,6 +35,6 @@ class GeluAndMul(nn.Module):
 def gelu_erf(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """gelu(x), the exact (erf) GELU, of float32 x, in `dtype` (rounded once): srt_gelu_erf for bf16
     on the CPU kernels, torch's otherwise."""
-    if dtype == torch.bfloat16 and x.device.type == "cpu" and build.kernels() is not None:
+    if ops.computes(dtype, x.device):
         return ops.gelu_erf(x.contiguous())
     return F.gelu(x).to(dtype)

@@ -172,7 +172,7 @@ class LayerNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(layernorm(x + residual) in float32, the same in `dtype`, the next linear's input): in one
         pass of srt_layernorm for a bf16 model on the CPU kernels, op by op otherwise."""
-        if dtype == torch.bfloat16 and x.device.type == "cpu" and build.kernels() is not None:
+        if ops.computes(dtype, x.device):
             normed, rounded = ops.layernorm(x.contiguous(), self.weight, self.bias, self.eps, residual, True)
             assert rounded is not None
             return normed, rounded

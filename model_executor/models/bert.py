@@ -23,6 +23,7 @@ from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.pipeline import PipelineStage, StageOutput
 from model_executor.forward_batch import ForwardBatch
 from model_executor.layers.activation import gelu_erf
+from model_executor.layers.attention import encoder_attention
 from model_executor.layers.layernorm import LayerNorm
 from model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from model_executor.layers.vocab_parallel import VocabParallelEmbedding
@@ -76,22 +77,8 @@ class BertSelfAttention(nn.Module):
         """hidden [tokens, hidden] in the model's dtype -> this rank's heads' attention output
         [tokens, heads x head_dim], each request's tokens attending to all of its own (float32),
         rounded to the model's dtype once."""
-        qkv = self.qkv_proj(hidden, torch.float32)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(0, 1) for t in self.qkv_proj.split(qkv))
-        out = hidden.new_empty(qkv.shape[0], q.shape[0], self.head_dim)  # [tokens, heads, head_dim]
-        start = 0
-        for length in lengths:
-            rows = slice(start, start + length)
-            # softmax(q k^T / sqrt(d)) v as two batched products over the heads: at these lengths
-            # faster than scaled_dot_product_attention, whose CPU path for 3-D inputs is its
-            # unfused math one (docs/performance.md). beta=0: the first argument only shapes it.
-            scores = q.new_empty(q.shape[0], length, length)
-            scores = torch.baddbmm(
-                scores, q[:, rows], k[:, rows].transpose(1, 2), beta=0, alpha=self.head_dim**-0.5
-            )
-            out[rows] = torch.bmm(scores.softmax(-1), v[:, rows]).transpose(0, 1)
-            start += length
-        return out.flatten(1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, torch.float32))
+        return encoder_attention(q, k, v, lengths, self.head_dim, hidden.dtype)
 
 
 class BertAttention(nn.Module):

@@ -36,6 +36,14 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+/* f32_to_bf16 without its branch, so that a loop of it vectorises: the same results, NaN included. */
+static inline bf16 f32_to_bf16_simd(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
 /* exp(x) for float, vectorisable (libm's expf is a scalar call): Cephes' range reduction by ln 2
  * in two parts and a degree-5 polynomial, about 1 ulp over the clamped range. n is rounded with
  * the 1.5 * 2^23 trick, which is exact without -ffast-math (this file is built without it). */
@@ -210,6 +218,89 @@ void srt_gelu_erf(const float *x, bf16 *out, int64_t n) {
         }
         for (int64_t i = 0; i < len; i++) out[c + i] = f32_to_bf16(g[i]);
     }
+}
+
+/* An encoder's (BERT's) self-attention: bs requests' tokens packed one after another (request b's
+ * lens[b] rows from starts[b]), every token attending to every token of its own request, in
+ * float32 as torch's math path: s = (q k^T) scale, p = softmax(s), o = p v, rounded to bf16 once.
+ * Request b's rows start after the lens of the requests before it. q, k, v float32 rows of `stride` floats (the qkv projection's unrounded output), heads of d
+ * contiguous; out bf16 [tokens][heads * d]. A task is one (request, head). It lays its K out
+ * transposed, its keys padded to blocks of B, and V padded to d rounded up to B; then it takes its
+ * queries QI at a time, so that each product keeps QI independent rows of B accumulators (a
+ * vector each) and is not bound by the latency of one chain of multiply-adds. */
+enum { ENC_B = 16, ENC_QI = 4 };
+
+void srt_encoder_attention(const float *q, const float *k, const float *v, int64_t stride, bf16 *out,
+                           const int64_t *lens, int64_t bs, int64_t heads, int64_t d, float scale) {
+    enum { B = ENC_B, QI = ENC_QI };
+    int64_t work = 0, *starts = malloc((size_t)bs * sizeof(int64_t));
+    for (int64_t b = 0; b < bs; b++) {
+        starts[b] = b ? starts[b - 1] + lens[b - 1] : 0;
+        work += lens[b] * lens[b];
+    }
+#pragma omp parallel for if (work * heads * d >= PARALLEL_MIN_ELEMS) schedule(dynamic)
+    for (int64_t task = 0; task < bs * heads; task++) {
+        const int64_t b = task / heads, h = task % heads, start = starts[b], n = lens[b];
+        const int64_t np = (n + B - 1) / B * B, dp = (d + B - 1) / B * B;
+        /* kt [d][np] keys, vp [n][dp] values, s [QI][np] scores then probabilities: zero-padded */
+        float *kt = calloc((size_t)(d * np + n * dp + QI * np), sizeof(float));
+        float *vp = kt + d * np, *s = vp + n * dp;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kj = k + (start + j) * stride + h * d, *vj = v + (start + j) * stride + h * d;
+            for (int64_t c = 0; c < d; c++) kt[c * np + j] = kj[c];
+            memcpy(vp + j * dp, vj, (size_t)d * sizeof(float));
+        }
+        for (int64_t i0 = 0; i0 < n; i0 += QI) {
+            const float *qr[QI];
+            for (int r = 0; r < QI; r++) /* past the last query: the last again, computed and dropped */
+                qr[r] = q + (start + (i0 + r < n ? i0 + r : n - 1)) * stride + h * d;
+            for (int64_t jb = 0; jb < np; jb += B) {
+                float acc[QI][B] = {{0}};
+                for (int64_t c = 0; c < d; c++) {
+                    const float *kc = kt + c * np + jb;
+                    for (int r = 0; r < QI; r++) {
+                        const float qc = qr[r][c];
+#pragma omp simd
+                        for (int t = 0; t < B; t++) acc[r][t] += qc * kc[t];
+                    }
+                }
+                for (int r = 0; r < QI; r++) memcpy(s + r * np + jb, acc[r], sizeof acc[r]);
+            }
+            float inv[QI];
+            for (int r = 0; r < QI; r++) { /* over whole blocks: the padding's -inf adds exp(-87.3) < 2^-125 */
+                float *sr = s + r * np, top = -INFINITY, sum = 0.0f;
+                for (int64_t j = n; j < np; j++) sr[j] = -INFINITY;
+#pragma omp simd reduction(max : top)
+                for (int64_t j = 0; j < np; j++) top = sr[j] > top ? sr[j] : top;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < np; j++) {
+                    sr[j] = exp_f32((sr[j] - top) * scale);
+                    sum += sr[j];
+                }
+                inv[r] = 1.0f / sum;
+            }
+            for (int64_t cb = 0; cb < dp; cb += B) {
+                float acc[QI][B] = {{0}};
+                for (int64_t j = 0; j < n; j++) {
+                    const float *vj = vp + j * dp + cb;
+                    for (int r = 0; r < QI; r++) {
+                        const float p = s[r * np + j];
+#pragma omp simd
+                        for (int t = 0; t < B; t++) acc[r][t] += p * vj[t];
+                    }
+                }
+                for (int r = 0; r < QI && i0 + r < n; r++) {
+                    bf16 rounded[B];
+#pragma omp simd
+                    for (int t = 0; t < B; t++) rounded[t] = f32_to_bf16_simd(acc[r][t] * inv[r]);
+                    memcpy(out + (start + i0 + r) * heads * d + h * d + cb, rounded,
+                           (size_t)(d - cb < B ? d - cb : B) * sizeof(bf16));
+                }
+            }
+        }
+        free(kt);
+    }
+    free(starts);
 }
 
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = gelu_tanh(gate) * up (Gemma's GeGLU, transformers'

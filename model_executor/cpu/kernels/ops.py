@@ -67,6 +67,12 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
+def computes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels give a result of `dtype` on `device` from float32 inputs (a LayerNorm's,
+    a GELU's, an encoder's attention): bf16 on the CPU, with the kernels built."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and build.kernels() is not None
+
+
 def data_ptr(t: torch.Tensor | None) -> int | None:
     """t's data pointer, or None (NULL) for an absent optional tensor (a bias, a residual)."""
     return None if t is None else t.data_ptr()
@@ -214,6 +220,33 @@ def gelu_erf(x: torch.Tensor) -> torch.Tensor:
     _need_dtype("x", x, torch.float32)
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     lib.srt_gelu_erf(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def encoder_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int], head_dim: int, scale: float
+) -> torch.Tensor:
+    """An encoder's attention, every token attending to all of its own request's: q, k, v float32
+    [tokens, heads * head_dim] views of one [tokens, *] tensor (a qkv projection's output: rows of
+    one stride, heads and head_dim contiguous), the requests' tokens packed one after another
+    (`lens`, each positive). Returns bf16 [tokens, heads * head_dim], rounded once
+    (srt_encoder_attention)."""
+    lib = _library()
+    n, width = q.shape
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.shape != q.shape or t.stride() != (q.stride(0), 1):
+            raise ValueError(
+                f"{name} must be float32 [{n}, {width}] rows of q's stride {q.stride(0)}; got "
+                f"{t.dtype} {tuple(t.shape)} with strides {t.stride()}"
+            )
+    if sum(lens) != n or min(lens, default=0) <= 0 or width % head_dim:
+        raise ValueError(f"lens {list(lens)} must be positive and sum to {n}; heads of {head_dim} in {width}")
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    out = torch.empty(n, width, dtype=torch.bfloat16)
+    lib.srt_encoder_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), out.data_ptr(),
+        lens_t.data_ptr(), len(lens), width // head_dim, head_dim, scale,
+    )  # fmt: skip
     return out
 
 
