@@ -389,9 +389,13 @@ class ModelRunner:
         assert not any(batch.extend_prefix_lens_cpu), "an embedding pools a whole prompt"
         self._rope_rows(batch)
         batch.attn_backend = self.attn_backend
-        self.step_runner.begin_step(batch, False)
-        self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch, None)
+        runs = self.step_runner.can_run(batch)
+        self.step_runner.begin_step(batch, runs)
+        if runs:
+            hidden = self.step_runner.run(batch)
+        else:
+            self.attn_backend.init_forward_metadata(batch)
+            hidden = self.model(batch.input_ids, batch.positions, batch, None)
         assert isinstance(hidden, torch.Tensor)
         pool = getattr(self.model, "pool", self.pooler)  # a cross-encoder scores its pairs itself
         embeddings: list[list[float]] = pool(hidden, batch.extend_seq_lens_cpu).tolist()

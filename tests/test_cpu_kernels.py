@@ -260,6 +260,24 @@ def test_encoder_attention_refuses_mismatched_arguments() -> None:
         ops.encoder_attention(q, k, v.contiguous(), [6], 16, 0.25)
 
 
+def test_bert_layer_refuses_mismatched_arguments() -> None:
+    """The fused BERT layer (tests/test_embeddings.py checks its bits) checks what it is given."""
+    h, hb = torch.zeros(5, 64), torch.zeros(5, 64, dtype=torch.bfloat16)
+    lens, params, scratch = (
+        torch.tensor([2, 3]),
+        torch.zeros(12, dtype=torch.int64),
+        ops.bert_layer_scratch(5, 64, 128),
+    )
+    with pytest.raises(ValueError, match=r"params hold 12 addresses \(got 11\)"):
+        ops.bert_layer(h, hb, lens, params[:11], 1e-12, 16, 128, scratch)
+    with pytest.raises(ValueError, match="lens sum to 5"):
+        ops.bert_layer(h, hb, torch.tensor([4]), params, 1e-12, 16, 128, scratch)
+    with pytest.raises(ValueError, match="scratch must be float32 of 2720 values"):
+        ops.bert_layer(h, hb, lens, params, 1e-12, 16, 128, scratch[:100])
+    with pytest.raises(ValueError, match="hb must be torch.bfloat16"):
+        ops.bert_layer(h, h, lens, params, 1e-12, 16, 128, scratch)
+
+
 @pytest.mark.parametrize(("rows", "d"), [(1, 1536), (33, 1536), (2, 20), (4096, 1536)])
 def test_silu_mul(rows: int, d: int) -> None:
     x = rand(rows, 2 * d, seed=4, scale=4.0)

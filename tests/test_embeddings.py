@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from server_fixture import Server
 from test_model_parity import prefill_batch
 
+from model_executor.cpu.encoder_runner import CpuEncoderRunner
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.pooler import Pooler
 from srt.embeddings_api import embed_outputs, first_non_finite
@@ -183,6 +184,31 @@ def test_float32_embeddings_equal_transformers(minilm_dir: Path, expected: torch
     assert cosines(batch.tolist(), expected).min() >= 0.999
     alone = runner_embeddings(runner, prompts[1:2])
     assert torch.allclose(alone[0], batch[1], atol=1e-5)  # the batch does not move it
+
+
+def assert_fused_layers_give_the_modules_bits(model_dir: Path, prompts: list[list[int]]) -> None:
+    """On the default path (bf16, our kernels) on one rank an encoder's layers run as one
+    srt_bert_layer call each (CpuEncoderRunner), which makes the modules' kernel calls in their
+    order: the same final hidden states, bit for bit, for all the prompts together, each alone, and
+    one token; and the runner's embeddings are those."""
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, is_embedding=True))
+    fused = runner.step_runner
+    assert isinstance(fused, CpuEncoderRunner) and fused.model is not None and fused.layers
+    for batch_prompts in (prompts, *([p] for p in prompts), [prompts[0][:1]]):
+        batch = prefill_batch(runner, batch_prompts)
+        assert fused.can_run(batch)
+        with torch.inference_mode():
+            got = fused.run(batch)
+            want = runner.model(batch.input_ids, batch.positions, batch, None)
+        assert torch.equal(got, want)
+        pool = getattr(runner.model, "pool", runner.pooler)
+        assert runner.embed(batch) == pool(want, batch.extend_seq_lens_cpu).tolist()
+        runner.memory.reset()
+
+
+def test_bf16_layers_run_fused_with_the_modules_bits(minilm_dir: Path) -> None:
+    prompts = transformers.AutoTokenizer.from_pretrained(minilm_dir)(TEXTS)["input_ids"]
+    assert_fused_layers_give_the_modules_bits(minilm_dir, prompts)
 
 
 def test_a_causal_lm_pools_its_last_token(tiny_model_dirs: dict[str, Path]) -> None:

@@ -14,6 +14,7 @@ import requests
 import torch
 import transformers
 from server_fixture import Server
+from test_embeddings import assert_fused_layers_give_the_modules_bits
 
 QUERY = "Where do penguins live?"
 DOCUMENTS = [
@@ -97,6 +98,14 @@ def test_top_n_and_return_documents(server: Server, expected: list[float]) -> No
     assert expected[order[1]] - expected[order[2]] > 2 * SCORE_ATOL  # the first two, whatever their order
     assert {a["index"] for a in answers} == set(order[:2])
     assert all("document" not in a for a in answers)
+
+
+def test_bf16_layers_run_fused_with_the_modules_bits(cross_encoder: Path) -> None:
+    """Pairs, whose document tokens are of type 1, through the fused layers: the modules' bits."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cross_encoder)
+    assert_fused_layers_give_the_modules_bits(
+        cross_encoder, tokenizer([QUERY] * 3, DOCUMENTS[:3])["input_ids"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """CpuWing: the CPU's DeviceWing. glibc keeps freed memory and oneDNN's caches are bounded
 (memory.py); --quantization is checked and the weights packed for the kernels (weights.py); the step
-runner is the fused decode runner, which with adaptive threads also applies the thread governor's
-count (decode_runner.py, thread_governor.py)."""
+runner is the fused decode runner, or an encoder's fused layers (encoder_runner.py), which with
+adaptive threads also apply the thread governor's count (decode_runner.py, thread_governor.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from mem_cache.kv_memory import KVMemory
 from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
+from model_executor.cpu.encoder_runner import CpuEncoderRunner
 from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.cpu.weights import check_quantization, prepare_weights
@@ -45,6 +46,13 @@ class CpuWing(DeviceWing):
 
     def step_runner(self, model: CausalLM, attn_backend: AttentionBackend, memory: KVMemory) -> StepRunner:
         self.thread_governor = ThreadGovernor.for_this_rank() if self.config.adaptive_threads else None
+        if not model.is_causal:
+            return CpuEncoderRunner(
+                model,
+                tp_size=self.parallel.tp.world_size,
+                pp_size=self.parallel.pp.world_size,
+                thread_governor=self.thread_governor,
+            )
         return CpuDecodeRunner(
             model,
             attn_backend,

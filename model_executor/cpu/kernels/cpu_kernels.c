@@ -303,6 +303,32 @@ void srt_encoder_attention(const float *q, const float *k, const float *v, int64
     free(starts);
 }
 
+/* One BERT encoder layer on one rank (no tensor parallelism), its four linears' weights packed for
+ * srt_bf16_linear, in place: h [n][hidden] (float32, the residual stream) and hb (the same rounded
+ * to bf16) in, the layer's output out. The kernels the layer's modules call (models/bert.py), in
+ * the same order on the same values, so the same bits, in one call instead of a dozen:
+ *   qkv = hb W_qkv^T + b (float32); a = attention(qkv) (bf16); d = a W_o^T + b (float32);
+ *   h2 = LayerNorm(d + h), hb = h2 in bf16; i = hb W_i^T + b (float32); g = gelu(i) (bf16);
+ *   d = g W_out^T + b; h = LayerNorm(d + h2), hb = h in bf16.
+ * params: the packed weights, biases (bf16) and LayerNorm weights and biases (float32) in the order
+ * qkv w, b; o w, b; LayerNorm 1 w, b; intermediate w, b; output w, b; LayerNorm 2 w, b. The heads
+ * are hidden / d; scratch holds n (5.5 hidden + 1.5 inter) floats. */
+void srt_bert_layer(float *h, bf16 *hb, int64_t n, int64_t hidden, int64_t inter, const void *const *params,
+                    float eps, const int64_t *lens, int64_t bs, int64_t d, float scale, float *scratch) {
+    const bf16 *const *w = (const bf16 *const *)params;
+    const float *const *ln = (const float *const *)params;
+    float *qkv = scratch, *dense = qkv + n * 3 * hidden, *h2 = dense + n * hidden, *act = h2 + n * hidden;
+    bf16 *attn = (bf16 *)(act + n * inter), *gelu = attn + n * hidden;
+    srt_bf16_linear_f32(hb, n, w[0], w[1], qkv, 3 * hidden, hidden);
+    srt_encoder_attention(qkv, qkv + hidden, qkv + 2 * hidden, 3 * hidden, attn, lens, bs, hidden / d, d, scale);
+    srt_bf16_linear_f32(attn, n, w[2], w[3], dense, hidden, hidden);
+    srt_layernorm(dense, 1, h, ln[4], ln[5], h2, hb, n, hidden, eps);
+    srt_bf16_linear_f32(hb, n, w[6], w[7], act, inter, hidden);
+    srt_gelu_erf(act, gelu, n * inter);
+    srt_bf16_linear_f32(gelu, n, w[8], w[9], dense, hidden, inter);
+    srt_layernorm(dense, 1, h2, ln[10], ln[11], h, hb, n, hidden, eps);
+}
+
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = gelu_tanh(gate) * up (Gemma's GeGLU, transformers'
  * gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))), in float32, rounded once. */
 void srt_gelu_tanh_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d) {

@@ -250,6 +250,43 @@ def encoder_attention(
     return out
 
 
+def bert_layer_scratch(tokens: int, hidden: int, inter: int) -> torch.Tensor:
+    """srt_bert_layer's working memory for `tokens` tokens, float32."""
+    return torch.empty(tokens * (11 * hidden + 3 * inter) // 2, dtype=torch.float32)
+
+
+def bert_layer(
+    h: torch.Tensor,
+    hb: torch.Tensor,
+    lens: torch.Tensor,
+    params: torch.Tensor,
+    eps: float,
+    head_dim: int,
+    inter: int,
+    scratch: torch.Tensor,
+) -> None:
+    """One BERT layer in place (srt_bert_layer): h [tokens, hidden] float32 and hb, the same in bf16,
+    contiguous; lens int64, the requests' token counts; params int64, the addresses of the layer's
+    12 parameters in srt_bert_layer's order; scratch from bert_layer_scratch."""
+    lib = _library()
+    n, hidden = h.shape
+    _need_contiguous("h", h)
+    _need_dtype("h", h, torch.float32)
+    _need_contiguous("hb", hb)
+    _need_dtype("hb", hb, torch.bfloat16)
+    if hb.shape != h.shape or int(lens.sum()) != n or params.numel() != 12 or hidden % head_dim:
+        raise ValueError(
+            f"hb {tuple(hb.shape)} must be h's {tuple(h.shape)}, lens sum to {n}, params hold 12 addresses "
+            f"(got {params.numel()}), heads of {head_dim} divide {hidden}"
+        )
+    if scratch.dtype != torch.float32 or scratch.numel() < n * (11 * hidden + 3 * inter) // 2:
+        raise ValueError(f"scratch must be float32 of {n * (11 * hidden + 3 * inter) // 2} values")
+    lib.srt_bert_layer(
+        h.data_ptr(), hb.data_ptr(), n, hidden, inter, params.data_ptr(), eps,
+        lens.data_ptr(), len(lens), head_dim, head_dim**-0.5, scratch.data_ptr(),
+    )  # fmt: skip
+
+
 def _gated(kernel: str, x: torch.Tensor) -> torch.Tensor:
     """[.., 2d] (gate | up) -> act(gate) * up by the kernel `kernel` of the library; x contiguous."""
     lib = _library()

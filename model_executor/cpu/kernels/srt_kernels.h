@@ -24,6 +24,8 @@ void srt_layernorm(const void *x, int64_t x_f32, const float *residual, const fl
 void srt_gelu_erf(const float *x, bf16 *out, int64_t n);
 void srt_encoder_attention(const float *q, const float *k, const float *v, int64_t stride, bf16 *out,
                            const int64_t *lens, int64_t bs, int64_t heads, int64_t d, float scale);
+void srt_bert_layer(float *h, bf16 *hb, int64_t n, int64_t hidden, int64_t inter, const void *const *params,
+                    float eps, const int64_t *lens, int64_t bs, int64_t d, float scale, float *scratch);
 void srt_silu_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_gelu_tanh_mul(const bf16 *x, bf16 *out, int64_t rows, int64_t d);
 void srt_rope(const bf16 *x, int64_t x_stride, bf16 *out, int64_t n, int64_t heads, int64_t d,
