@@ -6,6 +6,7 @@ torch-free."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -28,10 +29,40 @@ DTYPES = {
 }
 
 
+# Ports free_port draws from: from here to the kernel's ephemeral range (where that starts above it)
+LOWEST_DRAWN_PORT = 10000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel gives outbound connections and bind(port 0) their local ports from."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1", avoid: int | None = None) -> int:
-    """A port nothing listens on now (the caller binds it soon after: a small race, as everywhere),
-    never `avoid` (a port chosen but not bound yet, e.g. the server's own --port)."""
-    while True:
+    """A port nothing holds now, never `avoid` (a port chosen but not bound yet, e.g. the server's
+    own --port). Drawn below the kernel's ephemeral range where it starts above LOWEST_DRAWN_PORT:
+    until the caller binds it (a server binds its --port only once its Python has started), no
+    process's outbound connection can take it, as one of gloo's or ZMQ's did in CI when these came
+    from that range. Another process drawing the same port meanwhile is the race that is left."""
+    low = ephemeral_ports()[0]
+    draw = random.SystemRandom()
+    for _ in range(100 if low > LOWEST_DRAWN_PORT + 1000 else 0):
+        port = draw.randrange(LOWEST_DRAWN_PORT, low)
+        if port == avoid:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    while True:  # no room below the range, or 100 busy draws: one the kernel picks in it
         with socket.socket() as sock:
             sock.bind((host, 0))
             port = int(sock.getsockname()[1])

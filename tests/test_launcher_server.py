@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from launcher.teardown import kill_process_tree
-from srt.utils import free_port
+from srt.utils import LOWEST_DRAWN_PORT, ephemeral_ports, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,6 +103,19 @@ def test_bad_flag_is_a_usage_error() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "launch_server: error: --tp-size must be positive, got 0"
+
+
+@pytest.mark.skipif(
+    ephemeral_ports()[0] <= LOWEST_DRAWN_PORT + 1000, reason="no room below the ephemeral range"
+)
+def test_free_ports_are_drawn_below_the_ephemeral_range() -> None:
+    """A port chosen now and bound later (a test server's --port, a replica's, the rendezvous) is one
+    no outbound connection can take in between: below the range the kernel gives those from."""
+    low = ephemeral_ports()[0]
+    ports = [free_port() for _ in range(20)]
+    assert all(LOWEST_DRAWN_PORT <= port < low for port in ports) and len(set(ports)) > 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[0]))  # free when drawn
 
 
 def test_busy_port_fails_at_once_naming_it() -> None:
