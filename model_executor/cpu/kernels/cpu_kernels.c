@@ -221,10 +221,10 @@ void srt_gelu_erf(const float *x, bf16 *out, int64_t n) {
 }
 
 /* An encoder's (BERT's) self-attention: bs requests' tokens packed one after another (request b's
- * lens[b] rows from starts[b]), every token attending to every token of its own request, in
- * float32 as torch's math path: s = (q k^T) scale, p = softmax(s), o = p v, rounded to bf16 once.
- * Request b's rows start after the lens of the requests before it. q, k, v float32 rows of `stride` floats (the qkv projection's unrounded output), heads of d
- * contiguous; out bf16 [tokens][heads * d]. A task is one (request, head). It lays its K out
+ * lens[b] rows follow the rows of the requests before it), every token attending to every token of
+ * its own request, in float32 as torch's math path: s = (q k^T) scale, p = softmax(s), o = p v,
+ * rounded to bf16 once. q, k, v float32 rows of `stride` floats (the qkv projection's unrounded
+ * output), heads of d contiguous; out bf16 [tokens][heads * d]. A task is one (request, head). It lays its K out
  * transposed, its keys padded to blocks of B, and V padded to d rounded up to B; then it takes its
  * queries QI at a time, so that each product keeps QI independent rows of B accumulators (a
  * vector each) and is not bound by the latency of one chain of multiply-adds. */
@@ -267,7 +267,7 @@ void srt_encoder_attention(const float *q, const float *k, const float *v, int64
                 for (int r = 0; r < QI; r++) memcpy(s + r * np + jb, acc[r], sizeof acc[r]);
             }
             float inv[QI];
-            for (int r = 0; r < QI; r++) { /* over whole blocks: the padding's -inf adds exp(-87.3) < 2^-125 */
+            for (int r = 0; r < QI; r++) { /* whole blocks: a padded key's -inf adds exp(-87.3) < 2^-125 */
                 float *sr = s + r * np, top = -INFINITY, sum = 0.0f;
                 for (int64_t j = n; j < np; j++) sr[j] = -INFINITY;
 #pragma omp simd reduction(max : top)
