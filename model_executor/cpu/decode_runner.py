@@ -24,7 +24,7 @@ from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.cpu.kernels import build, ops
-from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights
+from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights, KernelWeight
 from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight, Q8Weight
 from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows, packed_of
 from model_executor.cpu.moe import FusedExperts
@@ -34,19 +34,22 @@ from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 from model_executor.step_runner import StepRunner
 
 
-def kernel_weights(layer: PreNormLayer) -> list[torch.Tensor | Int8Weight | Q4Weight | None] | None:
-    """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8 or Q4_1;
-    with a mixture of experts qkv and o, then None twice), or None. A Q4_K, Q5_K or 8-bit (Q8_0,
-    Q5_0, Q4_0, Q6_K) weight gives its packed bf16 copy: srt_decode_layer has no path for them."""
+def kernel_weights(layer: PreNormLayer) -> list[KernelWeight | None] | None:
+    """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8, or a GGUF
+    weight's Q4_1, Q4_K or Q5_K blocks; with a mixture of experts qkv and o, then None twice), or
+    None. An 8-bit GGUF weight (Q8_0, Q5_0, Q4_0, Q6_K) gives its packed bf16 copy:
+    srt_decode_layer has no path for those."""
     mlp = (layer.gate_up_proj, layer.down_proj) if layer.moe is None else ()
     packed: list[PackedWeight | None] = [
         packed_of(linear.linear_method)
         for linear in (layer.qkv_proj, layer.o_proj, *mlp)
         if linear is not None
     ]
-    packed = [p.bf16 if isinstance(p, (Q4KWeight, Q5KWeight, Q8Weight)) else p for p in packed]
+    packed = [p.bf16 if isinstance(p, Q8Weight) else p for p in packed]
     kernel = [
-        p for p in packed if isinstance(p, (torch.Tensor, Int8Weight, Q4Weight)) and is_kernel_packed(p)
+        p
+        for p in packed
+        if isinstance(p, (torch.Tensor, Int8Weight, Q4Weight, Q4KWeight, Q5KWeight)) and is_kernel_packed(p)
     ]
     if len(kernel) != len(packed) or len(packed) != 2 + len(mlp):
         return None

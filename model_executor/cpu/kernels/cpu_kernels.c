@@ -928,13 +928,22 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 #undef GEMV_ROWS
 }
 
+/* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
+ * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each one of these */
+enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3 };
+#define KIND_OF(kinds, i) (((kinds) >> (4 * (i))) & 15)
+
 /* x @ w.T through a packed-weight kernel where the caller packed the weight (cpu_bf16_linear.c: AMX
  * or AVX-512 BF16; cpu_int8_linear.c when it has scales, --quantization w8a8_int8: AMX or AVX-512
- * VNNI; cpu_q4_linear.c with q4, --quantization gguf), else srt_gemv */
+ * VNNI; cpu_q4_linear.c for a GGUF weight's Q4_1, Q4_K or Q5_K blocks, by `kind`), else srt_gemv */
 static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
-                         int64_t q4, const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
-    if (packed && q4)
+                         int64_t kind, const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
+    if (packed && kind == KIND_Q4_1)
         srt_q4_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
+    else if (packed && kind == KIND_Q4_K)
+        srt_q4k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
+    else if (packed && kind == KIND_Q5_K)
+        srt_q5k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
     else if (packed && scale)
         srt_int8_linear(x, m, (const int8_t *)packed, scale, bias, out, n, k);
     else if (packed)
@@ -947,18 +956,19 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
  * weight is bf16_pack'd for srt_bf16_linear (-> 1), else as layer_linear into `out` (-> 0), as
  * PackedLinearMethod gives it to RowParallelLinear op by op. */
 static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
-                           int64_t q4, bf16 *out, float *out_f32, int64_t n, int64_t k) {
-    if (packed && !q4 && !scale) {
+                           int64_t kind, bf16 *out, float *out_f32, int64_t n, int64_t k) {
+    if (packed && kind == KIND_PLAIN && !scale) {
         srt_bf16_linear_f32(x, m, (const bf16 *)packed, NULL, out_f32, n, k);
         return 1;
     }
-    layer_linear(x, m, w, packed, scale, q4, NULL, out, n, k);
+    layer_linear(x, m, w, packed, scale, kind, NULL, out, n, k);
     return 0;
 }
 
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
- * packed weights (bf16, int8 with scales, or Q4_1 with q4), at most GEMV_MAX_ROWS requests. In the layer's order:
+ * packed weights (bf16, int8 with scales, or a GGUF weight's blocks by its 4 bits of `kinds`), at
+ * most GEMV_MAX_ROWS requests. In the layer's order:
  *   residual = hidden (+ residual unless first; float32); x = rmsnorm(residual) * ln1
  *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v; within
  *   the last `window` keys where window > 0)
@@ -976,7 +986,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
-                      const float *s_down, int64_t q4, const int64_t *positions, const bf16 *cos, const bf16 *sin,
+                      const float *s_down, int64_t kinds, const int64_t *positions, const bf16 *cos, const bf16 *sin,
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
@@ -984,7 +994,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
     srt_rmsnorm(hidden, hidden_f32, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
-    layer_linear(x, m, w_qkv, p_qkv, s_qkv, q4, b_qkv, qkv, qkv_size, hidden_size);
+    layer_linear(x, m, w_qkv, p_qkv, s_qkv, KIND_OF(kinds, 0), b_qkv, qkv, qkv_size, hidden_size);
     /* q and k heads sit side by side at the start of each qkv row: normalise (in place, each
      * value read before it is written) and rotate them in place */
     bf16 rotated[(hq + hkv) * d];
@@ -998,23 +1008,28 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
     }
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len, window, 0.0f);
-    const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, q4, out, out_f32, hidden_size, hq * d);
+    const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, KIND_OF(kinds, 1), out, out_f32, hidden_size, hq * d);
     srt_rmsnorm(o_f32 ? (const void *)out_f32 : out, o_f32, residual, ln2, x, residual, m, hidden_size, eps);
     if (moe) {
         srt_moe_block(x, m, hidden_size, moe, moe_ids, out_f32);
         return 1;
     }
-    if (p_gate_up && q4) { /* Q4_1, int8, bf16: silu * up in the gate_up product's epilogue */
+    const int64_t gate_up_kind = KIND_OF(kinds, 2);
+    if (p_gate_up && gate_up_kind == KIND_Q4_1) { /* packed: silu * up in the gate_up product's epilogue */
         srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
+    } else if (p_gate_up && gate_up_kind == KIND_Q4_K) {
+        srt_q4k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
+    } else if (p_gate_up && gate_up_kind == KIND_Q5_K) {
+        srt_q5k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && s_gate_up) {
         srt_int8_linear_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);
     } else if (p_gate_up) {
         srt_bf16_linear_silu(x, m, (const bf16 *)p_gate_up, act, inter, hidden_size);
     } else {
-        layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, q4, NULL, gate_up, 2 * inter, hidden_size);
+        layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, gate_up_kind, NULL, gate_up, 2 * inter, hidden_size);
         srt_silu_mul(gate_up, act, m, inter);
     }
-    return residual_linear(act, m, w_down, p_down, s_down, q4, out, out_f32, hidden_size, inter);
+    return residual_linear(act, m, w_down, p_down, s_down, KIND_OF(kinds, 3), out, out_f32, hidden_size, inter);
 }
 
 /* k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i] for n tokens of `width` values each (kv heads x

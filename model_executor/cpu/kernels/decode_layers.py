@@ -8,10 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
+from model_executor.cpu.kernels import ops
 from model_executor.cpu.kernels.build import kernels
-from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS, Q4_MAX_ROWS
+from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS
 from model_executor.cpu.kernels.ops import data_ptr as _p
-from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight
+from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight
+
+# A GGUF weight's blocks, by srt_decode_layer's kind of them (cpu_kernels.c's KIND_*)
+FourBit = Q4Weight | Q4KWeight | Q5KWeight
+FOUR_BIT_KINDS: dict[type, int] = {Q4Weight: 1, Q4KWeight: 2, Q5KWeight: 3}
+KernelWeight = torch.Tensor | Int8Weight | FourBit
 
 
 @dataclass
@@ -26,8 +32,8 @@ class DecodeLayerWeights:
     w_o: torch.Tensor
     w_gate_up: torch.Tensor | None  # None: a mixture of experts (moe)
     w_down: torch.Tensor | None
-    packed: Sequence[torch.Tensor | Int8Weight | Q4Weight | None] | None  # qkv, o, gate_up, down packed
-    # by bf16_pack, int8_pack or as Q4Weight (gate_up and down None with moe), or None (gemv)
+    packed: Sequence[KernelWeight | None] | None  # qkv, o, gate_up, down packed by bf16_pack,
+    # int8_pack or a GGUF weight's blocks (gate_up and down None with moe), or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_heads: int
@@ -51,8 +57,9 @@ class DecodeLayers:
     The weights, norms and KV buffers never move, so their pointers are gathered once here: per
     step only the batch's own arguments are converted (Python glue around 30 per-layer calls was
     a measurable share of a step before: docs/performance.md). With packed weights (`packed`) any number
-    of rows, else at most GEMV_MAX_ROWS; Q4Weight layers on their Q4_1 weights up to Q4_MAX_ROWS
-    rows, on the bf16 copies above. Every tensor contiguous bf16 / int64."""
+    of rows, else at most GEMV_MAX_ROWS; a GGUF weight (Q4_1, Q4_K, Q5_K) on its blocks up to the
+    rows its kernel takes (ops.q4_max_rows), on its bf16 copy above. Every tensor contiguous bf16 /
+    int64."""
 
     def __init__(self, layers: Sequence[DecodeLayerWeights]) -> None:
         self.layers = list(layers)  # keeps the tensors behind the pointers alive
@@ -61,20 +68,37 @@ class DecodeLayers:
         self.hidden_size = first.w_o.shape[0]
         intermediate = max((w.w_down.shape[1] for w in self.layers if w.w_down is not None), default=0)
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], intermediate)  # qkv, q, intermediate
-        self.q4 = self.packed and all(
-            isinstance(t, Q4Weight) for w in self.layers for t in w.packed or () if t is not None
-        )
-        self._args = [self._layer_args(w, q4=False) for w in self.layers]
-        self._args_q4 = [self._layer_args(w, q4=True) for w in self.layers] if self.q4 else self._args
+        self.four_bit = [t for w in self.layers for t in w.packed or () if isinstance(t, FourBit)]
+        self._args: dict[int, list[tuple[tuple, tuple, tuple, tuple]]] = {}  # by rows (0: the bf16 copies)
 
-    def _layer_args(self, w: DecodeLayerWeights, q4: bool) -> tuple[tuple, tuple, tuple, tuple]:
-        def pointer(t: torch.Tensor | Int8Weight | Q4Weight | None) -> int | None:
-            if isinstance(t, Q4Weight):
-                return (t.packed if q4 else t.bf16).data_ptr()
+    @property
+    def q4(self) -> bool:
+        """Whether some weight runs on its GGUF blocks at one row."""
+        return self.packed and any(ops.q4_max_rows(t.packed) >= 1 for t in self.four_bit)
+
+    def layer_args(self, m: int) -> list[tuple[tuple, tuple, tuple, tuple]]:
+        """Every layer's arguments for a step of m rows, gathered at the first step of that many
+        (each GGUF weight on its blocks where its kernel takes m rows)."""
+        limit = max((ops.q4_max_rows(t.packed) for t in self.four_bit), default=0) if self.packed else 0
+        key = m if m <= limit else 0
+        if key not in self._args:
+            self._args[key] = [self._layer_args(w, key) for w in self.layers]
+        return self._args[key]
+
+    def _layer_args(self, w: DecodeLayerWeights, rows: int) -> tuple[tuple, tuple, tuple, tuple]:
+        """rows: the step's (0: more than any GGUF weight's kernel takes)."""
+
+        def on_blocks(t: KernelWeight | None) -> bool:
+            return isinstance(t, FourBit) and 0 < rows <= ops.q4_max_rows(t.packed)
+
+        def pointer(t: KernelWeight | None) -> int | None:
+            if isinstance(t, FourBit):
+                return (t.packed if on_blocks(t) else t.bf16).data_ptr()
             return None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
 
         kernel_weights = w.packed if w.packed is not None else [None] * 4
         scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
+        kinds = sum(FOUR_BIT_KINDS[type(t)] << (4 * i) for i, t in enumerate(kernel_weights) if on_blocks(t))
         weights = (
             w.ln1.data_ptr(),
             w.ln2.data_ptr(),
@@ -86,7 +110,7 @@ class DecodeLayers:
             _p(w.w_down),
             *map(pointer, kernel_weights),
             *scales,
-            int(q4),
+            kinds,
         )
         intermediate = 0 if w.w_down is None else w.w_down.shape[1]
         dims = (
@@ -151,7 +175,7 @@ class DecodeLayers:
         routes = [
             torch.empty(m, w.moe_top_k, dtype=torch.int64) if w.moe is not None else None for w in self.layers
         ]
-        for i, (weights, kv, dims, extras) in enumerate(self._args_q4 if m <= Q4_MAX_ROWS else self._args):
+        for i, (weights, kv, dims, extras) in enumerate(self.layer_args(m)):
             hidden_f32 = lib.srt_decode_layer(
                 hidden_ptr,
                 hidden_f32,

@@ -181,8 +181,8 @@ class Q4Weight:
 @dataclass(frozen=True)
 class Q4KWeight:
     """A layer's GGUF Q4_K weight for srt_q4k_linear (decode steps of up to Q4_MAX_ROWS rows) and
-    its bf16 copy packed for srt_bf16_linear (more rows). Not a Q4Weight: the fused decode layer
-    (srt_decode_layer) reads only Q4_1's layout."""
+    its bf16 copy packed for srt_bf16_linear (more rows). Not a Q4Weight: its blocks are Q4_K's
+    (srt_decode_layer tells the two apart by its `kinds`)."""
 
     packed: torch.Tensor  # q4_pack's [n/16, k/32, 384]
     bf16: torch.Tensor  # bf16_pack's

@@ -41,7 +41,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
                       const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
-                      const float *s_down, int64_t q4, const int64_t *positions, const bf16 *cos, const bf16 *sin,
+                      const float *s_down, int64_t kinds, const int64_t *positions, const bf16 *cos, const bf16 *sin,
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
