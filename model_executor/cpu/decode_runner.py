@@ -36,20 +36,19 @@ from model_executor.step_runner import StepRunner
 
 def kernel_weights(layer: PreNormLayer) -> list[KernelWeight | None] | None:
     """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8, or a GGUF
-    weight's Q4_1, Q4_K or Q5_K blocks; with a mixture of experts qkv and o, then None twice), or
-    None. An 8-bit GGUF weight (Q8_0, Q5_0, Q4_0, Q6_K) gives its packed bf16 copy:
-    srt_decode_layer has no path for those."""
+    weight's blocks with its bf16 copy; with a mixture of experts qkv and o, then None twice), or
+    None."""
     mlp = (layer.gate_up_proj, layer.down_proj) if layer.moe is None else ()
     packed: list[PackedWeight | None] = [
         packed_of(linear.linear_method)
         for linear in (layer.qkv_proj, layer.o_proj, *mlp)
         if linear is not None
     ]
-    packed = [p.bf16 if isinstance(p, Q8Weight) else p for p in packed]
     kernel = [
         p
         for p in packed
-        if isinstance(p, (torch.Tensor, Int8Weight, Q4Weight, Q4KWeight, Q5KWeight)) and is_kernel_packed(p)
+        if isinstance(p, (torch.Tensor, Int8Weight, Q4Weight, Q4KWeight, Q5KWeight, Q8Weight))
+        and is_kernel_packed(p)
     ]
     if len(kernel) != len(packed) or len(packed) != 2 + len(mlp):
         return None

@@ -930,15 +930,33 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 
 /* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
  * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each one of these */
-enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3 };
+enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5 };
 #define KIND_OF(kinds, i) (((kinds) >> (4 * (i))) & 15)
+#define IS_8_BIT(kind) ((kind) == KIND_Q8_0 || (kind) == KIND_Q6_K)
+
+/* x @ w.T on a GGUF weight's 8-bit blocks (Q8_0, Q5_0, Q4_0 as q8_pack lays them out, or Q6_K's),
+ * float32 sums into out_f32, or rounded to bf16 into out as Q8Weight's op-by-op product is */
+static void q8_layer_linear(const bf16 *x, int64_t m, const void *packed, int64_t kind, bf16 *out, float *out_f32,
+                            int64_t n, int64_t k) {
+    float *sums = out_f32 ? out_f32 : malloc((size_t)(m * n) * sizeof(float));
+    if (kind == KIND_Q6_K)
+        srt_q6k_linear(x, m, (const uint8_t *)packed, sums, n, k);
+    else
+        srt_q8_linear(x, m, (const uint8_t *)packed, sums, n, k);
+    if (!out_f32) {
+        for (int64_t i = 0; i < m * n; i++) out[i] = f32_to_bf16(sums[i]);
+        free(sums);
+    }
+}
 
 /* x @ w.T through a packed-weight kernel where the caller packed the weight (cpu_bf16_linear.c: AMX
  * or AVX-512 BF16; cpu_int8_linear.c when it has scales, --quantization w8a8_int8: AMX or AVX-512
- * VNNI; cpu_q4_linear.c for a GGUF weight's Q4_1, Q4_K or Q5_K blocks, by `kind`), else srt_gemv */
+ * VNNI; cpu_q4_linear.c / cpu_q8_linear.c for a GGUF weight's blocks, by `kind`), else srt_gemv */
 static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
                          int64_t kind, const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
-    if (packed && kind == KIND_Q4_1)
+    if (packed && IS_8_BIT(kind)) /* without a bias: the caller keeps a biased weight's bf16 copy */
+        q8_layer_linear(x, m, packed, kind, out, NULL, n, k);
+    else if (packed && kind == KIND_Q4_1)
         srt_q4_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
     else if (packed && kind == KIND_Q4_K)
         srt_q4k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
@@ -953,12 +971,16 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
 }
 
 /* A product that feeds the residual stream (o_proj, down_proj): into `out_f32` unrounded where the
- * weight is bf16_pack'd for srt_bf16_linear (-> 1), else as layer_linear into `out` (-> 0), as
- * PackedLinearMethod gives it to RowParallelLinear op by op. */
+ * weight is bf16_pack'd for srt_bf16_linear or on 8-bit blocks (-> 1), else as layer_linear into
+ * `out` (-> 0), as PackedLinearMethod gives it to RowParallelLinear op by op. */
 static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
                            int64_t kind, bf16 *out, float *out_f32, int64_t n, int64_t k) {
     if (packed && kind == KIND_PLAIN && !scale) {
         srt_bf16_linear_f32(x, m, (const bf16 *)packed, NULL, out_f32, n, k);
+        return 1;
+    }
+    if (packed && IS_8_BIT(kind)) {
+        q8_layer_linear(x, m, packed, kind, NULL, out_f32, n, k);
         return 1;
     }
     layer_linear(x, m, w, packed, scale, kind, NULL, out, n, k);
@@ -1023,7 +1045,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         srt_q5k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && s_gate_up) {
         srt_int8_linear_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);
-    } else if (p_gate_up) {
+    } else if (p_gate_up && !IS_8_BIT(gate_up_kind)) {
         srt_bf16_linear_silu(x, m, (const bf16 *)p_gate_up, act, inter, hidden_size);
     } else {
         layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, gate_up_kind, NULL, gate_up, 2 * inter, hidden_size);

@@ -12,12 +12,23 @@ from model_executor.cpu.kernels import ops
 from model_executor.cpu.kernels.build import kernels
 from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS
 from model_executor.cpu.kernels.ops import data_ptr as _p
-from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight
+from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight, Q8Weight
 
-# A GGUF weight's blocks, by srt_decode_layer's kind of them (cpu_kernels.c's KIND_*)
-FourBit = Q4Weight | Q4KWeight | Q5KWeight
-FOUR_BIT_KINDS: dict[type, int] = {Q4Weight: 1, Q4KWeight: 2, Q5KWeight: 3}
-KernelWeight = torch.Tensor | Int8Weight | FourBit
+# A GGUF weight: its blocks, and a bf16 copy for more rows than their kernel takes
+GgufWeight = Q4Weight | Q4KWeight | Q5KWeight | Q8Weight
+KernelWeight = torch.Tensor | Int8Weight | GgufWeight
+
+
+def gguf_kind(weight: GgufWeight) -> int:
+    """srt_decode_layer's kind of the weight's blocks (cpu_kernels.c's KIND_*)."""
+    if isinstance(weight, Q8Weight):
+        return 5 if weight.packed.shape[-1] == ops.Q6K_BLOCK_BYTES else 4
+    return {Q4Weight: 1, Q4KWeight: 2, Q5KWeight: 3}[type(weight)]
+
+
+def gguf_max_rows(weight: GgufWeight) -> int:
+    """The most rows the kernel of the weight's blocks takes."""
+    return ops.q8_max_rows(weight.packed) if isinstance(weight, Q8Weight) else ops.q4_max_rows(weight.packed)
 
 
 @dataclass
@@ -57,8 +68,8 @@ class DecodeLayers:
     The weights, norms and KV buffers never move, so their pointers are gathered once here: per
     step only the batch's own arguments are converted (Python glue around 30 per-layer calls was
     a measurable share of a step before: docs/performance.md). With packed weights (`packed`) any number
-    of rows, else at most GEMV_MAX_ROWS; a GGUF weight (Q4_1, Q4_K, Q5_K) on its blocks up to the
-    rows its kernel takes (ops.q4_max_rows), on its bf16 copy above. Every tensor contiguous bf16 /
+    of rows, else at most GEMV_MAX_ROWS; a GGUF weight on its blocks up to the rows its kernel takes
+    (gguf_max_rows; an 8-bit one only without a bias), on its bf16 copy above. Every tensor contiguous bf16 /
     int64."""
 
     def __init__(self, layers: Sequence[DecodeLayerWeights]) -> None:
@@ -68,18 +79,18 @@ class DecodeLayers:
         self.hidden_size = first.w_o.shape[0]
         intermediate = max((w.w_down.shape[1] for w in self.layers if w.w_down is not None), default=0)
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], intermediate)  # qkv, q, intermediate
-        self.four_bit = [t for w in self.layers for t in w.packed or () if isinstance(t, FourBit)]
+        self.gguf = [t for w in self.layers for t in w.packed or () if isinstance(t, GgufWeight)]
         self._args: dict[int, list[tuple[tuple, tuple, tuple, tuple]]] = {}  # by rows (0: the bf16 copies)
 
     @property
     def q4(self) -> bool:
         """Whether some weight runs on its GGUF blocks at one row."""
-        return self.packed and any(ops.q4_max_rows(t.packed) >= 1 for t in self.four_bit)
+        return self.packed and any(gguf_max_rows(t) >= 1 for t in self.gguf)
 
     def layer_args(self, m: int) -> list[tuple[tuple, tuple, tuple, tuple]]:
         """Every layer's arguments for a step of m rows, gathered at the first step of that many
         (each GGUF weight on its blocks where its kernel takes m rows)."""
-        limit = max((ops.q4_max_rows(t.packed) for t in self.four_bit), default=0) if self.packed else 0
+        limit = max((gguf_max_rows(t) for t in self.gguf), default=0) if self.packed else 0
         key = m if m <= limit else 0
         if key not in self._args:
             self._args[key] = [self._layer_args(w, key) for w in self.layers]
@@ -88,17 +99,24 @@ class DecodeLayers:
     def _layer_args(self, w: DecodeLayerWeights, rows: int) -> tuple[tuple, tuple, tuple, tuple]:
         """rows: the step's (0: more than any GGUF weight's kernel takes)."""
 
-        def on_blocks(t: KernelWeight | None) -> bool:
-            return isinstance(t, FourBit) and 0 < rows <= ops.q4_max_rows(t.packed)
+        kernel_weights = w.packed if w.packed is not None else [None] * 4
+        biased = [w.b_qkv is not None, False, False, False]  # the 8-bit kernels add no bias
 
-        def pointer(t: KernelWeight | None) -> int | None:
-            if isinstance(t, FourBit):
-                return (t.packed if on_blocks(t) else t.bf16).data_ptr()
+        def blocks(i: int) -> GgufWeight | None:
+            """The i-th weight where it runs on its blocks at this many rows."""
+            t = kernel_weights[i]
+            if not isinstance(t, GgufWeight) or (isinstance(t, Q8Weight) and biased[i]):
+                return None
+            return t if 0 < rows <= gguf_max_rows(t) else None
+
+        def pointer(i: int) -> int | None:
+            t = kernel_weights[i]
+            if isinstance(t, GgufWeight):
+                return (t.packed if blocks(i) is not None else t.bf16).data_ptr()
             return None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
 
-        kernel_weights = w.packed if w.packed is not None else [None] * 4
         scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
-        kinds = sum(FOUR_BIT_KINDS[type(t)] << (4 * i) for i, t in enumerate(kernel_weights) if on_blocks(t))
+        kinds = sum(gguf_kind(t) << (4 * i) for i in range(4) if (t := blocks(i)) is not None)
         weights = (
             w.ln1.data_ptr(),
             w.ln2.data_ptr(),
@@ -108,7 +126,7 @@ class DecodeLayers:
             w.w_o.data_ptr(),
             _p(w.w_gate_up),
             _p(w.w_down),
-            *map(pointer, kernel_weights),
+            *map(pointer, range(4)),
             *scales,
             kinds,
         )
