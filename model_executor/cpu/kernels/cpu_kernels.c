@@ -27,17 +27,9 @@ static inline float bf16_to_f32(bf16 x) {
     return f;
 }
 
-/* Round to nearest even, as torch's float -> bfloat16 cast. */
+/* Round to nearest even, as torch's float -> bfloat16 cast; a NaN stays a (quiet) NaN. A select,
+ * not a branch, so that a loop of it vectorises. */
 static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
-
-/* f32_to_bf16 without its branch, so that a loop of it vectorises: the same results, NaN included. */
-static inline bf16 f32_to_bf16_simd(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
@@ -292,7 +284,7 @@ void srt_encoder_attention(const float *q, const float *k, const float *v, int64
                 for (int r = 0; r < QI && i0 + r < n; r++) {
                     bf16 rounded[B];
 #pragma omp simd
-                    for (int t = 0; t < B; t++) rounded[t] = f32_to_bf16_simd(acc[r][t] * inv[r]);
+                    for (int t = 0; t < B; t++) rounded[t] = f32_to_bf16(acc[r][t] * inv[r]);
                     memcpy(out + (start + i0 + r) * heads * d + h * d + cb, rounded,
                            (size_t)(d - cb < B ? d - cb : B) * sizeof(bf16));
                 }
