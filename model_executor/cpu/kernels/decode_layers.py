@@ -79,19 +79,20 @@ class DecodeLayers:
         self.hidden_size = first.w_o.shape[0]
         intermediate = max((w.w_down.shape[1] for w in self.layers if w.w_down is not None), default=0)
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], intermediate)  # qkv, q, intermediate
-        self.gguf = [t for w in self.layers for t in w.packed or () if isinstance(t, GgufWeight)]
+        gguf = [t for w in self.layers for t in w.packed or () if isinstance(t, GgufWeight)]
+        # the most rows of a step with some weight on its GGUF blocks
+        self.block_rows = max(map(gguf_max_rows, gguf), default=0) if self.packed else 0
         self._args: dict[int, list[tuple[tuple, tuple, tuple, tuple]]] = {}  # by rows (0: the bf16 copies)
 
     @property
     def q4(self) -> bool:
         """Whether some weight runs on its GGUF blocks at one row."""
-        return self.packed and any(gguf_max_rows(t) >= 1 for t in self.gguf)
+        return self.block_rows >= 1
 
     def layer_args(self, m: int) -> list[tuple[tuple, tuple, tuple, tuple]]:
         """Every layer's arguments for a step of m rows, gathered at the first step of that many
         (each GGUF weight on its blocks where its kernel takes m rows)."""
-        limit = max((gguf_max_rows(t) for t in self.gguf), default=0) if self.packed else 0
-        key = m if m <= limit else 0
+        key = m if m <= self.block_rows else 0
         if key not in self._args:
             self._args[key] = [self._layer_args(w, key) for w in self.layers]
         return self._args[key]
