@@ -250,9 +250,14 @@ def encoder_attention(
     return out
 
 
+def _bert_layer_scratch_size(tokens: int, hidden: int, inter: int) -> int:
+    """srt_bert_layer's float32 values of working memory: tokens (5.5 hidden + 1.5 inter)."""
+    return tokens * (11 * hidden + 3 * inter) // 2
+
+
 def bert_layer_scratch(tokens: int, hidden: int, inter: int) -> torch.Tensor:
     """srt_bert_layer's working memory for `tokens` tokens, float32."""
-    return torch.empty(tokens * (11 * hidden + 3 * inter) // 2, dtype=torch.float32)
+    return torch.empty(_bert_layer_scratch_size(tokens, hidden, inter), dtype=torch.float32)
 
 
 def bert_layer(
@@ -279,8 +284,9 @@ def bert_layer(
             f"hb {tuple(hb.shape)} must be h's {tuple(h.shape)}, lens sum to {n}, params hold 12 addresses "
             f"(got {params.numel()}), heads of {head_dim} divide {hidden}"
         )
-    if scratch.dtype != torch.float32 or scratch.numel() < n * (11 * hidden + 3 * inter) // 2:
-        raise ValueError(f"scratch must be float32 of {n * (11 * hidden + 3 * inter) // 2} values")
+    size = _bert_layer_scratch_size(n, hidden, inter)
+    if scratch.dtype != torch.float32 or scratch.numel() < size:
+        raise ValueError(f"scratch must be float32 of {size} values")
     lib.srt_bert_layer(
         h.data_ptr(), hb.data_ptr(), n, hidden, inter, params.data_ptr(), eps,
         lens.data_ptr(), len(lens), head_dim, head_dim**-0.5, scratch.data_ptr(),
