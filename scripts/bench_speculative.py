@@ -156,8 +156,9 @@ def llama_run(url: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[
 def ngram_bound(prompts: list[list[int]], answers: list[list[int]]) -> float:
     """Plain decode steps over the steps of an oracle that drafts from the request's own tokens: at
     each step it takes, of every earlier position holding the last token, the continuation the answer
-    goes on with longest, all of it. No drafter over the request's tokens takes more per step, so
-    with verify steps as cheap as plain ones this bounds NGRAM's gain at batch 1."""
+    goes on with longest, all of it. No drafter that continues an earlier occurrence of the last
+    token (n-gram drafting, whatever its match length) takes more per step, so with verify steps as
+    cheap as plain ones this bounds NGRAM's gain at batch 1."""
     plain = steps = 0
     for prompt, answer in zip(prompts, answers):
         tokens, i = [*prompt, *answer[:1]], 1  # the first token comes from the prefill
@@ -277,7 +278,7 @@ def main() -> None:
             print(row)
     bounds = ", ".join(f"{name} {ngram_bound(sets[name], answers[name]):.2f}x" for name in sets)
     print(
-        f"\nAt most, drafting from each request's own tokens (batch 1, verify steps as cheap as plain "
+        f"\nAt most, n-gram drafting (an oracle's steps at batch 1, verify steps as cheap as plain "
         f"ones): {bounds}"
     )
 
