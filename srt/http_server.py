@@ -2,7 +2,7 @@
 
 The routes live beside this: SGLang's native routes in native_api.py, the OpenAI-compatible /v1
 routes in openai_api.py, Anthropic's /v1/messages in anthropic_api.py, OpenAI's /v1/responses in responses_api.py,
-/v1/embeddings and /encode in embeddings_api.py, SGLang's /v1/rerank in rerank_api.py and /v1/score in score_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
+/v1/embeddings and /encode in embeddings_api.py, llama.cpp's /infill in infill_api.py, SGLang's /v1/rerank in rerank_api.py and /v1/score in score_api.py, /tokenize and /detokenize in tokenize_api.py, what they share (the error
 shapes, SSE) in http_common.py; the API keys and the body-size cap in guard.py, before every route.
 
 Graceful shutdown (DrainingServer): on SIGTERM/SIGINT new requests get 503 "server is shutting
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from srt.anthropic_api import router as anthropic_router
 from srt.embeddings_api import router as embeddings_router
 from srt.guard import BodyTooLarge, RequestGuard, too_large_body
+from srt.infill_api import router as infill_router
 from srt.native_api import metrics_router
 from srt.native_api import router as native_router
 from srt.openai_api import router as openai_router
@@ -78,6 +79,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     app.include_router(rerank_router)
     app.include_router(responses_router)
     app.include_router(tokenize_router)
+    app.include_router(infill_router)
     app.include_router(native_router)
     if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)
         app.include_router(metrics_router)

@@ -6,7 +6,8 @@ are OpenAI's and SGLang's extensions (srt/vocabulary.py: which are implemented; 
 would change the output but is not implemented, such as beam search, is a 400 rather than ignored;
 response_format constrains the output with a grammar, srt/openai_parse.py). Completions take a batch of prompts (choice i * n + j is copy j of
 prompt i), `echo` (with `logprobs`, the prompt's tokens are scored too, the first one null, as
-lm-eval-harness's loglikelihood requests need) and `best_of` equal to `n`. n (1..128) runs n
+lm-eval-harness's loglikelihood requests need), `best_of` equal to `n`, and `suffix` (the prompt
+and it become the model's fill-in-the-middle prompt, srt/fim.py). n (1..128) runs n
 requests with seeds derived from `seed`, as one /generate batch. Any `model` name is accepted (as
 in SGLang); responses name the served model. finish_reason is "stop", "length", or "abort" for a
 request ended by /abort_request.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import orjson
 
+from srt.fim import FimTokens, check_text, fim_prompt, require_fim_tokens, text_ids
 from srt.generate_parse import RequestError
 from srt.reasoning import ReasoningSplit
 from srt.tool_calls import ToolPlan
@@ -258,10 +259,42 @@ def _completion_prompts(prompt: Any) -> tuple[str, Any, int]:
     )
 
 
+def _fim_prompts(
+    tm: TokenizerManager, body: dict[str, Any], prompt: Any, batch: bool
+) -> tuple[Any, FimTokens] | None:
+    """With a non-empty `suffix`: each prompt as the prefix of a fill-in-the-middle prompt (srt/fim.py),
+    as token ids, and the model's FIM tokens; None without one."""
+    suffix = body.get("suffix")
+    if suffix is None or suffix == "":
+        return None
+    suffix_ids = text_ids(tm.tokenizer, check_text(suffix, "suffix"))
+    fim = require_fim_tokens(tm.tokenizer, "suffix")
+    if body.get("echo"):
+        raise RequestError("echo cannot be combined with suffix (fill-in-the-middle)", "suffix")
+    items = prompt if batch else [prompt]
+    ids = [
+        fim_prompt(
+            fim, p if isinstance(p, list) else text_ids(tm.tokenizer, check_text(p, "prompt")), suffix_ids
+        )
+        for p in items
+    ]
+    return (ids if batch else ids[0]), fim
+
+
+def _fim_stops(sampling: dict[str, Any], fim: FimTokens) -> None:
+    """A FIM completion also ends where the model closes the middle (FimTokens.end_ids)."""
+    given = sampling.get("stop_token_ids") or []
+    if isinstance(given, list):  # else /generate's parser names it
+        sampling["stop_token_ids"] = list(dict.fromkeys([*given, *fim.end_ids]))
+
+
 def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     _check_vocabulary(body, COMPLETION)
     key, prompt, prompts = _completion_prompts(body.get("prompt"))
     batch = isinstance(prompt, list) and (key == "text" or isinstance(prompt[0], list))
+    fim = _fim_prompts(tm, body, prompt, batch)
+    if fim is not None:
+        key, prompt = "input_ids", fim[0]
     stream, include_usage = _stream_flags(body)
     n, logprobs = _n(body), _logprob_fields(body, chat=False)
     echo = body.get("echo") or False
@@ -280,6 +313,8 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         **_request_fields(body),
         "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, n),
     }
+    if fim is not None:
+        _fim_stops(generate_body["sampling_params"], fim[1])
     renamed = {
         "text": "prompt",
         "input_ids": "prompt",

@@ -232,7 +232,7 @@ COMPLETION: dict[str, Field] = {
     "temperature": impl(1.0),
     "top_p": impl(1.0),
     "repetition_penalty": impl(1.0),
-    "suffix": off(None, ""),
+    "suffix": impl(),  # fill-in-the-middle on a model with FIM tokens (srt/fim.py); "" is none
 }
 
 # ---- /v1/chat/completions: ChatCompletionRequest, and the official client's params ----
