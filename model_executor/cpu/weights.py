@@ -6,7 +6,9 @@ Q5_K, Q8_0, Q5_0, Q4_0, Q6_K, and a Q8_0 LM head) with --quantization gguf."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,6 +18,8 @@ from model_executor.cpu.linear import PackedLinearMethod, pack_weight, packed_of
 from model_executor.cpu.moe import fuse_experts
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.linear_method import UNQUANTIZED
+from model_executor.loader.gguf_blocks import Blocks as FileBlocks
+from model_executor.loader.gguf_blocks import GgufFile, blocks_of_weight, join
 
 logger = logging.getLogger("srt.model_runner")  # the start-up lines keep the logger they always had
 
@@ -57,7 +61,7 @@ def gguf_bf16_reason() -> str:
     return "no 4-bit kernel on this CPU"
 
 
-Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, d, m
 
 
 def gguf_blocks(
@@ -80,28 +84,88 @@ def gguf_blocks(
     return q4, q5, q8
 
 
+KernelBlocks = tuple[Blocks | None, Blocks | None, tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def kernel_blocks(blocks: FileBlocks, quantizable: bool) -> KernelBlocks:
+    """gguf_blocks' triple for blocks read from the file (loader/gguf_blocks.py): the 4-bit ones
+    (Q4_1; Q4_K and Q5_K whose q fit in 4 bits), Q5_K's, or the 8-bit kernel's (Q8_0, Q5_0, Q4_0,
+    Q6_K), each where this CPU has its kernel; only the 8-bit ones where not `quantizable` (the LM
+    head, whose float32 logits the 8-bit kernel writes)."""
+    if blocks.form in ("q8", "q6_k"):
+        return None, None, ((blocks.q, blocks.d) if build.q8_available() else None)
+    if not quantizable or blocks.m is None:
+        return None, None, None
+    triple = (blocks.q, blocks.d, blocks.m)
+    if blocks.form == "q4_1":
+        return (triple if build.q4_available() else None), None, None
+    if int(blocks.q.max()) <= 15 and build.q4k_available():
+        return triple, None, None
+    return None, (triple if build.q5k_available() else None), None
+
+
+def file_blocks(model: nn.Module, file: GgufFile) -> Callable[[str, LinearBase], KernelBlocks]:
+    """The blocks of each linear layer read from `file`: its checkpoint weights (q, k and v of a
+    qkv_proj, as the model's packed_modules_mapping merges them; a tied LM head's token embedding)
+    joined, then matched to the layer's loaded weight (gguf_blocks.blocks_of_weight)."""
+    mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+
+    def parts(name: str) -> list[list[str]]:
+        prefix, _, leaf = name.rpartition(".")
+        merged = [ckpt for ckpt, (param, _) in mapping.items() if param == leaf]
+        names = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in merged or [leaf]]
+        if leaf == "lm_head":  # tied: the token embedding
+            return [names, ["model.embed_tokens.weight"]]
+        return [names]
+
+    def blocks_of(name: str, module: LinearBase) -> KernelBlocks:
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        for names in parts(name):
+            found = [file.blocks(n) for n in names]
+            whole = join([b for b in found if b is not None]) if all(found) else None
+            picked = blocks_of_weight(weight, whole) if whole is not None else None
+            if picked is not None:
+                return kernel_blocks(picked, getattr(module, "quantizable", True))
+        return None, None, None
+
+    return blocks_of
+
+
+def recovered_blocks(float32_model: nn.Module) -> Callable[[str, LinearBase], KernelBlocks]:
+    """The blocks of each linear layer recovered from the same layer of `float32_model` (the
+    checkpoint loaded in float32: its exact dequantized values; gguf_blocks)."""
+    float32_modules = dict(float32_model.named_modules())
+
+    def blocks_of(name: str, module: LinearBase) -> KernelBlocks:
+        return gguf_blocks(float32_modules[name].weight, getattr(module, "quantizable", True))
+
+    return blocks_of
+
+
 def pack_model(
-    model: nn.Module, quantization: str | None = None, float32_model: nn.Module | None = None
+    model: nn.Module,
+    quantization: str | None = None,
+    blocks_of: Callable[[str, LinearBase], KernelBlocks] | None = None,
 ) -> int:
     """Packs every linear layer (LinearBase), setting its linear method to a PackedLinearMethod (or
-    UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer says `quantizable = False` (the LM head, as in SGLang and vLLM), or
-    with gguf as its Q4_1 (or Q4_K, or Q5_K) blocks, or its Q8_0, Q5_0, Q4_0 or Q6_K blocks (on the 8-bit kernel),
-    recovered from the same layer of `float32_model` (the same checkpoint loaded in float32: its
-    exact dequantized values), and the LM head as its Q8_0 blocks where the file holds it so (a tied
-    head: the token embedding). A gguf layer srt has no kernel for here (another type, or
-    no kernel for it on this CPU) stays bf16, and the log names how many. Returns how many were packed. Call
+    UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer
+    says `quantizable = False` (the LM head, as in SGLang and vLLM), or with gguf on the blocks
+    `blocks_of` finds for it (read from the file, file_blocks, or recovered from exact values,
+    recovered_blocks): Q4_1, Q4_K or Q5_K on the 4-bit kernel, Q8_0, Q5_0, Q4_0 or Q6_K on the 8-bit
+    one (the LM head only there). A gguf layer srt has no kernel for here (another type, or no kernel
+    for it on this CPU) stays bf16, and the log names how many. Returns how many were packed. Call
     once, after the weights are loaded."""
-    assert quantization != "gguf" or float32_model is not None, "gguf recovers its blocks from float32_model"
+    assert quantization != "gguf" or blocks_of is not None, "gguf packs the blocks blocks_of finds"
     count = 0
-    float32_modules = dict(float32_model.named_modules()) if float32_model is not None else {}
     as_bf16: list[str] = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, LinearBase) and isinstance(weight, torch.Tensor):
             quantizable = getattr(module, "quantizable", True)
             q4 = q5 = q8 = None
-            if quantization == "gguf":
-                q4, q5, q8 = gguf_blocks(float32_modules[name].weight, quantizable)
+            if quantization == "gguf" and blocks_of is not None:
+                q4, q5, q8 = blocks_of(name, module)
                 if quantizable and q4 is None and q5 is None and q8 is None:
                     as_bf16.append(name)
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8, q5)
@@ -124,15 +188,19 @@ def prepare_weights(
     dtype: torch.dtype,
     deterministic: bool,
     load_float32: Callable[[], nn.Module],
+    gguf_file: Path | None = None,
 ) -> None:
     """Sets one arithmetic for deterministic inference (set_one_arithmetic) and packs the model's
-    weights (pack_model; with gguf, the checkpoint loaded again through `load_float32`, then
+    weights (pack_model; with gguf, the blocks read from `gguf_file`, the GGUF file the checkpoint was
+    converted from, else recovered from the checkpoint loaded again through `load_float32`, then
     dropped); logs how many were packed and, for bf16 and fp16, the paths this CPU's kernels take."""
     set_one_arithmetic(deterministic)
-    # gguf: the checkpoint's exact values, to find its Q4_1 blocks in
-    float32_model = load_float32() if quantization == "gguf" else None
-    packed = pack_model(model, quantization, float32_model)
-    del float32_model
+    started = time.perf_counter()
+    blocks_of = None
+    if quantization == "gguf":
+        blocks_of = file_blocks(model, GgufFile(gguf_file)) if gguf_file else recovered_blocks(load_float32())
+    packed = pack_model(model, quantization, blocks_of)
+    del blocks_of  # with the float32 model it holds
     fuse_experts(model)  # a mixture of experts: each layer's experts in one kernel call
     if packed:
         weights = [packed_of(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)]
@@ -145,10 +213,13 @@ def prepare_weights(
         )
         counts = [(sum(isinstance(w, kind) for w in weights), name) for kind, name in kinds]
         quantized = [f"{count} {name}" for count, name in counts if count]
+        source = f", blocks read from {gguf_file.name}" if quantization == "gguf" and gguf_file else ""
         logger.info(
-            "packed %d weights for the CPU kernels%s",
+            "packed %d weights for the CPU kernels%s in %.1f s%s",
             packed,
             f", of them {', '.join(quantized)} ({quantization})" if quantization else "",
+            time.perf_counter() - started,
+            source,
         )
     if dtype in (torch.bfloat16, torch.float16):
         logger.info(build.describe_paths())

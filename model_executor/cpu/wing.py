@@ -17,6 +17,7 @@ from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.cpu.weights import check_quantization, prepare_weights
 from model_executor.device_wing import DeviceWing
 from model_executor.distributed.parallel_state import ParallelState
+from model_executor.loader.gguf_convert import gguf_source
 from model_executor.models.base import CausalLM
 from model_executor.step_runner import StepRunner
 
@@ -42,6 +43,7 @@ class CpuWing(DeviceWing):
             dtype=self.config.dtype,
             deterministic=self.config.deterministic,
             load_float32=load_float32,
+            gguf_file=gguf_source(self.config.model_dir),
         )
 
     def step_runner(self, model: CausalLM, attn_backend: AttentionBackend, memory: KVMemory) -> StepRunner:

@@ -80,6 +80,17 @@ def convert_gguf(gguf_path: str | Path, cache_dir: str | Path | None = None) -> 
     return target
 
 
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file `model_dir` was converted from (convert_gguf's marker names it), or None: not a
+    conversion, or the file is gone."""
+    marker = Path(model_dir) / COMPLETE_MARKER
+    try:
+        source = Path(json.loads(marker.read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.is_file() else None
+
+
 def _check_gguf_file(gguf_path: str | Path) -> Path:
     path = Path(gguf_path).expanduser().resolve()
     if not path.is_file():

@@ -1,0 +1,139 @@
+"""A GGUF file's blocks read straight from its bytes (model_executor/loader/gguf_blocks.py): every
+block type's values equal gguf-py's dequantization, parts join in one form, and a loaded weight's
+rows and columns are found in the file's tensor whatever order and shard the model keeps."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from model_executor.loader import gguf_blocks
+from model_executor.loader.gguf_blocks import Blocks, blocks_of_weight, join
+
+T = gguf.GGMLQuantizationType
+FORMS = {
+    T.Q8_0: "q8",
+    T.Q5_0: "q8",
+    T.Q4_0: "q8",
+    T.Q4_1: "q4_1",
+    T.Q4_K: "q4_k",
+    T.Q5_K: "q4_k",
+    T.Q6_K: "q6_k",
+}
+
+
+def random_blocks(kind: gguf.GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes for an [n, k] tensor of `kind`, with every fp16 scale a small finite number."""
+    size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n * k // size, type_size), dtype=np.uint8)
+    scales = (rng.random((raw.shape[0], 2)) * 0.02 - 0.01).astype(np.float16).view(np.uint8)
+    if kind == T.Q6_K:  # d last
+        raw[:, 208:210] = scales[:, :2]
+    elif kind in (T.Q4_K, T.Q5_K, T.Q4_1):  # d, then dmin (m)
+        raw[:, 0:4] = scales
+    else:  # d first
+        raw[:, 0:2] = scales[:, :2]
+    return raw
+
+
+@pytest.mark.parametrize("kind", list(FORMS), ids=lambda kind: kind.name)
+def test_every_block_type_reads_as_gguf_py_dequantizes_it(kind: gguf.GGMLQuantizationType) -> None:
+    n, k = 32, 512
+    raw = random_blocks(kind, n, k, seed=int(kind))
+    blocks = gguf_blocks._decode(kind, torch.from_numpy(raw.copy()), n, k)
+    assert blocks is not None and blocks.form == FORMS[kind] and blocks.shape == (n, k)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, -1), kind).astype(np.float32))
+    assert torch.equal(blocks.dequantize(), expected.reshape(n, k))
+    if kind == T.Q5_K:
+        assert int(blocks.q.max()) > 15  # the fifth bits are read
+    assert gguf_blocks._decode(T.F16, torch.from_numpy(raw.copy()), n, k) is None
+
+
+def test_parts_join_in_the_narrowest_form_that_holds_them_all() -> None:
+    def decode(kind: gguf.GGMLQuantizationType, n: int, seed: int) -> Blocks:
+        found = gguf_blocks._decode(kind, torch.from_numpy(random_blocks(kind, n, 256, seed)), n, 256)
+        assert found is not None
+        return found
+
+    q4_1, q4_k, q8_0, q6_k = (
+        decode(T.Q4_1, 16, 1),
+        decode(T.Q4_K, 32, 2),
+        decode(T.Q8_0, 16, 3),
+        decode(T.Q6_K, 48, 4),
+    )
+    for parts, form in (([q4_1, q4_k], "q4_k"), ([q8_0, q6_k], "q6_k"), ([q8_0, q8_0], "q8")):
+        joined = join(parts)
+        assert joined is not None and joined.form == form
+        assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert join([q4_k, q6_k]) is None  # a minimum beside a symmetric 8-bit part: no one form
+
+
+def test_a_weight_is_found_in_the_file_whatever_its_row_order_and_shard() -> None:
+    n, k = 64, 256
+    whole = gguf_blocks._decode(T.Q4_K, torch.from_numpy(random_blocks(T.Q4_K, n, k, 7)), n, k)
+    assert whole is not None
+    weight = whole.dequantize().bfloat16()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    for loaded in (weight, weight[order], weight[16:48], weight[:, 128:], weight[order[:20], :128]):
+        picked = blocks_of_weight(loaded.contiguous(), whole)
+        assert picked is not None and torch.equal(picked.dequantize().bfloat16(), loaded)
+    # rows alike in their first 64 values (a vocabulary's unused tokens) are told apart by the rest
+    twins = gguf_blocks._decode(T.Q8_0, torch.from_numpy(random_blocks(T.Q8_0, 4, k, 8)), 4, k)
+    assert twins is not None
+    twins.q[:, :64] = twins.q[0, :64]
+    twins.d[:, :2] = twins.d[0, :2]
+    loaded = twins.dequantize().bfloat16()[[3, 1, 2, 0]]
+    picked = blocks_of_weight(loaded, twins)
+    assert picked is not None and torch.equal(picked.dequantize().bfloat16(), loaded)
+    # not this file's weight: nothing is found
+    assert blocks_of_weight(torch.randn(n, k).bfloat16(), whole) is None
+    nudged = weight.clone()
+    nudged[-1, -1] += 1
+    assert blocks_of_weight(nudged, whole) is None  # the last row is among those checked whole
+
+
+def test_a_gguf_checkpoint_packs_the_file_blocks_without_a_float32_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--quantization gguf on the bundled SmolLM2 GGUF reads every projection's Q4_1 blocks and the
+    tied head's Q8_0 ones from the file, never loading the checkpoint again in float32, and packs
+    them exactly as recovering them from the float32 values did."""
+    from model_executor.cpu import weights
+    from model_executor.cpu.kernels import build, packing
+    from model_executor.cpu.linear import packed_of
+    from model_executor.layers.linear import LinearBase
+    from model_executor.loader.weight_source import resolve_model_path
+    from model_executor.model_runner import ModelRunner, RunnerConfig
+
+    if not (build.q4_available() and build.q8_available()):
+        pytest.skip("no Q4_1 and Q8_0 kernels on this CPU")
+    model_dir = resolve_model_path(None)
+
+    def packed(runner: ModelRunner) -> dict[str, object]:
+        return {
+            n: packed_of(m.linear_method)
+            for n, m in runner.model.named_modules()
+            if isinstance(m, LinearBase)
+        }
+
+    with monkeypatch.context() as patch:
+        patch.setattr(weights, "recovered_blocks", lambda *a: pytest.fail("built a float32 model"))
+        from_file = packed(
+            ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=256, quantization="gguf"))
+        )
+    assert {type(w) for n, w in from_file.items() if n != "lm_head"} == {packing.Q4Weight}
+    assert isinstance(from_file["lm_head"], packing.Q8Weight)
+    from model_executor.cpu import wing
+
+    monkeypatch.setattr(wing, "gguf_source", lambda model_dir: None)
+    recovered = packed(
+        ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=256, quantization="gguf"))
+    )
+    assert from_file.keys() == recovered.keys()
+    for name, weight in from_file.items():
+        other = recovered[name]
+        assert type(weight) is type(other), name
+        assert torch.equal(weight.packed, other.packed) and torch.equal(weight.bf16, other.bf16), name  # type: ignore[attr-defined]
