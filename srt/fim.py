@@ -57,22 +57,21 @@ class FimTokens:
     end_ids: tuple[int, ...]  # tokens that end a FIM completion (besides the model's EOS)
 
 
-def _token_id(tokenizer: Any, names: tuple[str, ...]) -> int | None:
-    vocab = tokenizer.get_vocab()
+def _token_id(vocab: dict[str, int], names: tuple[str, ...]) -> int | None:
     return next((vocab[name] for name in names if name in vocab), None)
 
 
 @lru_cache(maxsize=8)
 def find_fim_tokens(tokenizer: Any) -> FimTokens | None:
     """The tokenizer's FIM tokens, or None when it lacks a prefix, suffix or middle token."""
-    prefix, suffix, middle = (_token_id(tokenizer, names) for names in (_PREFIX, _SUFFIX, _MIDDLE))
+    vocab = tokenizer.get_vocab()
+    prefix, suffix, middle = (_token_id(vocab, names) for names in (_PREFIX, _SUFFIX, _MIDDLE))
     if prefix is None or suffix is None or middle is None:
         return None
-    repo, file_sep = _token_id(tokenizer, _REPO), _token_id(tokenizer, _FILE_SEP)
+    repo, file_sep = _token_id(vocab, _REPO), _token_id(vocab, _FILE_SEP)
     with_special = list(tokenizer("a")["input_ids"])
     plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
     bos = tuple(with_special[: with_special.index(plain[0])]) if plain and plain[0] in with_special else ()
-    vocab = tokenizer.get_vocab()
     ends = [vocab[name] for name in _ENDS if name in vocab] + [t for t in (repo, file_sep) if t is not None]
     return FimTokens(prefix, suffix, middle, repo, file_sep, bos, tuple(dict.fromkeys(ends)))
 

@@ -202,7 +202,7 @@ def parse_infill(tm: TokenizerManager, body: dict[str, Any]) -> InfillCall:
     fim = require_fim_tokens(tm.tokenizer, "input_suffix", "/infill")
     prompt_ids = infill_prompt(tm.tokenizer, fim, prefix, suffix, extra, prompt)
     sampling["max_new_tokens"] = _max_new_tokens(tm, requested, len(prompt_ids))
-    sampling["stop_token_ids"] = list(fim.end_ids)
+    sampling["stop_token_ids"] = [] if sampling["ignore_eos"] is True else list(fim.end_ids)
     settings = {
         "n_predict": sampling["max_new_tokens"],
         "seed": sampling.get("seed", -1),

@@ -282,9 +282,10 @@ def _fim_prompts(
 
 
 def _fim_stops(sampling: dict[str, Any], fim: FimTokens) -> None:
-    """A FIM completion also ends where the model closes the middle (FimTokens.end_ids)."""
+    """A FIM completion also ends where the model closes the middle (FimTokens.end_ids), unless it
+    ignores EOS (as llama.cpp's ignore_eos masks every end-of-generation token)."""
     given = sampling.get("stop_token_ids") or []
-    if isinstance(given, list):  # else /generate's parser names it
+    if isinstance(given, list) and sampling.get("ignore_eos") is not True:  # else /generate's parser names it
         sampling["stop_token_ids"] = list(dict.fromkeys([*given, *fim.end_ids]))
 
 
