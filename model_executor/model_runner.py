@@ -83,7 +83,17 @@ class RunnerConfig:
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's weights in memory: its parameters (not those freed to their shape, on the
+    meta device) and the copies its linear methods read (packed for a device's kernels)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        packed = method.packed_weight if method is not None else None
+        parts = (
+            [packed] if isinstance(packed, torch.Tensor) else list(vars(packed).values()) if packed else []
+        )
+        total += sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+    return total
 
 
 class ModelRunner:

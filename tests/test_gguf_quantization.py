@@ -358,7 +358,7 @@ def test_q5k_layer_runs_up_to_q5k_max_rows_then_the_bf16_copy() -> None:
         x = torch.randn(rows, 256, generator=g).bfloat16()
         out = cpu_linear.linear(x, weight.bfloat16(), None, packed)
         on_blocks = ops.q4_linear(x, packed.packed, None)
-        copy = ops.bf16_linear(x, packed.bf16, None, torch.bfloat16)
+        copy = ops.bf16_linear(x, packing.bf16_pack(weight.bfloat16()), None, torch.bfloat16)
         assert torch.equal(out, on_blocks if rows <= ops.Q5K_MAX_ROWS else copy), rows
 
 
@@ -577,7 +577,7 @@ def test_q6k_layer_runs_up_to_q6k_max_rows_then_the_bf16_copy() -> None:
         x = torch.randn(rows, 256, generator=g).bfloat16()
         out = cpu_linear.linear(x, weight.bfloat16(), None, packed)
         on_blocks = ops.q8_linear(x, packed.packed).bfloat16()
-        copy = ops.bf16_linear(x, packed.bf16, None, torch.bfloat16)
+        copy = ops.bf16_linear(x, packing.bf16_pack(weight.bfloat16()), None, torch.bfloat16)
         assert torch.equal(out, on_blocks if rows <= ops.Q6K_MAX_ROWS else copy), rows
     q8 = packing.q8_pack(*q8_0_blocks(32, 256, seed=4))
     assert ops.q8_max_rows(q8) == ops.Q8_MAX_ROWS
@@ -743,7 +743,7 @@ def test_q8_lm_head_runs_up_to_q8_max_rows_then_the_bf16_copy(q4_llama: Path) ->
             logits,
             ops.q8_linear(hidden, packed.packed)
             if on_q8
-            else ops.bf16_linear(hidden, packed.bf16, None, torch.float32),
+            else ops.bf16_linear(hidden, packing.bf16_pack(exact.float().bfloat16()), None, torch.float32),
         )
         err = (logits.double() - hidden.double() @ exact.T).abs().max().item()
         assert err < 1e-4 if on_q8 else err > 1e-4, (rows, err)  # exact weights, or the bf16 copy's

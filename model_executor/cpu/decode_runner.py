@@ -36,7 +36,7 @@ from model_executor.step_runner import StepRunner
 
 def kernel_weights(layer: PreNormLayer) -> list[KernelWeight | None] | None:
     """The layer's qkv, o, gate_up and down weights packed for our kernels (bf16, int8, or a GGUF
-    weight's blocks with its bf16 copy; with a mixture of experts qkv and o, then None twice), or
+    weight's blocks; with a mixture of experts qkv and o, then None twice), or
     None."""
     mlp = (layer.gate_up_proj, layer.down_proj) if layer.moe is None else ()
     packed: list[PackedWeight | None] = [

@@ -24,7 +24,9 @@ With --quantization gguf (vLLM's name for running a GGUF file's own quantized we
 layer of a checkpoint converted from a GGUF Q4_1 file keeps the file's 4-bit blocks (recovered
 exactly from the dequantized values, packing.q4_recover) for decode steps of up to ops.Q4_MAX_ROWS
 rows, where a step streams every weight once: 0.625 bytes a weight against bf16's 2, every weight
-exact (bf16 rounds them to 8 bits). Larger batches and prefills run on a bf16 copy, as without it.
+exact (bf16 rounds them to 8 bits). Larger batches and prefills widen the blocks to bf16 a task at a
+time (srt_gguf_linear: the bits a bf16 copy gives, without keeping one), or where that kernel does not
+run, use a bf16 copy.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ PackedWeight = (
 )
 # the weights of the 4-bit kernel (cpu_q4_linear.c: Q4_1, Q4_K, and Q5_K with its fifth bits)
 FOUR_BIT = (packing.Q4Weight, packing.Q4KWeight, packing.Q5KWeight)
+GGUF = (*FOUR_BIT, packing.Q8Weight)  # a GGUF weight's blocks (and a bf16 copy where no srt_gguf_linear)
 
 
 def onednn_bf16_available() -> bool:
@@ -73,6 +76,15 @@ def packed_max_rows() -> int:
     return AMX_MAX_ROWS if build.amx_available() and not _one_arithmetic else sys.maxsize
 
 
+def reads_dense(packed: PackedWeight) -> bool:
+    """Whether `linear` may still read a layer's weight as loaded beside `packed`: a oneDNN-reordered
+    weight (torch.mv at one row), or F.linear above packed_max_rows() (on AMX). Where not, the wing
+    frees it (weights.pack_model)."""
+    if isinstance(packed, GGUF) and packed.bf16 is None:
+        return False  # every row count on its blocks
+    return not is_kernel_packed(packed) or packed_max_rows() != sys.maxsize
+
+
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's, the int8 or a GGUF layout), not oneDNN."""
     quantized = (packing.Int8Weight, *FOUR_BIT, packing.Q8Weight)
@@ -93,13 +105,19 @@ def pack_weight(
     packing.q6k_recover) a Q8Weight, with `q5` (Q5_K, packing.q5k_recover) a Q5KWeight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
+
+    def copy() -> torch.Tensor | None:
+        """For more rows than a GGUF weight's blocks kernel takes: srt_gguf_linear on the blocks, or
+        where it does not run, a bf16 copy."""
+        return None if build.gguf_linear_available() else packing.bf16_pack(weight)
+
     if q4 is not None and packing.bf16_packable(weight):
         kind = packing.Q4KWeight if q4[1].dtype == torch.float32 else packing.Q4Weight
-        return kind(packing.q4_pack(*q4), packing.bf16_pack(weight))
+        return kind(packing.q4_pack(*q4), copy())
     if q5 is not None and packing.bf16_packable(weight):
-        return packing.Q5KWeight(packing.q5k_pack(*q5), packing.bf16_pack(weight))
+        return packing.Q5KWeight(packing.q5k_pack(*q5), copy())
     if q8 is not None and packing.bf16_packable(weight):
-        return packing.Q8Weight(packing.q8_pack(*q8), packing.bf16_pack(weight))
+        return packing.Q8Weight(packing.q8_pack(*q8), copy())
     if quantization == "w8a8_int8" and packing.int8_packable(weight):
         return packing.int8_pack(weight)
     if packing.bf16_packable(weight) and build.bf16_linear_available():
@@ -137,11 +155,16 @@ def _linear(
     if isinstance(packed, FOUR_BIT):
         if rows <= ops.q4_max_rows(packed.packed):
             return ops.q4_linear(x.contiguous(), packed.packed, bias)
-        packed = packed.bf16
     if isinstance(packed, packing.Q8Weight):
-        if rows <= ops.q8_max_rows(packed.packed) and bias is None:
+        if rows <= ops.q8_max_rows(packed.packed):
             out = ops.q8_linear(x.contiguous(), packed.packed)
+            if bias is not None:
+                out += bias.float()
             return out if float32_out else out.to(x.dtype)
+    if isinstance(packed, GGUF):  # more rows than its blocks' kernel takes
+        if packed.bf16 is None:
+            out_dtype = torch.float32 if float32_out else torch.bfloat16
+            return ops.gguf_linear(x.contiguous(), packed.packed, bias, out_dtype)
         packed = packed.bf16
     if is_kernel_packed(packed):
         if rows <= packed_max_rows():
@@ -175,6 +198,8 @@ def linear_silu_mul(
     if isinstance(packed, FOUR_BIT):
         if rows <= ops.q4_max_rows(packed.packed):
             return ops.q4_linear_silu(x.contiguous(), packed.packed)
+        if packed.bf16 is None:
+            return ops.gguf_linear_silu(x.contiguous(), packed.packed)
         packed = packed.bf16
     if not is_kernel_packed(packed) or rows > packed_max_rows():
         return None
@@ -183,8 +208,9 @@ def linear_silu_mul(
 
 class PackedLinearMethod(LinearMethod):
     """A layer's linear on its weight packed for our kernels or oneDNN (pack_weight), set by
-    weights.pack_model. The weight as loaded stays the layer's: the rows the packed copy does not
-    take (F.linear above packed_max_rows, torch.mv at one row) read it."""
+    weights.pack_model. The weight as loaded stays the layer's where the rows the packed copy does
+    not take (F.linear above packed_max_rows, torch.mv at one row) read it (reads_dense); elsewhere
+    pack_model leaves only its shape (a meta tensor)."""
 
     def __init__(self, packed: PackedWeight) -> None:
         self.packed = packed

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from model_executor.cpu.kernels import build, packing
-from model_executor.cpu.linear import PackedLinearMethod, pack_weight, packed_of, set_one_arithmetic
+from model_executor.cpu.linear import (
+    PackedLinearMethod,
+    pack_weight,
+    packed_of,
+    reads_dense,
+    set_one_arithmetic,
+)
 from model_executor.cpu.moe import fuse_experts
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.linear_method import UNQUANTIZED
@@ -149,7 +155,8 @@ def pack_model(
     blocks_of: Callable[[str, LinearBase], KernelBlocks] | None = None,
 ) -> int:
     """Packs every linear layer (LinearBase), setting its linear method to a PackedLinearMethod (or
-    UNQUANTIZED where pack_weight leaves the weight as loaded), as int8 with w8a8_int8 unless the layer
+    UNQUANTIZED where pack_weight leaves the weight as loaded; where nothing reads the weight as loaded
+    any more, reads_dense, a meta tensor of its shape replaces it), as int8 with w8a8_int8 unless the layer
     says `quantizable = False` (the LM head, as in SGLang and vLLM), or with gguf on the blocks
     `blocks_of` finds for it (read from the file, file_blocks, or recovered from exact values,
     recovered_blocks): Q4_1, Q4_K or Q5_K on the 4-bit kernel, Q8_0, Q5_0, Q4_0 or Q6_K on the 8-bit
@@ -158,6 +165,8 @@ def pack_model(
     once, after the weights are loaded."""
     assert quantization != "gguf" or blocks_of is not None, "gguf packs the blocks blocks_of finds"
     count = 0
+    # parameters that other modules read (a tied LM head's weight is the token embedding)
+    shared = {id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(False)}
     as_bf16: list[str] = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -171,6 +180,9 @@ def pack_model(
             packed = pack_weight(weight, quantization if quantizable else None, q4, q8, q5)
             module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
             count += packed is not None
+            if packed is not None and not reads_dense(packed) and id(weight) not in shared:
+                # nothing reads the weight as loaded any more: keep its shape, free its bytes
+                module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
     if as_bf16:
         logger.info(
             "--quantization gguf: %d linear layers stay bf16 (%s): %s",

@@ -258,6 +258,15 @@ def q8_available() -> bool:
 
 
 @functools.cache
+def gguf_linear_available() -> bool:
+    """Whether srt_gguf_linear runs here (any rows on a GGUF weight's blocks, widened to bf16 a task
+    at a time: AVX-512 BF16, cpu_bf16_linear.c) with the bits srt_bf16_linear gives on a bf16 copy;
+    where not (and on AMX, whose tiles give other bits), a GGUF weight keeps a bf16 copy."""
+    lib = kernels()
+    return lib is not None and bool(lib.srt_gguf_linear_available()) and not amx_available()
+
+
+@functools.cache
 def prefill_kernel_available() -> bool:
     """Whether srt_prefill_attention runs here: on AMX tiles, or else on AVX-512 BF16."""
     lib = kernels()

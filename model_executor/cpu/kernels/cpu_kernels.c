@@ -923,20 +923,22 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 /* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
  * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each one of these */
 enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5 };
+/* ... or with this bit, those blocks through srt_gguf_linear (any rows: more than their kernel takes) */
+#define KIND_TILES 8
 #define KIND_OF(kinds, i) (((kinds) >> (4 * (i))) & 15)
 #define IS_8_BIT(kind) ((kind) == KIND_Q8_0 || (kind) == KIND_Q6_K)
 
 /* x @ w.T on a GGUF weight's 8-bit blocks (Q8_0, Q5_0, Q4_0 as q8_pack lays them out, or Q6_K's),
- * float32 sums into out_f32, or rounded to bf16 into out as Q8Weight's op-by-op product is */
-static void q8_layer_linear(const bf16 *x, int64_t m, const void *packed, int64_t kind, bf16 *out, float *out_f32,
-                            int64_t n, int64_t k) {
+ * float32 sums into out_f32, or (+ bias) rounded to bf16 into out as Q8Weight's op-by-op product is */
+static void q8_layer_linear(const bf16 *x, int64_t m, const void *packed, int64_t kind, const bf16 *bias, bf16 *out,
+                            float *out_f32, int64_t n, int64_t k) {
     float *sums = out_f32 ? out_f32 : malloc((size_t)(m * n) * sizeof(float));
     if (kind == KIND_Q6_K)
         srt_q6k_linear(x, m, (const uint8_t *)packed, sums, n, k);
     else
         srt_q8_linear(x, m, (const uint8_t *)packed, sums, n, k);
     if (!out_f32) {
-        for (int64_t i = 0; i < m * n; i++) out[i] = f32_to_bf16(sums[i]);
+        for (int64_t i = 0; i < m * n; i++) out[i] = f32_to_bf16(bias ? sums[i] + bf16_to_f32(bias[i % n]) : sums[i]);
         free(sums);
     }
 }
@@ -946,8 +948,10 @@ static void q8_layer_linear(const bf16 *x, int64_t m, const void *packed, int64_
  * VNNI; cpu_q4_linear.c / cpu_q8_linear.c for a GGUF weight's blocks, by `kind`), else srt_gemv */
 static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
                          int64_t kind, const bf16 *bias, bf16 *out, int64_t n, int64_t k) {
-    if (packed && IS_8_BIT(kind)) /* without a bias: the caller keeps a biased weight's bf16 copy */
-        q8_layer_linear(x, m, packed, kind, out, NULL, n, k);
+    if (packed && (kind & KIND_TILES))
+        srt_gguf_linear(x, m, (const uint8_t *)packed, kind & 7, bias, out, n, k, 0);
+    else if (packed && IS_8_BIT(kind))
+        q8_layer_linear(x, m, packed, kind, bias, out, NULL, n, k);
     else if (packed && kind == KIND_Q4_1)
         srt_q4_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
     else if (packed && kind == KIND_Q4_K)
@@ -971,8 +975,12 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
         srt_bf16_linear_f32(x, m, (const bf16 *)packed, NULL, out_f32, n, k);
         return 1;
     }
+    if (packed && (kind & KIND_TILES)) { /* float32 sums, as srt_bf16_linear_f32 on a bf16 copy */
+        srt_gguf_linear(x, m, (const uint8_t *)packed, kind & 7, NULL, out_f32, n, k, 1);
+        return 1;
+    }
     if (packed && IS_8_BIT(kind)) {
-        q8_layer_linear(x, m, packed, kind, NULL, out_f32, n, k);
+        q8_layer_linear(x, m, packed, kind, NULL, NULL, out_f32, n, k);
         return 1;
     }
     layer_linear(x, m, w, packed, scale, kind, NULL, out, n, k);
@@ -1029,7 +1037,9 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         return 1;
     }
     const int64_t gate_up_kind = KIND_OF(kinds, 2);
-    if (p_gate_up && gate_up_kind == KIND_Q4_1) { /* packed: silu * up in the gate_up product's epilogue */
+    if (p_gate_up && (gate_up_kind & KIND_TILES)) {
+        srt_gguf_linear(x, m, (const uint8_t *)p_gate_up, gate_up_kind & 7, NULL, act, inter, hidden_size, 2);
+    } else if (p_gate_up && gate_up_kind == KIND_Q4_1) { /* packed: silu * up in the gate_up product's epilogue */
         srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && gate_up_kind == KIND_Q4_K) {
         srt_q4k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);

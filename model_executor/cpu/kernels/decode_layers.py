@@ -14,9 +14,12 @@ from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS
 from model_executor.cpu.kernels.ops import data_ptr as _p
 from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight, Q8Weight
 
-# A GGUF weight: its blocks, and a bf16 copy for more rows than their kernel takes
+# A GGUF weight: its blocks (and a bf16 copy for more rows than their kernel takes, where no srt_gguf_linear)
 GgufWeight = Q4Weight | Q4KWeight | Q5KWeight | Q8Weight
 KernelWeight = torch.Tensor | Int8Weight | GgufWeight
+
+
+TILES = 8  # a kind's flag: srt_gguf_linear, widening its blocks to bf16 a task at a time
 
 
 def gguf_kind(weight: GgufWeight) -> int:
@@ -69,7 +72,7 @@ class DecodeLayers:
     step only the batch's own arguments are converted (Python glue around 30 per-layer calls was
     a measurable share of a step before: docs/performance.md). With packed weights (`packed`) any number
     of rows, else at most GEMV_MAX_ROWS; a GGUF weight on its blocks up to the rows its kernel takes
-    (gguf_max_rows; an 8-bit one only without a bias), on its bf16 copy above. Every tensor contiguous bf16 /
+    (gguf_max_rows), above that through srt_gguf_linear (TILES) or on its bf16 copy. Every tensor contiguous bf16 /
     int64."""
 
     def __init__(self, layers: Sequence[DecodeLayerWeights]) -> None:
@@ -101,23 +104,26 @@ class DecodeLayers:
         """rows: the step's (0: more than any GGUF weight's kernel takes)."""
 
         kernel_weights = w.packed if w.packed is not None else [None] * 4
-        biased = [w.b_qkv is not None, False, False, False]  # the 8-bit kernels add no bias
 
         def blocks(i: int) -> GgufWeight | None:
-            """The i-th weight where it runs on its blocks at this many rows."""
+            """The i-th weight where it runs on its blocks' kernel at this many rows."""
             t = kernel_weights[i]
-            if not isinstance(t, GgufWeight) or (isinstance(t, Q8Weight) and biased[i]):
-                return None
-            return t if 0 < rows <= gguf_max_rows(t) else None
+            return t if isinstance(t, GgufWeight) and 0 < rows <= gguf_max_rows(t) else None
+
+        def tiles(i: int) -> GgufWeight | None:
+            """The i-th weight where it runs on its blocks through srt_gguf_linear (no bf16 copy)."""
+            t = kernel_weights[i]
+            return t if isinstance(t, GgufWeight) and t.bf16 is None and blocks(i) is None else None
 
         def pointer(i: int) -> int | None:
             t = kernel_weights[i]
             if isinstance(t, GgufWeight):
-                return (t.packed if blocks(i) is not None else t.bf16).data_ptr()
+                return (t.bf16 if blocks(i) is None and t.bf16 is not None else t.packed).data_ptr()
             return None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
 
         scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
         kinds = sum(gguf_kind(t) << (4 * i) for i in range(4) if (t := blocks(i)) is not None)
+        kinds += sum((gguf_kind(t) | TILES) << (4 * i) for i in range(4) if (t := tiles(i)) is not None)
         weights = (
             w.ln1.data_ptr(),
             w.ln2.data_ptr(),

@@ -13,7 +13,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from model_executor.cpu.kernels import build
-from model_executor.cpu.kernels.packing import Q4K_BLOCK_BYTES, Q5K_BLOCK_BYTES, Q6K_BLOCK_BYTES, Int8Weight
+from model_executor.cpu.kernels.packing import (
+    Q4_BLOCK_BYTES,
+    Q4K_BLOCK_BYTES,
+    Q5K_BLOCK_BYTES,
+    Q6K_BLOCK_BYTES,
+    Q8_BLOCK_BYTES,
+    Int8Weight,
+)
 
 GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # Decode batches up to this size run each layer as one srt_decode_layer call where srt_gemv has its
@@ -648,4 +655,61 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     kernel = lib.srt_q6k_linear if packed.shape[-1] == Q6K_BLOCK_BYTES else lib.srt_q8_linear
     kernel(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+# srt_decode_layer's and srt_gguf_linear's kind of a GGUF weight, by its packed block's bytes
+GGUF_KINDS = {
+    Q4_BLOCK_BYTES: 1,
+    Q4K_BLOCK_BYTES: 2,
+    Q5K_BLOCK_BYTES: 3,
+    Q8_BLOCK_BYTES: 4,
+    Q6K_BLOCK_BYTES: 5,
+}
+
+
+def gguf_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ w.T (+ bias), any number of rows, for the GGUF blocks `packed` holds
+    (q4_pack's, q5k_pack's or q8_pack's layout), widened to bf16 a task at a time: the bits
+    srt_bf16_linear gives on the weight's bf16 copy (without AMX). bf16 or float32 out."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
+    mode = 1 if out_dtype == torch.float32 else 0
+    lib.srt_gguf_linear(
+        x.data_ptr(),
+        x.numel() // k,
+        packed.data_ptr(),
+        GGUF_KINDS[packed.shape[-1]],
+        data_ptr(bias),
+        out.data_ptr(),
+        n,
+        k,
+        mode,
+    )
+    return out
+
+
+def gguf_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x @ w.T for the GGUF blocks of a [2d, k] gate_up weight, any rows."""
+    lib = _library()
+    _need_contiguous("x", x)
+    _need_dtype("x", x, torch.bfloat16)
+    d, k = packed.shape[0] * 8, packed.shape[1] * 32
+    out = torch.empty(*x.shape[:-1], d, dtype=torch.bfloat16)
+    lib.srt_gguf_linear(
+        x.data_ptr(),
+        x.numel() // k,
+        packed.data_ptr(),
+        GGUF_KINDS[packed.shape[-1]],
+        None,
+        out.data_ptr(),
+        d,
+        k,
+        2,
+    )
     return out

@@ -172,29 +172,30 @@ def q5k_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Q4Weight:
     """A layer's GGUF Q4_1 weight for srt_q4_linear (decode steps of up to Q4_MAX_ROWS rows) and
-    its bf16 copy packed for srt_bf16_linear (more rows: a prefill, a big decode batch)."""
+    for more rows (a prefill, a big decode batch) srt_gguf_linear on the same blocks, or where that does
+    not run, its bf16 copy packed for srt_bf16_linear."""
 
     packed: torch.Tensor  # q4_pack's [n/16, k/32, 320]
-    bf16: torch.Tensor  # bf16_pack's
+    bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count
 
 
 @dataclass(frozen=True)
 class Q4KWeight:
     """A layer's GGUF Q4_K weight for srt_q4k_linear (decode steps of up to Q4_MAX_ROWS rows) and
-    its bf16 copy packed for srt_bf16_linear (more rows). Not a Q4Weight: its blocks are Q4_K's
+    for more rows srt_gguf_linear (or a bf16 copy, as Q4Weight's). Not a Q4Weight: its blocks are Q4_K's
     (srt_decode_layer tells the two apart by its `kinds`)."""
 
     packed: torch.Tensor  # q4_pack's [n/16, k/32, 384]
-    bf16: torch.Tensor  # bf16_pack's
+    bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count
 
 
 @dataclass(frozen=True)
 class Q5KWeight:
     """A layer's GGUF Q5_K weight for srt_q5k_linear (decode steps of up to Q5K_MAX_ROWS rows) and
-    its bf16 copy packed for srt_bf16_linear (more rows)."""
+    for more rows srt_gguf_linear (or a bf16 copy, as Q4Weight's)."""
 
     packed: torch.Tensor  # q5k_pack's [n/16, k/32, 448]
-    bf16: torch.Tensor  # bf16_pack's
+    bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count
 
 
 Q8_BLOCK_BYTES = 544  # cpu_q8_linear.c: 16 outputs x 32 k of Q8_0 (fp16 d, then q + 128)
@@ -300,8 +301,8 @@ def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Q8Weight:
     """A GGUF weight of Q8_0, Q5_0 or Q4_0 blocks (a layer's, or the tied LM head's) for
-    srt_q8_linear, or of Q6_K blocks for srt_q6k_linear (up to ops.q8_max_rows rows), and its bf16 copy
-    packed for srt_bf16_linear (more rows)."""
+    srt_q8_linear, or of Q6_K blocks for srt_q6k_linear (up to ops.q8_max_rows rows); for more rows
+    srt_gguf_linear (or a bf16 copy, as Q4Weight's)."""
 
     packed: torch.Tensor  # q8_pack's [n/16, k/32, 544], or 640 for Q6_K
-    bf16: torch.Tensor  # bf16_pack's
+    bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count

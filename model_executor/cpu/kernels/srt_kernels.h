@@ -118,6 +118,13 @@ void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, 
 /* the same on GGUF Q6_K blocks (q8_pack's layout with fp32 scales, one per 16 k; runs where srt_q8_linear does) */
 void srt_q6k_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
 
+/* cpu_bf16_linear.c: a GGUF weight's blocks (q4_pack's, q5k_pack's or q8_pack's layout; kind as
+ * cpu_kernels.c's KIND_*) for any number of rows, each task's blocks widened to bf16 first (AVX-512
+ * BF16); mode 0: bf16 out (+ bias), 1: float32 sums, 2: silu(gate) * up of a gate_up weight */
+int64_t srt_gguf_linear_available(void);
+void srt_gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, void *out,
+                     int64_t n, int64_t k, int64_t mode);
+
 /* cpu_prefill_attention.c: causal prefill attention (AMX where granted, else AVX-512 BF16) */
 int64_t srt_dp_prefill_attention_available(void);
 void srt_prefill_attention(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *v,
