@@ -141,3 +141,41 @@ def test_a_gguf_checkpoint_packs_the_file_blocks_without_a_float32_model(
         other = recovered[name]
         assert type(weight) is type(other), name
         assert torch.equal(weight.packed, other.packed), name  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("form", ["q4_1", "q4_k", "q5_k", "q8_0", "q6_k"])
+def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> None:
+    """srt_gguf_linear (a GGUF weight's blocks widened to bf16 a task at a time) equals
+    srt_bf16_linear on the weight's bf16 copy bit for bit: bf16 out with a bias, float32 sums, and
+    silu(gate) * up, from one row to more than any blocks kernel takes."""
+    from model_executor.cpu.kernels import build, ops, packing
+
+    if not build.gguf_linear_available():
+        pytest.skip("no srt_gguf_linear on this CPU (no AVX-512 BF16, or AMX)")
+    g = torch.Generator().manual_seed(3)
+    n, k = 96, 256
+    d16 = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    m16 = (-torch.rand(n, k // 32, generator=g) * 0.01).half()
+    q4 = torch.randint(0, 16 if form != "q5_k" else 32, (n, k), dtype=torch.uint8, generator=g)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, k // 16, generator=g) * 0.01
+    per32 = lambda t: t.float().repeat_interleave(32, 1)  # noqa: E731
+    packed, weight = {
+        "q4_1": lambda: (packing.q4_pack(q4, d16, m16), per32(d16) * q4.float() + per32(m16)),
+        "q4_k": lambda: (packing.q4_pack(q4, d16.float(), m16.float()), per32(d16) * q4.float() + per32(m16)),
+        "q5_k": lambda: (
+            packing.q5k_pack(q4, d16.float(), m16.float()),
+            per32(d16) * q4.float() + per32(m16),
+        ),
+        "q8_0": lambda: (packing.q8_pack(q8, d16), per32(d16) * q8.float()),
+        "q6_k": lambda: (packing.q8_pack(q8, scales), scales.repeat_interleave(16, 1) * q8.float()),
+    }[form]()
+    copy = packing.bf16_pack(weight.bfloat16())
+    bias = torch.randn(n, generator=g).bfloat16()
+    for rows in (1, 3, 13, 40):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        assert torch.equal(ops.gguf_linear(x, packed, bias), ops.bf16_linear(x, copy, bias, torch.bfloat16))
+        assert torch.equal(
+            ops.gguf_linear(x, packed, None, torch.float32), ops.bf16_linear(x, copy, None, torch.float32)
+        )
+        assert torch.equal(ops.gguf_linear_silu(x, packed), ops.bf16_linear_silu(x, copy))
