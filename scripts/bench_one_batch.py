@@ -60,11 +60,18 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from model_executor.cpu.kernels.packing import Int8Weight, Q4Weight, Q8Weight  # noqa: E402
+from model_executor.cpu.kernels.packing import (  # noqa: E402
+    Q6K_BLOCK_BYTES,
+    Int8Weight,
+    Q4KWeight,
+    Q4Weight,
+    Q5KWeight,
+)
 from model_executor.cpu.linear import set_one_arithmetic  # noqa: E402
 from model_executor.cpu.weights import QUANTIZATIONS  # noqa: E402
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed  # noqa: E402
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
+from model_executor.layers.linear import LinearBase  # noqa: E402
 from model_executor.layers.moe import SparseMoeBlock  # noqa: E402
 from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
@@ -440,20 +447,97 @@ def compute_bound_line(
     )
 
 
+def packed_read_bytes(packed: object) -> int:
+    """Bytes a one-row product reads of a packed weight: a GGUF weight's blocks (not a bf16 copy),
+    an int8 weight and its scales, a bf16 layout."""
+    if isinstance(packed, torch.Tensor):
+        return packed.numel() * packed.element_size()
+    if isinstance(packed, Int8Weight):
+        return packed.packed.numel() + packed.scale.numel() * 4
+    return int(packed.packed.numel())  # type: ignore[attr-defined]
+
+
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a batch-1 decode step reads: the parameters, with each int8-packed weight
-    (--quantization w8a8_int8) counted at its int8 size and scales instead of its bf16 size, and each
-    Q4_1 one (--quantization gguf) at its 4-bit blocks' (0.625 bytes a weight), a Q8_0 LM head at
-    its 1.0625 bytes a weight."""
-    total = model_weight_bytes(model)
+    """Bytes of weights a batch-1 decode step reads: every parameter in memory once, each linear
+    layer packed for the kernels at what its one-row product reads (packed_read_bytes) instead of
+    its weight as loaded."""
+    replaced: set[int] = set()
+    total = 0
     for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
-        weight_bytes = module.weight.numel() * module.weight.element_size() if packed is not None else 0
-        if isinstance(packed, Int8Weight):
-            total += packed.packed.numel() + packed.scale.numel() * 4 - weight_bytes
-        elif isinstance(packed, (Q4Weight, Q8Weight)):
-            total += packed.packed.numel() - weight_bytes
+        packed = getattr(module, "packed_weight", None) if isinstance(module, LinearBase) else None
+        if packed is not None:
+            replaced.add(id(module.weight))
+            total += packed_read_bytes(packed)
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) not in replaced and id(p) not in seen and p.device.type != "meta":
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
     return total
+
+
+def weight_kind(packed: object) -> str:
+    """What a layer's one-row product runs on: its GGUF block type, int8 or bf16."""
+    if packed is None or isinstance(packed, torch.Tensor):
+        return "bf16"
+    if isinstance(packed, Int8Weight):
+        return "int8"
+    name = {Q4Weight: "Q4_1", Q4KWeight: "Q4_K", Q5KWeight: "Q5_K"}.get(type(packed))
+    if name is None:
+        name = "Q6_K" if packed.packed.shape[-1] == Q6K_BLOCK_BYTES else "Q8_0/Q5_0/Q4_0"  # type: ignore[attr-defined]
+    return name
+
+
+def weight_breakdown(
+    model: torch.nn.Module, bandwidth: float, runs: int = 7
+) -> tuple[str, list[dict[str, Any]]]:
+    """Per kind of linear weight (its role, q/k/v or gate/up merged, and what it runs on): how many,
+    the bytes a one-row product reads, the time of those products one after another (op by op, the
+    kernels the fused layer calls; median of `runs`), and the bandwidth floor's share of that time."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            key = (name.rsplit(".", 1)[-1], weight_kind(getattr(module, "packed_weight", None)))
+            groups.setdefault(key, []).append(module)
+    rows: list[dict[str, Any]] = []
+    for (role, kind), modules in sorted(groups.items()):
+        xs = [torch.randn(1, m.weight.shape[1]).bfloat16() for m in modules]
+
+        def run(modules: list[Any] = modules, xs: list[torch.Tensor] = xs) -> None:
+            for module, x in zip(modules, xs):
+                module.linear_method.apply(module, x, getattr(module, "bias", None))
+
+        run()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        nbytes = sum(
+            packed_read_bytes(m.packed_weight) if m.packed_weight is not None else m.weight.numel() * 2
+            for m in modules
+        )
+        rows.append(
+            {"weight": role, "kind": kind, "count": len(modules), "bytes": nbytes, "seconds": seconds}
+        )
+    header = f"{'weight':>14} | {'runs on':>14} | {'count':>5} | {'MB':>8} | {'ms':>7} | {'GB/s':>6} | {'floor share':>11}"
+    lines = ["batch-1 linears by kind (op by op, one row)", header, "-" * len(header)]
+    for r in rows + [
+        {
+            "weight": "all",
+            "kind": "",
+            "count": sum(r["count"] for r in rows),
+            "bytes": sum(r["bytes"] for r in rows),
+            "seconds": sum(r["seconds"] for r in rows),
+        }
+    ]:
+        rate = r["bytes"] / r["seconds"]
+        lines.append(
+            f"{r['weight']:>14} | {r['kind']:>14} | {r['count']:>5} | {r['bytes'] / 1e6:>8.1f} | "
+            f"{r['seconds'] * 1e3:>7.2f} | {rate / 1e9:>6.1f} | {rate / bandwidth * 100:>10.0f}%"
+        )
+    return "\n".join(lines), rows
 
 
 def unread_weights(model: torch.nn.Module) -> tuple[int, int]:
@@ -673,6 +757,9 @@ def main(argv: list[str] | None = None) -> None:
         print(roofline_line(weight_bytes, bandwidth, batch_1.decode_step_s, moe=moe))
         report["read_bandwidth_bytes_per_s"] = bandwidth
         report["weight_bytes"] = weight_bytes
+        if args.device == "cpu":
+            table, report["weight_breakdown"] = weight_breakdown(runner.model, bandwidth)
+            print(table)
     if num_params:
         flops = matmul_flops(device=args.device)
         best_prefill = max(r.prefill_tok_s for r in srt)

