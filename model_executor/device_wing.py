@@ -41,6 +41,12 @@ class DeviceWing:
                 f"got --device {self.config.device}"
             )
 
+    def on_weight_loaded(self, model: CausalLM) -> Callable[[str], None] | None:
+        """Before the checkpoint loads: a callback load_weights calls with each parameter's name once
+        all of it is loaded (to lay it out for the kernels then and free its dense form before the
+        next is read), or None. Default: None."""
+        return None
+
     def prepare_weights(self, model: CausalLM, load_float32: Callable[[], CausalLM]) -> None:
         """Once, after the weights are loaded: lays them out for the device's kernels (each linear
         layer's linear method) and logs what it did. `load_float32` loads the checkpoint again in

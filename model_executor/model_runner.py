@@ -153,7 +153,10 @@ class ModelRunner:
         with torch.device(self.device):
             self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)
         load_weights(
-            self.model, iter_checkpoint(self.config.model_dir), progress=self.parallel.world.is_first
+            self.model,
+            iter_checkpoint(self.config.model_dir),
+            progress=self.parallel.world.is_first,
+            on_loaded=self.wing.on_weight_loaded(self.model),
         )
         self.model.eval()
         self.moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]

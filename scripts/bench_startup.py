@@ -1,7 +1,7 @@
 """Start-up time and memory of a server: `--starts` launches of `launch_server` with the given flags,
 one after another, each until `/health` answers 200 (or the process exits, or `--timeout` passes),
 with the resident memory of every process of its tree sampled every 0.1 s until then and for
-`--settle` seconds after. Prints one row a start and a summary.
+`--settle` seconds after (its peak, and its value then). Prints one row a start and a summary.
 
     python scripts/bench_startup.py --starts 10 -- --model-path FILE.gguf --quantization gguf
 
@@ -29,6 +29,7 @@ class Start:
     ready_s: float | None  # None: never became ready
     peak_rss: int  # bytes, every process of the tree together
     exit_code: int | None
+    ready_rss: int = 0  # the same, `settle` seconds after ready
 
 
 def tree_rss(root: psutil.Process) -> int:
@@ -58,7 +59,7 @@ def one_start(flags: list[str], timeout: float, settle: float) -> Start:
                 except requests.RequestException:
                     pass
             elif time.monotonic() - began > ready + settle:
-                break
+                return Start(ready, peak, server.poll(), tree_rss(root))
             time.sleep(0.1)
         return Start(ready, peak, server.poll())
     finally:
@@ -72,10 +73,12 @@ def one_start(flags: list[str], timeout: float, settle: float) -> Start:
 
 def summary(starts: list[Start]) -> str:
     ready = [s.ready_s for s in starts if s.ready_s is not None]
-    lines = [f"{'start':>5} | {'ready (s)':>9} | {'peak RSS, all processes (MB)':>28}"]
+    lines = [
+        f"{'start':>5} | {'ready (s)':>9} | {'peak RSS, all processes (MB)':>28} | {'RSS when ready (MB)':>19}"
+    ]
     for i, s in enumerate(starts, 1):
         shown = f"{s.ready_s:.1f}" if s.ready_s is not None else f"failed ({s.exit_code})"
-        lines.append(f"{i:>5} | {shown:>9} | {s.peak_rss / 2**20:>28.0f}")
+        lines.append(f"{i:>5} | {shown:>9} | {s.peak_rss / 2**20:>28.0f} | {s.ready_rss / 2**20:>19.0f}")
     median = f"median ready {statistics.median(ready):.1f} s" if ready else "none ready"
     lines.append(
         f"{len(ready)} of {len(starts)} starts ready; {median}; "

@@ -10,6 +10,7 @@ def test_a_start_of_the_default_server_is_timed_and_measured() -> None:
     start = bench_startup.one_start(["--max-total-tokens", "4096"], timeout=300, settle=1)
     assert start.ready_s is not None and 0 < start.ready_s < 300
     assert start.peak_rss > 100 * 2**20  # the main process, a rank and the detokenizer
+    assert 0 < start.ready_rss <= start.peak_rss
 
 
 def test_summary_counts_the_failed_starts() -> None:

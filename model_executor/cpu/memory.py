@@ -63,6 +63,21 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def release_freed_memory() -> bool:
+    """Gives the heap's free pages back to the system (glibc's malloc_trim): once after loading,
+    where the weights read as loaded and replaced by their packed forms were freed into a heap that
+    keep_freed_memory never trims, so that they count as available when the KV budget is sized.
+    False where libc has no malloc_trim."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def bound_onednn_caches() -> dict[str, str]:
     """Caps oneDNN's primitive caches at ONEDNN_CACHE_SHAPES shapes each, through the environment
     variables torch's oneDNN reads, where the user set none; returns the values in force. Call

@@ -21,6 +21,7 @@ from model_executor.cpu.linear import (
     reads_dense,
     set_one_arithmetic,
 )
+from model_executor.cpu.memory import release_freed_memory
 from model_executor.cpu.moe import fuse_experts
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.linear_method import UNQUANTIZED
@@ -149,6 +150,75 @@ def recovered_blocks(float32_model: nn.Module) -> Callable[[str, LinearBase], Ke
     return blocks_of
 
 
+class Packer:
+    """Packs linear layers (LinearBase) by pack_model's rules, each at most once: as soon as its
+    weight is loaded (`loaded`, load_weights' on_loaded), so that a dense weight the kernels do not
+    read is freed before the next one is read, and the rest at `finish`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        quantization: str | None = None,
+        blocks_of: Callable[[str, LinearBase], KernelBlocks] | None = None,
+    ) -> None:
+        assert quantization != "gguf" or blocks_of is not None, "gguf packs the blocks blocks_of finds"
+        self.model, self.quantization, self.blocks_of = model, quantization, blocks_of
+        # parameters that other modules read (a tied LM head's weight is the token embedding)
+        self.shared = {
+            id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(False)
+        }
+        self.params = dict(model.named_parameters())
+        self.owners: dict[int, list[tuple[str, LinearBase]]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase) and isinstance(getattr(module, "weight", None), torch.Tensor):
+                self.owners.setdefault(id(module.weight), []).append((name, module))
+        self.done: set[str] = set()
+        self.count = 0
+        self.as_bf16: list[str] = []
+
+    def loaded(self, param_name: str) -> None:
+        """Every shard of parameter `param_name` is loaded: pack the linear layers whose weight it is."""
+        param = self.params.get(param_name)
+        for name, module in self.owners.get(id(param), []) if param is not None else []:
+            self.pack(name, module)
+
+    def pack(self, name: str, module: LinearBase) -> None:
+        weight = module.weight
+        if name in self.done or not isinstance(weight, torch.Tensor):
+            return
+        self.done.add(name)
+        quantizable = getattr(module, "quantizable", True)
+        q4 = q5 = q8 = None
+        if self.quantization == "gguf" and self.blocks_of is not None:
+            q4, q5, q8 = self.blocks_of(name, module)
+            if quantizable and q4 is None and q5 is None and q8 is None:
+                self.as_bf16.append(name)
+        packed = pack_weight(weight, self.quantization if quantizable else None, q4, q8, q5)
+        module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
+        self.count += packed is not None
+        if packed is not None and not reads_dense(packed) and id(weight) not in self.shared:
+            # nothing reads the weight as loaded any more: keep its shape, free its bytes (given back
+            # to the system at once: the heap keep_freed_memory never trims would hold them)
+            module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+            del weight
+            release_freed_memory()
+
+    def finish(self) -> int:
+        """Packs every layer not packed yet; logs the gguf layers left bf16; returns how many were
+        packed in all."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, LinearBase):
+                self.pack(name, module)
+        if self.as_bf16:
+            logger.info(
+                "--quantization gguf: %d linear layers stay bf16 (%s): %s",
+                len(self.as_bf16),
+                gguf_bf16_reason(),
+                ", ".join(self.as_bf16[:4]) + (", ..." if len(self.as_bf16) > 4 else ""),
+            )
+        return self.count
+
+
 def pack_model(
     model: nn.Module,
     quantization: str | None = None,
@@ -162,35 +232,20 @@ def pack_model(
     recovered_blocks): Q4_1, Q4_K or Q5_K on the 4-bit kernel, Q8_0, Q5_0, Q4_0 or Q6_K on the 8-bit
     one (the LM head only there). A gguf layer srt has no kernel for here (another type, or no kernel
     for it on this CPU) stays bf16, and the log names how many. Returns how many were packed. Call
-    once, after the weights are loaded."""
-    assert quantization != "gguf" or blocks_of is not None, "gguf packs the blocks blocks_of finds"
-    count = 0
-    # parameters that other modules read (a tied LM head's weight is the token embedding)
-    shared = {id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(False)}
-    as_bf16: list[str] = []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, LinearBase) and isinstance(weight, torch.Tensor):
-            quantizable = getattr(module, "quantizable", True)
-            q4 = q5 = q8 = None
-            if quantization == "gguf" and blocks_of is not None:
-                q4, q5, q8 = blocks_of(name, module)
-                if quantizable and q4 is None and q5 is None and q8 is None:
-                    as_bf16.append(name)
-            packed = pack_weight(weight, quantization if quantizable else None, q4, q8, q5)
-            module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
-            count += packed is not None
-            if packed is not None and not reads_dense(packed) and id(weight) not in shared:
-                # nothing reads the weight as loaded any more: keep its shape, free its bytes
-                module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
-    if as_bf16:
-        logger.info(
-            "--quantization gguf: %d linear layers stay bf16 (%s): %s",
-            len(as_bf16),
-            gguf_bf16_reason(),
-            ", ".join(as_bf16[:4]) + (", ..." if len(as_bf16) > 4 else ""),
-        )
-    return count
+    once, after the weights are loaded (or use a Packer while they load)."""
+    return Packer(model, quantization, blocks_of).finish()
+
+
+def loading_packer(
+    model: nn.Module, *, quantization: str | None, deterministic: bool, gguf_file: Path | None
+) -> Packer | None:
+    """A Packer to pack each layer while the checkpoint loads, where its layout needs nothing but
+    the weight and the file (not gguf recovered from a float32 load); None otherwise."""
+    if quantization == "gguf" and gguf_file is None:
+        return None
+    set_one_arithmetic(deterministic)
+    blocks_of = file_blocks(model, GgufFile(gguf_file)) if quantization == "gguf" and gguf_file else None
+    return Packer(model, quantization, blocks_of)
 
 
 def prepare_weights(
@@ -201,18 +256,25 @@ def prepare_weights(
     deterministic: bool,
     load_float32: Callable[[], nn.Module],
     gguf_file: Path | None = None,
+    packer: Packer | None = None,
 ) -> None:
     """Sets one arithmetic for deterministic inference (set_one_arithmetic) and packs the model's
     weights (pack_model; with gguf, the blocks read from `gguf_file`, the GGUF file the checkpoint was
     converted from, else recovered from the checkpoint loaded again through `load_float32`, then
-    dropped); logs how many were packed and, for bf16 and fp16, the paths this CPU's kernels take."""
-    set_one_arithmetic(deterministic)
+    dropped; or what `packer`, loading_packer's, did not pack while the checkpoint loaded); logs how many
+    were packed and, for bf16 and fp16, the paths this CPU's kernels take."""
     started = time.perf_counter()
-    blocks_of = None
-    if quantization == "gguf":
-        blocks_of = file_blocks(model, GgufFile(gguf_file)) if gguf_file else recovered_blocks(load_float32())
-    packed = pack_model(model, quantization, blocks_of)
-    del blocks_of  # with the float32 model it holds
+    if packer is not None:  # packed while loading: the rest now
+        packed = packer.finish()
+    else:
+        set_one_arithmetic(deterministic)
+        blocks_of = None
+        if quantization == "gguf":
+            blocks_of = (
+                file_blocks(model, GgufFile(gguf_file)) if gguf_file else recovered_blocks(load_float32())
+            )
+        packed = pack_model(model, quantization, blocks_of)
+        del blocks_of  # with the float32 model it holds
     fuse_experts(model)  # a mixture of experts: each layer's experts in one kernel call
     if packed:
         weights = [packed_of(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)]
@@ -227,7 +289,7 @@ def prepare_weights(
         quantized = [f"{count} {name}" for count, name in counts if count]
         source = f", blocks read from {gguf_file.name}" if quantization == "gguf" and gguf_file else ""
         logger.info(
-            "packed %d weights for the CPU kernels%s in %.1f s%s",
+            "packed %d weights for the CPU kernels%s (%.1f s after loading)%s",
             packed,
             f", of them {', '.join(quantized)} ({quantization})" if quantization else "",
             time.perf_counter() - started,

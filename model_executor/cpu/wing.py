@@ -12,9 +12,9 @@ from mem_cache.kv_memory import KVMemory
 from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
 from model_executor.cpu.encoder_runner import CpuEncoderRunner
-from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory
+from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory, release_freed_memory
 from model_executor.cpu.thread_governor import ThreadGovernor
-from model_executor.cpu.weights import check_quantization, prepare_weights
+from model_executor.cpu.weights import Packer, check_quantization, loading_packer, prepare_weights
 from model_executor.device_wing import DeviceWing
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.loader.gguf_convert import gguf_source
@@ -30,11 +30,21 @@ class CpuWing(DeviceWing):
         super().__init__(config, parallel)
         keep_freed_memory()
         bound_onednn_caches()
+        self.packer: Packer | None = None  # packing each weight while the checkpoint loads
         # Set by step_runner with adaptive threads (--disable-adaptive-cpu-threads off).
         self.thread_governor: ThreadGovernor | None = None
 
     def check(self) -> None:
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
+
+    def on_weight_loaded(self, model: CausalLM) -> Callable[[str], None] | None:
+        self.packer = loading_packer(
+            model,
+            quantization=self.config.quantization,
+            deterministic=self.config.deterministic,
+            gguf_file=gguf_source(self.config.model_dir),
+        )
+        return self.packer.loaded if self.packer is not None else None
 
     def prepare_weights(self, model: CausalLM, load_float32: Callable[[], CausalLM]) -> None:
         prepare_weights(
@@ -44,7 +54,10 @@ class CpuWing(DeviceWing):
             deterministic=self.config.deterministic,
             load_float32=load_float32,
             gguf_file=gguf_source(self.config.model_dir),
+            packer=self.packer,
         )
+        self.packer = None
+        release_freed_memory()  # the weights packing replaced, before the KV budget reads free memory
 
     def step_runner(self, model: CausalLM, attn_backend: AttentionBackend, memory: KVMemory) -> StepRunner:
         self.thread_governor = ThreadGovernor.for_this_rank() if self.config.adaptive_threads else None

@@ -7,7 +7,7 @@ unless the model says to skip it; otherwise a ValueError lists the names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -74,8 +74,14 @@ class PermutedRows:
 
 
 def load_weights(
-    model: nn.Module, checkpoint: Iterable[NamedTensorSource], *, progress: bool = False
+    model: nn.Module,
+    checkpoint: Iterable[NamedTensorSource],
+    *,
+    progress: bool = False,
+    on_loaded: Callable[[str], None] | None = None,
 ) -> None:
+    """Loads every checkpoint tensor into its parameter; `on_loaded` is called with a parameter's
+    name once all its shards are in."""
     params = dict(model.named_parameters())
     loaded: dict[str, set[Any]] = {}
     unused: list[str] = []
@@ -103,6 +109,8 @@ def load_weights(
                 f"does not fit parameter {target!r} of shape {tuple(param.shape)} on this rank: {e}"
             ) from e
         loaded.setdefault(target, set()).add(shard_id)
+        if on_loaded is not None and loaded[target] == set(getattr(param, "shard_ids", ()) or (None,)):
+            on_loaded(target)
 
     missing = []
     for name, param in params.items():

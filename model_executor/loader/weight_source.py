@@ -7,12 +7,14 @@ touches just its own shard of each checkpoint tensor.
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from model_executor.loader.gguf_convert import convert_gguf
@@ -70,6 +72,42 @@ def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
         raise ValueError(f"model_dir {str(model_dir)!r}: cannot read config.json: {error}") from error
 
 
+class SafetensorsFile:
+    """One safetensors file read with pread, not memory-mapped: what is read lands in the page
+    cache and in the tensors made of it, never in the process's resident set as mapped pages (a
+    mapped checkpoint counted whole in every rank's RSS while it loaded)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        (size,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        header = json.loads(os.pread(self.fd, size, 8))
+        header.pop("__metadata__", None)
+        self.header: dict[str, Any] = header
+        self.data_start = 8 + size
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+    def rows(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, count: int
+    ) -> torch.Tensor:
+        """Rows start .. start + count (along the first dimension) of tensor `name`."""
+        begin, _ = self.header[name]["data_offsets"]
+        row = math.prod(shape[1:]) * dtype.itemsize
+        data = bytearray(count * row)
+        view = memoryview(data)
+        offset, done = self.data_start + begin + start * row, 0
+        while done < len(data):  # pread may return less than asked
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"{self.path}: tensor {name} is cut short")
+            done += got
+        if not data:
+            return torch.empty((count, *shape[1:]), dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).view(count, *shape[1:])
+
+
 class LazyTensor:
     """One checkpoint tensor, read only when (and as far as) asked."""
 
@@ -78,14 +116,14 @@ class LazyTensor:
         name: str,
         shape: tuple[int, ...],
         dtype: torch.dtype,
-        file: Any = None,
+        file: SafetensorsFile | None = None,
         tensor: torch.Tensor | None = None,
     ) -> None:
         assert (file is None) != (tensor is None), "exactly one of file and tensor"
         self.name = name
         self.shape = shape
         self.dtype = dtype
-        self._file = file  # an open safetensors handle, shared by the tensors of one file
+        self._file = file  # shared by the tensors of one file
         self._tensor = tensor
 
     @classmethod
@@ -97,7 +135,7 @@ class LazyTensor:
         return f"LazyTensor({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        """`load().narrow(dim, start, length)`, reading only that slice from disk."""
+        """`load().narrow(dim, start, length)`, reading only that slice's rows from disk."""
         if not -len(self.shape) <= dim < len(self.shape):
             raise ValueError(f"dim must be in [{-len(self.shape)}, {len(self.shape)}) for {self}, got {dim}")
         dim %= len(self.shape)
@@ -110,15 +148,19 @@ class LazyTensor:
             )
         if self._tensor is not None:
             return self._tensor.narrow(dim, start, length)
-        index = [slice(None)] * len(self.shape)
-        index[dim] = slice(start, start + length)
-        return self._file.get_slice(self.name)[tuple(index)]
+        assert self._file is not None
+        if dim == 0:
+            return self._file.rows(self.name, self.dtype, self.shape, start, length)
+        return self.load().narrow(dim, start, length)
 
     def load(self) -> torch.Tensor:
         """The whole tensor."""
         if self._tensor is not None:
             return self._tensor
-        return self._file.get_tensor(self.name)
+        assert self._file is not None
+        if not self.shape:  # a scalar
+            return self._file.rows(self.name, self.dtype, (1,), 0, 1).view(())
+        return self._file.rows(self.name, self.dtype, self.shape, 0, self.shape[0])
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -149,18 +191,21 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[LazyTensor]:
     """
     seen: dict[str, str] = {}
     for path in checkpoint_files(model_dir):
-        handle = safe_open(str(path), framework="pt")
-        for name in sorted(handle.keys()):
+        try:
+            handle = SafetensorsFile(path)
+        except (OSError, ValueError, struct.error) as error:
+            raise ValueError(f"{path}: not a readable safetensors file: {error}") from error
+        for name in sorted(handle.header):
             if name in seen:
                 raise ValueError(
                     f"model_dir {str(model_dir)!r}: tensor {name} is in both {seen[name]} and {path.name}"
                 )
             seen[name] = path.name
-            info = handle.get_slice(name)
-            shape = tuple(int(n) for n in info.get_shape())
-            dtype = _SAFETENSORS_DTYPES.get(info.get_dtype())
+            info = handle.header[name]
+            shape = tuple(int(n) for n in info["shape"])
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
             if dtype is None:
-                raise ValueError(f"{path}: tensor {name} has unsupported dtype {info.get_dtype()}")
+                raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
             yield LazyTensor(name, shape, dtype, file=handle)
 
 
