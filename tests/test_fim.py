@@ -51,7 +51,7 @@ EXTRA = [
     {"filename": "util.py", "text": "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n"},
 ]
 QWEN_FIM = "<|fim_prefix|>{}<|fim_suffix|>{}<|fim_middle|>"
-STEPS = 24
+STEPS = 16
 
 
 def coder_dir(name: str) -> Path:
