@@ -127,7 +127,6 @@ def _widen(blocks: Blocks, form: str) -> Blocks:
     """The same values in a wider form: q4_1 -> q4_k (float32 d, m), q8 -> q6_k (d per 16)."""
     if blocks.form == form:
         return blocks
-    assert blocks.m is not None or form == "q6_k"
     if form == "q4_k":
         assert blocks.form == "q4_1" and blocks.m is not None
         return Blocks(form, blocks.q, blocks.d.float(), blocks.m.float())

@@ -23,10 +23,8 @@ TILES = 8  # a kind's flag: srt_gguf_linear, widening its blocks to bf16 a task 
 
 
 def gguf_kind(weight: GgufWeight) -> int:
-    """srt_decode_layer's kind of the weight's blocks (cpu_kernels.c's KIND_*)."""
-    if isinstance(weight, Q8Weight):
-        return 5 if weight.packed.shape[-1] == ops.Q6K_BLOCK_BYTES else 4
-    return {Q4Weight: 1, Q4KWeight: 2, Q5KWeight: 3}[type(weight)]
+    """srt_decode_layer's kind of the weight's blocks (cpu_kernels.c's KIND_*), by their size."""
+    return ops.GGUF_KINDS[weight.packed.shape[-1]]
 
 
 def gguf_max_rows(weight: GgufWeight) -> int:
