@@ -154,7 +154,8 @@ def _linear(
     rows = x.numel() // x.shape[-1]
     if isinstance(packed, FOUR_BIT):
         if rows <= ops.q4_max_rows(packed.packed):
-            return ops.q4_linear(x.contiguous(), packed.packed, bias)
+            out_dtype = torch.float32 if float32_out else torch.bfloat16
+            return ops.q4_linear(x.contiguous(), packed.packed, bias, out_dtype)
     if isinstance(packed, packing.Q8Weight):
         if rows <= ops.q8_max_rows(packed.packed):
             out = ops.q8_linear(x.contiguous(), packed.packed)

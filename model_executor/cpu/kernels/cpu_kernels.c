@@ -967,7 +967,7 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
 }
 
 /* A product that feeds the residual stream (o_proj, down_proj): into `out_f32` unrounded where the
- * weight is bf16_pack'd for srt_bf16_linear or on 8-bit blocks (-> 1), else as layer_linear into
+ * weight is bf16_pack'd for srt_bf16_linear or on a GGUF weight's blocks (-> 1), else as layer_linear into
  * `out` (-> 0), as PackedLinearMethod gives it to RowParallelLinear op by op. */
 static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *packed, const float *scale,
                            int64_t kind, bf16 *out, float *out_f32, int64_t n, int64_t k) {
@@ -981,6 +981,10 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
     }
     if (packed && IS_8_BIT(kind)) {
         q8_layer_linear(x, m, packed, kind, NULL, NULL, out_f32, n, k);
+        return 1;
+    }
+    if (packed && (kind == KIND_Q4_1 || kind == KIND_Q4_K || kind == KIND_Q5_K)) {
+        srt_q4_linear_f32(x, m, (const uint8_t *)packed, kind, NULL, out_f32, n, k);
         return 1;
     }
     layer_linear(x, m, w, packed, scale, kind, NULL, out, n, k);

@@ -36,6 +36,8 @@
  * fifth bits) */
 enum { Q4_1, Q4_K, Q5_K };
 static inline int kind_bytes(const int kind) { return kind == Q5_K ? 448 : kind == Q4_K ? 384 : 320; }
+/* out's element i: float32 with OUT_F32, else bf16 */
+#define OUT_AT(out, i, mode) ((void *)((char *)(out) + (i) * ((mode) == OUT_F32 ? 4 : 2)))
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -51,7 +53,7 @@ static inline int kind_bytes(const int kind) { return kind == Q5_K ? 448 : kind 
  * 2.5 and 5 KB ahead, or into L1, gained less (docs/performance.md). */
 #define PREFETCH_BLOCKS 64
 
-enum { OUT_BF16, OUT_SILU };
+enum { OUT_BF16, OUT_SILU, OUT_F32 };
 
 int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
@@ -121,24 +123,30 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
     }
 }
 
-/* R rows of sums -> out (row stride n, its first column at `out`) in bf16 (+ bias); OUT_SILU:
- * blocks [0, NB/2) are the gate's and [NB/2, NB) the up projection's, each rounded to bf16 first */
+/* R rows of sums -> out (row stride n, its first column at `out`) in bf16 (+ bias), or float32
+ * with OUT_F32; OUT_SILU: blocks [0, NB/2) are the gate's and [NB/2, NB) the up projection's, each
+ * rounded to bf16 first */
 static inline __attribute__((always_inline)) void q4_store(__m512 acc[ROWS][GROUP], const int R, const int NB,
-                                                           const bf16 *bias, bf16 *out, int64_t n, const int mode) {
+                                                           const bf16 *bias, void *out, int64_t n, const int mode) {
     for (int r = 0; r < R; r++) {
         if (mode == OUT_SILU) {
             for (int b = 0; b < NB / 2; b++)
-                store16(out + r * n + 16 * b, silu_mul16(round16(acc[r][b]), round16(acc[r][b + NB / 2])));
+                store16((bf16 *)out + r * n + 16 * b, silu_mul16(round16(acc[r][b]), round16(acc[r][b + NB / 2])));
             continue;
         }
-        for (int b = 0; b < NB; b++)
-            store16(out + r * n + 16 * b, bias ? _mm512_add_ps(acc[r][b], load16(bias + 16 * b)) : acc[r][b]);
+        for (int b = 0; b < NB; b++) {
+            const __m512 v = bias ? _mm512_add_ps(acc[r][b], load16(bias + 16 * b)) : acc[r][b];
+            if (mode == OUT_F32)
+                _mm512_storeu_ps((float *)out + r * n + 16 * b, v);
+            else
+                store16((bf16 *)out + r * n + 16 * b, v);
+        }
     }
 }
 
 static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_t m, int64_t k, const float *xsum,
                                                            const uint8_t *const *wb, const int NB, const bf16 *bias,
-                                                           bf16 *out, int64_t n, const int mode, const int kind) {
+                                                           void *out, int64_t n, const int mode, const int kind) {
     __m512 acc[ROWS][GROUP];
     int64_t r0 = 0;
     for (; m - r0 >= 4; r0 += 4) {
@@ -148,16 +156,16 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
             for (int h = 0; h < NB / 2; h++) {
                 const uint8_t *sub[2] = {wb[h], wb[h + NB / 2]};
                 q4_tile(xr, k, sr, sub, 4, 2, kind, acc);
-                q4_store(acc, 4, 2, NULL, out + r0 * n + 16 * h, n, mode);
+                q4_store(acc, 4, 2, NULL, OUT_AT(out, r0 * n + 16 * h, mode), n, mode);
             }
         } else {
             for (int h = 0; h < NB; h += 2) {
                 if (NB - h >= 2) {
                     q4_tile(xr, k, sr, wb + h, 4, 2, kind, acc);
-                    q4_store(acc, 4, 2, bias ? bias + 16 * h : NULL, out + r0 * n + 16 * h, n, mode);
+                    q4_store(acc, 4, 2, bias ? bias + 16 * h : NULL, OUT_AT(out, r0 * n + 16 * h, mode), n, mode);
                 } else {
                     q4_tile(xr, k, sr, wb + h, 4, 1, kind, acc);
-                    q4_store(acc, 4, 1, bias ? bias + 16 * h : NULL, out + r0 * n + 16 * h, n, mode);
+                    q4_store(acc, 4, 1, bias ? bias + 16 * h : NULL, OUT_AT(out, r0 * n + 16 * h, mode), n, mode);
                 }
             }
         }
@@ -167,10 +175,10 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
         const float *sr = xsum + r0 * (k / 32);
         if (m - r0 >= 2) {
             q4_tile(xr, k, sr, wb, 2, NB, kind, acc);
-            q4_store(acc, 2, NB, bias, out + r0 * n, n, mode);
+            q4_store(acc, 2, NB, bias, OUT_AT(out, r0 * n, mode), n, mode);
         } else {
             q4_tile(xr, k, sr, wb, 1, NB, kind, acc);
-            q4_store(acc, 1, NB, bias, out + r0 * n, n, mode);
+            q4_store(acc, 1, NB, bias, OUT_AT(out, r0 * n, mode), n, mode);
         }
     }
 }
@@ -178,7 +186,7 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
 /* out[m][n] = x[m][k] @ w.T (+ bias), or with OUT_SILU silu(gate) * up of the [2d, k] gate_up
  * weight into out[m][d] (n = d): each thread a contiguous run of 16-output blocks, GROUP at a time
  * (silu: two gate blocks with their up blocks) */
-static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, void *out, int64_t n,
                       int64_t k, const int mode, const int kind) {
     const int64_t stride = (k / 32) * kind_bytes(kind), units = n / 16, blocks = k / 32;
     const int64_t step = mode == OUT_SILU ? GROUP / 2 : GROUP;
@@ -199,7 +207,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
             for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (u + i) * stride;
             if (mode == OUT_SILU)
                 for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (units + u + i) * stride;
-            bf16 *o = out + 16 * u;
+            void *o = OUT_AT(out, 16 * u, mode);
             const bf16 *b = bias ? bias + 16 * u : NULL;
             switch (nb * 3 + kind) { /* a constant block count and block kind for each instance */
             case 14: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q5_K); break;
@@ -248,7 +256,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 #define PARALLEL_MIN 65536
 #define PREFETCH_BLOCKS 32 /* ~10 KB ahead, as cpu_q8_linear.c's AVX2 path */
 
-enum { OUT_BF16, OUT_SILU };
+enum { OUT_BF16, OUT_SILU, OUT_F32 };
 
 int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
@@ -352,7 +360,7 @@ static void q4_rows(const float *xs, int64_t k, const float *xsum, const uint8_t
 /* every row of x against 16-output block stream wb (and, OUT_SILU, the up block's `up`), R rows a
  * tile; out's first column at `out` (row stride n) */
 static void q4_unit(const float *xs, int64_t m, int64_t k, const float *xsum, const uint8_t *wb,
-                    const uint8_t *up, const bf16 *bias, bf16 *out, int64_t n, const int mode, const int kind) {
+                    const uint8_t *up, const bf16 *bias, void *out, int64_t n, const int mode, const int kind) {
     __m256 acc[ROWS][2], acc_up[ROWS][2];
     const int64_t blocks = k / 32;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
@@ -361,18 +369,21 @@ static void q4_unit(const float *xs, int64_t m, int64_t k, const float *xsum, co
         if (mode == OUT_SILU) q4_rows(xs + r0 * k, k, xsum + r0 * blocks, up, R, kind, acc_up);
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++) {
-                bf16 *o = out + (r0 + r) * n + 8 * h;
+                void *o = OUT_AT(out, (r0 + r) * n + 8 * h, mode);
+                const __m256 v = bias ? _mm256_add_ps(acc[r][h], load8(bias + 8 * h)) : acc[r][h];
                 if (mode == OUT_SILU)
                     store8(o, silu_mul8(round8(acc[r][h]), round8(acc_up[r][h])));
+                else if (mode == OUT_F32)
+                    _mm256_storeu_ps(o, v);
                 else
-                    store8(o, bias ? _mm256_add_ps(acc[r][h], load8(bias + 8 * h)) : acc[r][h]);
+                    store8(o, v);
             }
     }
 }
 
 /* out[m][n] = x[m][k] @ w.T (+ bias), or with OUT_SILU silu(gate) * up of the [2d, k] gate_up
  * weight into out[m][d] (n = d): the 16-output blocks split evenly over the threads */
-static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, void *out, int64_t n,
                       int64_t k, const int mode, const int kind) {
     const int64_t units = n / 16, blocks = k / 32, stride = blocks * kind_bytes(kind);
     /* k 4c + i's lane shift: Q5_K's fields sit at bits 0 and 16 of two lanes */
@@ -392,7 +403,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 #pragma omp parallel for if (units * k * (m + 8) >= PARALLEL_MIN) schedule(static)
     for (int64_t u = 0; u < units; u++)
         q4_unit(xs, m, k, xsum, packed + u * stride, mode == OUT_SILU ? packed + (units + u) * stride : NULL,
-                bias ? bias + 16 * u : NULL, out + 16 * u, n, mode, kind);
+                bias ? bias + 16 * u : NULL, OUT_AT(out, 16 * u, mode), n, mode, kind);
     free(xs);
     free(xsum);
 }
@@ -414,6 +425,18 @@ int64_t srt_q5k_linear_available(void) { return 0; }
 void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                    int64_t k) {
     Q4(OUT_BF16, x, m, packed, bias, out, n, k);
+}
+
+/* srt_q4_linear, srt_q4k_linear or srt_q5k_linear by `kind` (srt_gguf_linear's: 1 Q4_1, 2 Q4_K,
+ * 3 Q5_K) with the float32 sums (+ bias) in out, unrounded: a product that feeds the residual stream */
+void srt_q4_linear_f32(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, float *out,
+                       int64_t n, int64_t k) {
+    if (kind == 2)
+        Q4K(OUT_F32, x, m, packed, bias, out, n, k);
+    else if (kind == 3)
+        Q5K(OUT_F32, x, m, packed, bias, out, n, k);
+    else
+        Q4(OUT_F32, x, m, packed, bias, out, n, k);
 }
 
 /* act[m][d] = silu(x @ w_gate.T) * (x @ w_up.T) for the packed [2d, k] gate_up weight (gate rows

@@ -615,16 +615,30 @@ def _q4_kernel(lib: ctypes.CDLL, packed: torch.Tensor, silu: bool) -> Callable[.
     return getattr(lib, f"srt_{kind}_linear{'_silu' if silu else ''}")
 
 
-def q4_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, for the weight `packed` holds (q4_pack:
-    Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear; q5k_pack: Q5_K's, on
-    srt_q5k_linear)."""
+def q4_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, or float32 unrounded, for the weight
+    `packed` holds (q4_pack: Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear; q5k_pack:
+    Q5_K's, on srt_q5k_linear)."""
     lib = _library()
     _need_contiguous("x", x)
     _need_dtype("x", x, torch.bfloat16)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     m = x.numel() // k
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    out = torch.empty(*x.shape[:-1], n, dtype=out_dtype)
+    if out_dtype == torch.float32:
+        lib.srt_q4_linear_f32(
+            x.data_ptr(),
+            m,
+            packed.data_ptr(),
+            GGUF_KINDS[packed.shape[-1]],
+            data_ptr(bias),
+            out.data_ptr(),
+            n,
+            k,
+        )
+        return out
     _q4_kernel(lib, packed, silu=False)(
         x.data_ptr(), m, packed.data_ptr(), data_ptr(bias), out.data_ptr(), n, k
     )

@@ -101,6 +101,8 @@ int64_t srt_q4_linear_available(void);
 void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                    int64_t k);
 void srt_q4_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
+void srt_q4_linear_f32(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, float *out,
+                       int64_t n, int64_t k);
 /* the same on GGUF Q4_K blocks (q4_pack's layout with fp32 scales) */
 int64_t srt_q4k_linear_available(void);
 void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
