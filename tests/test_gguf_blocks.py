@@ -146,12 +146,15 @@ def test_a_gguf_checkpoint_packs_the_file_blocks_without_a_float32_model(
 @pytest.mark.parametrize("form", ["q4_1", "q4_k", "q5_k", "q8_0", "q6_k"])
 def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> None:
     """srt_gguf_linear (a GGUF weight's blocks widened to bf16 a task at a time) equals
-    srt_bf16_linear on the weight's bf16 copy bit for bit: bf16 out with a bias, float32 sums, and
-    silu(gate) * up, from one row to more than any blocks kernel takes."""
+    srt_bf16_linear on the weight's bf16 copy bit for bit, on AMX tiles or AVX-512 BF16 (whichever
+    runs here; CI forces the second on an AMX machine): bf16 out with a bias, float32 sums, and
+    silu(gate) * up, from one row to more than any blocks kernel takes, across AMX's row shapes
+    (one or two 16-row blocks a pass, three or four in one, then pairs again)."""
     from model_executor.cpu.kernels import build, ops, packing
 
     if not build.gguf_linear_available():
-        pytest.skip("no srt_gguf_linear on this CPU (no AVX-512 BF16, or AMX)")
+        pytest.skip("no srt_gguf_linear on this CPU (no AVX-512 BF16)")
+    build.amx_available()  # grants this process the tiles where the CPU has them: both sides then run there
     g = torch.Generator().manual_seed(3)
     n, k = 96, 256
     d16 = (torch.rand(n, k // 32, generator=g) * 0.01).half()
@@ -172,7 +175,7 @@ def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> No
     }[form]()
     copy = packing.bf16_pack(weight.bfloat16())
     bias = torch.randn(n, generator=g).bfloat16()
-    for rows in (1, 3, 13, 40):
+    for rows in (1, 3, 13, 20, 40, 64, 70):
         x = torch.randn(rows, k, generator=g).bfloat16()
         assert torch.equal(ops.gguf_linear(x, packed, bias), ops.bf16_linear(x, copy, bias, torch.bfloat16))
         assert torch.equal(

@@ -54,7 +54,7 @@ HEADERS = (
     HEADER,
     *(
         Path(__file__).with_name(name)
-        for name in ("simd_bf16.h", "simd_avx2.h", "dp_bf16.h", "prefill_tasks.h")
+        for name in ("simd_bf16.h", "simd_avx2.h", "dp_bf16.h", "prefill_tasks.h", "gguf_widen.h")
     ),
 )  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes")
@@ -260,10 +260,10 @@ def q8_available() -> bool:
 @functools.cache
 def gguf_linear_available() -> bool:
     """Whether srt_gguf_linear runs here (any rows on a GGUF weight's blocks, widened to bf16 a task
-    at a time: AVX-512 BF16, cpu_bf16_linear.c) with the bits srt_bf16_linear gives on a bf16 copy;
-    where not (and on AMX, whose tiles give other bits), a GGUF weight keeps a bf16 copy."""
+    at a time: on AMX tiles, cpu_amx.c, or AVX-512 BF16, cpu_bf16_linear.c) with the bits
+    srt_bf16_linear gives on a bf16 copy; where not, a GGUF weight keeps a bf16 copy."""
     lib = kernels()
-    return lib is not None and bool(lib.srt_gguf_linear_available()) and not amx_available()
+    return lib is not None and bool(lib.srt_gguf_linear_available())
 
 
 @functools.cache

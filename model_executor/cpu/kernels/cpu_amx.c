@@ -28,6 +28,7 @@
 
 #include "prefill_tasks.h"
 #include "simd_bf16.h"
+#include "gguf_widen.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for permission to use an XSAVE feature */
 #define XFEATURE_XTILEDATA 18
@@ -286,6 +287,49 @@ void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16
  * the same values as srt_amx_linear then srt_silu_mul. d % 16 == 0 and k % 32 == 0. */
 void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
     amx_linear(x, m, packed, NULL, act, d, k, OUT_SILU);
+}
+
+/* srt_gguf_linear on AMX tiles: amx_linear's tasks, each first widening its two 16-output blocks
+ * of GGUF blocks to bf16 (gguf_widen.h) into a scratch of the thread's. The tiles then run as on
+ * the weight's bf16 copy, so the sums are srt_amx_linear's on that copy, bit for bit, at any row
+ * count, and no copy is kept. `mode` as srt_gguf_linear's: 0 bf16, 1 float32, 2 silu(gate) * up. */
+void srt_amx_gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, void *out,
+                         int64_t n, int64_t k, int64_t mode) {
+    const int64_t blocks = (m + 15) / 16, slices = k / 32, stride = slices * gguf_block_bytes(kind);
+    const int silu = mode == 2, quad = blocks > 2 && blocks <= 4;
+    const int64_t width = silu || quad ? 16 : 32, tasks = n / width;
+    bf16 *padded = pad_rows(x, m, k);
+    const bf16 *xp = padded ? padded : x;
+#pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES)
+    {
+        bf16 *scratch = aligned_alloc(64, (size_t)(32 * k) * sizeof(bf16)), *b1 = NULL;
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            gguf_widen(packed + first_block(t, width) * stride, kind, scratch, k);
+            if (!quad || silu) {
+                b1 = scratch + 16 * k;
+                gguf_widen(packed + second_block(t, tasks, silu) * stride, kind, b1, k);
+            }
+            const bf16 *b = bias ? bias + width * t : NULL;
+            if (quad && silu)
+                output_quad(xp, m, blocks, scratch, b1, k, NULL, out, n, width * t, OUT_SILU);
+            else if (quad && mode)
+                output_quad(xp, m, blocks, scratch, NULL, k, b, out, n, width * t, OUT_F32);
+            else if (quad)
+                output_quad(xp, m, blocks, scratch, NULL, k, b, out, n, width * t, OUT_BF16);
+            else if (silu)
+                output_pair(xp, m, blocks, scratch, b1, k, NULL, out, n, width * t, OUT_SILU);
+            else if (mode)
+                output_pair(xp, m, blocks, scratch, b1, k, b, out, n, width * t, OUT_F32);
+            else
+                output_pair(xp, m, blocks, scratch, b1, k, b, out, n, width * t, OUT_BF16);
+        }
+        _tile_release();
+        if (mode == 1) _mm_sfence(); /* store_block_f32's non-temporal stores */
+        free(scratch);
+    }
+    free(padded);
 }
 
 /* ---- Prefill attention on AMX tiles ----
@@ -622,6 +666,11 @@ void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, cons
 #else
 
 int64_t srt_amx_init(void) { return 0; }
+void srt_amx_gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, void *out,
+                         int64_t n, int64_t k, int64_t mode) {
+    (void)x, (void)m, (void)packed, (void)kind, (void)bias, (void)out, (void)n, (void)k, (void)mode;
+    abort(); /* never called: srt_amx_init() answered 0 */
+}
 
 int64_t srt_amx_granted(void) { return 0; }
 

@@ -53,7 +53,7 @@ static inline int kind_bytes(const int kind) { return kind == Q5_K ? 448 : kind 
  * 2.5 and 5 KB ahead, or into L1, gained less (docs/performance.md). */
 #define PREFETCH_BLOCKS 64
 
-enum { OUT_BF16, OUT_SILU, OUT_F32 };
+enum { OUT_BF16, OUT_F32, OUT_SILU };
 
 int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
@@ -256,7 +256,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 #define PARALLEL_MIN 65536
 #define PREFETCH_BLOCKS 32 /* ~10 KB ahead, as cpu_q8_linear.c's AVX2 path */
 
-enum { OUT_BF16, OUT_SILU, OUT_F32 };
+enum { OUT_BF16, OUT_F32, OUT_SILU };
 
 int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }

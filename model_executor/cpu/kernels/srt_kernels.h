@@ -59,6 +59,8 @@ void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bi
 void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                         int64_t k);
 void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k);
+void srt_amx_gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, void *out,
+                         int64_t n, int64_t k, int64_t mode);
 void srt_amx_linear_i8(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, const bf16 *bias,
                        bf16 *out, int64_t n, int64_t k);
 void srt_amx_linear_i8_silu(const bf16 *x, int64_t m, const int8_t *packed, const float *w_scale, bf16 *act,
