@@ -167,19 +167,25 @@ class Packer:
         self.shared = {
             id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(False)
         }
-        self.params = dict(model.named_parameters())
-        self.owners: dict[int, list[tuple[str, LinearBase]]] = {}
+        # the linear layers each parameter is the weight of, by the parameter's name: no reference to
+        # a parameter is kept here, or a dense weight pack() replaces would live until the end
+        param_names = {id(p): name for name, p in model.named_parameters()}
+        self.owners: dict[str, list[tuple[str, LinearBase]]] = {}
         for name, module in model.named_modules():
-            if isinstance(module, LinearBase) and isinstance(getattr(module, "weight", None), torch.Tensor):
-                self.owners.setdefault(id(module.weight), []).append((name, module))
+            weight = getattr(module, "weight", None)
+            if (
+                isinstance(module, LinearBase)
+                and isinstance(weight, torch.Tensor)
+                and id(weight) in param_names
+            ):
+                self.owners.setdefault(param_names[id(weight)], []).append((name, module))
         self.done: set[str] = set()
         self.count = 0
         self.as_bf16: list[str] = []
 
     def loaded(self, param_name: str) -> None:
         """Every shard of parameter `param_name` is loaded: pack the linear layers whose weight it is."""
-        param = self.params.get(param_name)
-        for name, module in self.owners.get(id(param), []) if param is not None else []:
+        for name, module in self.owners.get(param_name, []):
             self.pack(name, module)
 
     def pack(self, name: str, module: LinearBase) -> None:

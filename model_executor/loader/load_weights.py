@@ -83,6 +83,7 @@ def load_weights(
     """Loads every checkpoint tensor into its parameter; `on_loaded` is called with a parameter's
     name once all its shards are in."""
     params = dict(model.named_parameters())
+    shards = {name: set(getattr(param, "shard_ids", ()) or (None,)) for name, param in params.items()}
     loaded: dict[str, set[Any]] = {}
     unused: list[str] = []
     skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
@@ -109,12 +110,15 @@ def load_weights(
                 f"does not fit parameter {target!r} of shape {tuple(param.shape)} on this rank: {e}"
             ) from e
         loaded.setdefault(target, set()).add(shard_id)
-        if on_loaded is not None and loaded[target] == set(getattr(param, "shard_ids", ()) or (None,)):
+        if on_loaded is not None and loaded[target] == shards[target]:
+            del param
             on_loaded(target)
+            # on_loaded may have replaced the parameter (the CPU wing frees a weight it packed): hold
+            # the one the model has now, so the bytes of the old one go at once
+            params[target] = model.get_parameter(target)
 
     missing = []
-    for name, param in params.items():
-        expected = set(getattr(param, "shard_ids", ()) or (None,))
+    for name, expected in shards.items():
         got = loaded.get(name, set())
         if got != expected:
             missing.append(
