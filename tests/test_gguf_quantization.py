@@ -27,6 +27,16 @@ from model_executor.model_runner import ModelRunner, RunnerConfig
 from srt.cli_args import parse_server_args
 from srt.server_args import ServerArgs
 
+
+@pytest.fixture(autouse=True)
+def _four_bit_kernel_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests run the 4-bit and Q6_K kernels up to Q4_MAX_ROWS and Q6K_MAX_ROWS rows, AMX or
+    not (on AMX tiles the limits are Q4_AMX_MAX_ROWS and Q6K_AMX_MAX_ROWS; srt_gguf_linear past them
+    is tested in test_gguf_blocks.py)."""
+    monkeypatch.setattr(ops, "Q4_AMX_MAX_ROWS", ops.Q4_MAX_ROWS)
+    monkeypatch.setattr(ops, "Q6K_AMX_MAX_ROWS", 0)
+
+
 needs_q4 = pytest.mark.skipif(
     build._compiler() is None or not build.q4_available(),
     reason="neither AVX-512 BF16 nor AVX2, FMA and F16C here: no Q4_1 kernel",

@@ -8,6 +8,7 @@ RuntimeError (callers check `usable` or the `*_applies` / `build.*_available` pr
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,6 +31,11 @@ FUSED_DECODE_MAX_BATCH = 2
 # A linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
 # docs/performance.md), on the bf16 copy for more.
 Q4_MAX_ROWS = 12
+# ... and at most this many where srt_gguf_linear runs on AMX tiles: widening the blocks and
+# multiplying on the tiles takes a flat ~1.7 ms on a 17920 x 1536 Q4_K gate_up weight from 1 to 32
+# rows, where the 4-bit kernel takes 0.77 ms at 2 rows, 1.33 at 4, 1.71 at 5 and 2.55 at 8 (the
+# 2-core AMX Xeon, 12-07; 1536 x 8960 and 2048 x 1536 cross at 5 rows too).
+Q4_AMX_MAX_ROWS = 4
 # The LM head runs on its Q8_0 weight for at most this many rows (measured on SmolLM2, see
 # docs/performance.md), on the bf16 copy for more.
 Q8_MAX_ROWS = 8
@@ -38,6 +44,10 @@ Q8_MAX_ROWS = 8
 # at 2 and 0.7-1.04x at 4 on AVX-512 VNNI, and on the AVX2 path 1.03-1.07x at 2 rows and 0.9x at 4
 # (two scales a block cost more than Q8_0's one; docs/performance.md).
 Q6K_MAX_ROWS = 2
+# ... and at least this many where srt_gguf_linear runs on AMX tiles: the Q6_K kernel took 0.96 ms
+# at 8 rows on a 1536 x 8960 layer and 1.87 on a 17920 x 1536 one where widening onto the tiles took
+# 0.91 and 2.08 (the 2-core AMX Xeon, 12-07; 1-6 rows further ahead).
+Q6K_AMX_MAX_ROWS = 8
 # A Q5_K layer runs on its blocks for at most this many rows: streaming 640 x 2048 layers
 # (scripts/bench_gguf_kernels.py, Zen 4, shared, two runs) they were 1.14-1.53x the bf16 copy's speed
 # at 1 row, 1.00-1.09x at 2 and 0.71-0.82x at 3 to 8 on AVX-512 BF16; on the AVX2 path 1.03-1.32x at
@@ -49,12 +59,22 @@ Q5K_MAX_ROWS = 2
 def q4_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q4_linear / srt_q4k_linear / srt_q5k_linear takes the packed 4-bit (or Q5_K)
     weight for."""
-    return Q5K_MAX_ROWS if packed.shape[-1] == Q5K_BLOCK_BYTES else Q4_MAX_ROWS
+    if packed.shape[-1] == Q5K_BLOCK_BYTES:
+        return Q5K_MAX_ROWS
+    return min(Q4_MAX_ROWS, Q4_AMX_MAX_ROWS) if _gguf_on_tiles() else Q4_MAX_ROWS
+
+
+@functools.cache
+def _gguf_on_tiles() -> bool:
+    """Whether srt_gguf_linear runs on AMX tiles in this process."""
+    return build.gguf_linear_available() and build.amx_available()
 
 
 def q8_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q8_linear / srt_q6k_linear takes the packed 8-bit weight for."""
-    return Q6K_MAX_ROWS if packed.shape[-1] == Q6K_BLOCK_BYTES else Q8_MAX_ROWS
+    if packed.shape[-1] != Q6K_BLOCK_BYTES:
+        return Q8_MAX_ROWS
+    return max(Q6K_MAX_ROWS, Q6K_AMX_MAX_ROWS) if _gguf_on_tiles() else Q6K_MAX_ROWS
 
 
 def fused_gemv_max_batch() -> int:
