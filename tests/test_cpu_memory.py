@@ -92,10 +92,12 @@ def test_a_packed_weight_is_freed_before_the_next_checkpoint_tensor_is_read(
     """The wing packs each linear as soon as its weight is loaded and frees the dense weight; neither
     the loader nor the packer may hold the old parameter, or every dense weight of the model lives
     until loading ends (Qwen2.5-Coder-1.5B with --quantization gguf peaked ~3 GB higher so)."""
+    import sys
     import weakref
 
     from torch import nn
 
+    from model_executor.cpu import linear as cpu_linear
     from model_executor.cpu.kernels import build
     from model_executor.cpu.weights import Packer
     from model_executor.distributed.communicator import Communicator
@@ -103,7 +105,8 @@ def test_a_packed_weight_is_freed_before_the_next_checkpoint_tensor_is_read(
     from model_executor.loader.load_weights import load_weights
     from model_executor.loader.weight_source import LazyTensor
 
-    monkeypatch.setenv("SRT_AMX", "0")  # with AMX the dense weight stays for F.linear above AMX_MAX_ROWS
+    # with AMX the dense weight stays for F.linear above AMX_MAX_ROWS: here every row count is packed
+    monkeypatch.setattr(cpu_linear, "packed_max_rows", lambda: sys.maxsize)
     if not build.bf16_linear_available():
         pytest.skip("no packed bf16 linear on this CPU")
     model = nn.Sequential(
