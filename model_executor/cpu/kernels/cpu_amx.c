@@ -243,28 +243,45 @@ static inline int64_t second_block(int64_t t, int64_t tasks, const int silu) { r
 
 /* One task per two 16-output B streams: outputs [32t, 32t + 32) of a linear, or with OUT_SILU the
  * gate's block t and the up projection's block t (out [m][n] then has n = d outputs); at 33-64 rows
- * a linear's task is its 16 outputs [16t, 16t + 16) alone (output_quad) */
-static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, void *out, int64_t n,
-                              int64_t k, const int mode) {
-    const int64_t blocks = (m + 15) / 16, slices = k / 32;
-    const int silu = mode == OUT_SILU, quad = blocks > 2 && blocks <= 4;
+ * a linear's task is its 16 outputs [16t, 16t + 16) alone (output_quad). The weight is `packed`
+ * (bf16_pack's), or with `blocks` a GGUF weight's blocks of `kind`, each task's widened to bf16
+ * first (gguf_widen.h) into a scratch of the thread's: the tiles then run as on the bf16 copy. */
+static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const uint8_t *blocks, int64_t kind,
+                              const bf16 *bias, void *out, int64_t n, int64_t k, const int mode) {
+    const int64_t rows = (m + 15) / 16, slices = k / 32;
+    const int silu = mode == OUT_SILU, quad = rows > 2 && rows <= 4;
     const int64_t width = silu || quad ? 16 : 32, tasks = n / width;
+    const int64_t stride = blocks ? slices * gguf_block_bytes(kind) : 0;
     bf16 *padded = pad_rows(x, m, k);
     const bf16 *xp = padded ? padded : x;
 #pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES)
     {
+        bf16 *scratch = blocks ? aligned_alloc(64, (size_t)(32 * k) * sizeof(bf16)) : NULL;
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const bf16 *b0 = packed + first_block(t, width) * slices * 512;
-            const bf16 *b1 = quad && !silu ? NULL : packed + second_block(t, tasks, silu) * slices * 512;
+            const int64_t first = first_block(t, width), second = second_block(t, tasks, silu);
+            const int two = !quad || silu;
+            const bf16 *b0, *b1 = NULL;
+            if (blocks) {
+                gguf_widen(blocks + first * stride, kind, scratch, k);
+                b0 = scratch;
+                if (two) {
+                    gguf_widen(blocks + second * stride, kind, scratch + 16 * k, k);
+                    b1 = scratch + 16 * k;
+                }
+            } else {
+                b0 = packed + first * slices * 512;
+                if (two) b1 = packed + second * slices * 512;
+            }
             if (quad)
-                output_quad(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
+                output_quad(xp, m, rows, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
             else
-                output_pair(xp, m, blocks, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
+                output_pair(xp, m, rows, b0, b1, k, bias ? bias + width * t : NULL, out, n, width * t, mode);
         }
         _tile_release();
         if (mode == OUT_F32) _mm_sfence(); /* store_block_f32's non-temporal stores */
+        free(scratch);
     }
     free(padded);
 }
@@ -273,63 +290,33 @@ static inline void amx_linear(const bf16 *x, int64_t m, const bf16 *packed, cons
  * caller checks). srt_amx_init() must have answered 1 in this process. */
 void srt_amx_linear(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t n,
                     int64_t k) {
-    amx_linear(x, m, packed, bias, out, n, k, OUT_BF16);
+    amx_linear(x, m, packed, NULL, 0, bias, out, n, k, OUT_BF16);
 }
 
 /* The same with fp32 outputs, unrounded (an LM head's logits) */
 void srt_amx_linear_f32(const bf16 *x, int64_t m, const bf16 *packed, const bf16 *bias, float *out, int64_t n,
                         int64_t k) {
-    amx_linear(x, m, packed, bias, out, n, k, OUT_F32);
+    amx_linear(x, m, packed, NULL, 0, bias, out, n, k, OUT_F32);
 }
 
 /* act[m][d] = silu(x @ w_gate.T) * (x @ w_up.T) for the packed [2d, k] gate_up weight (gate rows
  * first, then up, as MergedColumnParallelLinear holds them), without the [m][2d] gate_up output:
  * the same values as srt_amx_linear then srt_silu_mul. d % 16 == 0 and k % 32 == 0. */
 void srt_amx_linear_silu(const bf16 *x, int64_t m, const bf16 *packed, bf16 *act, int64_t d, int64_t k) {
-    amx_linear(x, m, packed, NULL, act, d, k, OUT_SILU);
+    amx_linear(x, m, packed, NULL, 0, NULL, act, d, k, OUT_SILU);
 }
 
-/* srt_gguf_linear on AMX tiles: amx_linear's tasks, each first widening its two 16-output blocks
- * of GGUF blocks to bf16 (gguf_widen.h) into a scratch of the thread's. The tiles then run as on
- * the weight's bf16 copy, so the sums are srt_amx_linear's on that copy, bit for bit, at any row
- * count, and no copy is kept. `mode` as srt_gguf_linear's: 0 bf16, 1 float32, 2 silu(gate) * up. */
+/* srt_gguf_linear on AMX tiles: amx_linear on the GGUF weight's blocks, widened a task at a time,
+ * so the sums are srt_amx_linear's on the weight's bf16 copy, bit for bit, at any row count, and no
+ * copy is kept. `mode` as srt_gguf_linear's: 0 bf16, 1 float32, 2 silu(gate) * up. */
 void srt_amx_gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, void *out,
                          int64_t n, int64_t k, int64_t mode) {
-    const int64_t blocks = (m + 15) / 16, slices = k / 32, stride = slices * gguf_block_bytes(kind);
-    const int silu = mode == 2, quad = blocks > 2 && blocks <= 4;
-    const int64_t width = silu || quad ? 16 : 32, tasks = n / width;
-    bf16 *padded = pad_rows(x, m, k);
-    const bf16 *xp = padded ? padded : x;
-#pragma omp parallel if (tasks * slices >= PARALLEL_MIN_TILES)
-    {
-        bf16 *scratch = aligned_alloc(64, (size_t)(32 * k) * sizeof(bf16)), *b1 = NULL;
-        configure_tiles();
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            gguf_widen(packed + first_block(t, width) * stride, kind, scratch, k);
-            if (!quad || silu) {
-                b1 = scratch + 16 * k;
-                gguf_widen(packed + second_block(t, tasks, silu) * stride, kind, b1, k);
-            }
-            const bf16 *b = bias ? bias + width * t : NULL;
-            if (quad && silu)
-                output_quad(xp, m, blocks, scratch, b1, k, NULL, out, n, width * t, OUT_SILU);
-            else if (quad && mode)
-                output_quad(xp, m, blocks, scratch, NULL, k, b, out, n, width * t, OUT_F32);
-            else if (quad)
-                output_quad(xp, m, blocks, scratch, NULL, k, b, out, n, width * t, OUT_BF16);
-            else if (silu)
-                output_pair(xp, m, blocks, scratch, b1, k, NULL, out, n, width * t, OUT_SILU);
-            else if (mode)
-                output_pair(xp, m, blocks, scratch, b1, k, b, out, n, width * t, OUT_F32);
-            else
-                output_pair(xp, m, blocks, scratch, b1, k, b, out, n, width * t, OUT_BF16);
-        }
-        _tile_release();
-        if (mode == 1) _mm_sfence(); /* store_block_f32's non-temporal stores */
-        free(scratch);
-    }
-    free(padded);
+    if (mode == 2)
+        amx_linear(x, m, NULL, packed, kind, NULL, out, n, k, OUT_SILU);
+    else if (mode == 1)
+        amx_linear(x, m, NULL, packed, kind, bias, out, n, k, OUT_F32);
+    else
+        amx_linear(x, m, NULL, packed, kind, bias, out, n, k, OUT_BF16);
 }
 
 /* ---- Prefill attention on AMX tiles ----

@@ -8,7 +8,6 @@ RuntimeError (callers check `usable` or the `*_applies` / `build.*_available` pr
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,9 +63,8 @@ def q4_max_rows(packed: torch.Tensor) -> int:
     return min(Q4_MAX_ROWS, Q4_AMX_MAX_ROWS) if _gguf_on_tiles() else Q4_MAX_ROWS
 
 
-@functools.cache
 def _gguf_on_tiles() -> bool:
-    """Whether srt_gguf_linear runs on AMX tiles in this process."""
+    """Whether srt_gguf_linear runs on AMX tiles in this process (both answers are cached)."""
     return build.gguf_linear_available() and build.amx_available()
 
 
