@@ -143,7 +143,7 @@ def test_a_gguf_checkpoint_packs_the_file_blocks_without_a_float32_model(
         assert torch.equal(weight.packed, other.packed), name  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("form", ["q4_1", "q4_k", "q5_k", "q8_0", "q6_k"])
+@pytest.mark.parametrize("form", ["q4_1", "q4_k", "q4_ks", "q5_k", "q8_0", "q6_k"])
 def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> None:
     """srt_gguf_linear (a GGUF weight's blocks widened to bf16 a task at a time) equals
     srt_bf16_linear on the weight's bf16 copy bit for bit, on AMX tiles or AVX-512 BF16 (whichever
@@ -163,9 +163,13 @@ def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> No
     q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     scales = torch.rand(n, k // 16, generator=g) * 0.01
     per32 = lambda t: t.float().repeat_interleave(32, 1)  # noqa: E731
+    six = torch.randint(0, 64, (2, n, k // 32), generator=g)  # a file's super-blocks: fp16 times six bits
+    supers = (torch.rand(2, n, k // 256, generator=g) * 1e-3).half().float().repeat_interleave(8, 2)
+    dk, mk = supers[0] * six[0], -supers[1] * six[1]
     packed, weight = {
         "q4_1": lambda: (packing.q4_pack(q4, d16, m16), per32(d16) * q4.float() + per32(m16)),
         "q4_k": lambda: (packing.q4_pack(q4, d16.float(), m16.float()), per32(d16) * q4.float() + per32(m16)),
+        "q4_ks": lambda: (packing.q4ks_pack(q4, dk, mk), per32(dk) * q4.float() + per32(mk)),
         "q5_k": lambda: (
             packing.q5k_pack(q4, d16.float(), m16.float()),
             per32(d16) * q4.float() + per32(m16),

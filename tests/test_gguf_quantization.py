@@ -100,13 +100,10 @@ def q8_0_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half()
 
 
-def q4_k_file_values(n: int, k: int, seed: int) -> torch.Tensor:
+def q4_k_file_raw(n: int, k: int, seed: int) -> torch.Tensor:
     """Random GGUF Q4_K super-blocks (fp16 d and dmin, 6-bit sc and m, 4-bit q) in the file's 144-byte
-    layout, dequantized by gguf-py as the converter does: float32 [n, k], k % 256 == 0. One sub-block
-    in seven lacks q = 0, as a few of llama.cpp's do."""
-    import gguf
-    import numpy as np
-
+    layout, [n k / 256, 144] uint8, k % 256 == 0. One sub-block in seven lacks q = 0, as a few of
+    llama.cpp's do."""
     g = torch.Generator().manual_seed(seed)
     supers = n * k // 256
     scales_and_mins = torch.randint(0, 64, (supers, 2, 8), generator=g, dtype=torch.uint8)
@@ -118,7 +115,12 @@ def q4_k_file_values(n: int, k: int, seed: int) -> torch.Tensor:
     q[::7, 3] = q[::7, 3].clamp(min=1)
     nibbles = (q[:, 0::2] | q[:, 1::2] << 4).reshape(supers, 128)  # sub-block 2i low, 2i + 1 high
     d = (torch.rand(supers, 2, generator=g) * 4e-4 + 1e-5).half().view(torch.uint8)
-    raw = torch.cat([d, scales, nibbles], dim=1).view(n, k // 256 * 144).numpy()
+    return torch.cat([d, scales, nibbles], dim=1)
+
+
+def q4_k_file_values(n: int, k: int, seed: int) -> torch.Tensor:
+    """q4_k_file_raw's blocks dequantized by gguf-py as the converter does: float32 [n, k]."""
+    raw = q4_k_file_raw(n, k, seed).view(n, k // 256 * 144).numpy()
     return torch.from_numpy(
         np.array(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K), dtype=np.float32)
     )
@@ -278,6 +280,66 @@ def test_q4k_linear_is_the_product_with_the_exact_weights(m: int, n: int, k: int
     act = cpu_linear.linear_silu_mul(x, packed, None)
     assert act is not None
     assert_exact_4bit_product(weight, x, bias, cpu_linear.linear(x, weight.bfloat16(), bias, packed), act)
+
+
+def q4_k_file_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4_k_file_raw's blocks as the loader reads them from a file: (q, d sc, -dmin mn)."""
+    from model_executor.loader.gguf_blocks import _decode
+
+    blocks = _decode(gguf.GGMLQuantizationType.Q4_K, q4_k_file_raw(n, k, seed), n, k)
+    assert blocks is not None and blocks.m is not None
+    return blocks.q, blocks.d, blocks.m
+
+
+def test_q4ks_pack_keeps_a_files_six_bit_scales_and_nothing_else() -> None:
+    """A Q4_K file's runs pack with their super-block's fp32 D and M and each run's six-bit sc and mn
+    (D sc = d, M mn = m exactly), 0.59 bytes a weight; d or m that no fp32 and six bits make, or k
+    no multiple of 256, are not packed so (q4_pack's fp32 d and m take them)."""
+    q, d, m = q4_k_file_blocks(32, 512, seed=4)
+    packed = packing.q4ks_pack(q, d, m)
+    assert packed is not None and packed.shape == (2, 16, packing.Q4KS_BLOCK_BYTES)
+    superblock = packed[1].reshape(2, 2432)[1]  # outputs 16..31, k 256..511
+    big_d, big_m = superblock[:64].view(torch.float32), superblock[64:128].view(torch.float32)
+    run = superblock[128 + 288 * 3 : 128 + 288 * 4]  # k 256 + 96 .. 256 + 127
+    assert torch.equal(big_d * run[:16].float(), d[16:32, 11]) and torch.equal(
+        big_m * run[16:32].float(), m[16:32, 11]
+    )
+    assert torch.equal(run[32:], packing.q4_pack(q, d, m)[1, 11, 128:])  # the same nibbles
+    assert int(run[:32].max()) <= 63
+    assert packing.q4ks_pack(q[:, :288], d[:, :9], m[:, :9]) is None  # k % 256 != 0
+    nudged = d.clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(1.0))
+    assert packing.q4ks_pack(q, nudged, m) is None
+    mixed = m.clone()
+    mixed[0, 0] = -mixed[0, 0]  # minimums of both signs: no one M
+    assert packing.q4ks_pack(q, d, mixed) is None
+    zeros = torch.zeros_like(d)
+    assert packing.q4ks_pack(q, zeros, zeros) is not None  # constant runs: D = 0
+
+
+@needs_q4k
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 640, 1024), (3, 64, 256), (4, 96, 512), (9, 32, 2048)])
+def test_q4k_file_blocks_give_the_same_bits_on_their_six_bit_scales(m: int, n: int, k: int) -> None:
+    """srt_q4ks_linear (q4ks_pack's 0.59 bytes a weight) gives srt_q4k_linear's bits on fp32 d and m
+    (q4_pack's 0.75): bf16 with a bias, float32 sums, silu(gate) * up; and pack_weight lays a file's
+    blocks out so."""
+    q, d, mins = q4_k_file_blocks(n, k, seed=m)
+    compact, wide = packing.q4ks_pack(q, d, mins), packing.q4_pack(q, d, mins)
+    assert compact is not None
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    assert torch.equal(ops.q4_linear(x, compact, bias), ops.q4_linear(x, wide, bias))
+    assert torch.equal(
+        ops.q4_linear(x, compact, None, torch.float32), ops.q4_linear(x, wide, None, torch.float32)
+    )
+    assert torch.equal(ops.q4_linear_silu(x, compact), ops.q4_linear_silu(x, wide))
+    weight = d.repeat_interleave(32, 1) * q.float() + mins.repeat_interleave(32, 1)
+    assert_exact_4bit_product(
+        weight, x, bias, ops.q4_linear(x, compact, bias), ops.q4_linear_silu(x, compact)
+    )
+    layer = cpu_linear.pack_weight(weight.bfloat16(), q4=(q, d, mins))
+    assert isinstance(layer, packing.Q4KWeight) and torch.equal(layer.packed, compact)
 
 
 def assert_exact_4bit_product(

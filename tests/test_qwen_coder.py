@@ -71,8 +71,12 @@ def test_qwen_coder_0_5b_decodes_on_the_file_blocks_as_transformers(
         RunnerConfig(model_dir=resolve_model_path(str(path)), max_total_tokens=1024, quantization="gguf")
     )
     linears = {n: m for n, m in runner.model.named_modules() if isinstance(m, LinearBase)}
-    kinds = {type(packed_of(m.linear_method)) for m in linears.values()}
+    packed = [packed_of(m.linear_method) for m in linears.values()]
+    kinds = {type(p) for p in packed}
     assert kinds <= {packing.Q4KWeight, packing.Q8Weight}, kinds
+    # its Q4_K weights (down_proj, k 4864) on the file's six-bit scales
+    q4k = {p.packed.shape[1] * 32: p.packed.shape[-1] for p in packed if isinstance(p, packing.Q4KWeight)}
+    assert q4k == {4864: packing.Q4KS_BLOCK_BYTES}, q4k
     if build.gguf_linear_available():
         assert all(m.weight.device.type == "meta" for n, m in linears.items() if n != "lm_head")
     forced = [e[: TOKENS - 1] for e in expected]  # step s decodes expected[s] and should pick expected[s + 1]

@@ -101,7 +101,7 @@ def pack_weight(
 ) -> PackedWeight | None:
     """The packed copy of a 2-D bf16 CPU weight, or None where F.linear is the right path; with `q4`
     (the weight's Q4_1 blocks, packing.q4_recover) a Q4Weight, or with its Q4_K blocks (float32 d,
-    packing.q4k_recover) a Q4KWeight, with `q8` (Q8_0, Q5_0 or Q4_0, packing.q8_recover; or Q6_K,
+    packing.q4k_recover) a Q4KWeight (q4ks_pack's layout where its scales factor as a file's), with `q8` (Q8_0, Q5_0 or Q4_0, packing.q8_recover; or Q6_K,
     packing.q6k_recover) a Q8Weight, with `q5` (Q5_K, packing.q5k_recover) a Q5KWeight."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
@@ -112,8 +112,10 @@ def pack_weight(
         return None if build.gguf_linear_available() else packing.bf16_pack(weight)
 
     if q4 is not None and packing.bf16_packable(weight):
-        kind = packing.Q4KWeight if q4[1].dtype == torch.float32 else packing.Q4Weight
-        return kind(packing.q4_pack(*q4), copy())
+        if q4[1].dtype != torch.float32:
+            return packing.Q4Weight(packing.q4_pack(*q4), copy())
+        compact = packing.q4ks_pack(*q4)  # a file's super-blocks: its six-bit scales, 0.59 bytes a weight
+        return packing.Q4KWeight(compact if compact is not None else packing.q4_pack(*q4), copy())
     if q5 is not None and packing.bf16_packable(weight):
         return packing.Q5KWeight(packing.q5k_pack(*q5), copy())
     if q8 is not None and packing.bf16_packable(weight):

@@ -922,11 +922,12 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 
 /* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
  * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each one of these */
-enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5 };
+enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5, KIND_Q4_KS = 6 };
 /* ... or with this bit, those blocks through srt_gguf_linear (any rows: more than their kernel takes) */
 #define KIND_TILES 8
 #define KIND_OF(kinds, i) (((kinds) >> (4 * (i))) & 15)
 #define IS_8_BIT(kind) ((kind) == KIND_Q8_0 || (kind) == KIND_Q6_K)
+#define IS_4_BIT(kind) ((kind) == KIND_Q4_1 || (kind) == KIND_Q4_K || (kind) == KIND_Q5_K || (kind) == KIND_Q4_KS)
 
 /* x @ w.T on a GGUF weight's 8-bit blocks (Q8_0, Q5_0, Q4_0 as q8_pack lays them out, or Q6_K's),
  * float32 sums into out_f32, or (+ bias) rounded to bf16 into out as Q8Weight's op-by-op product is */
@@ -958,6 +959,8 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
         srt_q4k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
     else if (packed && kind == KIND_Q5_K)
         srt_q5k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
+    else if (packed && kind == KIND_Q4_KS)
+        srt_q4ks_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
     else if (packed && scale)
         srt_int8_linear(x, m, (const int8_t *)packed, scale, bias, out, n, k);
     else if (packed)
@@ -983,7 +986,7 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
         q8_layer_linear(x, m, packed, kind, NULL, NULL, out_f32, n, k);
         return 1;
     }
-    if (packed && (kind == KIND_Q4_1 || kind == KIND_Q4_K || kind == KIND_Q5_K)) {
+    if (packed && IS_4_BIT(kind)) {
         srt_q4_linear_f32(x, m, (const uint8_t *)packed, kind, NULL, out_f32, n, k);
         return 1;
     }
@@ -1049,6 +1052,8 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         srt_q4k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && gate_up_kind == KIND_Q5_K) {
         srt_q5k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
+    } else if (p_gate_up && gate_up_kind == KIND_Q4_KS) {
+        srt_q4ks_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && s_gate_up) {
         srt_int8_linear_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && !IS_8_BIT(gate_up_kind)) {

@@ -26,6 +26,12 @@
  * that broadcast and rotated right by j in output j's 32-bit lane they sit at bits 4 and 20: 16 in
  * each of its two 16-bit halves. One ternary-logic op keeps those bits and sets 0x4300, and the
  * nibbles' own one ORs them in: 128 + q, exact in bf16 up to 255.
+ *
+ * GGUF Q4_K as the file holds its scales (srt_q4ks_linear, packing.q4ks_pack) takes 0.59 bytes a
+ * weight against the fp32 d and m's 0.75: per 16 outputs and 256 k (a K-quant super-block), the
+ * 16 fp32 D, the 16 fp32 M, then for each run of 32 k its 16 six-bit sc and 16 mn (a byte each)
+ * and the nibbles as above. A run's d is D sc and its m M mn, each exact in fp32 (an fp16 times six
+ * bits), so the sums are srt_q4k_linear's to the bit.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,9 +39,21 @@
 #include "srt_kernels.h"
 
 /* the block kinds, 16 outputs x 32 k each: Q4_1 (fp16 d and m), Q4_K (fp32), Q5_K (Q4_K's, then the
- * fifth bits) */
-enum { Q4_1, Q4_K, Q5_K };
-static inline int kind_bytes(const int kind) { return kind == Q5_K ? 448 : kind == Q4_K ? 384 : 320; }
+ * fifth bits), Q4_KS (Q4_K's six-bit scales, 304 bytes a block on average) */
+enum { Q4_1, Q4_K, Q5_K, Q4_KS };
+static inline int kind_bytes(const int kind) {
+    return kind == Q5_K ? 448 : kind == Q4_K ? 384 : kind == Q4_KS ? 304 : 320;
+}
+#define KS_SUPER 2432 /* Q4_KS: 8 runs of 32 k, after the 128 bytes of D and M */
+#define KS_RUN 288    /* ... each 32 bytes of sc and mn, then the nibbles */
+/* block kb of a 16-output stream */
+static inline const uint8_t *q4_block(const uint8_t *w, const int64_t kb, const int kind) {
+    return kind == Q4_KS ? w + (kb >> 3) * KS_SUPER + 128 + (kb & 7) * KS_RUN : w + kb * kind_bytes(kind);
+}
+/* where a block's nibbles start: after its d and m (fp16 or fp32), or Q4_KS's sc and mn */
+static inline int nibbles_at(const int kind) { return kind == Q4_KS ? 32 : kind == Q4_1 ? 64 : 128; }
+/* Q4_KS: the D (then, 64 bytes on, M) of block kb's super-block */
+static inline const float *ks_head(const uint8_t *w, const int64_t kb) { return (const float *)(w + (kb >> 3) * KS_SUPER); }
 /* out's element i: float32 with OUT_F32, else bf16 */
 #define OUT_AT(out, i, mode) ((void *)((char *)(out) + (i) * ((mode) == OUT_F32 ? 4 : 2)))
 
@@ -59,9 +77,17 @@ int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
 int64_t srt_q5k_linear_available(void) { return 1; }
 
-/* d and m of a block's 16 outputs: fp16 (Q4_1) or fp32 (f32: Q4_K, Q5_K) */
-static inline __attribute__((always_inline)) __m512 q4_scale(const uint8_t *p, const int f32) {
-    return f32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+/* d (which 0) or m (1) of block kb's 16 outputs: fp16 (Q4_1), fp32 (Q4_K, Q5_K), or Q4_KS's D sc
+ * (M mn) */
+static inline __attribute__((always_inline)) __m512 q4_scale(const uint8_t *w, const int64_t kb, const int which,
+                                                             const int kind) {
+    const uint8_t *p = q4_block(w, kb, kind);
+    if (kind == Q4_KS) {
+        const __m512 six = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * which))));
+        return _mm512_mul_ps(_mm512_loadu_ps(ks_head(w, kb) + 16 * which), six);
+    }
+    if (kind == Q4_1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * which)));
+    return _mm512_loadu_ps((const float *)(p + 64 * which));
 }
 
 /* acc[r][b] = row r of x (rows k apart) times block wb[b] (a 16-output stream of k/32 blocks of
@@ -75,7 +101,7 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
     const __m512i turn = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i fifth = _mm512_set1_epi32(0x00100010);
     const int64_t blocks = k / 32;
-    const int f32 = kind != Q4_1, scales = f32 ? 128 : 64, bytes = kind_bytes(kind); /* d, m, nibbles(, bits) */
+    const int scales = nibbles_at(kind), bytes = kind_bytes(kind); /* d, m, nibbles(, bits) */
     const int32_t *xp = (const int32_t *)x; /* a pair of bf16 x values as one 32-bit lane */
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
@@ -85,7 +111,7 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
             for (int b = 0; b < NB; b++) blk[r][b] = _mm512_setzero_ps();
         for (int b = 0; b < NB; b++) /* past a block's end: the next block's start, or nothing we need */
             for (int l = 0; l < bytes; l += 64)
-                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * bytes + l), _MM_HINT_T1);
+                _mm_prefetch((const char *)(q4_block(wb[b], kb, kind) + PREFETCH_BLOCKS * bytes + l), _MM_HINT_T1);
         for (int c = 0; c < 8; c++) {
             __m512bh xa[ROWS], xb[ROWS];
             for (int r = 0; r < R; r++) {
@@ -93,8 +119,8 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
                 xb[r] = (__m512bh)_mm512_set1_epi32(xp[r * (k / 2) + kb * 16 + 2 * c + 1]);
             }
             for (int b = 0; b < NB; b++) {
-                const __m512i raw =
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wb[b] + kb * bytes + scales + 32 * c)));
+                const __m512i raw = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(q4_block(wb[b], kb, kind) + scales + 32 * c)));
                 __m512i top[2] = {magic, magic}; /* the bits above each lane's nibble: 128, and Q5_K's 16 */
                 if (kind == Q5_K) {
                     const int32_t *bits = (const int32_t *)(wb[b] + kb * bytes + 384) + 2 * c;
@@ -112,8 +138,7 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
             }
         }
         for (int b = 0; b < NB; b++) {
-            const uint8_t *s = wb[b] + kb * bytes;
-            const __m512 d = q4_scale(s, f32), m = q4_scale(s + scales / 2, f32);
+            const __m512 d = q4_scale(wb[b], kb, 0, kind), m = q4_scale(wb[b], kb, 1, kind);
             const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m); /* m - 128 d */
             for (int r = 0; r < R; r++) {
                 acc[r][b] = _mm512_fmadd_ps(blk[r][b], d, acc[r][b]);
@@ -209,20 +234,21 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
                 for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (units + u + i) * stride;
             void *o = OUT_AT(out, 16 * u, mode);
             const bf16 *b = bias ? bias + 16 * u : NULL;
-            switch (nb * 3 + kind) { /* a constant block count and block kind for each instance */
-            case 14: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q5_K); break;
-            case 13: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q4_K); break;
-            case 12: q4_group(x, m, k, xsum, wb, 4, b, o, n, mode, Q4_1); break;
-            case 11: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, Q5_K); break;
-            case 10: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, Q4_K); break;
-            case 9: q4_group(x, m, k, xsum, wb, 3, b, o, n, mode, Q4_1); break;
-            case 8: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, Q5_K); break;
-            case 7: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, Q4_K); break;
-            case 6: q4_group(x, m, k, xsum, wb, 2, b, o, n, mode, Q4_1); break;
-            case 5: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, Q5_K); break;
-            case 4: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, Q4_K); break;
-            default: q4_group(x, m, k, xsum, wb, 1, b, o, n, mode, Q4_1); break;
+/* a constant block count and block kind for each instance */
+#define Q4_GROUP(NB)                                                                  \
+    switch (kind) {                                                                   \
+    case Q4_KS: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q4_KS); break;         \
+    case Q5_K: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q5_K); break;           \
+    case Q4_K: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q4_K); break;           \
+    default: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q4_1); break;             \
+    }
+            switch (nb) {
+            case 4: Q4_GROUP(4) break;
+            case 3: Q4_GROUP(3) break;
+            case 2: Q4_GROUP(2) break;
+            default: Q4_GROUP(1) break;
             }
+#undef Q4_GROUP
         }
     }
     free(xsum);
@@ -231,6 +257,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 #define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_1)
 #define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_K)
 #define Q5K(mode, ...) q4_linear(__VA_ARGS__, mode, Q5_K)
+#define Q4KS(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_KS)
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 has no bf16 dot product: the sums are fp32 FMAs of eight outputs' weights against a
  * broadcast x. The same packed layout: zero-extended to 32-bit lanes, a chunk's first 16 bytes are
@@ -262,9 +289,18 @@ int64_t srt_q4_linear_available(void) { return 1; }
 int64_t srt_q4k_linear_available(void) { return 1; }
 int64_t srt_q5k_linear_available(void) { return 1; }
 
-/* d and m of outputs 8h .. 8h + 7 of a block: fp16 (Q4_1) or fp32 (f32: Q4_K, Q5_K) */
-static inline __attribute__((always_inline)) __m256 q4_scale(const uint8_t *p, const int f32) {
-    return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+/* d (which 0) or m (1) of outputs 8h .. 8h + 7 of block kb: fp16 (Q4_1), fp32 (Q4_K, Q5_K), or
+ * Q4_KS's D sc (M mn) */
+static inline __attribute__((always_inline)) __m256 q4_scale(const uint8_t *w, const int64_t kb, const int which,
+                                                             const int h, const int kind) {
+    const uint8_t *p = q4_block(w, kb, kind);
+    if (kind == Q4_KS) {
+        const __m256 six =
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * which + 8 * h))));
+        return _mm256_mul_ps(_mm256_loadu_ps(ks_head(w, kb) + 16 * which + 8 * h), six);
+    }
+    if (kind == Q4_1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * which + 16 * h)));
+    return _mm256_loadu_ps((const float *)(p + 64 * which + 32 * h));
 }
 
 /* acc[r][h] = outputs 8h .. 8h + 7 of block stream wb against row r of xs (fp32, pre-scaled as
@@ -273,7 +309,7 @@ static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64
                                                           const uint8_t *wb, const int R, const int kind,
                                                           __m256 acc[ROWS][2]) {
     const int64_t blocks = k / 32;
-    const int f32 = kind != Q4_1, scales = f32 ? 128 : 64, bytes = kind_bytes(kind); /* d and m, nibbles(, bits) */
+    const int scales = nibbles_at(kind), bytes = kind_bytes(kind); /* d and m, nibbles(, bits) */
     const int S = R == 1 ? 4 : R == 2 ? 2 : 1; /* sums per output: 8 chains of 4-cycle FMAs in flight */
     const __m256i mask[4] = {_mm256_set1_epi32(0x000F), _mm256_set1_epi32(0x0F00), _mm256_set1_epi32(0x00F0),
                              _mm256_set1_epi32(0xF000)};
@@ -287,7 +323,7 @@ static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64
                              _mm256_sub_epi32(_mm256_set1_epi32(32), turn[1])};
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < blocks; kb++) {
-        const uint8_t *block = wb + kb * bytes;
+        const uint8_t *block = q4_block(wb, kb, kind);
         for (int l = 0; l < bytes; l += 64)
             _mm_prefetch((const char *)(block + PREFETCH_BLOCKS * bytes + l), _MM_HINT_T0);
         __m256 blk[ROWS][2][SETS];
@@ -328,8 +364,7 @@ static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64
             for (int h = 0; h < 2; h++)
                 for (int s = 1; s < S; s++) blk[r][h][0] = _mm256_add_ps(blk[r][h][0], blk[r][h][s]);
         for (int h = 0; h < 2; h++) {
-            const __m256 d = q4_scale(block + (scales / 4) * h, f32);
-            const __m256 m = q4_scale(block + scales / 2 + (scales / 4) * h, f32);
+            const __m256 d = q4_scale(wb, kb, 0, h, kind), m = q4_scale(wb, kb, 1, h, kind);
             for (int r = 0; r < R; r++) {
                 acc[r][h] = _mm256_fmadd_ps(blk[r][h][0], d, acc[r][h]);
                 acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[r * blocks + kb]), m, acc[r][h]);
@@ -341,20 +376,20 @@ static inline __attribute__((always_inline)) void q4_tile(const float *xs, int64
 /* q4_tile with constant row count and block kind for each instance */
 static void q4_rows(const float *xs, int64_t k, const float *xsum, const uint8_t *wb, const int R, const int kind,
                     __m256 acc[ROWS][2]) {
-    switch (R * 3 + kind) {
-    case 14: q4_tile(xs, k, xsum, wb, 4, Q5_K, acc); break;
-    case 13: q4_tile(xs, k, xsum, wb, 4, Q4_K, acc); break;
-    case 12: q4_tile(xs, k, xsum, wb, 4, Q4_1, acc); break;
-    case 11: q4_tile(xs, k, xsum, wb, 3, Q5_K, acc); break;
-    case 10: q4_tile(xs, k, xsum, wb, 3, Q4_K, acc); break;
-    case 9: q4_tile(xs, k, xsum, wb, 3, Q4_1, acc); break;
-    case 8: q4_tile(xs, k, xsum, wb, 2, Q5_K, acc); break;
-    case 7: q4_tile(xs, k, xsum, wb, 2, Q4_K, acc); break;
-    case 6: q4_tile(xs, k, xsum, wb, 2, Q4_1, acc); break;
-    case 5: q4_tile(xs, k, xsum, wb, 1, Q5_K, acc); break;
-    case 4: q4_tile(xs, k, xsum, wb, 1, Q4_K, acc); break;
-    default: q4_tile(xs, k, xsum, wb, 1, Q4_1, acc); break;
+#define Q4_TILE(R)                                                   \
+    switch (kind) {                                                  \
+    case Q4_KS: q4_tile(xs, k, xsum, wb, R, Q4_KS, acc); break;      \
+    case Q5_K: q4_tile(xs, k, xsum, wb, R, Q5_K, acc); break;        \
+    case Q4_K: q4_tile(xs, k, xsum, wb, R, Q4_K, acc); break;        \
+    default: q4_tile(xs, k, xsum, wb, R, Q4_1, acc); break;          \
     }
+    switch (R) {
+    case 4: Q4_TILE(4) break;
+    case 3: Q4_TILE(3) break;
+    case 2: Q4_TILE(2) break;
+    default: Q4_TILE(1) break;
+    }
+#undef Q4_TILE
 }
 
 /* every row of x against 16-output block stream wb (and, OUT_SILU, the up block's `up`), R rows a
@@ -411,6 +446,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
 #define Q4(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_1)
 #define Q4K(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_K)
 #define Q5K(mode, ...) q4_linear(__VA_ARGS__, mode, Q5_K)
+#define Q4KS(mode, ...) q4_linear(__VA_ARGS__, mode, Q4_KS)
 #else
 int64_t srt_q4_linear_available(void) { return 0; }
 int64_t srt_q4k_linear_available(void) { return 0; }
@@ -418,6 +454,7 @@ int64_t srt_q5k_linear_available(void) { return 0; }
 #define Q4(mode, ...) abort() /* never called: srt_q4_linear_available() answered 0 */
 #define Q4K(mode, ...) abort() /* never called: srt_q4k_linear_available() answered 0 */
 #define Q5K(mode, ...) abort() /* never called: srt_q5k_linear_available() answered 0 */
+#define Q4KS(mode, ...) abort() /* never called: srt_q4k_linear_available() answered 0 */
 #endif
 
 /* out[m][n] = x[m][k] @ w.T (+ bias[n]) for the Q4_1 weight packed by packing.q4_pack; x rows
@@ -427,11 +464,14 @@ void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *
     Q4(OUT_BF16, x, m, packed, bias, out, n, k);
 }
 
-/* srt_q4_linear, srt_q4k_linear or srt_q5k_linear by `kind` (srt_gguf_linear's: 1 Q4_1, 2 Q4_K,
- * 3 Q5_K) with the float32 sums (+ bias) in out, unrounded: a product that feeds the residual stream */
+/* srt_q4_linear, srt_q4k_linear, srt_q5k_linear or srt_q4ks_linear by `kind` (srt_gguf_linear's:
+ * 1 Q4_1, 2 Q4_K, 3 Q5_K, 6 Q4_KS) with the float32 sums (+ bias) in out, unrounded: a product that
+ * feeds the residual stream */
 void srt_q4_linear_f32(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, float *out,
                        int64_t n, int64_t k) {
-    if (kind == 2)
+    if (kind == 6)
+        Q4KS(OUT_F32, x, m, packed, bias, out, n, k);
+    else if (kind == 2)
         Q4K(OUT_F32, x, m, packed, bias, out, n, k);
     else if (kind == 3)
         Q5K(OUT_F32, x, m, packed, bias, out, n, k);
@@ -465,4 +505,15 @@ void srt_q5k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 
 /* srt_q4_linear_silu for a GGUF Q5_K gate_up weight */
 void srt_q5k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k) {
     Q5K(OUT_SILU, x, m, packed, NULL, act, d, k);
+}
+
+/* srt_q4_linear for a GGUF Q4_K weight with its six-bit scales (packing.q4ks_pack) */
+void srt_q4ks_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                     int64_t k) {
+    Q4KS(OUT_BF16, x, m, packed, bias, out, n, k);
+}
+
+/* srt_q4_linear_silu for such a gate_up weight */
+void srt_q4ks_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k) {
+    Q4KS(OUT_SILU, x, m, packed, NULL, act, d, k);
 }

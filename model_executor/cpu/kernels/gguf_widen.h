@@ -5,9 +5,14 @@
 #ifndef SRT_GGUF_WIDEN_H
 #define SRT_GGUF_WIDEN_H
 
-enum { G_Q4_1 = 1, G_Q4_K = 2, G_Q5_K = 3, G_Q8_0 = 4, G_Q6_K = 5 };
+enum { G_Q4_1 = 1, G_Q4_K = 2, G_Q5_K = 3, G_Q8_0 = 4, G_Q6_K = 5, G_Q4_KS = 6 };
 static inline int64_t gguf_block_bytes(const int64_t kind) {
-    return kind == G_Q4_1 ? 320 : kind == G_Q4_K ? 384 : kind == G_Q5_K ? 448 : kind == G_Q8_0 ? 544 : 640;
+    return kind == G_Q4_1     ? 320
+           : kind == G_Q4_K   ? 384
+           : kind == G_Q5_K   ? 448
+           : kind == G_Q8_0   ? 544
+           : kind == G_Q4_KS ? 304 /* on average: 2432 bytes a 256 k (cpu_q4_linear.c) */
+                              : 640;
 }
 
 /* 16 lanes: byte i of 16 -> its value as float32 after `nib` (0: low nibble, 4: high, -1: the byte) */
@@ -29,16 +34,24 @@ static inline void gguf_widen(const uint8_t *src, const int64_t kind, bf16 *dst,
     const __m512i shift_lo = _mm512_setr_epi32(4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27);
     const __m512i shift_hi = _mm512_setr_epi32(12, 28, 13, 29, 14, 30, 15, 31, 16, 0, 17, 1, 18, 2, 19, 3);
     for (int64_t kb = 0; kb < k / 32; kb++) {
-        const uint8_t *b = src + kb * bytes;
+        const int ks = kind == G_Q4_KS; /* run kb of super-block kb / 8: after D, M and the runs before */
+        const uint8_t *b = ks ? src + (kb >> 3) * 2432 + 128 + (kb & 7) * 288 : src + kb * bytes;
         bf16 *out = dst + kb * 512;
-        if (kind <= G_Q5_K) {
+        if (kind <= G_Q5_K || ks) {
             const int f32 = kind != G_Q4_1;
-            const __m512 d = f32 ? _mm512_loadu_ps((const float *)b) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
-            const __m512 m = f32 ? _mm512_loadu_ps((const float *)(b + 64))
-                                 : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
+            __m512 d, m;
+            if (ks) { /* D sc and M mn: exact */
+                const float *head = (const float *)(src + (kb >> 3) * 2432);
+                d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b))));
+                m = _mm512_mul_ps(_mm512_loadu_ps(head + 16),
+                                  _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)))));
+            } else {
+                d = f32 ? _mm512_loadu_ps((const float *)b) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+                m = f32 ? _mm512_loadu_ps((const float *)(b + 64)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
+            }
             const __m512 d2[2] = {_mm512_permutexvar_ps(lo_idx, d), _mm512_permutexvar_ps(hi_idx, d)};
             const __m512 m2[2] = {_mm512_permutexvar_ps(lo_idx, m), _mm512_permutexvar_ps(hi_idx, m)};
-            const uint8_t *nibbles = b + (f32 ? 128 : 64);
+            const uint8_t *nibbles = b + (ks ? 32 : f32 ? 128 : 64);
             for (int c = 0; c < 8; c++)
                 for (int half = 0; half < 2; half++) /* output lanes 0..7 (bytes 0..15), 8..15 */
                     for (int nib = 0; nib < 2; nib++) {

@@ -16,6 +16,7 @@ from model_executor.cpu.kernels import build
 from model_executor.cpu.kernels.packing import (
     Q4_BLOCK_BYTES,
     Q4K_BLOCK_BYTES,
+    Q4KS_BLOCK_BYTES,
     Q5K_BLOCK_BYTES,
     Q6K_BLOCK_BYTES,
     Q8_BLOCK_BYTES,
@@ -628,8 +629,10 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 
 def _q4_kernel(lib: ctypes.CDLL, packed: torch.Tensor, silu: bool) -> Callable[..., object]:
-    """The kernel for a packed Q4_1, Q4_K or Q5_K weight, told apart by its block size."""
-    kind = {Q4K_BLOCK_BYTES: "q4k", Q5K_BLOCK_BYTES: "q5k"}.get(packed.shape[-1], "q4")
+    """The kernel for a packed Q4_1, Q4_K (either layout) or Q5_K weight, told apart by its block size."""
+    kind = {Q4K_BLOCK_BYTES: "q4k", Q4KS_BLOCK_BYTES: "q4ks", Q5K_BLOCK_BYTES: "q5k"}.get(
+        packed.shape[-1], "q4"
+    )
     return getattr(lib, f"srt_{kind}_linear{'_silu' if silu else ''}")
 
 
@@ -637,8 +640,8 @@ def q4_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """x [.., k] bf16 -> x @ (d q + m).T (+ bias) in bf16, or float32 unrounded, for the weight
-    `packed` holds (q4_pack: Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear; q5k_pack:
-    Q5_K's, on srt_q5k_linear)."""
+    `packed` holds (q4_pack: Q4_1's fp16 d and m, or Q4_K's fp32 ones, on srt_q4k_linear; q4ks_pack:
+    Q4_K's six-bit scales, on srt_q4ks_linear; q5k_pack: Q5_K's, on srt_q5k_linear)."""
     lib = _library()
     _need_contiguous("x", x)
     _need_dtype("x", x, torch.bfloat16)
@@ -694,6 +697,7 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 GGUF_KINDS = {
     Q4_BLOCK_BYTES: 1,
     Q4K_BLOCK_BYTES: 2,
+    Q4KS_BLOCK_BYTES: 6,
     Q5K_BLOCK_BYTES: 3,
     Q8_BLOCK_BYTES: 4,
     Q6K_BLOCK_BYTES: 5,

@@ -2,7 +2,8 @@
 blocks (Q4_1, Q4_K, Q5_K, Q8_0, Q5_0, Q4_0, Q6_K) recovered from a dequantized float32 weight.
 
 bf16_pack: bf16 for srt_bf16_linear; int8_pack -> Int8Weight for srt_int8_linear; q4_recover +
-q4_pack -> Q4Weight for srt_q4_linear; q4k_recover + q4_pack -> Q4KWeight for srt_q4k_linear;
+q4_pack -> Q4Weight for srt_q4_linear; q4k_recover + q4ks_pack (or q4_pack) -> Q4KWeight for
+srt_q4ks_linear (srt_q4k_linear);
 q5k_recover + q5k_pack -> Q5KWeight for srt_q5k_linear; q8_recover + q8_pack -> Q8Weight for
 srt_q8_linear; q6k_recover + q8_pack -> Q8Weight for srt_q6k_linear. Each layout is drawn in the .c
 file that reads it.
@@ -147,9 +148,63 @@ def q4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     blocks = k // 32
     scales = torch.stack([d, m], dim=1).view(n // 16, 16, 2, blocks).permute(0, 3, 2, 1)  # [n/16, kb, 2, 16]
     scales = scales.contiguous().view(torch.uint8).reshape(n // 16, blocks, -1)
-    quads = q.view(n // 16, 16, blocks, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # [n/16, kb, c, j, pair, low/high]
-    nibbles = (quads[..., 0] | (quads[..., 1] << 4)).reshape(n // 16, blocks, 256)
-    return torch.cat([scales, nibbles], dim=-1).contiguous()
+    return torch.cat([scales, _nibbles(q)], dim=-1).contiguous()
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [n, k] in 0..15 -> q4_pack's nibbles, [n/16, k/32, 256] uint8."""
+    n, k = q.shape
+    quads = q.view(n // 16, 16, k // 32, 8, 2, 2).permute(
+        0, 2, 3, 1, 5, 4
+    )  # [n/16, kb, c, j, pair, low/high]
+    return (quads[..., 0] | (quads[..., 1] << 4)).reshape(n // 16, k // 32, 256)
+
+
+Q4KS_BLOCK_BYTES = 304  # cpu_q4_linear.c's srt_q4ks_linear: Q4_K with six-bit scales, 2432 bytes a 256 k
+
+
+def _six_bit_factors(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """v [g, 8] float32 -> (s [g, 1] float32, i [g, 8] uint8 in 0..63) with float32(s i) equal to
+    each value, or None where some group has no such factors. A K-quant super-block's eight
+    sub-block scales d sc (or minimums -dmin mn) are so, with s the fp16 d (-dmin): the value of
+    largest magnitude over each candidate top i, 63 first (llama.cpp's quantizer gives the largest
+    63), is tried until every i = round(v / s) is in 0..63 and reproduces its value exactly."""
+    peak = v.gather(-1, v.abs().argmax(-1, keepdim=True))
+    s, i = torch.zeros_like(peak), torch.zeros_like(v)
+    todo = (peak != 0).squeeze(-1).nonzero().squeeze(-1)  # a group of zeros: s = 0, i = 0
+    for top in range(63, 0, -1):
+        if not todo.numel():
+            break
+        vt, candidate = v[todo], peak[todo] / top
+        ic = torch.round(vt / candidate)
+        ok = ((ic >= 0) & (ic <= 63) & (candidate * ic == vt)).all(-1)
+        s[todo[ok]], i[todo[ok]] = candidate[ok], ic[ok]
+        todo = todo[~ok]
+    return None if todo.numel() else (s, i.to(torch.uint8))
+
+
+def q4ks_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """Q4_K blocks (float32 d and m per run of 32) -> srt_q4ks_linear's order, or None where they
+    are not a file's super-blocks (k % 256, or some eight runs' d or m without six-bit factors,
+    _six_bit_factors). Per 16 outputs and 256 k, 2432 bytes: the 16 outputs' fp32 D, then their
+    fp32 M, then for each run of 32 k the 16 six-bit sc (uint8), the 16 mn, and q4_pack's 256 bytes
+    of nibbles; the run's d is D sc and its m M mn, both exact (the same products as the file's).
+    0.59 bytes a weight against q4_pack's 0.75; viewed as [n/16, k/32, 304]. n % 16 == 0."""
+    n, k = q.shape
+    if k % 256:
+        return None
+    supers = k // 256
+    d_factors, m_factors = (_six_bit_factors(v.reshape(n * supers, 8)) for v in (d, m))
+    if d_factors is None or m_factors is None:
+        return None
+    (big_d, sc), (big_m, mn) = d_factors, m_factors
+    head = torch.stack([big_d.view(n, supers), big_m.view(n, supers)], dim=1)  # [n, 2, supers]
+    head = head.view(n // 16, 16, 2, supers).permute(0, 3, 2, 1).contiguous()  # [n/16, supers, 2, 16]
+    head = head.view(torch.uint8).reshape(n // 16, supers, 128)
+    six = torch.stack([sc.view(n, supers, 8), mn.view(n, supers, 8)], dim=1)  # [n, 2, supers, 8]
+    six = six.view(n // 16, 16, 2, supers, 8).permute(0, 3, 4, 2, 1).reshape(n // 16, supers, 8, 32)
+    runs = torch.cat([six, _nibbles(q).view(n // 16, supers, 8, 256)], dim=-1).reshape(n // 16, supers, 2304)
+    return torch.cat([head, runs], dim=-1).contiguous().view(n // 16, k // 32, Q4KS_BLOCK_BYTES)
 
 
 Q5K_BLOCK_BYTES = 448  # cpu_q4_linear.c's srt_q5k_linear: Q4_K's 384 bytes, then 64 of the q's fifth bits
@@ -185,7 +240,9 @@ class Q4KWeight:
     for more rows srt_gguf_linear (or a bf16 copy, as Q4Weight's). Not a Q4Weight: its blocks are Q4_K's
     (srt_decode_layer tells the two apart by its `kinds`)."""
 
-    packed: torch.Tensor  # q4_pack's [n/16, k/32, 384]
+    packed: (
+        torch.Tensor
+    )  # q4ks_pack's [n/16, k/32, 304] where its scales are a file's, else q4_pack's [.., 384]
     bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count
 
 

@@ -110,6 +110,10 @@ int64_t srt_q4k_linear_available(void);
 void srt_q4k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
                     int64_t k);
 void srt_q4k_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
+/* the same on GGUF Q4_K blocks with their six-bit scales (packing.q4ks_pack's layout) */
+void srt_q4ks_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
+                     int64_t k);
+void srt_q4ks_linear_silu(const bf16 *x, int64_t m, const uint8_t *packed, bf16 *act, int64_t d, int64_t k);
 /* the same on GGUF Q5_K blocks (packing.q5k_pack's layout: Q4_K's and the fifth bits) */
 int64_t srt_q5k_linear_available(void);
 void srt_q5k_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *bias, bf16 *out, int64_t n,
