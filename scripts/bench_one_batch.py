@@ -62,6 +62,7 @@ import torch  # noqa: E402
 
 from model_executor.cpu.kernels.packing import (  # noqa: E402
     Q6K_BLOCK_BYTES,
+    Q6KS_BLOCK_BYTES,
     Int8Weight,
     Q4KWeight,
     Q4Weight,
@@ -484,7 +485,8 @@ def weight_kind(packed: object) -> str:
         return "int8"
     name = {Q4Weight: "Q4_1", Q4KWeight: "Q4_K", Q5KWeight: "Q5_K"}.get(type(packed))
     if name is None:
-        name = "Q6_K" if packed.packed.shape[-1] == Q6K_BLOCK_BYTES else "Q8_0/Q5_0/Q4_0"  # type: ignore[attr-defined]
+        six = packed.packed.shape[-1] in (Q6K_BLOCK_BYTES, Q6KS_BLOCK_BYTES)  # type: ignore[attr-defined]
+        name = "Q6_K" if six else "Q8_0/Q5_0/Q4_0"
     return name
 
 

@@ -143,7 +143,7 @@ def test_a_gguf_checkpoint_packs_the_file_blocks_without_a_float32_model(
         assert torch.equal(weight.packed, other.packed), name  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("form", ["q4_1", "q4_k", "q4_ks", "q5_k", "q8_0", "q6_k"])
+@pytest.mark.parametrize("form", ["q4_1", "q4_k", "q4_ks", "q5_k", "q8_0", "q6_k", "q6_ks"])
 def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> None:
     """srt_gguf_linear (a GGUF weight's blocks widened to bf16 a task at a time) equals
     srt_bf16_linear on the weight's bf16 copy bit for bit, on AMX tiles or AVX-512 BF16 (whichever
@@ -154,6 +154,8 @@ def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> No
 
     if not build.gguf_linear_available():
         pytest.skip("no srt_gguf_linear on this CPU (no AVX-512 BF16)")
+    if form == "q6_ks" and not build.q6ks_available():
+        pytest.skip("no q6ks_pack layout on this CPU (no AVX-512 VNNI)")
     build.amx_available()  # grants this process the tiles where the CPU has them: both sides then run there
     g = torch.Generator().manual_seed(3)
     n, k = 96, 256
@@ -166,6 +168,8 @@ def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> No
     six = torch.randint(0, 64, (2, n, k // 32), generator=g)  # a file's super-blocks: fp16 times six bits
     supers = (torch.rand(2, n, k // 256, generator=g) * 1e-3).half().float().repeat_interleave(8, 2)
     dk, mk = supers[0] * six[0], -supers[1] * six[1]
+    q6 = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+    d6 = supers[0].repeat_interleave(2, 1) * torch.randint(-128, 128, (n, k // 16), generator=g)
     packed, weight = {
         "q4_1": lambda: (packing.q4_pack(q4, d16, m16), per32(d16) * q4.float() + per32(m16)),
         "q4_k": lambda: (packing.q4_pack(q4, d16.float(), m16.float()), per32(d16) * q4.float() + per32(m16)),
@@ -176,6 +180,7 @@ def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> No
         ),
         "q8_0": lambda: (packing.q8_pack(q8, d16), per32(d16) * q8.float()),
         "q6_k": lambda: (packing.q8_pack(q8, scales), scales.repeat_interleave(16, 1) * q8.float()),
+        "q6_ks": lambda: (packing.q6ks_pack(q6, d6), d6.repeat_interleave(16, 1) * q6.float()),
     }[form]()
     copy = packing.bf16_pack(weight.bfloat16())
     bias = torch.randn(n, generator=g).bfloat16()

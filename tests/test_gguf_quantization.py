@@ -688,6 +688,56 @@ def test_q6k_layer_runs_up_to_q6k_max_rows_then_the_bf16_copy() -> None:
     assert ops.q8_max_rows(q8) == ops.Q8_MAX_ROWS
 
 
+needs_q6ks = pytest.mark.skipif(
+    build._compiler() is None or not build.q6ks_available(),
+    reason="no srt_q6ks_linear here (it needs AVX-512 BF16 and VNNI)",
+)
+
+
+@needs_q6ks
+def test_q6ks_pack_keeps_a_files_int8_scales_and_six_bits() -> None:
+    """A Q6_K file's runs pack with their super-block's fp32 D, each run's int8 sc (D sc = its
+    scale exactly) and each q + 32 in six bits, 0.83 bytes a weight; scales no fp32 and int8 make,
+    q beyond six bits (a Q8_0 part widened) or k no multiple of 256 keep q8_pack's layout."""
+    _, q, scales = q6_k_file_values(32, 512, seed=5)
+    q = q.to(torch.int8)
+    packed = packing.q6ks_pack(q, scales)
+    assert packed is not None and packed.shape == (2, 16, packing.Q6KS_BLOCK_BYTES)
+    superblock = packed[1].reshape(2, 3392)[1]  # outputs 16..31, k 256..511
+    run = superblock[64 + 416 * 5 : 64 + 416 * 6]  # k 256 + 160 .. 256 + 191
+    big_d, sc = superblock[:64].view(torch.float32), run[:32].view(torch.int8).float()
+    assert torch.equal(big_d * sc[:16], scales[16:32, 26]) and torch.equal(big_d * sc[16:], scales[16:32, 27])
+    chunk = run[32 + 48 * 6 : 32 + 48 * 7].long()  # k 256 + 160 + 24 .. + 27
+    nibbles, bits = chunk[:32], chunk[32:]
+    low = torch.cat([nibbles & 15, nibbles >> 4])  # lanes 0..31, then 32..63
+    top = torch.cat([(bits >> s) & 3 for s in (0, 2, 4, 6)])  # lanes 0..15, 16..31, 32..47, 48..63
+    lanes = (low | top << 4) - 32  # lane 4j + i: q[j][4c + i]
+    assert torch.equal(lanes.view(16, 4), q[16:32, 256 + 160 + 24 : 256 + 160 + 28].long())
+    assert packing.q6ks_pack(q[:, :288], scales[:, :18]) is None  # k % 256 != 0
+    wide = q.clone()
+    wide[0, 0] = 100  # a Q8_0 part's q
+    assert packing.q6ks_pack(wide, scales) is None
+    nudged = scales.clone()
+    nudged[2, 3] = torch.nextafter(nudged[2, 3], torch.tensor(1.0))
+    assert packing.q6ks_pack(q, nudged) is None
+
+
+@needs_q6ks
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 640, 1024), (2, 64, 256), (3, 96, 512), (5, 32, 2048)])
+def test_q6k_file_blocks_give_the_same_bits_on_their_int8_scales(m: int, n: int, k: int) -> None:
+    """srt_q6ks_linear (q6ks_pack's 0.83 bytes a weight) gives srt_q6k_linear's float32 sums (q8_pack's
+    1.25) to the bit, and pack_weight lays a file's Q6_K blocks out so."""
+    weight, q, scales = q6_k_file_values(n, k, seed=m)
+    q = q.to(torch.int8)
+    compact = packing.q6ks_pack(q, scales)
+    assert compact is not None
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 2).bfloat16()
+    assert torch.equal(ops.q8_linear(x, compact), ops.q8_linear(x, packing.q8_pack(q, scales)))
+    assert_exact_weight_product(weight.double(), compact, m)
+    layer = cpu_linear.pack_weight(weight.bfloat16(), q8=(q, scales))
+    assert isinstance(layer, packing.Q8Weight) and torch.equal(layer.packed, compact)
+
+
 def forced_decode_case(model_dir: Path) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
     """Five seeded prompts of 1-30 tokens, six forced tokens after each, and transformers fp32's
     logits at those positions."""

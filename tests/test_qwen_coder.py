@@ -74,9 +74,11 @@ def test_qwen_coder_0_5b_decodes_on_the_file_blocks_as_transformers(
     packed = [packed_of(m.linear_method) for m in linears.values()]
     kinds = {type(p) for p in packed}
     assert kinds <= {packing.Q4KWeight, packing.Q8Weight}, kinds
-    # its Q4_K weights (down_proj, k 4864) on the file's six-bit scales
-    q4k = {p.packed.shape[1] * 32: p.packed.shape[-1] for p in packed if isinstance(p, packing.Q4KWeight)}
-    assert q4k == {4864: packing.Q4KS_BLOCK_BYTES}, q4k
+    # its Q4_K and Q6_K down_proj (k 4864) on the file's own scales (Q6_K's where AVX-512 VNNI runs)
+    layouts = {(type(p), p.packed.shape[1] * 32, p.packed.shape[-1]) for p in packed if p is not None}
+    six = packing.Q6KS_BLOCK_BYTES if build.q6ks_available() else packing.Q6K_BLOCK_BYTES
+    down = {(kind, size) for kind, k, size in layouts if k == 4864}
+    assert down == {(packing.Q4KWeight, packing.Q4KS_BLOCK_BYTES), (packing.Q8Weight, six)}, layouts
     if build.gguf_linear_available():
         assert all(m.weight.device.type == "meta" for n, m in linears.items() if n != "lm_head")
     forced = [e[: TOKENS - 1] for e in expected]  # step s decodes expected[s] and should pick expected[s + 1]

@@ -119,7 +119,10 @@ def pack_weight(
     if q5 is not None and packing.bf16_packable(weight):
         return packing.Q5KWeight(packing.q5k_pack(*q5), copy())
     if q8 is not None and packing.bf16_packable(weight):
-        return packing.Q8Weight(packing.q8_pack(*q8), copy())
+        compact = (
+            packing.q6ks_pack(*q8) if q8[1].dtype == torch.float32 else None
+        )  # Q6_K: a file's int8 scales
+        return packing.Q8Weight(compact if compact is not None else packing.q8_pack(*q8), copy())
     if quantization == "w8a8_int8" and packing.int8_packable(weight):
         return packing.int8_pack(weight)
     if packing.bf16_packable(weight) and build.bf16_linear_available():

@@ -244,6 +244,14 @@ def q4k_available() -> bool:
 
 
 @functools.cache
+def q6ks_available() -> bool:
+    """Whether srt_q6ks_linear runs here (GGUF Q6_K on the file's int8 scales: AVX-512 VNNI and
+    BF16, cpu_q8_linear.c; elsewhere Q6_K keeps q8_pack's layout on srt_q6k_linear)."""
+    lib = kernels()
+    return lib is not None and bool(lib.srt_q6ks_linear_available())
+
+
+@functools.cache
 def q5k_available() -> bool:
     """Whether srt_q5k_linear runs here (GGUF Q5_K: wherever srt_q4k_linear does, cpu_q4_linear.c)."""
     lib = kernels()

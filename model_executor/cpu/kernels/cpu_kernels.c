@@ -922,11 +922,12 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 
 /* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
  * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each one of these */
-enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5, KIND_Q4_KS = 6 };
+enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5, KIND_Q4_KS = 6,
+       KIND_Q6_KS = 7 };
 /* ... or with this bit, those blocks through srt_gguf_linear (any rows: more than their kernel takes) */
 #define KIND_TILES 8
 #define KIND_OF(kinds, i) (((kinds) >> (4 * (i))) & 15)
-#define IS_8_BIT(kind) ((kind) == KIND_Q8_0 || (kind) == KIND_Q6_K)
+#define IS_8_BIT(kind) ((kind) == KIND_Q8_0 || (kind) == KIND_Q6_K || (kind) == KIND_Q6_KS)
 #define IS_4_BIT(kind) ((kind) == KIND_Q4_1 || (kind) == KIND_Q4_K || (kind) == KIND_Q5_K || (kind) == KIND_Q4_KS)
 
 /* x @ w.T on a GGUF weight's 8-bit blocks (Q8_0, Q5_0, Q4_0 as q8_pack lays them out, or Q6_K's),
@@ -936,6 +937,8 @@ static void q8_layer_linear(const bf16 *x, int64_t m, const void *packed, int64_
     float *sums = out_f32 ? out_f32 : malloc((size_t)(m * n) * sizeof(float));
     if (kind == KIND_Q6_K)
         srt_q6k_linear(x, m, (const uint8_t *)packed, sums, n, k);
+    else if (kind == KIND_Q6_KS)
+        srt_q6ks_linear(x, m, (const uint8_t *)packed, sums, n, k);
     else
         srt_q8_linear(x, m, (const uint8_t *)packed, sums, n, k);
     if (!out_f32) {

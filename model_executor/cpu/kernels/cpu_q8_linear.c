@@ -22,6 +22,12 @@
  * each half with its own scale and its own correction term. The q6k argument of the functions below
  * is a constant in each instance, so the Q8_0 instances keep their one pass over the 8 chunks (and
  * give the same bits: the int sum of x16 is kept per 16 k and added back).
+ *
+ * Q6_K as the file holds its scales (srt_q6ks_linear, packing.q6ks_pack; AVX-512 only) takes 0.83
+ * bytes a weight against those 1.25: per 16 outputs and 256 k the 16 fp32 D, then for each run of
+ * 32 k its 32 int8 sc and 8 chunks of 48 bytes, the six bits of q + 32 (gguf_widen.h's q6ks_chunk
+ * widens one to the 64 bytes above, less 96). A run's scale is D sc, exact in fp32; the correction
+ * is 32 sum x16; so the sums are srt_q6k_linear's to the bit.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,6 +39,7 @@
 #include <omp.h>
 
 #include "simd_bf16.h"
+#include "gguf_widen.h"
 
 #define ROWS 2
 #define GROUP 4
@@ -43,6 +50,14 @@
 #define X16_MAX 32639.0f   /* (X16_MAX + 128) >> 8 = 127: hi stays an int8 */
 
 int64_t srt_q8_linear_available(void) { return 1; }
+int64_t srt_q6ks_linear_available(void) { return 1; }
+
+enum { Q8_0, Q6_K, Q6_KS }; /* the layouts: q8_pack's with fp16 d, with Q6_K's fp32 D, q6ks_pack's */
+static inline int layout_bytes(const int layout) { return layout == Q8_0 ? BLOCK_BYTES : layout == Q6_K ? Q6K_BLOCK_BYTES : 424; }
+/* block kb of a 16-output stream: its scales, then its chunks */
+static inline const uint8_t *q8_block(const uint8_t *w, const int64_t kb, const int layout) {
+    return layout == Q6_KS ? q6ks_run(w, kb) : w + kb * layout_bytes(layout);
+}
 
 /* Row r's block kb of x (k values a row) -> hi and lo (int8, k a row), dx and the int sums of x16 over
  * k 0..15 and 16..31 (sum16[2 (r blocks + kb)] and the next) */
@@ -69,20 +84,21 @@ static void x16_split(const bf16 *x, int64_t m, int64_t k, int8_t *hi, int8_t *l
         }
 }
 
-/* acc[r][b] = row r (rows k apart) times block stream wb[b]; q6k: Q6_K's layout, two halves a block */
+/* acc[r][b] = row r (rows k apart) times block stream wb[b] of `layout` (Q6_K's two halves a block) */
 static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, const int8_t *lo, int64_t k,
                                                           const float *dx, const int32_t *sum16,
                                                           const uint8_t *const *wb, const int R, const int NB,
-                                                          const int q6k, __m512 acc[ROWS][GROUP]) {
+                                                          const int layout, __m512 acc[ROWS][GROUP]) {
     const int64_t blocks = k / 32;
-    const int bytes = q6k ? Q6K_BLOCK_BYTES : BLOCK_BYTES, scales = q6k ? 128 : 32, halves = q6k ? 2 : 1;
+    const int q6k = layout != Q8_0, bytes = layout_bytes(layout), halves = q6k ? 2 : 1;
+    const int scales = layout == Q6_K ? 128 : 32, bias = layout == Q6_KS ? 32 : 128; /* q + bias, u8 */
     const int32_t *hp = (const int32_t *)hi, *lp = (const int32_t *)lo; /* four int8 x as one lane */
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < blocks; kb++) {
         for (int b = 0; b < NB; b++)
             for (int l = 0; l < bytes; l += 64)
-                _mm_prefetch((const char *)(wb[b] + (kb + PREFETCH_BLOCKS) * bytes + l), _MM_HINT_T1);
+                _mm_prefetch((const char *)(q8_block(wb[b], kb, layout) + PREFETCH_BLOCKS * bytes + l), _MM_HINT_T1);
         for (int h = 0; h < halves; h++) { /* Q8_0: chunks 0..7 at once; Q6_K: 0..3, then 4..7 */
             __m512i sh[ROWS][GROUP], sl[ROWS][GROUP];
             for (int r = 0; r < R; r++)
@@ -94,7 +110,9 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, cons
                     xl[r] = _mm512_set1_epi32(lp[r * (k / 4) + kb * 8 + c]);
                 }
                 for (int b = 0; b < NB; b++) {
-                    const __m512i w = _mm512_loadu_si512((const void *)(wb[b] + kb * bytes + scales + 64 * c));
+                    const uint8_t *block = q8_block(wb[b], kb, layout);
+                    const __m512i w = layout == Q6_KS ? q6ks_chunk(block + 32 + 48 * c)
+                                                      : _mm512_loadu_si512((const void *)(block + scales + 64 * c));
                     for (int r = 0; r < R; r++) {
                         sh[r][b] = _mm512_dpbusd_epi32(sh[r][b], w, xh[r]);
                         sl[r][b] = _mm512_dpbusd_epi32(sl[r][b], w, xl[r]);
@@ -102,14 +120,17 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, cons
                 }
             }
             for (int b = 0; b < NB; b++) {
-                const uint8_t *s = wb[b] + kb * bytes;
-                const __m512 d = q6k ? _mm512_loadu_ps((const float *)s + 16 * h)
-                                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+                const uint8_t *s = q8_block(wb[b], kb, layout);
+                const __m512 d =
+                    layout == Q6_KS ? _mm512_mul_ps(_mm512_loadu_ps(q6ks_head(wb[b], kb)),
+                                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + 16 * h)))))
+                    : q6k ? _mm512_loadu_ps((const float *)s + 16 * h)
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
                 for (int r = 0; r < R; r++) {
                     const int32_t *x_sums = sum16 + 2 * (r * blocks + kb);
                     const int32_t x_sum = q6k ? x_sums[h] : x_sums[0] + x_sums[1];
                     const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sh[r][b], 8), sl[r][b]),
-                                                       _mm512_set1_epi32(128 * x_sum));
+                                                       _mm512_set1_epi32(bias * x_sum));
                     acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
                                                 _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + kb])), acc[r][b]);
                 }
@@ -120,24 +141,24 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *hi, cons
 
 static inline __attribute__((always_inline)) void q8_group(const int8_t *hi, const int8_t *lo, int64_t m, int64_t k,
                                                            const float *dx, const int32_t *sum16,
-                                                           const uint8_t *const *wb, const int NB, const int q6k,
+                                                           const uint8_t *const *wb, const int NB, const int layout,
                                                            float *out, int64_t n) {
     __m512 acc[ROWS][GROUP];
     const int64_t blocks = k / 32;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
         const int R = m - r0 >= 2 ? 2 : 1;
         if (R == 2)
-            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + 2 * r0 * blocks, wb, 2, NB, q6k, acc);
+            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + 2 * r0 * blocks, wb, 2, NB, layout, acc);
         else
-            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + 2 * r0 * blocks, wb, 1, NB, q6k, acc);
+            q8_tile(hi + r0 * k, lo + r0 * k, k, dx + r0 * blocks, sum16 + 2 * r0 * blocks, wb, 1, NB, layout, acc);
         for (int r = 0; r < R; r++)
             for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + (r0 + r) * n + 16 * b, acc[r][b]);
     }
 }
 
 static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k,
-                      const int q6k) {
-    const int64_t stride = (k / 32) * (q6k ? Q6K_BLOCK_BYTES : BLOCK_BYTES), units = n / 16, blocks = k / 32;
+                      const int layout) {
+    const int64_t stride = (k / 32) * layout_bytes(layout), units = n / 16, blocks = k / 32;
     int8_t *hi = malloc((size_t)(2 * m * k)), *lo = hi + m * k;
     float *dx = malloc((size_t)(m * blocks) * sizeof(float));
     int32_t *sum16 = malloc((size_t)(2 * m * blocks) * sizeof(int32_t));
@@ -150,16 +171,20 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
             const int64_t left = u1 - u < GROUP ? u1 - u : GROUP;
             const uint8_t *wb[GROUP];
             for (int64_t i = 0; i < left; i++) wb[i] = packed + (u + i) * stride;
-            switch (left * 2 + q6k) { /* a constant block count and layout for each instance */
-            case 9: q8_group(hi, lo, m, k, dx, sum16, wb, 4, 1, out + 16 * u, n); break;
-            case 8: q8_group(hi, lo, m, k, dx, sum16, wb, 4, 0, out + 16 * u, n); break;
-            case 7: q8_group(hi, lo, m, k, dx, sum16, wb, 3, 1, out + 16 * u, n); break;
-            case 6: q8_group(hi, lo, m, k, dx, sum16, wb, 3, 0, out + 16 * u, n); break;
-            case 5: q8_group(hi, lo, m, k, dx, sum16, wb, 2, 1, out + 16 * u, n); break;
-            case 4: q8_group(hi, lo, m, k, dx, sum16, wb, 2, 0, out + 16 * u, n); break;
-            case 3: q8_group(hi, lo, m, k, dx, sum16, wb, 1, 1, out + 16 * u, n); break;
-            default: q8_group(hi, lo, m, k, dx, sum16, wb, 1, 0, out + 16 * u, n); break;
+/* a constant block count and layout for each instance */
+#define Q8_GROUP(NB)                                                                    \
+    switch (layout) {                                                                   \
+    case Q6_KS: q8_group(hi, lo, m, k, dx, sum16, wb, NB, Q6_KS, out + 16 * u, n); break; \
+    case Q6_K: q8_group(hi, lo, m, k, dx, sum16, wb, NB, Q6_K, out + 16 * u, n); break;   \
+    default: q8_group(hi, lo, m, k, dx, sum16, wb, NB, Q8_0, out + 16 * u, n); break;     \
+    }
+            switch (left) {
+            case 4: Q8_GROUP(4) break;
+            case 3: Q8_GROUP(3) break;
+            case 2: Q8_GROUP(2) break;
+            default: Q8_GROUP(1) break;
             }
+#undef Q8_GROUP
         }
     }
     free(hi);
@@ -168,6 +193,7 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
 }
 
 #define Q8(...) q8_linear(__VA_ARGS__)
+#define Q6KS(...) q8_linear(__VA_ARGS__, Q6_KS)
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* AVX2 has no vpdpbusd, and vpmaddubsw's u8 x s8 pair sums saturate at 32767, so q + 128 cannot go
  * in unsigned as above. Instead each weight goes in as |q| (u8, q = byte - 128 in -127..127) against
@@ -277,9 +303,13 @@ static void q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *ou
 }
 
 #define Q8(...) q8_linear(__VA_ARGS__)
+int64_t srt_q6ks_linear_available(void) { return 0; }
+#define Q6KS(...) abort() /* never called: srt_q6ks_linear_available() answered 0 */
 #else
 int64_t srt_q8_linear_available(void) { return 0; }
+int64_t srt_q6ks_linear_available(void) { return 0; }
 #define Q8(...) abort() /* never called: srt_q8_linear_available() answered 0 */
+#define Q6KS(...) abort() /* never called: srt_q6ks_linear_available() answered 0 */
 #endif
 
 /* out[m][n] (float32) = x[m][k] @ w.T for the Q8_0 weight packed by packing.q8_pack; x rows contiguous;
@@ -291,4 +321,10 @@ void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, 
 /* the same for the Q6_K weight packed by packing.q8_pack with fp32 scales (640 bytes a block) */
 void srt_q6k_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
     Q8(x, m, packed, out, n, k, 1);
+}
+
+/* the same for the Q6_K weight packed by packing.q6ks_pack (the file's int8 scales, 424 bytes a
+ * block on average): srt_q6k_linear's bits */
+void srt_q6ks_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k) {
+    Q6KS(x, m, packed, out, n, k);
 }

@@ -5,14 +5,33 @@
 #ifndef SRT_GGUF_WIDEN_H
 #define SRT_GGUF_WIDEN_H
 
-enum { G_Q4_1 = 1, G_Q4_K = 2, G_Q5_K = 3, G_Q8_0 = 4, G_Q6_K = 5, G_Q4_KS = 6 };
+enum { G_Q4_1 = 1, G_Q4_K = 2, G_Q5_K = 3, G_Q8_0 = 4, G_Q6_K = 5, G_Q4_KS = 6, G_Q6_KS = 7 };
 static inline int64_t gguf_block_bytes(const int64_t kind) {
     return kind == G_Q4_1     ? 320
            : kind == G_Q4_K   ? 384
            : kind == G_Q5_K   ? 448
            : kind == G_Q8_0   ? 544
            : kind == G_Q4_KS ? 304 /* on average: 2432 bytes a 256 k (cpu_q4_linear.c) */
+           : kind == G_Q6_KS ? 424 /* on average: 3392 bytes a 256 k (cpu_q8_linear.c) */
                               : 640;
+}
+
+/* Q6_KS (packing.q6ks_pack): run kb of a 16-output stream (its 32 int8 sc, then 8 chunks of 48
+ * bytes), after its super-block's 16 fp32 D */
+static inline const uint8_t *q6ks_run(const uint8_t *w, const int64_t kb) { return w + (kb >> 3) * 3392 + 64 + (kb & 7) * 416; }
+static inline const float *q6ks_head(const uint8_t *w, const int64_t kb) { return (const float *)(w + (kb >> 3) * 3392); }
+
+/* A Q6_KS chunk of 48 bytes -> q8_pack's 64 lanes, byte 4j + i = q[j][4c + i] + 32: the low
+ * nibbles of bytes 0..31, then their high ones, each ORed with its top two bits (byte b of the
+ * last 16 holds those of lanes b, b + 16, b + 32, b + 48 at bits 0, 2, 4, 6: rotated within each
+ * 32-bit word by 4, 2, 0 or -2 bits, one 128-bit quarter at a time, they sit at bits 4 and 5) */
+static inline __m512i q6ks_chunk(const uint8_t *chunk) {
+    const __m512i turn = _mm512_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 30, 30, 30, 30);
+    const __m256i nibbles = _mm256_loadu_si256((const __m256i *)chunk);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles), _mm256_srli_epi16(nibbles, 4), 1);
+    const __m512i top = _mm512_rolv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(chunk + 32))), turn);
+    return _mm512_ternarylogic_epi32(both, _mm512_set1_epi8(15), _mm512_and_si512(top, _mm512_set1_epi8(0x30)),
+                                     0xEA); /* a & b | c */
 }
 
 /* 16 lanes: byte i of 16 -> its value as float32 after `nib` (0: low nibble, 4: high, -1: the byte) */
@@ -65,19 +84,23 @@ static inline void gguf_widen(const uint8_t *src, const int64_t kind, bf16 *dst,
                         store16(out + (2 * c + nib) * 32 + 16 * half, _mm512_fmadd_ps(d2[half], q, m2[half]));
                     }
         } else {
-            const int q6 = kind == G_Q6_K;
-            const uint8_t *quads = b + (q6 ? 128 : 32);
+            const int q6 = kind == G_Q6_K, q6s = kind == G_Q6_KS;
+            const uint8_t *run = q6s ? q6ks_run(src, kb) : b, *quads = b + (q6 ? 128 : 32);
+            const float bias = q6s ? 32.0f : 128.0f;
             for (int c = 0; c < 8; c++) {
-                const __m512 d = q6 ? _mm512_loadu_ps((const float *)b + (c < 4 ? 0 : 16))
-                                    : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+                const __m512 d =
+                    q6s  ? _mm512_mul_ps(_mm512_loadu_ps(q6ks_head(src, kb)),
+                                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(run + (c < 4 ? 0 : 16))))))
+                    : q6 ? _mm512_loadu_ps((const float *)b + (c < 4 ? 0 : 16))
+                         : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
                 const __m512 d2[2] = {_mm512_permutexvar_ps(lo_idx, d), _mm512_permutexvar_ps(hi_idx, d)};
-                const __m512i v = _mm512_loadu_si512(quads + 64 * c);
+                const __m512i v = q6s ? q6ks_chunk(run + 32 + 48 * c) : _mm512_loadu_si512(quads + 64 * c);
                 for (int pair = 0; pair < 2; pair++) { /* each lane's bytes 0, 1, then 2, 3 */
                     const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16 * pair));
                     uint8_t two[32];
                     _mm256_storeu_si256((__m256i *)two, words);
                     for (int half = 0; half < 2; half++) {
-                        const __m512 q = _mm512_sub_ps(g_lanes(two + 16 * half, -1), _mm512_set1_ps(128.0f));
+                        const __m512 q = _mm512_sub_ps(g_lanes(two + 16 * half, -1), _mm512_set1_ps(bias));
                         store16(out + (2 * c + pair) * 32 + 16 * half, _mm512_mul_ps(d2[half], q));
                     }
                 }

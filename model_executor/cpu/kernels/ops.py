@@ -19,6 +19,7 @@ from model_executor.cpu.kernels.packing import (
     Q4KS_BLOCK_BYTES,
     Q5K_BLOCK_BYTES,
     Q6K_BLOCK_BYTES,
+    Q6KS_BLOCK_BYTES,
     Q8_BLOCK_BYTES,
     Int8Weight,
 )
@@ -71,7 +72,7 @@ def _gguf_on_tiles() -> bool:
 
 def q8_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q8_linear / srt_q6k_linear takes the packed 8-bit weight for."""
-    if packed.shape[-1] != Q6K_BLOCK_BYTES:
+    if packed.shape[-1] not in (Q6K_BLOCK_BYTES, Q6KS_BLOCK_BYTES):
         return Q8_MAX_ROWS
     return max(Q6K_MAX_ROWS, Q6K_AMX_MAX_ROWS) if _gguf_on_tiles() else Q6K_MAX_ROWS
 
@@ -688,7 +689,9 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     _need_dtype("x", x, torch.bfloat16)
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    kernel = lib.srt_q6k_linear if packed.shape[-1] == Q6K_BLOCK_BYTES else lib.srt_q8_linear
+    kernel = {Q6K_BLOCK_BYTES: lib.srt_q6k_linear, Q6KS_BLOCK_BYTES: lib.srt_q6ks_linear}.get(
+        packed.shape[-1], lib.srt_q8_linear
+    )
     kernel(x.data_ptr(), x.numel() // k, packed.data_ptr(), out.data_ptr(), n, k)
     return out
 
@@ -701,6 +704,7 @@ GGUF_KINDS = {
     Q5K_BLOCK_BYTES: 3,
     Q8_BLOCK_BYTES: 4,
     Q6K_BLOCK_BYTES: 5,
+    Q6KS_BLOCK_BYTES: 7,
 }
 
 

@@ -5,7 +5,7 @@ bf16_pack: bf16 for srt_bf16_linear; int8_pack -> Int8Weight for srt_int8_linear
 q4_pack -> Q4Weight for srt_q4_linear; q4k_recover + q4ks_pack (or q4_pack) -> Q4KWeight for
 srt_q4ks_linear (srt_q4k_linear);
 q5k_recover + q5k_pack -> Q5KWeight for srt_q5k_linear; q8_recover + q8_pack -> Q8Weight for
-srt_q8_linear; q6k_recover + q8_pack -> Q8Weight for srt_q6k_linear. Each layout is drawn in the .c
+srt_q8_linear; q6k_recover + q6ks_pack (or q8_pack) -> Q8Weight for srt_q6ks_linear (srt_q6k_linear). Each layout is drawn in the .c
 file that reads it.
 """
 
@@ -163,30 +163,31 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
 Q4KS_BLOCK_BYTES = 304  # cpu_q4_linear.c's srt_q4ks_linear: Q4_K with six-bit scales, 2432 bytes a 256 k
 
 
-def _six_bit_factors(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """v [g, 8] float32 -> (s [g, 1] float32, i [g, 8] uint8 in 0..63) with float32(s i) equal to
-    each value, or None where some group has no such factors. A K-quant super-block's eight
-    sub-block scales d sc (or minimums -dmin mn) are so, with s the fp16 d (-dmin): the value of
-    largest magnitude over each candidate top i, 63 first (llama.cpp's quantizer gives the largest
-    63), is tried until every i = round(v / s) is in 0..63 and reproduces its value exactly."""
+def _int_factors(v: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """v [g, r] float32 -> (s [g, 1] float32, i [g, r] int in low..high) with float32(s i) equal to
+    each value, or None where some group has no such factors. A K-quant super-block's sub-block
+    scales are so, s being the file's fp16 d: Q4_K's d sc and -dmin mn (i in 0..63), Q6_K's d sc (i
+    in -128..127). Each group's value of largest magnitude over a candidate i (the largest
+    magnitudes first: llama.cpp's quantizers give that value 63, or -128) is tried as s until every
+    i = round(v / s) is in range and reproduces its value exactly."""
     peak = v.gather(-1, v.abs().argmax(-1, keepdim=True))
     s, i = torch.zeros_like(peak), torch.zeros_like(v)
     todo = (peak != 0).squeeze(-1).nonzero().squeeze(-1)  # a group of zeros: s = 0, i = 0
-    for top in range(63, 0, -1):
+    for top in sorted((t for t in range(low, high + 1) if t), key=lambda t: (-abs(t), t)):
         if not todo.numel():
             break
         vt, candidate = v[todo], peak[todo] / top
         ic = torch.round(vt / candidate)
-        ok = ((ic >= 0) & (ic <= 63) & (candidate * ic == vt)).all(-1)
+        ok = ((ic >= low) & (ic <= high) & (candidate * ic == vt)).all(-1)
         s[todo[ok]], i[todo[ok]] = candidate[ok], ic[ok]
         todo = todo[~ok]
-    return None if todo.numel() else (s, i.to(torch.uint8))
+    return None if todo.numel() else (s, i)
 
 
 def q4ks_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
     """Q4_K blocks (float32 d and m per run of 32) -> srt_q4ks_linear's order, or None where they
     are not a file's super-blocks (k % 256, or some eight runs' d or m without six-bit factors,
-    _six_bit_factors). Per 16 outputs and 256 k, 2432 bytes: the 16 outputs' fp32 D, then their
+    _int_factors). Per 16 outputs and 256 k, 2432 bytes: the 16 outputs' fp32 D, then their
     fp32 M, then for each run of 32 k the 16 six-bit sc (uint8), the 16 mn, and q4_pack's 256 bytes
     of nibbles; the run's d is D sc and its m M mn, both exact (the same products as the file's).
     0.59 bytes a weight against q4_pack's 0.75; viewed as [n/16, k/32, 304]. n % 16 == 0."""
@@ -194,10 +195,11 @@ def q4ks_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     if k % 256:
         return None
     supers = k // 256
-    d_factors, m_factors = (_six_bit_factors(v.reshape(n * supers, 8)) for v in (d, m))
+    d_factors, m_factors = (_int_factors(v.reshape(n * supers, 8), 0, 63) for v in (d, m))
     if d_factors is None or m_factors is None:
         return None
     (big_d, sc), (big_m, mn) = d_factors, m_factors
+    sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
     head = torch.stack([big_d.view(n, supers), big_m.view(n, supers)], dim=1)  # [n, 2, supers]
     head = head.view(n // 16, 16, 2, supers).permute(0, 3, 2, 1).contiguous()  # [n/16, supers, 2, 16]
     head = head.view(torch.uint8).reshape(n // 16, supers, 128)
@@ -355,11 +357,49 @@ def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     ).contiguous()
 
 
+Q6KS_BLOCK_BYTES = 424  # cpu_q8_linear.c's srt_q6ks_linear: Q6_K with int8 scales, 3392 bytes a 256 k
+
+
+def q6ks_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
+    """Q6_K blocks (q6k_recover's: q in -32..31, D float32 per run of 16) -> srt_q6ks_linear's
+    order, or None where they are not a file's super-blocks (k % 256, or some 16 runs' D without an
+    fp32 and int8 factors, _int_factors) or this CPU has no such kernel. Per 16 outputs and 256 k,
+    3392 bytes: the 16 outputs' fp32 D, then for each run of 32 k the int8 sc of its k 0..15 and
+    then 16..31 (16 each), and 8 chunks of 48 bytes, chunk c holding k 4c .. 4c + 3 as q8_pack's 64
+    bytes L[4j + i] = q[j][4c + i] + 32 (six bits) would: 32 bytes L[b] & 15 | (L[b + 32] & 15) << 4,
+    then 16 bytes of the top two bits, L[b] >> 4 | L[b + 16] >> 4 << 2 | L[b + 32] >> 4 << 4 |
+    L[b + 48] >> 4 << 6. A run's D is D sc, exact. 0.83 bytes a weight against q8_pack's 1.25;
+    viewed as [n/16, k/32, 424]. n % 16 == 0."""
+    n, k = q.shape
+    if k % 256 or not build.q6ks_available() or int(q.min()) < -32 or int(q.max()) > 31:  # Q8_0 parts widened
+        return None
+    supers = k // 256
+    factors = _int_factors(d.reshape(n * supers, 16), -128, 127)
+    if factors is None:
+        return None
+    big_d, sc = factors
+    head = (
+        big_d.view(n // 16, 16, supers).permute(0, 2, 1).contiguous().view(torch.uint8)
+    )  # [n/16, supers, 64]
+    scales = sc.to(torch.int8).view(n // 16, 16, supers, 8, 2).permute(0, 2, 3, 4, 1)  # [.., run, half, j]
+    scales = scales.contiguous().view(torch.uint8).reshape(n // 16, supers, 8, 32)
+    lanes = (
+        (q.to(torch.int16) + 32).to(torch.uint8).view(n // 16, 16, supers, 8, 8, 4)
+    )  # [.., j, s, run, c, i]
+    lanes = lanes.permute(0, 2, 3, 4, 1, 5).reshape(n // 16, supers, 8, 8, 64)  # L[4j + i] per chunk
+    low, top = lanes & 15, lanes >> 4
+    nibbles = low[..., :32] | (low[..., 32:] << 4)
+    bits = top[..., :16] | (top[..., 16:32] << 2) | (top[..., 32:48] << 4) | (top[..., 48:] << 6)
+    chunks = torch.cat([nibbles, bits], dim=-1).reshape(n // 16, supers, 8, 384)
+    runs = torch.cat([scales, chunks], dim=-1).reshape(n // 16, supers, 8 * 416)
+    return torch.cat([head, runs], dim=-1).contiguous().view(n // 16, k // 32, Q6KS_BLOCK_BYTES)
+
+
 @dataclass(frozen=True)
 class Q8Weight:
     """A GGUF weight of Q8_0, Q5_0 or Q4_0 blocks (a layer's, or the tied LM head's) for
     srt_q8_linear, or of Q6_K blocks for srt_q6k_linear (up to ops.q8_max_rows rows); for more rows
     srt_gguf_linear (or a bf16 copy, as Q4Weight's)."""
 
-    packed: torch.Tensor  # q8_pack's [n/16, k/32, 544], or 640 for Q6_K
+    packed: torch.Tensor  # q8_pack's [n/16, k/32, 544], or 640 for Q6_K (q6ks_pack's 424 where it takes them)
     bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count

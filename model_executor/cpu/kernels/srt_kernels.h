@@ -125,6 +125,9 @@ int64_t srt_q8_linear_available(void);
 void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
 /* the same on GGUF Q6_K blocks (q8_pack's layout with fp32 scales, one per 16 k; runs where srt_q8_linear does) */
 void srt_q6k_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
+/* the same on GGUF Q6_K blocks with their int8 scales (packing.q6ks_pack's layout; AVX-512 VNNI) */
+int64_t srt_q6ks_linear_available(void);
+void srt_q6ks_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
 
 /* cpu_bf16_linear.c: a GGUF weight's blocks (q4_pack's, q5k_pack's or q8_pack's layout; kind as
  * cpu_kernels.c's KIND_*) for any number of rows, each task's blocks widened to bf16 first (AVX-512
