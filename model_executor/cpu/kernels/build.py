@@ -54,7 +54,14 @@ HEADERS = (
     HEADER,
     *(
         Path(__file__).with_name(name)
-        for name in ("simd_bf16.h", "simd_avx2.h", "dp_bf16.h", "prefill_tasks.h", "gguf_widen.h")
+        for name in (
+            "simd_bf16.h",
+            "simd_avx2.h",
+            "dp_bf16.h",
+            "prefill_tasks.h",
+            "gguf_layouts.h",
+            "gguf_widen.h",
+        )
     ),
 )  # part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror=missing-prototypes")

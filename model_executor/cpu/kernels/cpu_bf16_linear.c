@@ -166,7 +166,7 @@ static void gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, const i
 int64_t srt_gguf_linear_available(void) { return 1; }
 
 /* out[m][n] = x[m][k] @ w.T (+ bias) for a GGUF weight's blocks in q4_pack's, q5k_pack's or q8_pack's
- * layout (`kind`: cpu_kernels.c's KIND_Q4_1 .. KIND_Q6_K), any m: bf16 out (mode 0), float32 sums
+ * layout (`kind`: gguf_layouts.h's GGUF_*), any m: bf16 out (mode 0), float32 sums
  * (mode 1), or silu(gate) * up of a [2n, k] gate_up weight into out[m][n] (mode 2). n % 32 == 0
  * (bf16_packable's) and k % 32 == 0. */
 void srt_gguf_linear(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, void *out,

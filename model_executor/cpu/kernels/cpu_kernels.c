@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_layouts.h"
 #include "srt_kernels.h"
 
 #include "simd_avx2.h"
@@ -921,23 +922,23 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 }
 
 /* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
- * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each one of these */
-enum { KIND_PLAIN = 0, KIND_Q4_1 = 1, KIND_Q4_K = 2, KIND_Q5_K = 3, KIND_Q8_0 = 4, KIND_Q6_K = 5, KIND_Q4_KS = 6,
-       KIND_Q6_KS = 7 };
+ * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each KIND_PLAIN or
+ * one of gguf_layouts.h's GGUF_* */
+#define KIND_PLAIN 0
 /* ... or with this bit, those blocks through srt_gguf_linear (any rows: more than their kernel takes) */
 #define KIND_TILES 8
 #define KIND_OF(kinds, i) (((kinds) >> (4 * (i))) & 15)
-#define IS_8_BIT(kind) ((kind) == KIND_Q8_0 || (kind) == KIND_Q6_K || (kind) == KIND_Q6_KS)
-#define IS_4_BIT(kind) ((kind) == KIND_Q4_1 || (kind) == KIND_Q4_K || (kind) == KIND_Q5_K || (kind) == KIND_Q4_KS)
+#define IS_8_BIT(kind) ((kind) == GGUF_Q8_0 || (kind) == GGUF_Q6_K || (kind) == GGUF_Q6_KS)
+#define IS_4_BIT(kind) ((kind) == GGUF_Q4_1 || (kind) == GGUF_Q4_K || (kind) == GGUF_Q5_K || (kind) == GGUF_Q4_KS)
 
 /* x @ w.T on a GGUF weight's 8-bit blocks (Q8_0, Q5_0, Q4_0 as q8_pack lays them out, or Q6_K's),
  * float32 sums into out_f32, or (+ bias) rounded to bf16 into out as Q8Weight's op-by-op product is */
 static void q8_layer_linear(const bf16 *x, int64_t m, const void *packed, int64_t kind, const bf16 *bias, bf16 *out,
                             float *out_f32, int64_t n, int64_t k) {
     float *sums = out_f32 ? out_f32 : malloc((size_t)(m * n) * sizeof(float));
-    if (kind == KIND_Q6_K)
+    if (kind == GGUF_Q6_K)
         srt_q6k_linear(x, m, (const uint8_t *)packed, sums, n, k);
-    else if (kind == KIND_Q6_KS)
+    else if (kind == GGUF_Q6_KS)
         srt_q6ks_linear(x, m, (const uint8_t *)packed, sums, n, k);
     else
         srt_q8_linear(x, m, (const uint8_t *)packed, sums, n, k);
@@ -956,13 +957,13 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
         srt_gguf_linear(x, m, (const uint8_t *)packed, kind & 7, bias, out, n, k, 0);
     else if (packed && IS_8_BIT(kind))
         q8_layer_linear(x, m, packed, kind, bias, out, NULL, n, k);
-    else if (packed && kind == KIND_Q4_1)
+    else if (packed && kind == GGUF_Q4_1)
         srt_q4_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
-    else if (packed && kind == KIND_Q4_K)
+    else if (packed && kind == GGUF_Q4_K)
         srt_q4k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
-    else if (packed && kind == KIND_Q5_K)
+    else if (packed && kind == GGUF_Q5_K)
         srt_q5k_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
-    else if (packed && kind == KIND_Q4_KS)
+    else if (packed && kind == GGUF_Q4_KS)
         srt_q4ks_linear(x, m, (const uint8_t *)packed, bias, out, n, k);
     else if (packed && scale)
         srt_int8_linear(x, m, (const int8_t *)packed, scale, bias, out, n, k);
@@ -1049,13 +1050,13 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
     const int64_t gate_up_kind = KIND_OF(kinds, 2);
     if (p_gate_up && (gate_up_kind & KIND_TILES)) {
         srt_gguf_linear(x, m, (const uint8_t *)p_gate_up, gate_up_kind & 7, NULL, act, inter, hidden_size, 2);
-    } else if (p_gate_up && gate_up_kind == KIND_Q4_1) { /* packed: silu * up in the gate_up product's epilogue */
+    } else if (p_gate_up && gate_up_kind == GGUF_Q4_1) { /* packed: silu * up in the gate_up product's epilogue */
         srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
-    } else if (p_gate_up && gate_up_kind == KIND_Q4_K) {
+    } else if (p_gate_up && gate_up_kind == GGUF_Q4_K) {
         srt_q4k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
-    } else if (p_gate_up && gate_up_kind == KIND_Q5_K) {
+    } else if (p_gate_up && gate_up_kind == GGUF_Q5_K) {
         srt_q5k_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
-    } else if (p_gate_up && gate_up_kind == KIND_Q4_KS) {
+    } else if (p_gate_up && gate_up_kind == GGUF_Q4_KS) {
         srt_q4ks_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
     } else if (p_gate_up && s_gate_up) {
         srt_int8_linear_silu(x, m, (const int8_t *)p_gate_up, s_gate_up, act, inter, hidden_size);

@@ -36,24 +36,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "gguf_layouts.h"
 #include "srt_kernels.h"
 
 /* the block kinds, 16 outputs x 32 k each: Q4_1 (fp16 d and m), Q4_K (fp32), Q5_K (Q4_K's, then the
  * fifth bits), Q4_KS (Q4_K's six-bit scales, 304 bytes a block on average) */
-enum { Q4_1, Q4_K, Q5_K, Q4_KS };
-static inline int kind_bytes(const int kind) {
-    return kind == Q5_K ? 448 : kind == Q4_K ? 384 : kind == Q4_KS ? 304 : 320;
-}
-#define KS_SUPER 2432 /* Q4_KS: 8 runs of 32 k, after the 128 bytes of D and M */
-#define KS_RUN 288    /* ... each 32 bytes of sc and mn, then the nibbles */
+enum { Q4_1 = GGUF_Q4_1, Q4_K = GGUF_Q4_K, Q5_K = GGUF_Q5_K, Q4_KS = GGUF_Q4_KS };
+static inline int kind_bytes(const int kind) { return (int)gguf_block_bytes(kind); }
 /* block kb of a 16-output stream */
 static inline const uint8_t *q4_block(const uint8_t *w, const int64_t kb, const int kind) {
-    return kind == Q4_KS ? w + (kb >> 3) * KS_SUPER + 128 + (kb & 7) * KS_RUN : w + kb * kind_bytes(kind);
+    return kind == Q4_KS ? q4ks_run(w, kb) : w + kb * kind_bytes(kind);
 }
 /* where a block's nibbles start: after its d and m (fp16 or fp32), or Q4_KS's sc and mn */
 static inline int nibbles_at(const int kind) { return kind == Q4_KS ? 32 : kind == Q4_1 ? 64 : 128; }
-/* Q4_KS: the D (then, 64 bytes on, M) of block kb's super-block */
-static inline const float *ks_head(const uint8_t *w, const int64_t kb) { return (const float *)(w + (kb >> 3) * KS_SUPER); }
 /* out's element i: float32 with OUT_F32, else bf16 */
 #define OUT_AT(out, i, mode) ((void *)((char *)(out) + (i) * ((mode) == OUT_F32 ? 4 : 2)))
 
@@ -84,7 +79,7 @@ static inline __attribute__((always_inline)) __m512 q4_scale(const uint8_t *w, c
     const uint8_t *p = q4_block(w, kb, kind);
     if (kind == Q4_KS) {
         const __m512 six = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * which))));
-        return _mm512_mul_ps(_mm512_loadu_ps(ks_head(w, kb) + 16 * which), six);
+        return _mm512_mul_ps(_mm512_loadu_ps(q4ks_head(w, kb) + 16 * which), six);
     }
     if (kind == Q4_1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * which)));
     return _mm512_loadu_ps((const float *)(p + 64 * which));
@@ -297,7 +292,7 @@ static inline __attribute__((always_inline)) __m256 q4_scale(const uint8_t *w, c
     if (kind == Q4_KS) {
         const __m256 six =
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 * which + 8 * h))));
-        return _mm256_mul_ps(_mm256_loadu_ps(ks_head(w, kb) + 16 * which + 8 * h), six);
+        return _mm256_mul_ps(_mm256_loadu_ps(q4ks_head(w, kb) + 16 * which + 8 * h), six);
     }
     if (kind == Q4_1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 * which + 16 * h)));
     return _mm256_loadu_ps((const float *)(p + 64 * which + 32 * h));
@@ -469,11 +464,11 @@ void srt_q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf16 *
  * feeds the residual stream */
 void srt_q4_linear_f32(const bf16 *x, int64_t m, const uint8_t *packed, int64_t kind, const bf16 *bias, float *out,
                        int64_t n, int64_t k) {
-    if (kind == 6)
+    if (kind == Q4_KS)
         Q4KS(OUT_F32, x, m, packed, bias, out, n, k);
-    else if (kind == 2)
+    else if (kind == Q4_K)
         Q4K(OUT_F32, x, m, packed, bias, out, n, k);
-    else if (kind == 3)
+    else if (kind == Q5_K)
         Q5K(OUT_F32, x, m, packed, bias, out, n, k);
     else
         Q4(OUT_F32, x, m, packed, bias, out, n, k);

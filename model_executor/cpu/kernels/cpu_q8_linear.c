@@ -53,7 +53,9 @@ int64_t srt_q8_linear_available(void) { return 1; }
 int64_t srt_q6ks_linear_available(void) { return 1; }
 
 enum { Q8_0, Q6_K, Q6_KS }; /* the layouts: q8_pack's with fp16 d, with Q6_K's fp32 D, q6ks_pack's */
-static inline int layout_bytes(const int layout) { return layout == Q8_0 ? BLOCK_BYTES : layout == Q6_K ? Q6K_BLOCK_BYTES : 424; }
+static inline int layout_bytes(const int layout) {
+    return (int)gguf_block_bytes(layout == Q8_0 ? GGUF_Q8_0 : layout == Q6_K ? GGUF_Q6_K : GGUF_Q6_KS);
+}
 /* block kb of a 16-output stream: its scales, then its chunks */
 static inline const uint8_t *q8_block(const uint8_t *w, const int64_t kb, const int layout) {
     return layout == Q6_KS ? q6ks_run(w, kb) : w + kb * layout_bytes(layout);

@@ -1,25 +1,11 @@
 /* GGUF blocks widened to bf16 in bf16_pack's order: srt_gguf_linear's per-task scratch, on AVX-512
  * BF16 (cpu_bf16_linear.c) and on AMX tiles (cpu_amx.c). Each weight widens as float32(d q + m) (or
- * d q) rounded to nearest even: the bf16 copy's exact bits. The kinds are cpu_kernels.c's KIND_*.
+ * d q) rounded to nearest even: the bf16 copy's exact bits. The kinds are gguf_layouts.h's.
  * Include where __AVX512BF16__ holds, after simd_bf16.h. */
 #ifndef SRT_GGUF_WIDEN_H
 #define SRT_GGUF_WIDEN_H
 
-enum { G_Q4_1 = 1, G_Q4_K = 2, G_Q5_K = 3, G_Q8_0 = 4, G_Q6_K = 5, G_Q4_KS = 6, G_Q6_KS = 7 };
-static inline int64_t gguf_block_bytes(const int64_t kind) {
-    return kind == G_Q4_1     ? 320
-           : kind == G_Q4_K   ? 384
-           : kind == G_Q5_K   ? 448
-           : kind == G_Q8_0   ? 544
-           : kind == G_Q4_KS ? 304 /* on average: 2432 bytes a 256 k (cpu_q4_linear.c) */
-           : kind == G_Q6_KS ? 424 /* on average: 3392 bytes a 256 k (cpu_q8_linear.c) */
-                              : 640;
-}
-
-/* Q6_KS (packing.q6ks_pack): run kb of a 16-output stream (its 32 int8 sc, then 8 chunks of 48
- * bytes), after its super-block's 16 fp32 D */
-static inline const uint8_t *q6ks_run(const uint8_t *w, const int64_t kb) { return w + (kb >> 3) * 3392 + 64 + (kb & 7) * 416; }
-static inline const float *q6ks_head(const uint8_t *w, const int64_t kb) { return (const float *)(w + (kb >> 3) * 3392); }
+#include "gguf_layouts.h"
 
 /* A Q6_KS chunk of 48 bytes -> q8_pack's 64 lanes, byte 4j + i = q[j][4c + i] + 32: the low
  * nibbles of bytes 0..31, then their high ones, each ORed with its top two bits (byte b of the
@@ -53,14 +39,14 @@ static inline void gguf_widen(const uint8_t *src, const int64_t kind, bf16 *dst,
     const __m512i shift_lo = _mm512_setr_epi32(4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27);
     const __m512i shift_hi = _mm512_setr_epi32(12, 28, 13, 29, 14, 30, 15, 31, 16, 0, 17, 1, 18, 2, 19, 3);
     for (int64_t kb = 0; kb < k / 32; kb++) {
-        const int ks = kind == G_Q4_KS; /* run kb of super-block kb / 8: after D, M and the runs before */
-        const uint8_t *b = ks ? src + (kb >> 3) * 2432 + 128 + (kb & 7) * 288 : src + kb * bytes;
+        const int ks = kind == GGUF_Q4_KS;
+        const uint8_t *b = ks ? q4ks_run(src, kb) : src + kb * bytes;
         bf16 *out = dst + kb * 512;
-        if (kind <= G_Q5_K || ks) {
-            const int f32 = kind != G_Q4_1;
+        if (kind <= GGUF_Q5_K || ks) {
+            const int f32 = kind != GGUF_Q4_1;
             __m512 d, m;
             if (ks) { /* D sc and M mn: exact */
-                const float *head = (const float *)(src + (kb >> 3) * 2432);
+                const float *head = q4ks_head(src, kb);
                 d = _mm512_mul_ps(_mm512_loadu_ps(head), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b))));
                 m = _mm512_mul_ps(_mm512_loadu_ps(head + 16),
                                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)))));
@@ -75,7 +61,7 @@ static inline void gguf_widen(const uint8_t *src, const int64_t kind, bf16 *dst,
                 for (int half = 0; half < 2; half++) /* output lanes 0..7 (bytes 0..15), 8..15 */
                     for (int nib = 0; nib < 2; nib++) {
                         __m512 q = g_lanes(nibbles + 32 * c + 16 * half, 4 * nib);
-                        if (kind == G_Q5_K) {
+                        if (kind == GGUF_Q5_K) {
                             const int32_t word = ((const int32_t *)(b + 384))[2 * c + nib];
                             const __m512i bit = _mm512_and_si512(
                                 _mm512_srlv_epi32(_mm512_set1_epi32(word), half ? shift_hi : shift_lo), _mm512_set1_epi32(1));
@@ -84,7 +70,7 @@ static inline void gguf_widen(const uint8_t *src, const int64_t kind, bf16 *dst,
                         store16(out + (2 * c + nib) * 32 + 16 * half, _mm512_fmadd_ps(d2[half], q, m2[half]));
                     }
         } else {
-            const int q6 = kind == G_Q6_K, q6s = kind == G_Q6_KS;
+            const int q6 = kind == GGUF_Q6_K, q6s = kind == GGUF_Q6_KS;
             const uint8_t *run = q6s ? q6ks_run(src, kb) : b, *quads = b + (q6 ? 128 : 32);
             const float bias = q6s ? 32.0f : 128.0f;
             for (int c = 0; c < 8; c++) {

@@ -696,7 +696,7 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# srt_decode_layer's and srt_gguf_linear's kind of a GGUF weight, by its packed block's bytes
+# srt_decode_layer's and srt_gguf_linear's kind of a GGUF weight (gguf_layouts.h's GGUF_*), by its packed block's bytes
 GGUF_KINDS = {
     Q4_BLOCK_BYTES: 1,
     Q4K_BLOCK_BYTES: 2,
