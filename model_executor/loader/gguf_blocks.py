@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
-import numpy as np
 import torch
+
+from model_executor.loader.gguf_header import GgufHeader
 
 
 @dataclass(frozen=True)
@@ -154,19 +155,17 @@ def join(parts: list[Blocks]) -> Blocks | None:
 
 
 class GgufFile:
-    """A GGUF file's tensors by their Hugging Face names (gguf-py's name map for its architecture)."""
+    """A GGUF file's tensors by their Hugging Face names (gguf-py's name map for its architecture),
+    its header read by gguf_header (gguf-py's reader parses every metadata array first)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(self.path))
-        arch_name = str(self.reader.fields["general.architecture"].contents())
+        self.header = GgufHeader(self.path, {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()})
+        arch_name = str(self.header.fields.get("general.architecture", ""))
         arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
         self.arch = arch_name
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        layers = self.reader.fields.get(f"{arch_name}.block_count")
-        self.names = (
-            gguf.get_tensor_name_map(arch, int(layers.contents())) if arch is not None and layers else None
-        )
+        layers = self.header.fields.get(f"{arch_name}.block_count")
+        self.names = gguf.get_tensor_name_map(arch, int(layers)) if arch is not None and layers else None
 
     def blocks(self, hf_name: str) -> Blocks | None:
         """The tensor behind `hf_name` (a weight's name, ".weight" included) as blocks, or None where
@@ -174,16 +173,15 @@ class GgufFile:
         if self.names is None:
             return None
         name = self.names.get_name(hf_name, try_suffixes=(".weight",))
-        tensor = self.tensors.get(name) if name is not None else None
+        tensor = self.header.tensors.get(name) if name is not None else None
         if tensor is None or len(tensor.shape) != 2:
             return None
-        k, n = (int(s) for s in tensor.shape)  # gguf lists the fastest-moving dimension first
-        size, type_size = gguf.GGML_QUANT_SIZES.get(tensor.tensor_type, (0, 0))
+        k, n = tensor.shape  # gguf lists the fastest-moving dimension first
+        size, type_size = gguf.GGML_QUANT_SIZES.get(gguf.GGMLQuantizationType(tensor.tensor_type), (0, 0))
         if size < 32 or k % size:
             return None
-        data = np.asarray(tensor.data).reshape(-1, type_size)
-        raw = torch.from_numpy(np.array(data))  # a copy: the map is read-only
-        return _decode(tensor.tensor_type, raw, n, k)
+        raw = torch.from_numpy(self.header.data(tensor).reshape(-1, type_size).copy())  # the map is read-only
+        return _decode(gguf.GGMLQuantizationType(tensor.tensor_type), raw, n, k)
 
 
 def _row_keys(values: torch.Tensor) -> list[bytes]:
