@@ -67,6 +67,7 @@ from model_executor.cpu.kernels.packing import (  # noqa: E402
     Q4KWeight,
     Q4Weight,
     Q5KWeight,
+    SplitWeight,
 )
 from model_executor.cpu.linear import set_one_arithmetic  # noqa: E402
 from model_executor.cpu.weights import QUANTIZATIONS  # noqa: E402
@@ -455,6 +456,8 @@ def packed_read_bytes(packed: object) -> int:
         return packed.numel() * packed.element_size()
     if isinstance(packed, Int8Weight):
         return packed.packed.numel() + packed.scale.numel() * 4
+    if isinstance(packed, SplitWeight):
+        return sum(packed_read_bytes(part) for part in packed.parts)
     return int(packed.packed.numel())  # type: ignore[attr-defined]
 
 
@@ -483,6 +486,8 @@ def weight_kind(packed: object) -> str:
         return "bf16"
     if isinstance(packed, Int8Weight):
         return "int8"
+    if isinstance(packed, SplitWeight):
+        return "+".join(weight_kind(part) for part in packed.parts)
     name = {Q4Weight: "Q4_1", Q4KWeight: "Q4_K", Q5KWeight: "Q5_K"}.get(type(packed))
     if name is None:
         six = packed.packed.shape[-1] in (Q6K_BLOCK_BYTES, Q6KS_BLOCK_BYTES)  # type: ignore[attr-defined]

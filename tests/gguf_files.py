@@ -137,10 +137,12 @@ def q5_k_blocks(n: int, k: int, g: torch.Generator) -> tuple[np.ndarray, torch.T
     return raw.view(n, k // 256 * 176).numpy(), q.view(n, k)
 
 
-def write_llama_q5_k_gguf(out: Path, seed: int = 0) -> Path:
+def write_llama_q5_k_gguf(out: Path, seed: int = 0, v_q8_0: bool = False) -> Path:
     """A tiny random Llama of SmolLM2's vocabulary (hidden 256, so that every projection's input is
     a multiple of Q5_K's 256) as llama.cpp's `llama` architecture: every projection Q5_K blocks
-    (q5_k_blocks), the token embedding and output fp16 (of bf16 values), the norms float32."""
+    (q5_k_blocks), the token embedding and output fp16 (of bf16 values), the norms float32. With
+    `v_q8_0`, each attn_v is Q8_0 (gguf-py's quantizer) beside the Q5_K q and k, as llama.cpp's
+    Q4_K_M and Q5_K_M keep v in more bits than the rest in half their layers."""
     hidden, intermediate, layers, heads, kv_heads, vocab = 256, 512, 2, 4, 2, 49152
     g = torch.Generator().manual_seed(seed)
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -174,6 +176,11 @@ def write_llama_q5_k_gguf(out: Path, seed: int = 0) -> Path:
             "ffn_up": (intermediate, hidden),
             "ffn_down": (hidden, intermediate),
         }.items():
+            if name == "attn_v" and v_q8_0:
+                values = (torch.randn(n, k, generator=g) * 0.03).numpy()
+                blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                continue
             blocks = q5_k_blocks(n, k, g)[0]
             writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q5_K)
         for name in ("attn_norm", "ffn_norm"):

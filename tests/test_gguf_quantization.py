@@ -847,6 +847,64 @@ def test_q5_k_gguf_file_decodes_on_its_blocks_as_transformers_does(
     assert torch.equal(logits.argmax(-1), torch.tensor([tokens[1:] for tokens in greedy]).T)
 
 
+@needs_q5k
+@needs_q8
+def test_a_qkv_with_v_in_other_blocks_runs_each_part_on_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose v is Q8_0 beside Q5_K q and k (no one block form holds the three): the qkv packs
+    as a SplitWeight (q and k on srt_q5k_linear, v on srt_q8_linear; no layer left bf16), the fused
+    decode layer and op by op give the same qkv, and decode steps stay within 3% of transformers'
+    fp32 on the same file, picking its greedy tokens."""
+    path = write_llama_q5_k_gguf(tmp_path / "tiny-q5_k-v-q8_0.gguf", v_q8_0=True)
+    model_dir = convert_gguf(path, cache_dir=tmp_path / "cache")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="gguf"))
+    qkv = first_layer_weights(runner)[0]
+    assert isinstance(qkv, packing.SplitWeight), qkv
+    assert [type(p) for p in qkv.parts] == [packing.Q5KWeight, packing.Q8Weight] and qkv.rows == (
+        256 + 128,
+        128,
+    )
+    layer = runner.model.model.layers[0]  # type: ignore[attr-defined]
+    if build.gguf_linear_available():  # every row count on the blocks: the dense weight freed
+        assert layer.self_attn.qkv_proj.weight.device.type == "meta"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    bias = torch.randn(512, generator=g).bfloat16()
+    split = cpu_linear.linear(x, layer.self_attn.qkv_proj.weight, bias, qkv)
+    for start, n, part in ((0, 384, qkv.parts[0]), (384, 128, qkv.parts[1])):
+        alone = cpu_linear.linear(
+            x, layer.self_attn.qkv_proj.weight[start : start + n], bias[start : start + n], part
+        )
+        assert torch.equal(split[:, start : start + n], alone)
+
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    greedy = [hf_greedy(hf.eval(), p, 7) for p in prompts]
+    forced = [tokens[:6] for tokens in greedy]
+    ref = hf_forced_logits(hf, prompts, forced)
+    calls: list[int] = []
+    real_layer = decode_layers.DecodeLayers.forward
+    monkeypatch.setattr(
+        decode_layers.DecodeLayers, "forward", lambda *a, **k: (calls.append(1), real_layer(*a, **k))[1]
+    )
+    fused = decode_logits(runner, prompts, forced)
+    one = decode_logits(runner, prompts[:1], forced[:1])  # one row: the parts straight into each qkv row
+    assert len(calls) == 12  # every decode step in srt_decode_layer, the split qkv included
+    assert (one - ref[:, :1]).abs().max().item() / ref.abs().max().item() < 0.03
+    monkeypatch.setattr(ops, "usable", lambda *tensors: False)  # op by op
+    plain = decode_logits(
+        ModelRunner(RunnerConfig(model_dir=model_dir, max_total_tokens=512, quantization="gguf")),
+        prompts,
+        forced,
+    )
+    scale = ref.abs().max().item()
+    for logits in (fused, plain):
+        assert (logits - ref).abs().max().item() / scale < 0.03
+        assert torch.equal(logits.argmax(-1), torch.tensor([tokens[1:] for tokens in greedy]).T)
+    assert (fused - plain).abs().max().item() / scale < 0.02
+
+
 @needs_q4
 def test_q4_model_decodes_as_close_to_fp32_as_exact_weights_allow(
     q4_llama: Path, monkeypatch: pytest.MonkeyPatch

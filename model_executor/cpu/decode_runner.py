@@ -25,7 +25,14 @@ from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights, KernelWeight
-from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight, Q8Weight
+from model_executor.cpu.kernels.packing import (
+    Int8Weight,
+    Q4KWeight,
+    Q4Weight,
+    Q5KWeight,
+    Q8Weight,
+    SplitWeight,
+)
 from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows, packed_of
 from model_executor.cpu.moe import FusedExperts
 from model_executor.cpu.thread_governor import ThreadGovernor
@@ -49,10 +56,20 @@ def kernel_weights(layer: PreNormLayer) -> list[KernelWeight | None] | None:
         for p in packed
         if isinstance(p, (torch.Tensor, Int8Weight, Q4Weight, Q4KWeight, Q5KWeight, Q8Weight))
         and is_kernel_packed(p)
+        or p is packed[0]
+        and split_at_v(p, layer)
     ]
     if len(kernel) != len(packed) or len(packed) != 2 + len(mlp):
         return None
     return [*kernel, None, None] if layer.moe is not None else list(kernel)
+
+
+def split_at_v(packed: PackedWeight | None, layer: PreNormLayer) -> bool:
+    """Whether a qkv weight is split on two kinds of blocks (packing.SplitWeight) with v's rows the
+    second part, as srt_decode_layer takes it."""
+    q_size = getattr(layer.qkv_proj, "q_size", 0)
+    kv_size = getattr(layer.qkv_proj, "kv_size", 0)
+    return isinstance(packed, SplitWeight) and packed.rows == (q_size + kv_size, kv_size)
 
 
 def fused_moe(layer: PreNormLayer) -> FusedExperts | None:

@@ -48,6 +48,7 @@ PackedWeight = (
     | packing.Q4KWeight
     | packing.Q5KWeight
     | packing.Q8Weight
+    | packing.SplitWeight
 )
 # the weights of the 4-bit kernel (cpu_q4_linear.c: Q4_1, Q4_K, and Q5_K with its fifth bits)
 FOUR_BIT = (packing.Q4Weight, packing.Q4KWeight, packing.Q5KWeight)
@@ -82,12 +83,14 @@ def reads_dense(packed: PackedWeight) -> bool:
     frees it (weights.pack_model)."""
     if isinstance(packed, GGUF) and packed.bf16 is None:
         return False  # every row count on its blocks
+    if isinstance(packed, packing.SplitWeight):
+        return any(reads_dense(part) for part in packed.parts)
     return not is_kernel_packed(packed) or packed_max_rows() != sys.maxsize
 
 
 def is_kernel_packed(packed: PackedWeight) -> bool:
     """Whether our kernels read `packed` (srt_bf16_linear's, the int8 or a GGUF layout), not oneDNN."""
-    quantized = (packing.Int8Weight, *FOUR_BIT, packing.Q8Weight)
+    quantized = (packing.Int8Weight, *FOUR_BIT, packing.Q8Weight, packing.SplitWeight)
     # packing.bf16_pack's layout is 5-D, oneDNN's packed weight 2-D
     return isinstance(packed, quantized) or packed.dim() == 5
 
@@ -156,6 +159,13 @@ def _linear(
         return F.linear(x, weight, bias)
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear(x.contiguous(), packed, bias)
+    if isinstance(packed, packing.SplitWeight):  # each part's rows on its own blocks, side by side
+        outs, start = [], 0
+        for part, n in zip(packed.parts, packed.rows):
+            part_bias = None if bias is None else bias[start : start + n]
+            outs.append(_linear(x, weight[start : start + n], part_bias, part, float32_out))
+            start += n
+        return torch.cat(outs, dim=-1)
     rows = x.numel() // x.shape[-1]
     if isinstance(packed, FOUR_BIT):
         if rows <= ops.q4_max_rows(packed.packed):
@@ -196,7 +206,7 @@ def linear_silu_mul(
     """silu(gate) * up of x @ gate_up.T in one pass where `packed` is a gate_up weight without bias
     for a kernel of ours that `linear` would use on x (int8: any rows; bf16: at most packed_max_rows()),
     the [rows, 2d] product never stored; equal to silu_mul(linear(...)). Else None."""
-    if packed is None or bias is not None or isinstance(packed, packing.Q8Weight):
+    if packed is None or bias is not None or isinstance(packed, (packing.Q8Weight, packing.SplitWeight)):
         return None
     if isinstance(packed, packing.Int8Weight):
         return ops.int8_linear_silu(x.contiguous(), packed)

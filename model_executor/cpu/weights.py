@@ -16,6 +16,7 @@ from torch import nn
 from model_executor.cpu.kernels import build, packing
 from model_executor.cpu.linear import (
     PackedLinearMethod,
+    PackedWeight,
     pack_weight,
     packed_of,
     reads_dense,
@@ -139,6 +140,56 @@ def file_blocks(model: nn.Module, file: GgufFile) -> Callable[[str, LinearBase],
     return blocks_of
 
 
+Segments = list[tuple[int, KernelBlocks]]  # a merged weight's runs of rows, each on one block kind
+
+
+def file_segments(model: nn.Module, file: GgufFile) -> Callable[[str, LinearBase], Segments | None]:
+    """For a qkv_proj whose parts no one block form holds (llama.cpp's Q4_K_M keeps v in Q6_K beside
+    Q4_K q and k in half its layers): each run of parts one form holds, as (its rows on this rank,
+    kernel_blocks' triple of its blocks matched to those rows of the loaded weight); None where a run
+    is not found or has no kernel here, or the parts join (file_blocks finds those)."""
+    mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+
+    def family(blocks: FileBlocks) -> str:
+        return "4-bit" if blocks.form in ("q4_1", "q4_k") else "8-bit"
+
+    def segments_of(name: str, module: LinearBase) -> Segments | None:
+        weight = module.weight
+        q_size, kv_size = getattr(module, "q_size", 0), getattr(module, "kv_size", 0)
+        if not (isinstance(weight, torch.Tensor) and q_size and kv_size):
+            return None
+        rows = {"q": q_size, "k": kv_size, "v": kv_size}
+        prefix, _, leaf = name.rpartition(".")
+        merged = [
+            (ckpt, shard) for ckpt, (param, shard) in mapping.items() if param == leaf and shard in rows
+        ]
+        found = [file.blocks(f"{prefix}.{ckpt}.weight") for ckpt, _ in merged]
+        if len(found) < 2 or any(b is None for b in found):
+            return None
+        runs: list[tuple[list[FileBlocks], int]] = []  # parts one form holds, and their rows here
+        for blocks, (_, shard) in zip(found, merged):
+            assert blocks is not None
+            if runs and family(runs[-1][0][0]) == family(blocks):
+                runs[-1] = ([*runs[-1][0], blocks], runs[-1][1] + rows[str(shard)])
+            else:
+                runs.append(([blocks], rows[str(shard)]))
+        if len(runs) < 2 or sum(n for _, n in runs) != weight.shape[0]:
+            return None
+        segments: Segments = []
+        start = 0
+        for parts, n in runs:
+            whole = join(parts)
+            picked = blocks_of_weight(weight[start : start + n], whole) if whole is not None else None
+            triple = kernel_blocks(picked, True) if picked is not None else (None, None, None)
+            if all(t is None for t in triple):
+                return None
+            segments.append((n, triple))
+            start += n
+        return segments
+
+    return segments_of
+
+
 def recovered_blocks(float32_model: nn.Module) -> Callable[[str, LinearBase], KernelBlocks]:
     """The blocks of each linear layer recovered from the same layer of `float32_model` (the
     checkpoint loaded in float32: its exact dequantized values; gguf_blocks)."""
@@ -160,9 +211,11 @@ class Packer:
         model: nn.Module,
         quantization: str | None = None,
         blocks_of: Callable[[str, LinearBase], KernelBlocks] | None = None,
+        segments_of: Callable[[str, LinearBase], Segments | None] | None = None,
     ) -> None:
         assert quantization != "gguf" or blocks_of is not None, "gguf packs the blocks blocks_of finds"
         self.model, self.quantization, self.blocks_of = model, quantization, blocks_of
+        self.segments_of = segments_of  # a merged weight's runs of rows on different block kinds
         # parameters that other modules read (a tied LM head's weight is the token embedding)
         self.shared = {
             id(p) for m in model.modules() if not isinstance(m, LinearBase) for p in m.parameters(False)
@@ -195,11 +248,15 @@ class Packer:
         self.done.add(name)
         quantizable = getattr(module, "quantizable", True)
         q4 = q5 = q8 = None
+        packed: PackedWeight | None = None
         if self.quantization == "gguf" and self.blocks_of is not None:
             q4, q5, q8 = self.blocks_of(name, module)
             if quantizable and q4 is None and q5 is None and q8 is None:
-                self.as_bf16.append(name)
-        packed = pack_weight(weight, self.quantization if quantizable else None, q4, q8, q5)
+                packed = self.split(name, module)
+                if packed is None:
+                    self.as_bf16.append(name)
+        if packed is None:
+            packed = pack_weight(weight, self.quantization if quantizable else None, q4, q8, q5)
         module.linear_method = PackedLinearMethod(packed) if packed is not None else UNQUANTIZED
         self.count += packed is not None
         if packed is not None and not reads_dense(packed) and id(weight) not in self.shared:
@@ -208,6 +265,21 @@ class Packer:
             module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
             del weight
             release_freed_memory()
+
+    def split(self, name: str, module: LinearBase) -> packing.SplitWeight | None:
+        """The layer's weight as runs of rows on their own blocks (segments_of), or None."""
+        segments = self.segments_of(name, module) if self.segments_of is not None else None
+        weight = module.weight
+        if segments is None or not isinstance(weight, torch.Tensor):
+            return None
+        parts, start = [], 0
+        for n, (q4, q5, q8) in segments:
+            part = pack_weight(weight[start : start + n], None, q4, q8, q5)
+            if not isinstance(part, packing.GgufWeight):
+                return None
+            parts.append(part)
+            start += n
+        return packing.SplitWeight(tuple(parts), tuple(n for n, _ in segments))
 
     def finish(self) -> int:
         """Packs every layer not packed yet; logs the gguf layers left bf16; returns how many were
@@ -250,8 +322,10 @@ def loading_packer(
     if quantization == "gguf" and gguf_file is None:
         return None
     set_one_arithmetic(deterministic)
-    blocks_of = file_blocks(model, GgufFile(gguf_file)) if quantization == "gguf" and gguf_file else None
-    return Packer(model, quantization, blocks_of)
+    if quantization != "gguf" or gguf_file is None:
+        return Packer(model, quantization)
+    file = GgufFile(gguf_file)
+    return Packer(model, quantization, file_blocks(model, file), file_segments(model, file))
 
 
 def prepare_weights(
@@ -274,12 +348,13 @@ def prepare_weights(
         packed = packer.finish()
     else:
         set_one_arithmetic(deterministic)
-        blocks_of = None
-        if quantization == "gguf":
-            blocks_of = (
-                file_blocks(model, GgufFile(gguf_file)) if gguf_file else recovered_blocks(load_float32())
-            )
-        packed = pack_model(model, quantization, blocks_of)
+        blocks_of = segments_of = None
+        if quantization == "gguf" and gguf_file:
+            file = GgufFile(gguf_file)
+            blocks_of, segments_of = file_blocks(model, file), file_segments(model, file)
+        elif quantization == "gguf":
+            blocks_of = recovered_blocks(load_float32())
+        packed = Packer(model, quantization, blocks_of, segments_of).finish()
         del blocks_of  # with the float32 model it holds
     fuse_experts(model)  # a mixture of experts: each layer's experts in one kernel call
     if packed:
@@ -290,6 +365,7 @@ def prepare_weights(
             (packing.Q4KWeight, "Q4_K"),
             (packing.Q5KWeight, "Q5_K"),
             (packing.Q8Weight, "8-bit (Q8_0, Q5_0, Q4_0 or Q6_K blocks)"),
+            (packing.SplitWeight, "split (a qkv whose parts run on two kinds of blocks)"),
         )
         counts = [(sum(isinstance(w, kind) for w in weights), name) for kind, name in kinds]
         quantized = [f"{count} {name}" for count, name in counts if count]

@@ -922,8 +922,8 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 }
 
 /* What a decode layer's packed weight holds besides bf16_pack's or int8_pack's layout: 4 bits a
- * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down from the lowest), each KIND_PLAIN or
- * one of gguf_layouts.h's GGUF_* */
+ * weight in srt_decode_layer's `kinds` (qkv, o, gate_up, down, then a split qkv's v, from the
+ * lowest), each KIND_PLAIN or one of gguf_layouts.h's GGUF_* */
 #define KIND_PLAIN 0
 /* ... or with this bit, those blocks through srt_gguf_linear (any rows: more than their kernel takes) */
 #define KIND_TILES 8
@@ -973,6 +973,27 @@ static void layer_linear(const bf16 *x, int64_t m, const bf16 *w, const void *pa
         srt_gemv(x, m, w, bias, out, n, k);
 }
 
+/* A qkv product whose v rows are on another kind of blocks (packing.SplitWeight): q and k's `qk`
+ * outputs from p_qk, v's `v` from p_v, side by side in each row of `out` (each part's kernel writes
+ * rows of its own width; more than one row goes through a buffer) */
+static void split_qkv_linear(const bf16 *x, int64_t m, const void *p_qk, int64_t qk_kind, const void *p_v,
+                             int64_t v_kind, const bf16 *bias, bf16 *out, int64_t qk, int64_t v, int64_t k) {
+    const bf16 *v_bias = bias ? bias + qk : NULL;
+    if (m == 1) {
+        layer_linear(x, 1, NULL, p_qk, NULL, qk_kind, bias, out, qk, k);
+        layer_linear(x, 1, NULL, p_v, NULL, v_kind, v_bias, out + qk, v, k);
+        return;
+    }
+    bf16 *parts = malloc((size_t)(m * (qk + v)) * sizeof(bf16));
+    layer_linear(x, m, NULL, p_qk, NULL, qk_kind, bias, parts, qk, k);
+    layer_linear(x, m, NULL, p_v, NULL, v_kind, v_bias, parts + m * qk, v, k);
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(out + r * (qk + v), parts + r * qk, (size_t)qk * sizeof(bf16));
+        memcpy(out + r * (qk + v) + qk, parts + m * qk + r * v, (size_t)v * sizeof(bf16));
+    }
+    free(parts);
+}
+
 /* A product that feeds the residual stream (o_proj, down_proj): into `out_f32` unrounded where the
  * weight is bf16_pack'd for srt_bf16_linear or on a GGUF weight's blocks (-> 1), else as layer_linear into
  * `out` (-> 0), as PackedLinearMethod gives it to RowParallelLinear op by op. */
@@ -1003,7 +1024,7 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
  * packed weights (bf16, int8 with scales, or a GGUF weight's blocks by its 4 bits of `kinds`), at
  * most GEMV_MAX_ROWS requests. In the layer's order:
  *   residual = hidden (+ residual unless first; float32); x = rmsnorm(residual) * ln1
- *   qkv = x @ w_qkv.T (+ b_qkv); rotate q and k in place; decode attention (stores k, v; within
+ *   qkv = x @ w_qkv.T (+ b_qkv; with p_v, v's rows from their own blocks); rotate q and k in place; decode attention (stores k, v; within
  *   the last `window` keys where window > 0)
  *   residual += attn @ w_o.T; x = rmsnorm(residual) * ln2
  *   out = silu_mul(x @ w_gate_up.T) @ w_down.T (one call for the first product and silu_mul with
@@ -1018,7 +1039,7 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
 int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
-                      const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
+                      const void *p_down, const void *p_v, const float *s_qkv, const float *s_o, const float *s_gate_up,
                       const float *s_down, int64_t kinds, const int64_t *positions, const bf16 *cos, const bf16 *sin,
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
@@ -1027,7 +1048,11 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
     srt_rmsnorm(hidden, hidden_f32, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
-    layer_linear(x, m, w_qkv, p_qkv, s_qkv, KIND_OF(kinds, 0), b_qkv, qkv, qkv_size, hidden_size);
+    if (p_v)
+        split_qkv_linear(x, m, p_qkv, KIND_OF(kinds, 0), p_v, KIND_OF(kinds, 4), b_qkv, qkv, (hq + hkv) * d, hkv * d,
+                         hidden_size);
+    else
+        layer_linear(x, m, w_qkv, p_qkv, s_qkv, KIND_OF(kinds, 0), b_qkv, qkv, qkv_size, hidden_size);
     /* q and k heads sit side by side at the start of each qkv row: normalise (in place, each
      * value read before it is written) and rotate them in place */
     bf16 rotated[(hq + hkv) * d];

@@ -12,11 +12,20 @@ from model_executor.cpu.kernels import ops
 from model_executor.cpu.kernels.build import kernels
 from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS
 from model_executor.cpu.kernels.ops import data_ptr as _p
-from model_executor.cpu.kernels.packing import Int8Weight, Q4KWeight, Q4Weight, Q5KWeight, Q8Weight
+from model_executor.cpu.kernels.packing import (
+    GgufWeight,
+    Int8Weight,
+    Q4KWeight,
+    Q4Weight,
+    Q5KWeight,
+    Q8Weight,
+    SplitWeight,
+)
 
-# A GGUF weight: its blocks (and a bf16 copy for more rows than their kernel takes, where no srt_gguf_linear)
-GgufWeight = Q4Weight | Q4KWeight | Q5KWeight | Q8Weight
-KernelWeight = torch.Tensor | Int8Weight | GgufWeight
+# A GGUF weight (GgufWeight): its blocks (and a bf16 copy for more rows than their kernel takes, where
+# no srt_gguf_linear); a qkv's SplitWeight: q and k on one kind of blocks, v on another
+KernelWeight = torch.Tensor | Int8Weight | GgufWeight | SplitWeight
+GGUF_WEIGHTS = (Q4Weight, Q4KWeight, Q5KWeight, Q8Weight)
 
 
 TILES = 8  # a kind's flag: srt_gguf_linear, widening its blocks to bf16 a task at a time
@@ -45,7 +54,8 @@ class DecodeLayerWeights:
     w_gate_up: torch.Tensor | None  # None: a mixture of experts (moe)
     w_down: torch.Tensor | None
     packed: Sequence[KernelWeight | None] | None  # qkv, o, gate_up, down packed by bf16_pack,
-    # int8_pack or a GGUF weight's blocks (gate_up and down None with moe), or None (gemv)
+    # int8_pack or a GGUF weight's blocks (gate_up and down None with moe; qkv a SplitWeight at v's
+    # rows), or None (gemv)
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     num_heads: int
@@ -80,7 +90,7 @@ class DecodeLayers:
         self.hidden_size = first.w_o.shape[0]
         intermediate = max((w.w_down.shape[1] for w in self.layers if w.w_down is not None), default=0)
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], intermediate)  # qkv, q, intermediate
-        gguf = [t for w in self.layers for t in w.packed or () if isinstance(t, GgufWeight)]
+        gguf = [t for w in self.layers for t in self._slots(w) if isinstance(t, GGUF_WEIGHTS)]
         # the most rows of a step with some weight on its GGUF blocks
         self.block_rows = max(map(gguf_max_rows, gguf), default=0) if self.packed else 0
         self._args: dict[int, list[tuple[tuple, tuple, tuple, tuple]]] = {}  # by rows (0: the bf16 copies)
@@ -98,30 +108,43 @@ class DecodeLayers:
             self._args[key] = [self._layer_args(w, key) for w in self.layers]
         return self._args[key]
 
+    @staticmethod
+    def _slots(w: DecodeLayerWeights) -> list[KernelWeight | None]:
+        """srt_decode_layer's weights: qkv (or a split qkv's q and k), o, gate_up, down, a split
+        qkv's v (else None)."""
+        slots = list(w.packed) if w.packed is not None else [None] * 4
+        qkv = slots[0]
+        if isinstance(qkv, SplitWeight):
+            return [qkv.parts[0], *slots[1:], qkv.parts[1]]
+        return [*slots, None]
+
     def _layer_args(self, w: DecodeLayerWeights, rows: int) -> tuple[tuple, tuple, tuple, tuple]:
         """rows: the step's (0: more than any GGUF weight's kernel takes)."""
 
-        kernel_weights = w.packed if w.packed is not None else [None] * 4
+        kernel_weights = self._slots(w)
 
         def blocks(i: int) -> GgufWeight | None:
             """The i-th weight where it runs on its blocks' kernel at this many rows."""
             t = kernel_weights[i]
-            return t if isinstance(t, GgufWeight) and 0 < rows <= gguf_max_rows(t) else None
+            return t if isinstance(t, GGUF_WEIGHTS) and 0 < rows <= gguf_max_rows(t) else None
 
         def tiles(i: int) -> GgufWeight | None:
             """The i-th weight where it runs on its blocks through srt_gguf_linear (no bf16 copy)."""
             t = kernel_weights[i]
-            return t if isinstance(t, GgufWeight) and t.bf16 is None and blocks(i) is None else None
+            return t if isinstance(t, GGUF_WEIGHTS) and t.bf16 is None and blocks(i) is None else None
 
         def pointer(i: int) -> int | None:
             t = kernel_weights[i]
-            if isinstance(t, GgufWeight):
+            if isinstance(t, GGUF_WEIGHTS):
                 return (t.bf16 if blocks(i) is None and t.bf16 is not None else t.packed).data_ptr()
-            return None if t is None else t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
+            if t is None:
+                return None
+            assert not isinstance(t, SplitWeight), "_slots gives a split qkv's parts"
+            return t.packed.data_ptr() if isinstance(t, Int8Weight) else t.data_ptr()
 
-        scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights]
-        kinds = sum(gguf_kind(t) << (4 * i) for i in range(4) if (t := blocks(i)) is not None)
-        kinds += sum((gguf_kind(t) | TILES) << (4 * i) for i in range(4) if (t := tiles(i)) is not None)
+        scales = [t.scale.data_ptr() if isinstance(t, Int8Weight) else None for t in kernel_weights[:4]]
+        kinds = sum(gguf_kind(t) << (4 * i) for i in range(5) if (t := blocks(i)) is not None)
+        kinds += sum((gguf_kind(t) | TILES) << (4 * i) for i in range(5) if (t := tiles(i)) is not None)
         weights = (
             w.ln1.data_ptr(),
             w.ln2.data_ptr(),
@@ -132,6 +155,7 @@ class DecodeLayers:
             _p(w.w_gate_up),
             _p(w.w_down),
             *map(pointer, range(4)),
+            pointer(4),
             *scales,
             kinds,
         )

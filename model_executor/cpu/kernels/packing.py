@@ -403,3 +403,16 @@ class Q8Weight:
 
     packed: torch.Tensor  # q8_pack's [n/16, k/32, 544], or 640 for Q6_K (q6ks_pack's 424 where it takes them)
     bf16: torch.Tensor | None  # bf16_pack's; None where srt_gguf_linear takes every row count
+
+
+GgufWeight = Q4Weight | Q4KWeight | Q5KWeight | Q8Weight
+
+
+@dataclass(frozen=True)
+class SplitWeight:
+    """A merged weight whose parts the file holds in block types no one layout takes: llama.cpp's
+    Q4_K_M keeps a qkv_proj's v in Q6_K beside Q4_K q and k in half the layers. Each run of rows
+    on its own blocks' kernel, the outputs side by side."""
+
+    parts: tuple[GgufWeight, ...]
+    rows: tuple[int, ...]  # each part's output rows, in order

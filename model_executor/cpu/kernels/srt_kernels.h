@@ -40,7 +40,7 @@ void srt_gemv(const bf16 *x, int64_t m, const bf16 *w, const bf16 *bias, bf16 *o
 int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
-                      const void *p_down, const float *s_qkv, const float *s_o, const float *s_gate_up,
+                      const void *p_down, const void *p_v, const float *s_qkv, const float *s_o, const float *s_gate_up,
                       const float *s_down, int64_t kinds, const int64_t *positions, const bf16 *cos, const bf16 *sin,
                       bf16 *k_cache, bf16 *v_cache, const int64_t *out_loc, const int64_t *req_to_token,
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
