@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import real_models
 import requests
+import torch
 from server_fixture import Server
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -276,19 +277,45 @@ def coder_server() -> Iterator[tuple[Server, Path]]:
         yield server, model_dir
 
 
-def _reference(reference: Any, prompt: list[int]) -> tuple[list[int], int]:
-    """transformers' float32 greedy continuation of `prompt` and its first near-tie."""
-    from test_model_families import first_tie
-    from tiny_models import hf_greedy
+def _references(model: Any, prompts: list[list[int]]) -> dict[tuple[int, ...], tuple[list[int], int]]:
+    """transformers' float32 greedy continuation of each prompt (STEPS tokens, no stop) and its
+    first near-tie (top two logprobs within TIE_NATS), all prompts in one left-padded batch: one
+    read of the 6 GB of float32 weights a step for every prompt, not one each."""
+    from test_reference_bf16 import TIE_NATS
 
-    expected = hf_greedy(reference, prompt, STEPS)
-    return expected, first_tie(reference, prompt, expected)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens, gaps = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _ in range(STEPS):
+            logprobs = torch.log_softmax(out.logits[:, -1].float(), -1)
+            top = torch.topk(logprobs, 2).values
+            gaps.append(top[:, 0] - top[:, 1])
+            tokens.append(logprobs.argmax(-1))
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                input_ids=tokens[-1][:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+    greedy, close = torch.stack(tokens, 1).tolist(), torch.stack(gaps, 1) < TIE_NATS
+    ties = [int(row.nonzero()[0, 0]) if row.any() else STEPS for row in close]
+    return {tuple(p): (g, t) for p, g, t in zip(prompts, greedy, ties)}
 
 
-def _check_ids(reference: Any, prompt: list[int], served: list[int], stops: set[int]) -> None:
+def _check_ids(reference: tuple[list[int], int], served: list[int], stops: set[int]) -> None:
     """`served` is transformers' greedy continuation up to the first near-tie of float32's own
     choice; shorter than STEPS only where it ended on a stop token."""
-    expected, tie = _reference(reference, prompt)
+    expected, tie = reference
     agree = min(tie, len(served))
     print(f"served {len(served)} tokens, transformers' first near-tie at {tie}")
     assert served[:agree] == expected[:agree], (tie, served, expected)
@@ -296,10 +323,10 @@ def _check_ids(reference: Any, prompt: list[int], served: list[int], stops: set[
         assert served[-1] in stops, served
 
 
-def _check_text(reference: Any, tokenizer: Any, prompt: list[int], served: str, stops: set[int]) -> None:
+def _check_text(reference: tuple[list[int], int], tokenizer: Any, served: str, stops: set[int]) -> None:
     """/v1/completions returns text: transformers' greedy continuation's, up to its first stop token
     (left out of the text) or its first near-tie."""
-    expected, tie = _reference(reference, prompt)
+    expected, tie = reference
     end = next((i for i, token in enumerate(expected) if token in stops), STEPS)
     print(f"served {served!r}; transformers' stop at {end}, first near-tie at {tie}")
     if tie >= end:
@@ -317,7 +344,7 @@ def _infill(server: Server, **body: Any) -> dict[str, Any]:
     return reply
 
 
-@pytest.mark.slow  # ~1 min a server start, ~12 min transformers' float32 1.5B on 2 cores
+@pytest.mark.slow  # ~1 min a server start, ~1 min transformers' float32 1.5B on 2 cores (one batch)
 @pytest.mark.timeout(2400)
 def test_qwen_coder_fills_the_middle_as_transformers(coder_server: tuple[Server, Path]) -> None:
     from tiny_models import hf_float32
@@ -328,26 +355,27 @@ def test_qwen_coder_fills_the_middle_as_transformers(coder_server: tuple[Server,
     assert fim is not None
     eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
     stops = {*fim.end_ids, *(eos if isinstance(eos, list) else [eos])}
-    reference = hf_float32(model_dir)
-    for prefix, suffix in SNIPPETS:
+    infill_ids = [infill_prompt(tokenizer, fim, prefix, suffix, []) for prefix, suffix in SNIPPETS]
+    suffix_ids = [fim_prompt(fim, text_ids(tokenizer, p), text_ids(tokenizer, s)) for p, s in SNIPPETS]
+    ring = ("import math\n\ndef ring_area(r_outer, r_inner):\n    return ", "\n")  # beside EXTRA's files
+    extra_ids = infill_prompt(tokenizer, fim, *ring, [ExtraChunk(c["text"], c["filename"]) for c in EXTRA])
+    references = _references(hf_float32(model_dir), [*infill_ids, *suffix_ids, extra_ids])
+    for (prefix, suffix), ids, completion_ids in zip(SNIPPETS, infill_ids, suffix_ids):
         infill = _infill(server, input_prefix=prefix, input_suffix=suffix)
-        ids = infill_prompt(tokenizer, fim, prefix, suffix, [])
         assert infill["tokens_evaluated"] == len(ids) and infill["stop"] is True, infill
         assert infill["content"] == tokenizer.decode(infill["tokens"], skip_special_tokens=True)
-        _check_ids(reference, ids, infill["tokens"], stops)
+        _check_ids(references[tuple(ids)], infill["tokens"], stops)
 
         body: dict[str, Any] = {"prompt": prefix, "suffix": suffix, "max_tokens": STEPS, "temperature": 0}
         r = requests.post(server.url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
-        ids = fim_prompt(fim, text_ids(tokenizer, prefix), text_ids(tokenizer, suffix))
-        assert r.json()["usage"]["prompt_tokens"] == len(ids), r.text
-        _check_text(reference, tokenizer, ids, r.json()["choices"][0]["text"], stops)
+        assert r.json()["usage"]["prompt_tokens"] == len(completion_ids), r.text
+        text = r.json()["choices"][0]["text"]
+        _check_text(references[tuple(completion_ids)], tokenizer, text, stops)
 
-    prefix, suffix = "import math\n\ndef ring_area(r_outer, r_inner):\n    return ", "\n"
-    infill = _infill(server, input_prefix=prefix, input_suffix=suffix, input_extra=EXTRA)
-    ids = infill_prompt(tokenizer, fim, prefix, suffix, [ExtraChunk(c["text"], c["filename"]) for c in EXTRA])
-    assert infill["tokens_evaluated"] == len(ids), infill
-    _check_ids(reference, ids, infill["tokens"], stops)
+    infill = _infill(server, input_prefix=ring[0], input_suffix=ring[1], input_extra=EXTRA)
+    assert infill["tokens_evaluated"] == len(extra_ids), infill
+    _check_ids(references[tuple(extra_ids)], infill["tokens"], stops)
 
 
 @pytest.mark.slow
