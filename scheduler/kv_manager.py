@@ -54,6 +54,11 @@ class KVManager:
             free = min(free, self.window.allocator.num_free_tokens)
         return free + evictable
 
+    def held_tokens(self) -> int:
+        """Tokens of the KV pool that requests hold: neither free nor cache the tree could evict
+        (the load a router balances on; window pages, which only bound admission, left out)."""
+        return self.max_total_tokens - self.allocator.num_free_tokens - self.tree_cache.evictable_size()
+
     def _usable_prefix(self, req: Req, match: MatchResult) -> int:
         # At least one token must be computed to get logits for the next token (and every
         # position whose logits the request's prompt logprobs need).

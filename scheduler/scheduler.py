@@ -536,11 +536,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
     def _load(self) -> LoadSnapshot:
-        available = self.kv.available_tokens()
         return LoadSnapshot(
             running=len(self.running) + (self.chunked_req is not None),
             waiting=len(self.waiting),
-            used_tokens=self.kv.max_total_tokens - available,
+            used_tokens=self.kv.held_tokens(),
             max_total_tokens=self.kv.max_total_tokens,
             **self.kv.page_counts(),
         )

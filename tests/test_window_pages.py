@@ -202,6 +202,22 @@ def test_a_window_pool_of_two_windows_still_serves_everyone(gemma3: Path) -> Non
     assert h.tokens == reference.tokens
 
 
+def test_load_counts_the_tokens_requests_hold_not_the_window_pool(gemma3: Path) -> None:
+    """/get_load and token_usage with window pages: 0 on an idle server (the window pool, smaller
+    than the full one, is no load), and a running request's tokens while it runs."""
+    h = Harness(gemma3, dtype="float32", max_total_tokens=2048, page_size=4, swa_full_tokens_ratio=0.25)
+    assert h.scheduler.kv.window is not None
+    idle = h.scheduler.load_report()
+    assert idle == {"num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}, idle
+    assert h.scheduler._load().token_usage == 0.0
+    h.submit("r", prompts(1)[0], GREEDY)
+    h.scheduler.step()  # its prefill
+    busy = h.scheduler.load_report()
+    assert busy["num_reqs"] == 1 and 0 < busy["num_tokens"] <= len(prompts(1)[0]) + 24, busy
+    h.run_until_idle()
+    assert h.scheduler.load_report()["num_tokens"] == 0  # finished: its KV is cache the tree may evict
+
+
 def test_kv_window_memory_script_prints_both_ways(gemma3: Path) -> None:
     """scripts/kv_window_memory.py on the tiny Gemma 3 (one layer of two within 16 tokens): window
     pages hold less per token than every position, and less the longer the context."""
