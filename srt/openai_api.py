@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.http_common import (
     OPENAI_ERRORS,
     manager,
+    openai_error_body,
     queue_refusal,
     read_json_object,
     refused_stream,
@@ -275,23 +276,31 @@ async def _serve(request: Request, chat: bool) -> Response:
     return JSONResponse(full_response(call, results, model))
 
 
+def _model_card(tm: TokenizerManager) -> dict[str, Any]:
+    return {
+        "id": _model_name(tm),
+        "object": "model",
+        "created": 0,
+        "owned_by": "srt",
+        "root": tm.model_info["model_path"],
+    }
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    tm = manager(request)
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": _model_name(tm),
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "srt",
-                    "root": tm.model_info["model_path"],
-                }
-            ],
-        }
-    )
+    return JSONResponse({"object": "list", "data": [_model_card(manager(request))]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    """The served model by its id (the SDK's models.retrieve), else OpenAI's 404 for a model that
+    does not exist (an id may hold slashes: a path served under its own name)."""
+    card = _model_card(manager(request))
+    if model_id != card["id"]:
+        message = f"The model `{model_id}` does not exist; this server serves `{card['id']}`"
+        body = openai_error_body(404, message, "model", "model_not_found")
+        return JSONResponse(body, status_code=404)
+    return JSONResponse(card)
 
 
 @router.post("/v1/completions")

@@ -53,6 +53,18 @@ def test_models_list_names_the_served_model(server: Server, client: openai.OpenA
     assert reply.model == "SmolLM2-135M-Instruct"
 
 
+def test_models_retrieve_gives_the_served_model_and_404_for_another(client: openai.OpenAI) -> None:
+    """The SDK's models.retrieve: the served model's card, and OpenAI's NotFoundError (a 404 naming
+    the model) for an id the server does not serve."""
+    card = client.models.retrieve("SmolLM2-135M-Instruct")
+    assert (card.id, card.object, card.owned_by) == ("SmolLM2-135M-Instruct", "model", "srt")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("org/other-model")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found" and error["param"] == "model", error
+    assert "org/other-model" in error["message"]
+
+
 def test_chat_completion_matches_generate_on_the_templated_prompt(
     server: Server, client: openai.OpenAI, tokenizer: Any
 ) -> None:
