@@ -392,6 +392,12 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
             ),
             _flag(
+                "--chat-template",
+                default=None,
+                help="a Jinja chat template file for the chat, Responses and Anthropic APIs, in place of the "
+                "tokenizer's (a base model has none; default: the tokenizer's)",
+            ),
+            _flag(
                 "--tool-call-parser",
                 default=None,
                 choices=TOOL_CALL_PARSERS,

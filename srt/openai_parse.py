@@ -414,6 +414,12 @@ def chat_prompt(tm: TokenizerManager, body: dict[str, Any]) -> ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
+    if not getattr(tm.tokenizer, "chat_template", None):
+        raise RequestError(
+            "this model has no chat template (a base model): send the text to /v1/completions or "
+            "/generate, or start the server with --chat-template FILE",
+            "messages",
+        )
     conversation = [_message_text(m, i) for i, m in enumerate(messages)]
     options = _template_options(body, conversation)
     prepared = chat_tools(tm.tokenizer, tm.server_args.tool_call_parser, body, conversation)

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from srt.default_model import DEFAULT_MODEL_NAME
@@ -167,6 +168,7 @@ class ServerArgs:
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_cuda_graph: bool = False  # accepted on any device (SGLang users pass it everywhere)
     grammar_backend: str = "xgrammar"  # json_schema / regex / ebnf / structural_tag; "none" refuses them
+    chat_template: str | None = None  # a Jinja chat template file for the chat APIs (None: the tokenizer's)
     tool_call_parser: str | None = None  # "qwen25" | "llama3" | "generic"; None: from the chat template
     reasoning_parser: str | None = None  # "deepseek-r1" | "qwen3" | "qwen3-thinking": chat splits off <think>
     constrained_json_disable_any_whitespace: bool = False  # JSON outputs compact (SGLang's flag)
@@ -294,6 +296,11 @@ class ServerArgs:
             raise ValueError("--dist-init-addr HOST:PORT is required when --nnodes > 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(
+                f"--chat-template takes a Jinja template file; {self.chat_template!r} is none "
+                "(SGLang's built-in template names are not implemented)"
+            )
 
     def _check_choices(self) -> None:
         for flag, value, allowed, optional in (

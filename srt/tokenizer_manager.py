@@ -25,6 +25,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -76,6 +77,8 @@ class TokenizerManager:
         self.tokenizer_path = tokenizer_path
         self.model_info = model_info
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if server_args.chat_template is not None:  # --chat-template: checked to be a file
+            self.tokenizer.chat_template = Path(server_args.chat_template).read_text()
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
