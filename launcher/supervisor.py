@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,10 @@ from multiprocessing.connection import Connection, Pipe, wait
 from launcher.process import ChildProcess, stop_children
 
 logger = logging.getLogger(__name__)
+
+# A child killed by SIGTERM: how long a deliberate shutdown that sent it (to the whole process group,
+# as a service manager or `timeout` does) may take to reach stop() before the death counts as a failure
+TERM_GRACE_S = 3.0
 
 
 class Supervisor:
@@ -31,7 +36,9 @@ class Supervisor:
     `peer_failure` (another node published its failure) ends the server the same way. Then call
     on_failure(message); wait grace_s so the front end can flush the error responses; SIGKILL
     every child tree; call exit_fn(exit_code) (default os._exit: the main process ends non-zero).
-    `stop()` before a deliberate shutdown makes later exits quiet. With `restart`, a child's
+    `stop()` before a deliberate shutdown makes later exits quiet, and so does a stop() within
+    TERM_GRACE_S of a child's death by SIGTERM (a signal to the whole process group reaches the
+    children before the main process has shut down). With `restart`, a child's
     exit first goes to restart(message, dead, children), run in this thread (it lives as long as
     the server, so children it spawns keep their parent-death signal): new children are watched
     from then on; None means no restart, and the server goes down as above. A message on
@@ -91,6 +98,12 @@ class Supervisor:
                 if self._stopping:
                     return
             dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
+            if (
+                dead is not None
+                and dead.process.exitcode == -signal.SIGTERM
+                and self._stopped_within(TERM_GRACE_S)
+            ):
+                return  # the server's own shutdown: the group's SIGTERM reached the child first
             asked = None  # why another node's restart needs this node's
             if dead is None and self.peer_restart in fired and self.peer_failure not in fired:
                 asked = str(self.peer_restart.recv())
@@ -115,6 +128,12 @@ class Supervisor:
             self._shut_down(str(self.peer_failure.recv()))
         else:  # the restart another node needed could not be made (the restart hook logged why)
             self._shut_down(str(asked))
+
+    def _stopped_within(self, seconds: float) -> bool:
+        """Whether stop() is called within `seconds`."""
+        self._wake_reader.poll(seconds)
+        with self._lock:
+            return self._stopping
 
     def _cause(self, message: str) -> str | None:
         if self.explain is None:

@@ -17,7 +17,7 @@ import pytest
 
 from launcher.child import ChildSpec
 from launcher.process import ChildProcess, LaunchError, spawn_child, stop_children, wait_ready
-from launcher.supervisor import Supervisor
+from launcher.supervisor import TERM_GRACE_S, Supervisor
 from launcher.teardown import kill_process_tree
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,6 +183,40 @@ def test_supervisor_stop_is_quiet(spawned: list[ChildProcess]) -> None:
     stop_children(spawned)
     time.sleep(0.5)
     assert rec.failures == [] and rec.exits == [] and not supervisor.done.is_set()
+
+
+def test_a_sigterm_the_server_shuts_down_on_is_quiet(
+    spawned: list[ChildProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGTERM to the whole process group reaches a child before the main process calls stop():
+    no failure and no CRITICAL line when stop() follows within TERM_GRACE_S."""
+    spawned += [spawn_child(spec("detokenizer", "ready_then_sleep", {}))]
+    wait_ready(spawned, timeout=30)
+    rec = Recorder()
+    supervisor = Supervisor(spawned, rec.on_failure, grace_s=0.0, exit_fn=rec.exit)
+    supervisor.start()
+    os.kill(spawned[0].pid, signal.SIGTERM)
+    time.sleep(0.5)
+    supervisor.stop()
+    time.sleep(0.5)
+    assert rec.failures == [] and rec.exits == [] and not supervisor.done.is_set()
+    assert not any(r.levelname == "CRITICAL" for r in caplog.records)
+
+
+def test_a_sigterm_with_no_shutdown_is_still_a_failure(spawned: list[ChildProcess]) -> None:
+    """A child killed by SIGTERM while the server goes on is a lost child: reported once
+    TERM_GRACE_S passes without stop()."""
+    spawned += [spawn_child(spec("detokenizer", "ready_then_sleep", {}))]
+    wait_ready(spawned, timeout=30)
+    rec = Recorder()
+    supervisor = Supervisor(spawned, rec.on_failure, grace_s=0.0, exit_fn=rec.exit)
+    supervisor.start()
+    killed_at = time.monotonic()
+    os.kill(spawned[0].pid, signal.SIGTERM)
+    assert supervisor.done.wait(TERM_GRACE_S + 10)
+    ((failed_at, message),) = rec.failures
+    assert failed_at - killed_at >= TERM_GRACE_S
+    assert message == f"detokenizer (pid {spawned[0].pid}) was killed by signal SIGTERM" and rec.exits == [1]
 
 
 @pytest.mark.parametrize("parent_death_signal", ["1", "0"], ids=["pdeathsig", "watcher-thread"])
