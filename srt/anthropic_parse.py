@@ -319,9 +319,18 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
     chat.update(max_tokens=max_tokens, stream=body.get("stream") or False)
     if stops:
         chat["stop"] = stops
-    for name in ("temperature", "top_p", "top_k"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
+    for name, low, high in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):  # Anthropic's ranges
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise RequestError(f"{name}: must be a number from {low:g} to {high:g} (got {value!r})", name)
+        chat[name] = value
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise RequestError(f"top_k: must be an integer of 0 or more (got {top_k!r})", "top_k")
+        chat["top_k"] = top_k if top_k > 0 else -1  # 0: no top-k cut, as -1 is here
     call = parse_chat(tm, chat)
     renamed = {gen: ANTHROPIC_NAMES.get(name, name) for gen, name in call.renamed.items()}
     return AnthropicCall(call, stops, {**ANTHROPIC_NAMES, **renamed})

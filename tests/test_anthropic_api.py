@@ -147,6 +147,10 @@ def refusal(client: anthropic.Anthropic, **kwargs: Any) -> str:
 def test_bad_fields_are_400s_naming_them(server: Server, client: anthropic.Anthropic) -> None:
     assert "frobnicate" in refusal(client, extra_body={"frobnicate": 1})
     assert "temperature" in refusal(client, extra_body={"temperature": -1.0})
+    # Anthropic's own ranges, not OpenAI's: temperature and top_p 0-1, top_k a count
+    assert "temperature: must be a number from 0 to 1" in refusal(client, extra_body={"temperature": 3})
+    assert "top_p" in refusal(client, extra_body={"top_p": 1.5})
+    assert "top_k" in refusal(client, extra_body={"top_k": -2})
     assert "stop_sequences" in refusal(client, stop_sequences=[""])
     assert "container" in refusal(client, extra_body={"container": "c1"})
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
