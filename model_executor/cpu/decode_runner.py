@@ -25,14 +25,7 @@ from model_executor.attention.base import AttentionBackend
 from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights, KernelWeight
-from model_executor.cpu.kernels.packing import (
-    Int8Weight,
-    Q4KWeight,
-    Q4Weight,
-    Q5KWeight,
-    Q8Weight,
-    SplitWeight,
-)
+from model_executor.cpu.kernels.packing import GgufWeight, Int8Weight, SplitWeight
 from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max_rows, packed_of
 from model_executor.cpu.moe import FusedExperts
 from model_executor.cpu.thread_governor import ThreadGovernor
@@ -54,10 +47,8 @@ def kernel_weights(layer: PreNormLayer) -> list[KernelWeight | None] | None:
     kernel = [
         p
         for p in packed
-        if isinstance(p, (torch.Tensor, Int8Weight, Q4Weight, Q4KWeight, Q5KWeight, Q8Weight))
-        and is_kernel_packed(p)
-        or p is packed[0]
-        and split_at_v(p, layer)
+        if (isinstance(p, torch.Tensor | Int8Weight | GgufWeight) and is_kernel_packed(p))
+        or (p is packed[0] and split_at_v(p, layer))
     ]
     if len(kernel) != len(packed) or len(packed) != 2 + len(mlp):
         return None

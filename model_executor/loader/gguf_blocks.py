@@ -78,7 +78,7 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([low_sc, high_sc], 1), torch.cat([low_m, high_m], 1)
 
 
-def _decode(kind: gguf.GGMLQuantizationType, raw: torch.Tensor, n: int, k: int) -> Blocks | None:
+def _decode(kind: int, raw: torch.Tensor, n: int, k: int) -> Blocks | None:
     """raw: the tensor's bytes as [blocks, block bytes] uint8, row-major over [n, k]."""
     T = gguf.GGMLQuantizationType
     if kind == T.Q8_0:
@@ -160,7 +160,8 @@ class GgufFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.header = GgufHeader(self.path, {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()})
+        self.type_sizes = {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()}  # (values, bytes) a block
+        self.header = GgufHeader(self.path, self.type_sizes)
         arch_name = str(self.header.fields.get("general.architecture", ""))
         arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
         self.arch = arch_name
@@ -177,11 +178,11 @@ class GgufFile:
         if tensor is None or len(tensor.shape) != 2:
             return None
         k, n = tensor.shape  # gguf lists the fastest-moving dimension first
-        size, type_size = gguf.GGML_QUANT_SIZES.get(gguf.GGMLQuantizationType(tensor.tensor_type), (0, 0))
+        size, type_size = self.type_sizes.get(tensor.tensor_type, (0, 0))
         if size < 32 or k % size:
             return None
         raw = torch.from_numpy(self.header.data(tensor).reshape(-1, type_size).copy())  # the map is read-only
-        return _decode(gguf.GGMLQuantizationType(tensor.tensor_type), raw, n, k)
+        return _decode(tensor.tensor_type, raw, n, k)
 
 
 def _row_keys(values: torch.Tensor) -> list[bytes]:

@@ -12,20 +12,11 @@ from model_executor.cpu.kernels import ops
 from model_executor.cpu.kernels.build import kernels
 from model_executor.cpu.kernels.ops import GEMV_MAX_ROWS
 from model_executor.cpu.kernels.ops import data_ptr as _p
-from model_executor.cpu.kernels.packing import (
-    GgufWeight,
-    Int8Weight,
-    Q4KWeight,
-    Q4Weight,
-    Q5KWeight,
-    Q8Weight,
-    SplitWeight,
-)
+from model_executor.cpu.kernels.packing import GgufWeight, Int8Weight, Q8Weight, SplitWeight
 
 # A GGUF weight (GgufWeight): its blocks (and a bf16 copy for more rows than their kernel takes, where
 # no srt_gguf_linear); a qkv's SplitWeight: q and k on one kind of blocks, v on another
 KernelWeight = torch.Tensor | Int8Weight | GgufWeight | SplitWeight
-GGUF_WEIGHTS = (Q4Weight, Q4KWeight, Q5KWeight, Q8Weight)
 
 
 TILES = 8  # a kind's flag: srt_gguf_linear, widening its blocks to bf16 a task at a time
@@ -90,7 +81,7 @@ class DecodeLayers:
         self.hidden_size = first.w_o.shape[0]
         intermediate = max((w.w_down.shape[1] for w in self.layers if w.w_down is not None), default=0)
         self.sizes = (first.w_qkv.shape[0], first.w_o.shape[1], intermediate)  # qkv, q, intermediate
-        gguf = [t for w in self.layers for t in self._slots(w) if isinstance(t, GGUF_WEIGHTS)]
+        gguf = [t for w in self.layers for t in self._slots(w) if isinstance(t, GgufWeight)]
         # the most rows of a step with some weight on its GGUF blocks
         self.block_rows = max(map(gguf_max_rows, gguf), default=0) if self.packed else 0
         self._args: dict[int, list[tuple[tuple, tuple, tuple, tuple]]] = {}  # by rows (0: the bf16 copies)
@@ -126,16 +117,16 @@ class DecodeLayers:
         def blocks(i: int) -> GgufWeight | None:
             """The i-th weight where it runs on its blocks' kernel at this many rows."""
             t = kernel_weights[i]
-            return t if isinstance(t, GGUF_WEIGHTS) and 0 < rows <= gguf_max_rows(t) else None
+            return t if isinstance(t, GgufWeight) and 0 < rows <= gguf_max_rows(t) else None
 
         def tiles(i: int) -> GgufWeight | None:
             """The i-th weight where it runs on its blocks through srt_gguf_linear (no bf16 copy)."""
             t = kernel_weights[i]
-            return t if isinstance(t, GGUF_WEIGHTS) and t.bf16 is None and blocks(i) is None else None
+            return t if isinstance(t, GgufWeight) and t.bf16 is None and blocks(i) is None else None
 
         def pointer(i: int) -> int | None:
             t = kernel_weights[i]
-            if isinstance(t, GGUF_WEIGHTS):
+            if isinstance(t, GgufWeight):
                 return (t.bf16 if blocks(i) is None and t.bf16 is not None else t.packed).data_ptr()
             if t is None:
                 return None
