@@ -40,6 +40,7 @@ from srt.http_common import (
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
 from srt.reasoning import ReasoningSplit
+from srt.repeated_calls import end_at_repeated_call
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
 
@@ -257,7 +258,7 @@ async def _serve(request: Request, chat: bool) -> Response:
         generate_call = tm.parse_generate(call.generate_body)
     except (ValueError, ServiceUnavailableError) as error:
         return OPENAI_ERRORS.of(error, renamed)
-    outputs = tm.generate(generate_call, request)
+    outputs = end_at_repeated_call(call, tm.generate(generate_call, request), tm.abort_request)
     model = _model_name(tm)
     if call.stream:
         outputs, refused = await refused_stream(tm, outputs, OPENAI_ERRORS)

@@ -458,7 +458,8 @@ def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         sampling["json_schema"] = schema
     generate_body = {
         "input_ids": input_ids,
-        "stream": stream,
+        # a turn that may end at a repeated call is watched as it grows (srt/repeated_calls.py)
+        "stream": stream or (tools is not None and tools.ends_at_repeat),
         **logprobs,
         **_request_fields(body),
         "sampling_params": sampling,

@@ -38,6 +38,7 @@ from srt.http_common import (
     sole_output,
 )
 from srt.openai_api import ChoiceProgress, chat_choice
+from srt.repeated_calls import end_at_repeated_call
 from srt.request_state import ServiceUnavailableError
 from srt.responses_output import OutputItems, new_id
 from srt.responses_parse import RESPONSES_NAMES, ResponsesCall, count_input_tokens, parse_responses
@@ -193,7 +194,7 @@ async def create_response(request: Request) -> Response:
         generate_call = tm.parse_generate(call.chat.generate_body)
     except (ValueError, ServiceUnavailableError) as error:
         return OPENAI_ERRORS.of(error, renamed)
-    outputs = tm.generate(generate_call, request)
+    outputs = end_at_repeated_call(call.chat, tm.generate(generate_call, request), tm.abort_request)
     model = tm.server_args.model_name
     if call.chat.stream:
         outputs, refused = await refused_stream(tm, outputs, OPENAI_ERRORS)

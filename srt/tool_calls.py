@@ -4,11 +4,13 @@
 As SGLang: the tools are rendered by the model's chat template (or by srt's generic prompt where
 the template renders none, srt/tool_template.py); `tool_choice` "required" or a named function
 constrains the output to a JSON array of {"name", "parameters"} objects (SGLang's
-`get_json_schema_constraint`), parsed as such; "auto" parses the format the template asks for, or
-the one `--tool-call-parser` names: `qwen25` (SGLang's name: `<tool_call>{...}</tool_call>` blocks,
-Qwen 2.5 and 3), `llama3` (SGLang's: `<|python_tag|>` and/or JSON objects with "name" and
-"parameters", separated by ";") or srt's `generic` (llama.cpp's idea: the constrained array, after
-any text, its calls naming the request's functions). "none" renders the tools but parses nothing.
+`get_json_schema_constraint`; one call for a named function or without parallel_tool_calls), parsed
+as such, a call identical to an earlier one ending the turn (srt/repeated_calls.py); "auto" parses
+the format the template asks for, or the one `--tool-call-parser` names: `qwen25` (SGLang's name:
+`<tool_call>{...}</tool_call>` blocks, Qwen 2.5 and 3), `llama3` (SGLang's: `<|python_tag|>` and/or
+JSON objects with "name" and "parameters", separated by ";") or srt's `generic` (llama.cpp's idea:
+the constrained array, after any text, its calls naming the request's functions). "none" renders
+the tools but parses nothing.
 """
 
 from __future__ import annotations
@@ -55,12 +57,19 @@ class ToolPlan:
         return self.choice in ("required", "function")
 
     @property
+    def ends_at_repeat(self) -> bool:
+        """Whether the output is watched for a repeated call: `required` with parallel calls, the
+        one grammar that lets several calls come (a greedy small model repeats its call until the
+        token limit)."""
+        return self.choice == "required" and self.parallel
+
+    @property
     def parses(self) -> bool:
         return self.constrained or (self.choice == "auto" and self.parser is not None)
 
     def json_schema(self) -> str | None:
-        """The grammar for required / a named function: a JSON array of calls (at most one without
-        parallel_tool_calls)."""
+        """The grammar for required / a named function: a JSON array of calls, closable after each
+        complete call (exactly one for a named function or without parallel_tool_calls)."""
         if not self.constrained:
             return None
         items = [
@@ -73,7 +82,7 @@ class ToolPlan:
             "minItems": 1,
             "items": items[0] if len(items) == 1 else {"anyOf": items},
         }
-        if not self.parallel:
+        if not self.parallel or self.choice == "function":
             schema["maxItems"] = 1
         return json.dumps(schema)
 
@@ -106,6 +115,22 @@ class ToolPlan:
         if self.parser == "generic":
             return _generic_calls(text, self.names)[1]
         return []  # llama3: a call ends where the output does, or at a ";" the grammar does not promise
+
+    def repeat_start(self, text: str) -> int | None:
+        """Where a constrained output's calls stop being new: the end of the last complete call
+        before the first one identical (same name, same parsed arguments) to an earlier one; None
+        while no complete call repeats."""
+        if not self.constrained:
+            return None
+        seen: list[tuple[str, Any]] = []
+        end_of_new = 0
+        for call, end in _array_spans(text):
+            key = (call.name, _parsed(call.arguments))
+            if key in seen:
+                return end_of_new
+            seen.append(key)
+            end_of_new = end
+        return None
 
     def stream_safe_prefix(self, text: str) -> int:
         """How much of a partial output may stream as content: all of it until a call could have
@@ -141,6 +166,14 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def _parsed(arguments: str) -> Any:
+    """A call's arguments as JSON values (two serializations of one object compare equal)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 def _array_call(item: Any) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
@@ -149,7 +182,12 @@ def _array_call(item: Any) -> ToolCall | None:
 
 def _array_items(text: str) -> list[ToolCall]:
     """The calls whose objects are complete in a (perhaps partial) JSON array of calls."""
-    decoder, calls = json.JSONDecoder(), list[ToolCall]()
+    return [call for call, _ in _array_spans(text)]
+
+
+def _array_spans(text: str) -> list[tuple[ToolCall, int]]:
+    """The complete calls of a (perhaps partial) JSON array of calls, each with where its object ends."""
+    decoder, calls = json.JSONDecoder(), list[tuple[ToolCall, int]]()
     at = len(text) - len(text.lstrip())
     if not text.startswith("[", at):
         return []
@@ -163,7 +201,7 @@ def _array_items(text: str) -> list[ToolCall]:
             return calls
         call = _array_call(item)
         if call is not None:
-            calls.append(call)
+            calls.append((call, at))
         while at < len(text) and text[at] in " \t\n\r":
             at += 1
         if not text.startswith(",", at):

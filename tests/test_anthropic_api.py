@@ -1,7 +1,8 @@
 """Anthropic's Messages API on the default server (SmolLM2, bf16, the C kernels), driven by the
 official `anthropic` client: a reply equals the chat completion of the same conversation, streams
 in Anthropic's event order to the same text, stops on a stop sequence, counts its tokens, forces a
-tool call that parses back as a `tool_use` block and completes the round trip with a `tool_result`;
+tool call that parses back as a `tool_use` block and completes the round trip with a `tool_result`,
+ends a forced turn (a named tool: one `tool_use`; `any`: no call repeated) with `tool_use`;
 bad fields are 400s in Anthropic's shape naming them, and the API key passes as `x-api-key`. The
 thinking blocks of `--reasoning-parser` are checked on made-up outputs (a random model does not
 think, and the Messages API has no regex to make it)."""
@@ -134,6 +135,31 @@ def test_a_forced_tool_call_parses_and_the_round_trip_completes(client: anthropi
     assert client.messages.count_tokens(model="m", messages=turns, tools=TOOLS).input_tokens == prompt_tokens(
         second.usage
     )
+
+
+def tool_uses(client: anthropic.Anthropic, tool_choice: Any, stream: bool) -> tuple[str | None, list[Any]]:
+    """(stop_reason, [(name, input)]) of a greedy reply that must use a tool; max_tokens far beyond
+    a few calls, the clients' default parallel calls."""
+    kwargs: Any = {"model": "m", "messages": ASK, "max_tokens": 2048, "extra_body": GREEDY}
+    kwargs.update(tools=TOOLS, tool_choice=tool_choice)
+    if stream:
+        with client.messages.stream(**kwargs) as events:
+            reply = events.get_final_message()
+    else:
+        reply = client.messages.create(**kwargs)
+    return reply.stop_reason, [(b.name, b.input) for b in reply.content if b.type == "tool_use"]
+
+
+def test_tool_turns_end_one_named_tool_use_and_no_repeated_any_call(client: anthropic.Anthropic) -> None:
+    quick = client.with_options(timeout=60)  # before, `any` wrote the same call until max_tokens
+    for stream in (False, True):
+        stop, calls = tool_uses(quick, {"type": "tool", "name": "get_weather"}, stream)
+        assert stop == "tool_use" and [name for name, _ in calls] == ["get_weather"], (stream, calls)
+    whole, streamed = tool_uses(quick, {"type": "any"}, False), tool_uses(quick, {"type": "any"}, True)
+    assert whole == streamed
+    stop, calls = whole
+    assert stop == "tool_use" and calls, whole
+    assert all(call not in calls[:i] for i, call in enumerate(calls)), calls  # no call repeated
 
 
 def refusal(client: anthropic.Anthropic, **kwargs: Any) -> str:

@@ -2,7 +2,9 @@
 official `openai` client: a response equals the chat completion of the same conversation, streams
 in OpenAI's event order to the same text, stops at max_output_tokens as `incomplete`, forces a tool
 call that parses back as a `function_call` item and completes the round trip with a
-`function_call_output` (sent explicitly or through previous_response_id), follows a JSON schema;
+`function_call_output` (sent explicitly or through previous_response_id), ends a forced turn (a
+named function: one call; `required`: no call repeated) as `completed`, and so does the chat
+completion on the same server with `tool_calls`, follows a JSON schema;
 stored responses are read and deleted, the oldest evicted first; bad fields are 400s in OpenAI's
 shape naming them. Reasoning items are checked on made-up outputs (a random model does not think)."""
 
@@ -150,6 +152,76 @@ def test_a_forced_function_call_parses_and_the_round_trip_completes(client: open
     assert count(model="m", input=turns, tools=TOOLS).input_tokens == second.usage.input_tokens
     assert count(model="m", input=[result], tools=TOOLS, previous_response_id=first.id).input_tokens == (
         second.usage.input_tokens
+    )
+
+
+# tool calls that end, with no max_tokens and the clients' default parallel calls: a named function
+# is one call, `required` ends at the first repeated call (before this, minutes of the same call)
+CHAT_TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": TOOLS[0]["description"], "parameters": WEATHER},
+    }
+]
+CHAT_FORCED: Any = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def chat_calls(client: openai.OpenAI, tool_choice: Any, stream: bool) -> tuple[str | None, list[Any]]:
+    """(finish_reason, [(name, arguments)]) of a greedy chat that must call a tool."""
+    kwargs: Any = {"model": "m", "messages": [{"role": "user", "content": ASK}], "temperature": 0}
+    kwargs.update(tools=CHAT_TOOLS, tool_choice=tool_choice)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.finish_reason, [(name, json.loads(arguments)) for name, arguments in calls]
+    parts: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or []:
+            part = parts.setdefault(call.index, ["", ""])
+            part[0] += call.function.name or ""
+            part[1] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return finish, [(name, json.loads(arguments)) for _, (name, arguments) in sorted(parts.items())]
+
+
+def response_calls(client: openai.OpenAI, tool_choice: Any, stream: bool) -> tuple[str | None, list[Any]]:
+    """(status, [(name, arguments)]) of a greedy response that must call a function."""
+    kwargs: Any = {"model": "m", "input": ASK, "temperature": 0, "tools": TOOLS, "tool_choice": tool_choice}
+    if stream:
+        with client.responses.stream(**kwargs) as events:
+            assert [event.type for event in events][-1] == "response.completed"
+            reply = events.get_final_response()
+    else:
+        reply = client.responses.create(**kwargs)
+    calls = [item for item in reply.output if item.type == "function_call"]
+    return reply.status, [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+def check_turns_end(ask: Any, named: Any, required: Any, finished: str) -> None:
+    """The named choice: exactly one call; required: distinct calls; each streamed or not alike,
+    ended by a call (`finished`). The client's timeout bounds each request."""
+    for stream in (False, True):
+        finish, calls = ask(named, stream)
+        assert finish == finished and [name for name, _ in calls] == ["get_weather"], (stream, calls)
+    whole, streamed = ask(required, False), ask(required, True)
+    assert whole == streamed
+    finish, calls = whole
+    assert finish == finished and calls, whole
+    assert all(call not in calls[:i] for i, call in enumerate(calls)), calls  # no call repeated
+
+
+def test_chat_tool_calls_end_one_named_call_and_no_repeated_required_call(client: openai.OpenAI) -> None:
+    quick = client.with_options(timeout=60)
+    check_turns_end(
+        lambda choice, stream: chat_calls(quick, choice, stream), CHAT_FORCED, "required", "tool_calls"
+    )
+
+
+def test_function_calls_end_one_named_call_and_no_repeated_required_call(client: openai.OpenAI) -> None:
+    quick = client.with_options(timeout=60)
+    check_turns_end(
+        lambda choice, stream: response_calls(quick, choice, stream), FORCED, "required", "completed"
     )
 
 

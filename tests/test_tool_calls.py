@@ -1,8 +1,9 @@
 """Tool calls on /v1/chat/completions: a tiny Qwen-shaped model (random weights, SmolLM2's
 vocabulary) behind a Qwen 2.5 chat template, `--tool-call-parser qwen25`. `tool_choice` required
 and a named function always return calls whose arguments match the function's schema (the grammar
-sees to it, whatever the weights); the parsers, validation, and how a chat template's tool support
-is told (and srt's generic tool prompt written where it has none) without a server."""
+sees to it, whatever the weights); the parsers, validation, how a chat template's tool support
+is told (and srt's generic tool prompt written where it has none), the grammar's array closing after
+each call (one call for a named function) and a repeated call ending the turn, without a server."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from server_fixture import Server
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
+from model_executor.constrained import LazyGrammarBackend
 from srt.generate_parse import RequestError
+from srt.sampling_params import GrammarSpec
 from srt.tool_calls import plan_tools
 from srt.tool_template import calls_text, chat_tools, probe_template
 
@@ -142,7 +145,8 @@ def test_parallel_calls_stream_each_as_soon_as_it_is_complete(client: openai.Ope
         "messages": MESSAGES,
         "tools": TOOLS,
         "tool_choice": "required",
-        "temperature": 0,
+        "temperature": 1.0,  # seeded: greedy, the random weights repeat a call, which ends the turn
+        "seed": 7,
         "max_tokens": 96,
     }
     whole = client.chat.completions.create(**kwargs).choices[0]
@@ -185,7 +189,7 @@ def test_auto_parses_the_models_own_calls_whole_and_streamed(client: openai.Open
 
 
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
-    # one call: with parallel calls a random-weight model may add calls until max_tokens
+    # one call, parallel calls or not: a random-weight model would otherwise add calls until max_tokens
     reply = client.chat.completions.create(
         model="m",
         messages=MESSAGES,
@@ -193,12 +197,11 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
         temperature=0,
         max_tokens=96,
         tool_choice={"type": "function", "function": {"name": "set_alarm"}},
-        parallel_tool_calls=False,
     )
     assert reply.choices[0].finish_reason == "tool_calls"
-    assert {name for name, _ in check_calls(reply.choices[0].message.tool_calls, {"set_alarm"})} == {
+    assert [name for name, _ in check_calls(reply.choices[0].message.tool_calls, {"set_alarm"})] == [
         "set_alarm"
-    }
+    ]
 
 
 def test_tools_are_rendered_by_the_chat_template(client: openai.OpenAI) -> None:
@@ -461,6 +464,83 @@ def test_tool_plans_are_validated() -> None:
     with pytest.raises(RequestError) as info:
         plan_tools({"tools": TOOLS + TOOLS[:1]}, "qwen25")
     assert info.value.param == "tools"
+
+
+CALL_TEXTS = [  # a required array's calls as the model writes them; the third repeats the first
+    '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}',
+    ', {"name": "set_alarm", "parameters": {"hour": 7, "loud": true}}',
+    ',\n{"name": "get_weather", "parameters": {"city":"Oslo","days":1}}',  # the same arguments
+    ', {"name": "set_alarm", "parameters": {"hour": 8, "loud": true}}',
+]
+
+
+def accepts(grammars: LazyGrammarBackend, tokenizer: Any, schema: str, text: str) -> bool:
+    """Whether the grammar of `schema` takes `text` (as the model's tokens), then the end of the output."""
+    matcher = grammars.new_matcher(GrammarSpec("json_schema", schema))
+    tokens = [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    return all(matcher.accept(token) for token in tokens) and matcher.terminated
+
+
+def test_the_grammar_closes_after_each_call_and_a_named_function_allows_one(smollm2_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    grammars = LazyGrammarBackend("xgrammar", lambda: tokenizer, 49152, {tokenizer.eos_token_id})
+    required = plan_tools({"tools": TOOLS, "tool_choice": "required"}, None)
+    named = plan_tools(
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "set_alarm"}}}, None
+    )
+    assert required is not None and named is not None and named.parallel  # parallel_tool_calls' default
+    schema, one = required.json_schema() or "", named.json_schema() or ""
+    for count in range(1, len(CALL_TEXTS) + 1):  # the array may close after every complete call
+        assert accepts(grammars, tokenizer, schema, "".join(CALL_TEXTS[:count]) + "]")
+    alarm = '[{"name": "set_alarm", "parameters": {"hour": 7, "loud": true}}'
+    assert accepts(grammars, tokenizer, one, alarm + "]")
+    assert not accepts(grammars, tokenizer, one, alarm + CALL_TEXTS[1] + "]")
+    assert not accepts(grammars, tokenizer, one, CALL_TEXTS[0] + "]")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_repeated_call_ends_the_turn_with_the_calls_before_it(stream: bool) -> None:
+    import asyncio
+
+    from srt.openai_api import ChoiceProgress, chat_choice
+    from srt.openai_parse import OpenAICall
+    from srt.repeated_calls import REPEAT_REASON, end_at_repeated_call
+
+    plan = plan_tools({"tools": TOOLS, "tool_choice": "required"}, None)
+    assert plan is not None and plan.ends_at_repeat
+    call = OpenAICall(True, {}, stream, False, {}, tools=plan)
+    texts = ["".join(CALL_TEXTS[:count]) for count in range(1, len(CALL_TEXTS) + 1)]
+    read: list[str] = []
+    aborts: list[tuple[str, str]] = []
+
+    async def outputs() -> Any:  # a request that would run on: never finished
+        for text in texts:
+            read.append(text)
+            yield {"text": text, "meta_info": {"id": "r", "finish_reason": None}}
+
+    async def abort(rid: str, reason: str) -> None:
+        aborts.append((rid, reason))
+
+    async def collect() -> list[dict[str, Any]]:
+        return [out async for out in end_at_repeated_call(call, outputs(), abort)]
+
+    outs = asyncio.run(collect())
+    assert aborts == [("r", REPEAT_REASON)] and read == texts[:3]  # ended at the repeat, read no further
+    assert len(outs) == (3 if stream else 1)
+    last = outs[-1]
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
+    assert last["text"] == "".join(CALL_TEXTS[:2])  # the output before the repeat
+    choice = chat_choice(call, last, ChoiceProgress(), chunk=False)
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "set_alarm"]
+    assert plan.repeat_start(texts[1]) is None and plan.repeat_start(texts[3]) == len(texts[1])
+    # a named function or no parallel calls: one call, nothing to watch
+    for body in (
+        {"parallel_tool_calls": False},
+        {"tool_choice": {"type": "function", "function": {"name": "set_alarm"}}},
+    ):
+        single = plan_tools({"tools": TOOLS, "tool_choice": "required", **body}, None)
+        assert single is not None and not single.ends_at_repeat
 
 
 def test_auto_streams_content_until_a_call_begins_then_the_calls() -> None:
