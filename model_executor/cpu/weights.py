@@ -5,10 +5,12 @@ Q5_K, Q8_0, Q5_0, Q4_0, Q6_K, and a Q8_0 LM head) with --quantization gguf."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from model_executor.cpu.kernels import build, packing
 from model_executor.cpu.linear import (
     PackedLinearMethod,
     PackedWeight,
+    pack_blocks,
     pack_weight,
     packed_of,
     reads_dense,
@@ -26,8 +29,9 @@ from model_executor.cpu.memory import release_freed_memory
 from model_executor.cpu.moe import fuse_experts
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.linear_method import UNQUANTIZED
+from model_executor.loader.gguf_blocks import FORMS, FileRows, GgufFile, blocks_of_weight, join, join_rows
 from model_executor.loader.gguf_blocks import Blocks as FileBlocks
-from model_executor.loader.gguf_blocks import GgufFile, blocks_of_weight, join
+from model_executor.loader.load_weights import LoadHooks, NamedTensorSource
 
 logger = logging.getLogger("srt.model_runner")  # the start-up lines keep the logger they always had
 
@@ -140,6 +144,10 @@ def file_blocks(model: nn.Module, file: GgufFile) -> Callable[[str, LinearBase],
     return blocks_of
 
 
+def _family(form: str) -> str:
+    return "4-bit" if form in ("q4_1", "q4_k") else "8-bit"
+
+
 Segments = list[tuple[int, KernelBlocks]]  # a merged weight's runs of rows, each on one block kind
 
 
@@ -149,9 +157,6 @@ def file_segments(model: nn.Module, file: GgufFile) -> Callable[[str, LinearBase
     kernel_blocks' triple of its blocks matched to those rows of the loaded weight); None where a run
     is not found or has no kernel here, or the parts join (file_blocks finds those)."""
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
-
-    def family(blocks: FileBlocks) -> str:
-        return "4-bit" if blocks.form in ("q4_1", "q4_k") else "8-bit"
 
     def segments_of(name: str, module: LinearBase) -> Segments | None:
         weight = module.weight
@@ -169,7 +174,7 @@ def file_segments(model: nn.Module, file: GgufFile) -> Callable[[str, LinearBase
         runs: list[tuple[list[FileBlocks], int]] = []  # parts one form holds, and their rows here
         for blocks, (_, shard) in zip(found, merged):
             assert blocks is not None
-            if runs and family(runs[-1][0][0]) == family(blocks):
+            if runs and _family(runs[-1][0][0].form) == _family(blocks.form):
                 runs[-1] = ([*runs[-1][0], blocks], runs[-1][1] + rows[str(shard)])
             else:
                 runs.append(([blocks], rows[str(shard)]))
@@ -201,10 +206,82 @@ def recovered_blocks(float32_model: nn.Module) -> Callable[[str, LinearBase], Ke
     return blocks_of
 
 
-class Packer:
+class BlockSink:
+    """Where a weight loader copies the blocks of a weight that runs on them (load_weights' sink,
+    standing in for the parameter): each shard's blocks at its rows, packed once all are in. No
+    value of the weight is ever decoded to a dense tensor."""
+
+    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+        self.name, self.shape = name, tuple(shape)
+        self.shards: list[tuple[int, FileRows | FileBlocks]] = []
+
+    def narrow(self, dim: int, start: int, length: int) -> _SinkRows:
+        assert dim == 0, "a weight loader places a shard at rows of the parameter"
+        return _SinkRows(self, start, length)
+
+    def copy_(self, blocks: object) -> None:
+        self.put(0, blocks)
+
+    def put(self, start: int, blocks: object) -> None:
+        if not isinstance(blocks, (FileBlocks, FileRows)):
+            raise TypeError(
+                f"{self.name} loads from a GGUF file's blocks; its loader gave {type(blocks).__name__}"
+            )
+        self.shards.append((start, blocks))
+
+    def runs(self) -> list[FileRows | FileBlocks]:
+        """The shards in row order, those of one block family (4-bit or 8-bit) joined: one run, or a
+        qkv's runs of rows on two families (file_segments). A run of one file type stays the file's
+        bytes (FileRows), the others are decoded and joined."""
+        shards = sorted(self.shards, key=lambda shard: shard[0])
+        if [start for start, _ in shards] != list(
+            itertools.accumulate((b.shape[0] for _, b in shards[:-1]), initial=0)
+        ) or sum(b.shape[0] for _, b in shards) != self.shape[0]:
+            raise ValueError(f"{self.name}: the loaded shards do not cover its {self.shape[0]} rows once")
+        runs: list[list[FileRows | FileBlocks]] = []
+        for _, blocks in shards:
+            if runs and _family(runs[-1][0].form) == _family(blocks.form):
+                runs[-1].append(blocks)
+            else:
+                runs.append([blocks])
+        joined: list[FileRows | FileBlocks] = []
+        for run in runs:
+            rows = [r for r in run if isinstance(r, FileRows)]
+            one: FileRows | FileBlocks | None = join_rows(rows) if len(rows) == len(run) else None
+            if one is None:
+                one = join([r.blocks() if isinstance(r, FileRows) else r for r in run])
+            assert one is not None, "one family joins"
+            joined.append(one)
+        return joined
+
+
+class _SinkRows:
+    def __init__(self, sink: BlockSink, start: int, length: int) -> None:
+        self.sink, self.start, self.shape = sink, start, (length, *sink.shape[1:])
+
+    def copy_(self, blocks: object) -> None:
+        self.sink.put(self.start, blocks)
+
+
+def _has_kernel(ggml_type: int) -> bool:
+    """Whether this CPU runs a weight of this block type on its blocks at every row count."""
+    form = FORMS.get(ggml_type)
+    if form is None or not build.gguf_linear_available():
+        return False
+    if form == "q4_1":
+        return build.q4_available() and build.q4k_available()  # a Q4_1 part joined to a Q4_K one widens
+    if form == "q4_k":
+        return build.q4k_available() and build.q5k_available()  # Q5_K's q may fit 4 bits or not
+    return build.q8_available()
+
+
+class Packer(LoadHooks):
     """Packs linear layers (LinearBase) by pack_model's rules, each at most once: as soon as its
-    weight is loaded (`loaded`, load_weights' on_loaded), so that a dense weight the kernels do not
-    read is freed before the next one is read, and the rest at `finish`."""
+    weight is loaded (`loaded`: the LoadHooks load_weights calls), so that a dense weight the
+    kernels do not read is freed before the next one is read, and the rest at `finish`. With a GGUF
+    `file`, a layer whose every part the file holds in blocks this CPU runs at every row count is
+    loaded as those blocks alone (`source`, `sink`: BlockSink), its weight a meta tensor from the
+    start."""
 
     def __init__(
         self,
@@ -212,6 +289,7 @@ class Packer:
         quantization: str | None = None,
         blocks_of: Callable[[str, LinearBase], KernelBlocks] | None = None,
         segments_of: Callable[[str, LinearBase], Segments | None] | None = None,
+        file: GgufFile | None = None,
     ) -> None:
         assert quantization != "gguf" or blocks_of is not None, "gguf packs the blocks blocks_of finds"
         self.model, self.quantization, self.blocks_of = model, quantization, blocks_of
@@ -235,13 +313,57 @@ class Packer:
         self.done: set[str] = set()
         self.count = 0
         self.as_bf16: list[str] = []
+        self.sinks: dict[str, BlockSink] = {}  # by parameter name: the layers loaded as blocks
+        self.file = file
+        self.block_names: set[str] = set()  # the checkpoint tensors read as blocks
+        if file is not None and quantization == "gguf":
+            self._plan_blocks(model, file)
+
+    def _plan_blocks(self, model: nn.Module, file: GgufFile) -> None:
+        mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+        for param_name, owners in self.owners.items():
+            if len(owners) != 1:
+                continue
+            name, module = owners[0]
+            weight = module.weight
+            if not isinstance(weight, torch.Tensor) or id(weight) in self.shared:
+                continue
+            if not module.loads_rows or not packing.bf16_packable(weight):
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            merged = [ckpt for ckpt, (param, _) in mapping.items() if param == leaf] or [leaf]
+            parts = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in merged]
+            sources = [file.source(part) for part in parts]
+            if not all(s is not None and _has_kernel(s.ggml_type) for s in sources):
+                continue
+            families = {_family(s.form) for s in sources if s is not None}
+            if not getattr(module, "quantizable", True) and families != {"8-bit"}:
+                continue  # an LM head runs 8-bit blocks only (float32 logits)
+            if len(families) > 1 and not (getattr(module, "q_size", 0) and getattr(module, "kv_size", 0)):
+                continue  # only a qkv runs its parts on two kernels (SplitWeight)
+            self.sinks[param_name] = BlockSink(param_name, tuple(weight.shape))
+            self.block_names.update(parts)
+            module.weight = _meta_like(weight)
+
+    def source(self, tensor: NamedTensorSource) -> NamedTensorSource:
+        """LoadHooks: the file's blocks for a tensor of a layer loaded as blocks."""
+        if self.file is None or tensor.name not in self.block_names:
+            return tensor
+        blocks = self.file.source(tensor.name)
+        assert blocks is not None
+        return blocks  # type: ignore[return-value]  # its narrow gives blocks: the sink takes them
+
+    def sink(self, param_name: str) -> BlockSink | None:
+        """LoadHooks: where the blocks of a layer loaded as blocks go."""
+        return self.sinks.get(param_name)
 
     def loaded(self, param_name: str) -> None:
-        """Every shard of parameter `param_name` is loaded: pack the linear layers whose weight it is."""
+        """LoadHooks: every shard of parameter `param_name` is loaded: pack the linear layers whose
+        weight it is."""
         for name, module in self.owners.get(param_name, []):
-            self.pack(name, module)
+            self.pack(name, module, self.sinks.pop(param_name, None))
 
-    def pack(self, name: str, module: LinearBase) -> None:
+    def pack(self, name: str, module: LinearBase, sink: BlockSink | None = None) -> None:
         weight = module.weight
         if name in self.done or not isinstance(weight, torch.Tensor):
             return
@@ -249,6 +371,10 @@ class Packer:
         quantizable = getattr(module, "quantizable", True)
         q4 = q5 = q8 = None
         packed: PackedWeight | None = None
+        if sink is not None:
+            module.linear_method = PackedLinearMethod(self.pack_sink(sink, quantizable))
+            self.count += 1
+            return
         if self.quantization == "gguf" and self.blocks_of is not None:
             q4, q5, q8 = self.blocks_of(name, module)
             if quantizable and q4 is None and q5 is None and q8 is None:
@@ -265,6 +391,30 @@ class Packer:
             module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
             del weight
             release_freed_memory()
+
+    @staticmethod
+    def pack_sink(sink: BlockSink, quantizable: bool) -> packing.GgufWeight | packing.SplitWeight:
+        runs = sink.runs()
+        parts: list[packing.GgufWeight] = []
+        for run in runs:
+            packed = (
+                packing.file_rows_pack(run.ggml_type, run.raw, *run.shape)
+                if isinstance(run, FileRows)
+                else None
+            )
+            if packed is not None:
+                parts.append(packed)
+                continue
+            blocks = run.blocks() if isinstance(run, FileRows) else run
+            q4, q5, q8 = kernel_blocks(blocks, quantizable)
+            if q4 is None and q5 is None and q8 is None:
+                raise RuntimeError(
+                    f"{sink.name}: {blocks.form} blocks have no kernel here"
+                )  # _has_kernel said so
+            parts.append(pack_blocks(q4, q8, q5, factors=blocks.factors))
+        if len(parts) == 1:
+            return parts[0]
+        return packing.SplitWeight(tuple(parts), tuple(b.shape[0] for b in runs))
 
     def split(self, name: str, module: LinearBase) -> packing.SplitWeight | None:
         """The layer's weight as runs of rows on their own blocks (segments_of), or None."""
@@ -284,6 +434,10 @@ class Packer:
     def finish(self) -> int:
         """Packs every layer not packed yet; logs the gguf layers left bf16; returns how many were
         packed in all."""
+        if self.sinks:
+            raise ValueError(
+                f"{len(self.sinks)} weight(s) loaded as blocks never loaded: {', '.join(self.sinks)}"
+            )
         for name, module in self.model.named_modules():
             if isinstance(module, LinearBase):
                 self.pack(name, module)
@@ -295,6 +449,15 @@ class Packer:
                 ", ".join(self.as_bf16[:4]) + (", ..." if len(self.as_bf16) > 4 else ""),
             )
         return self.count
+
+
+def _meta_like(weight: torch.Tensor) -> nn.Parameter:
+    """A parameter of `weight`'s shape that holds no bytes, with its loader (sharding.py's attributes)."""
+    meta = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+    for attr in ("weight_loader", "shard_ids"):
+        if hasattr(weight, attr):
+            setattr(meta, attr, getattr(weight, attr))
+    return meta
 
 
 def pack_model(
@@ -315,17 +478,24 @@ def pack_model(
 
 
 def loading_packer(
-    model: nn.Module, *, quantization: str | None, deterministic: bool, gguf_file: Path | None
+    model: nn.Module,
+    *,
+    quantization: str | None,
+    deterministic: bool,
+    gguf_file: Path | None,
+    config: dict[str, Any] | None = None,
 ) -> Packer | None:
     """A Packer to pack each layer while the checkpoint loads, where its layout needs nothing but
-    the weight and the file (not gguf recovered from a float32 load); None otherwise."""
+    the weight and the file (not gguf recovered from a float32 load); None otherwise. `config`: the
+    checkpoint's Hugging Face config (as a dict), with which the file was converted: without it no
+    layer is loaded as blocks alone."""
     if quantization == "gguf" and gguf_file is None:
         return None
     set_one_arithmetic(deterministic)
     if quantization != "gguf" or gguf_file is None:
         return Packer(model, quantization)
-    file = GgufFile(gguf_file)
-    return Packer(model, quantization, file_blocks(model, file), file_segments(model, file))
+    file = GgufFile(gguf_file, config)
+    return Packer(model, quantization, file_blocks(model, file), file_segments(model, file), file)
 
 
 def prepare_weights(

@@ -5,7 +5,9 @@ adaptive threads also apply the thread governor's count (decode_runner.py, threa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mem_cache.kv_memory import KVMemory
@@ -37,14 +39,18 @@ class CpuWing(DeviceWing):
     def check(self) -> None:
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
 
-    def on_weight_loaded(self, model: CausalLM) -> Callable[[str], None] | None:
+    def load_hooks(self, model: CausalLM) -> Packer | None:
+        gguf_file = gguf_source(self.config.model_dir)
         self.packer = loading_packer(
             model,
             quantization=self.config.quantization,
             deterministic=self.config.deterministic,
-            gguf_file=gguf_source(self.config.model_dir),
+            gguf_file=gguf_file,
+            config=json.loads((Path(self.config.model_dir) / "config.json").read_text())
+            if gguf_file
+            else None,
         )
-        return self.packer.loaded if self.packer is not None else None
+        return self.packer
 
     def prepare_weights(self, model: CausalLM, load_float32: Callable[[], CausalLM]) -> None:
         prepare_weights(

@@ -64,6 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     text. --quantization gguf runs it on the file's own Q8_0 values where it holds them so."""
 
     quantizable = False  # model_executor/cpu/weights.py, pack_model
+    loads_rows = False  # its rows past the vocabulary are padding
 
     def __init__(
         self,

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
-from model_executor.loader.gguf_header import GgufHeader
+from model_executor.loader.gguf_header import GgufHeader, TensorInfo
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,34 @@ class Blocks:
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None  # q4_1 and q4_k only
+    # A K-quant file's super-block factors, d and m per run being their products (exact): for q4_k
+    # (D, sc, M, mn), D and M float32 [n, k/256] (the file's d and -dmin), sc and mn uint8 [n, k/32]
+    # (six bits); for q6_k (D, sc), sc int8 [n, k/16]. None where not known (packing finds them).
+    factors: tuple[torch.Tensor, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.q.shape[0]), int(self.q.shape[1]))
 
-    def rows(self, index: torch.Tensor) -> Blocks:
-        """These blocks with their rows taken in `index`'s order."""
+    def rows(self, index: torch.Tensor | slice) -> Blocks:
+        """These blocks with their rows taken in `index`'s order (or a slice of them)."""
         m = None if self.m is None else self.m[index]
-        return Blocks(self.form, self.q[index], self.d[index], m)
+        factors = None if self.factors is None else tuple(f[index] for f in self.factors)
+        return Blocks(self.form, self.q[index], self.d[index], m, factors)
+
+    # A weight loader narrows blocks as it narrows a tensor (layers/sharding.py's TensorSource):
+    # rows anywhere, columns at a multiple of 32.
+
+    def narrow(self, dim: int, start: int, length: int) -> Blocks:
+        if dim % 2 == 0:
+            return self.rows(slice(start, start + length))
+        if start % 32 or length % 32:
+            raise ValueError(f"blocks narrow along k at multiples of 32, got {start} + {length}")
+        return _columns(self, start, length)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> Blocks:
+        assert dim == 0, "blocks take rows by index"
+        return self.rows(index)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 values, as gguf-py computes them."""
@@ -109,7 +130,13 @@ def _decode(kind: int, raw: torch.Tensor, n: int, k: int) -> Blocks | None:
             q = q | (fifth.reshape(b, 256) << 4)
         dsub = (d[:, None] * sc.float()).reshape(n, k // 32)  # exact: fp16 times six bits
         msub = -(dmin[:, None] * mn.float()).reshape(n, k // 32)
-        return Blocks("q4_k", q.reshape(n, k), dsub, msub)
+        factors = (
+            d.view(n, k // 256),
+            sc.reshape(n, k // 32),
+            -dmin.view(n, k // 256),
+            mn.reshape(n, k // 32),
+        )
+        return Blocks("q4_k", q.reshape(n, k), dsub, msub, factors)
     if kind == T.Q6_K:
         b = raw.shape[0]
         ql, qh = raw[:, 0:128].reshape(b, 2, 64), raw[:, 128:192].reshape(b, 2, 32)
@@ -120,7 +147,14 @@ def _decode(kind: int, raw: torch.Tensor, n: int, k: int) -> Blocks | None:
         )  # [b, half, 4, 32]
         high = (qh[:, :, None, :] >> (2 * _SHIFTS[:4])[None, None, :, None]) & 3
         q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, k)  # 0..63, so the view is exact
-        return Blocks("q6_k", q, (d[:, None] * scales).reshape(n, k // 16))
+        sc = raw[:, 192:208].contiguous().view(torch.int8)
+        return Blocks(
+            "q6_k",
+            q,
+            (d[:, None] * scales).reshape(n, k // 16),
+            None,
+            (d.view(n, k // 256), sc.reshape(n, k // 16)),
+        )
     return None
 
 
@@ -151,15 +185,105 @@ def join(parts: list[Blocks]) -> Blocks | None:
     if len(parts) == 1:
         return first
     m = None if first.m is None else torch.cat([p.m for p in parts if p.m is not None])
-    return Blocks(first.form, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+    factors = None
+    if all(p.factors is not None for p in parts):
+        factors = tuple(torch.cat(f) for f in zip(*(p.factors for p in parts if p.factors is not None)))
+    return Blocks(first.form, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, factors)
+
+
+FORMS = {  # ggml type -> the form _decode gives its blocks
+    int(gguf.GGMLQuantizationType.Q4_1): "q4_1",
+    int(gguf.GGMLQuantizationType.Q4_K): "q4_k",
+    int(gguf.GGMLQuantizationType.Q5_K): "q4_k",
+    int(gguf.GGMLQuantizationType.Q8_0): "q8",
+    int(gguf.GGMLQuantizationType.Q5_0): "q8",
+    int(gguf.GGMLQuantizationType.Q4_0): "q8",
+    int(gguf.GGMLQuantizationType.Q6_K): "q6_k",
+}
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """Rows of a file tensor as the file holds them, [rows, k / block values * block bytes] uint8,
+    decoded only when asked (`blocks`): a device may lay them out for its kernels straight from the
+    file's bytes. Narrowed like Blocks; along k at whole blocks, else decoded first."""
+
+    ggml_type: int
+    raw: torch.Tensor
+    k: int
+    block: tuple[int, int]  # (values, bytes) a block
+
+    @property
+    def form(self) -> str:
+        return FORMS[self.ggml_type]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.raw.shape[0]), self.k)
+
+    def blocks(self) -> Blocks:
+        blocks = _decode(self.ggml_type, self.raw.reshape(-1, self.block[1]), self.shape[0], self.k)
+        assert blocks is not None
+        return blocks
+
+    def narrow(self, dim: int, start: int, length: int) -> FileRows | Blocks:
+        if dim % 2 == 0:
+            return FileRows(self.ggml_type, self.raw[start : start + length], self.k, self.block)
+        values, size = self.block
+        if start % values or length % values:
+            return self.blocks().narrow(1, start, length)
+        raw = self.raw[:, start // values * size : (start + length) // values * size]
+        return FileRows(self.ggml_type, raw, length, self.block)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> FileRows:
+        assert dim == 0, "rows by index"
+        return FileRows(self.ggml_type, self.raw[index], self.k, self.block)
+
+
+def join_rows(parts: list[FileRows]) -> FileRows | None:
+    """The parts stacked row-wise where they are of one type and width, else None."""
+    first = parts[0]
+    if any(p.ggml_type != first.ggml_type or p.k != first.k for p in parts):
+        return None
+    return FileRows(first.ggml_type, torch.cat([p.raw for p in parts]), first.k, first.block)
+
+
+class BlockTensor:
+    """A file tensor as a weight loader's source (load_weights' NamedTensorSource) whose narrow
+    gives blocks, not values: the rows asked for decoded from the memory-mapped file, nothing else.
+    Row i is the file's row order[i] (the checkpoint's order, GgufFile.row_order), or row i."""
+
+    def __init__(self, name: str, file: GgufFile, order: np.ndarray | None = None) -> None:
+        self.name, self.file, self.order = name, file, order
+        tensor = file.tensor(name)
+        assert tensor is not None and tensor.tensor_type in FORMS, name
+        self.info = tensor
+        self.shape = (tensor.shape[1], tensor.shape[0])  # [n, k]: gguf lists k first
+        self.ggml_type = tensor.tensor_type  # the file's block type (gguf.GGMLQuantizationType)
+
+    @property
+    def form(self) -> str:
+        return FORMS[self.ggml_type]
+
+    def narrow(self, dim: int, start: int, length: int) -> FileRows | Blocks:
+        n, k = self.shape
+        if dim % 2 == 1:
+            return self.narrow(0, 0, n).narrow(1, start, length)
+        size, type_size = self.file.type_sizes[self.info.tensor_type]
+        raw = self.file.header.data(self.info).reshape(n, (k // size) * type_size)
+        rows = raw[start : start + length] if self.order is None else raw[self.order[start : start + length]]
+        return FileRows(self.ggml_type, torch.from_numpy(np.array(rows)), k, (size, type_size))
 
 
 class GgufFile:
     """A GGUF file's tensors by their Hugging Face names (gguf-py's name map for its architecture),
     its header read by gguf_header (gguf-py's reader parses every metadata array first)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, config: dict[str, Any] | None = None) -> None:
+        """config: the Hugging Face config the file was converted with (gguf_convert.py), for
+        `source`."""
         self.path = Path(path)
+        self.config = config
         self.type_sizes = {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()}  # (values, bytes) a block
         self.header = GgufHeader(self.path, self.type_sizes)
         arch_name = str(self.header.fields.get("general.architecture", ""))
@@ -168,21 +292,66 @@ class GgufFile:
         layers = self.header.fields.get(f"{arch_name}.block_count")
         self.names = gguf.get_tensor_name_map(arch, int(layers)) if arch is not None and layers else None
 
-    def blocks(self, hf_name: str) -> Blocks | None:
-        """The tensor behind `hf_name` (a weight's name, ".weight" included) as blocks, or None where
-        the file has no such tensor or holds it in a type without a block form here."""
+    def tensor(self, hf_name: str) -> TensorInfo | None:
+        """The 2-D tensor behind `hf_name` (a weight's name, ".weight" included) in a type of whole
+        blocks of 32 values or more, or None."""
         if self.names is None:
             return None
         name = self.names.get_name(hf_name, try_suffixes=(".weight",))
         tensor = self.header.tensors.get(name) if name is not None else None
         if tensor is None or len(tensor.shape) != 2:
             return None
-        k, n = tensor.shape  # gguf lists the fastest-moving dimension first
-        size, type_size = self.type_sizes.get(tensor.tensor_type, (0, 0))
-        if size < 32 or k % size:
+        size, _ = self.type_sizes.get(tensor.tensor_type, (0, 0))
+        return tensor if size >= 32 and tensor.shape[0] % size == 0 else None
+
+    def block_tensor(self, hf_name: str) -> BlockTensor | None:
+        """The tensor behind `hf_name` as a source of blocks in the file's row order, or None where it
+        has no block form."""
+        tensor = self.tensor(hf_name)
+        return BlockTensor(hf_name, self) if tensor is not None and tensor.tensor_type in FORMS else None
+
+    def source(self, hf_name: str) -> BlockTensor | None:
+        """The tensor behind `hf_name` as a source of blocks in the checkpoint's row order (row_order),
+        or None where it has no block form or its rows are not a reordering of the file's."""
+        tensor = self.tensor(hf_name)
+        if tensor is None or tensor.tensor_type not in FORMS:
             return None
-        raw = torch.from_numpy(self.header.data(tensor).reshape(-1, type_size).copy())  # the map is read-only
-        return _decode(tensor.tensor_type, raw, n, k)
+        order = self.row_order(tensor)
+        if order is None or order is False:
+            return None
+        return BlockTensor(hf_name, self, None if order is True else order)
+
+    def row_order(self, tensor: TensorInfo) -> np.ndarray | bool | None:
+        """Which file row each row of the converted checkpoint's tensor is: transformers' processor
+        for the architecture (the converter's, gguf_convert.py) run on the row numbers. True: the
+        file's order; None: not a reordering of rows (or no config to run it with)."""
+        if self.config is None:
+            return None
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        processor = TENSOR_PROCESSORS.get(self.arch, TensorProcessor)(config=self.config)
+        n = tensor.shape[1]
+        numbers = np.arange(n, dtype=np.float64)[:, None]
+        result = processor.process(
+            weights=numbers,
+            name=tensor.name,
+            tensor_key_mapping={},
+            parsed_parameters={"config": self.config, "tensors": {}},
+        )
+        order = np.asarray(result.weights)
+        if order.shape != (n, 1) or not np.array_equal(np.sort(order[:, 0]), numbers[:, 0]):
+            return None
+        order = order[:, 0].astype(np.int64)
+        return True if np.array_equal(order, np.arange(n)) else order
+
+    def blocks(self, hf_name: str) -> Blocks | None:
+        """The tensor behind `hf_name` as blocks in the file's row order, or None where the file has
+        no such tensor or holds it in a type without a block form here."""
+        source = self.block_tensor(hf_name)
+        if source is None:
+            return None
+        rows = source.narrow(0, 0, source.shape[0])
+        return rows.blocks() if isinstance(rows, FileRows) else rows
 
 
 def _row_keys(values: torch.Tensor) -> list[bytes]:
@@ -196,7 +365,13 @@ def _columns(blocks: Blocks, start: int, width: int) -> Blocks:
     per = 16 if blocks.form == "q6_k" else 32
     d = blocks.d[:, start // per : (start + width) // per]
     m = None if blocks.m is None else blocks.m[:, start // 32 : (start + width) // 32]
-    return Blocks(blocks.form, blocks.q[:, start : start + width], d, m)
+    factors = None
+    if blocks.factors is not None and start % 256 == 0 and width % 256 == 0:  # whole super-blocks
+        factors = tuple(
+            f[:, start * f.shape[1] // blocks.shape[1] : (start + width) * f.shape[1] // blocks.shape[1]]
+            for f in blocks.factors
+        )
+    return Blocks(blocks.form, blocks.q[:, start : start + width], d, m, factors)
 
 
 def blocks_of_weight(weight: torch.Tensor, whole: Blocks, samples: int = 16) -> Blocks | None:

@@ -7,7 +7,7 @@ unless the model says to skip it; otherwise a ValueError lists the names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -73,15 +73,32 @@ class PermutedRows:
         return picked if dim == 0 else picked.narrow(dim, start, length)
 
 
+class LoadHooks:
+    """What a device wing does while the checkpoint loads; each default does nothing."""
+
+    def source(self, tensor: NamedTensorSource) -> NamedTensorSource:
+        """What to read for a checkpoint tensor (the CPU wing: a GGUF file's blocks in place of
+        their dequantized values, for a weight that runs on them)."""
+        return tensor
+
+    def sink(self, param_name: str) -> Any | None:
+        """What the parameter's weight loader copies each shard into in place of the parameter (it
+        takes `narrow(0, start, length)` and `copy_`), or None: the parameter."""
+        return None
+
+    def loaded(self, param_name: str) -> None:
+        """Every shard of the parameter is in (its sink's or the parameter)."""
+
+
 def load_weights(
     model: nn.Module,
     checkpoint: Iterable[NamedTensorSource],
     *,
     progress: bool = False,
-    on_loaded: Callable[[str], None] | None = None,
+    hooks: LoadHooks | None = None,
 ) -> None:
-    """Loads every checkpoint tensor into its parameter; `on_loaded` is called with a parameter's
-    name once all its shards are in."""
+    """Loads every checkpoint tensor into its parameter, or the sink `hooks` gives for it; tells
+    `hooks` when each parameter is in."""
     params = dict(model.named_parameters())
     shards = {name: set(getattr(param, "shard_ids", ()) or (None,)) for name, param in params.items()}
     loaded: dict[str, set[Any]] = {}
@@ -90,7 +107,8 @@ def load_weights(
     rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
     split = getattr(model, "split_checkpoint_tensor", lambda tensor: [tensor])
     items = tqdm(checkpoint, desc="Loading weights", unit="tensor", disable=not progress)
-    for tensor in (part for whole in items for part in split(whole)):
+    source = hooks.source if hooks is not None else (lambda tensor: tensor)
+    for tensor in (part for whole in items for part in split(source(whole))):
         if skip(tensor.name):
             continue
         target, shard_id = _target(model, rename(tensor.name))
@@ -99,21 +117,23 @@ def load_weights(
             unused.append(tensor.name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
+        sink = hooks.sink(target) if hooks is not None else None
+        into = param if sink is None else sink
         try:
             if shard_id is None:
-                loader(param, tensor)
+                loader(into, tensor)
             else:
-                loader(param, tensor, shard_id)
+                loader(into, tensor, shard_id)
         except ValueError as e:
             raise ValueError(
                 f"shape mismatch: checkpoint tensor {tensor.name!r} of shape {tuple(tensor.shape)} "
                 f"does not fit parameter {target!r} of shape {tuple(param.shape)} on this rank: {e}"
             ) from e
         loaded.setdefault(target, set()).add(shard_id)
-        if on_loaded is not None and loaded[target] == shards[target]:
-            del param
-            on_loaded(target)
-            # on_loaded may have replaced the parameter (the CPU wing frees a weight it packed): hold
+        if hooks is not None and loaded[target] == shards[target]:
+            del param, into, sink
+            hooks.loaded(target)
+            # the hook may have replaced the parameter (the CPU wing frees a weight it packed): hold
             # the one the model has now, so the bytes of the old one go at once
             params[target] = model.get_parameter(target)
 

@@ -48,6 +48,7 @@ SOURCES = tuple(
         "cpu_q8_linear.c",
         "cpu_prefill_attention.c",
         "cpu_moe.c",
+        "gguf_repack.c",
     )
 )
 HEADERS = (

@@ -184,18 +184,27 @@ def _int_factors(v: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, to
     return None if todo.numel() else (s, i)
 
 
-def q4ks_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+def q4ks_pack(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None
+) -> torch.Tensor | None:
     """Q4_K blocks (float32 d and m per run of 32) -> srt_q4ks_linear's order, or None where they
     are not a file's super-blocks (k % 256, or some eight runs' d or m without six-bit factors,
     _int_factors). Per 16 outputs and 256 k, 2432 bytes: the 16 outputs' fp32 D, then their
     fp32 M, then for each run of 32 k the 16 six-bit sc (uint8), the 16 mn, and q4_pack's 256 bytes
     of nibbles; the run's d is D sc and its m M mn, both exact (the same products as the file's).
-    0.59 bytes a weight against q4_pack's 0.75; viewed as [n/16, k/32, 304]. n % 16 == 0."""
+    0.59 bytes a weight against q4_pack's 0.75; viewed as [n/16, k/32, 304]. n % 16 == 0. `factors`: the file's (D, sc, M, mn) where known
+    (loader/gguf_blocks.py), found otherwise."""
     n, k = q.shape
     if k % 256:
         return None
     supers = k // 256
-    d_factors, m_factors = (_int_factors(v.reshape(n * supers, 8), 0, 63) for v in (d, m))
+    d_factors: tuple[torch.Tensor, torch.Tensor] | None
+    m_factors: tuple[torch.Tensor, torch.Tensor] | None
+    if factors is not None:
+        d_factors = (factors[0].reshape(n * supers, 1), factors[1].reshape(n * supers, 8))
+        m_factors = (factors[2].reshape(n * supers, 1), factors[3].reshape(n * supers, 8))
+    else:
+        d_factors, m_factors = (_int_factors(v.reshape(n * supers, 8), 0, 63) for v in (d, m))
     if d_factors is None or m_factors is None:
         return None
     (big_d, sc), (big_m, mn) = d_factors, m_factors
@@ -360,7 +369,9 @@ def q8_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 Q6KS_BLOCK_BYTES = 424  # cpu_q8_linear.c's srt_q6ks_linear: Q6_K with int8 scales, 3392 bytes a 256 k
 
 
-def q6ks_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
+def q6ks_pack(
+    q: torch.Tensor, d: torch.Tensor, factors: tuple[torch.Tensor, ...] | None = None
+) -> torch.Tensor | None:
     """Q6_K blocks (q6k_recover's: q in -32..31, D float32 per run of 16) -> srt_q6ks_linear's
     order, or None where they are not a file's super-blocks (k % 256, or some 16 runs' D without an
     fp32 and int8 factors, _int_factors) or this CPU has no such kernel. Per 16 outputs and 256 k,
@@ -369,15 +380,22 @@ def q6ks_pack(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
     bytes L[4j + i] = q[j][4c + i] + 32 (six bits) would: 32 bytes L[b] & 15 | (L[b + 32] & 15) << 4,
     then 16 bytes of the top two bits, L[b] >> 4 | L[b + 16] >> 4 << 2 | L[b + 32] >> 4 << 4 |
     L[b + 48] >> 4 << 6. A run's D is D sc, exact. 0.83 bytes a weight against q8_pack's 1.25;
-    viewed as [n/16, k/32, 424]. n % 16 == 0."""
+    viewed as [n/16, k/32, 424]. n % 16 == 0. `factors`: the file's (D, sc) where known
+    (loader/gguf_blocks.py), found otherwise."""
     n, k = q.shape
-    if k % 256 or not build.q6ks_available() or int(q.min()) < -32 or int(q.max()) > 31:  # Q8_0 parts widened
+    if k % 256 or not build.q6ks_available():
         return None
     supers = k // 256
-    factors = _int_factors(d.reshape(n * supers, 16), -128, 127)
-    if factors is None:
+    found: tuple[torch.Tensor, torch.Tensor] | None
+    if factors is not None:  # a file's Q6_K: q in -32..31
+        found = (factors[0].reshape(n * supers, 1), factors[1].reshape(n * supers, 16))
+    elif int(q.min()) < -32 or int(q.max()) > 31:  # Q8_0 parts widened
         return None
-    big_d, sc = factors
+    else:
+        found = _int_factors(d.reshape(n * supers, 16), -128, 127)
+    if found is None:
+        return None
+    big_d, sc = found
     head = (
         big_d.view(n // 16, 16, supers).permute(0, 2, 1).contiguous().view(torch.uint8)
     )  # [n/16, supers, 64]
@@ -406,6 +424,36 @@ class Q8Weight:
 
 
 GgufWeight = Q4Weight | Q4KWeight | Q5KWeight | Q8Weight
+
+_Q4_K, _Q6_K = 12, 14  # ggml's type numbers (gguf.GGMLQuantizationType)
+
+
+def file_rows_pack(ggml_type: int, raw: torch.Tensor, n: int, k: int) -> GgufWeight | None:
+    """A file's Q4_K or Q6_K super-blocks (raw [n, k / 256 * bytes a block] uint8, as the file holds
+    them) in q4ks_pack's or q6ks_pack's layout, laid out in C straight from the file's bytes
+    (gguf_repack.c): a Q4KWeight or a Q8Weight for every row count (srt_gguf_linear). None where
+    the type is another, the kernels or srt_gguf_linear do not run here, or n % 16 or k % 256."""
+    lib = build.kernels()
+    if lib is None or not build.gguf_linear_available() or n % 16 or k % 256:
+        return None
+    if ggml_type == _Q4_K and build.q4k_available():
+        out, fn, size = (
+            torch.empty(n // 16, k // 32, Q4KS_BLOCK_BYTES, dtype=torch.uint8),
+            lib.srt_pack_q4k_file,
+            144,
+        )
+    elif ggml_type == _Q6_K and build.q6ks_available():
+        out, fn, size = (
+            torch.empty(n // 16, k // 32, Q6KS_BLOCK_BYTES, dtype=torch.uint8),
+            lib.srt_pack_q6k_file,
+            210,
+        )
+    else:
+        return None
+    raw = raw.contiguous()
+    assert raw.dtype == torch.uint8 and tuple(raw.shape) == (n, k // 256 * size), (raw.dtype, raw.shape)
+    fn(raw.data_ptr(), n, k, out.data_ptr())
+    return Q4KWeight(out, None) if ggml_type == _Q4_K else Q8Weight(out, None)
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,11 @@ int64_t srt_q8_linear_available(void);
 void srt_q8_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
 /* the same on GGUF Q6_K blocks (q8_pack's layout with fp32 scales, one per 16 k; runs where srt_q8_linear does) */
 void srt_q6k_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
+/* a GGUF file's Q4_K and Q6_K super-blocks (n rows of k / 256) in q4ks_pack's and q6ks_pack's layouts
+ * (gguf_repack.c) */
+void srt_pack_q4k_file(const uint8_t *raw, int64_t n, int64_t k, uint8_t *out);
+void srt_pack_q6k_file(const uint8_t *raw, int64_t n, int64_t k, uint8_t *out);
+
 /* the same on GGUF Q6_K blocks with their int8 scales (packing.q6ks_pack's layout; AVX-512 VNNI) */
 int64_t srt_q6ks_linear_available(void);
 void srt_q6ks_linear(const bf16 *x, int64_t m, const uint8_t *packed, float *out, int64_t n, int64_t k);
