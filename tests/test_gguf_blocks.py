@@ -324,6 +324,7 @@ def test_file_super_blocks_lay_out_in_c_as_packing_does() -> None:
         assert torch.equal(laid.packed, with_factors), kinds[info.tensor_type]
         xs = (x * torch.randn(1, k, generator=torch.Generator().manual_seed(2))).bfloat16()
         assert torch.equal(
-            ops.gguf_linear(xs, laid.packed, None, torch.float32), ops.gguf_linear(xs, found, None, torch.float32)
+            ops.gguf_linear(xs, laid.packed, None, torch.float32),
+            ops.gguf_linear(xs, found, None, torch.float32),
         )
     assert done == set(kinds)
