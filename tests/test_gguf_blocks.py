@@ -328,3 +328,25 @@ def test_file_super_blocks_lay_out_in_c_as_packing_does() -> None:
             ops.gguf_linear(xs, found, None, torch.float32),
         )
     assert done == set(kinds)
+
+
+def test_a_block_sink_takes_a_loaders_rows_and_pads_with_zeros() -> None:
+    """A BlockSink stands in for a parameter as the loaders use one: rows placed by narrow and by a
+    slice, in any order; rows past the last shard (a padded vocabulary's) are zero blocks; a gap or
+    an overlap is refused by name."""
+    from model_executor.cpu.weights import BlockSink
+    from model_executor.loader.gguf_blocks import FileRows
+
+    g = torch.Generator().manual_seed(5)
+    rows = FileRows(8, torch.randint(0, 256, (40, 8 * 34), dtype=torch.uint8, generator=g), 256, (32, 34))
+    sink = BlockSink("head.weight", (48, 256))
+    sink[24:40].copy_(rows.narrow(0, 24, 16))
+    sink.narrow(0, 0, 24).copy_(rows.narrow(0, 0, 24))
+    (run,) = sink.runs()
+    assert isinstance(run, FileRows) and run.shape == (48, 256)
+    assert torch.equal(run.raw[:40], rows.raw)
+    assert not run.raw[40:].any() and not run.narrow(0, 40, 8).blocks().dequantize().any()
+    gap = BlockSink("gap.weight", (48, 256))
+    gap[16:32].copy_(rows.narrow(0, 0, 16))
+    with pytest.raises(ValueError, match="gap.weight"):
+        gap.runs()

@@ -23,6 +23,7 @@ import ctypes.util
 import functools
 import logging
 import os
+from typing import Any
 
 logger = logging.getLogger("srt.cpu_memory")
 
@@ -68,14 +69,23 @@ def release_freed_memory() -> bool:
     where the weights read as loaded and replaced by their packed forms were freed into a heap that
     keep_freed_memory never trims, so that they count as available when the KV budget is sized.
     False where libc has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any | None:
+    """libc's malloc_trim, looked up once (find_library runs ldconfig)."""
     name = ctypes.util.find_library("c")
     try:
         trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
+    return trim
 
 
 def bound_onednn_caches() -> dict[str, str]:

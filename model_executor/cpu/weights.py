@@ -208,8 +208,9 @@ def recovered_blocks(float32_model: nn.Module) -> Callable[[str, LinearBase], Ke
 
 class BlockSink:
     """Where a weight loader copies the blocks of a weight that runs on them (load_weights' sink,
-    standing in for the parameter): each shard's blocks at its rows, packed once all are in. No
-    value of the weight is ever decoded to a dense tensor."""
+    standing in for the parameter: a loader narrows or slices its rows and copies into them): each
+    shard's blocks at its rows, packed once all are in; rows past the last shard are zeros, as the
+    padding of a vocabulary or a router. No value of the weight is decoded to a dense tensor."""
 
     def __init__(self, name: str, shape: tuple[int, ...]) -> None:
         self.name, self.shape = name, tuple(shape)
@@ -218,6 +219,11 @@ class BlockSink:
     def narrow(self, dim: int, start: int, length: int) -> _SinkRows:
         assert dim == 0, "a weight loader places a shard at rows of the parameter"
         return _SinkRows(self, start, length)
+
+    def __getitem__(self, rows: slice) -> _SinkRows:
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1, "a weight loader places a shard at a run of rows"
+        return _SinkRows(self, start, stop - start)
 
     def copy_(self, blocks: object) -> None:
         self.put(0, blocks)
@@ -234,10 +240,20 @@ class BlockSink:
         qkv's runs of rows on two families (file_segments). A run of one file type stays the file's
         bytes (FileRows), the others are decoded and joined."""
         shards = sorted(self.shards, key=lambda shard: shard[0])
-        if [start for start, _ in shards] != list(
-            itertools.accumulate((b.shape[0] for _, b in shards[:-1]), initial=0)
-        ) or sum(b.shape[0] for _, b in shards) != self.shape[0]:
-            raise ValueError(f"{self.name}: the loaded shards do not cover its {self.shape[0]} rows once")
+        loaded = sum(b.shape[0] for _, b in shards)
+        if (
+            not shards
+            or [start for start, _ in shards]
+            != list(itertools.accumulate((b.shape[0] for _, b in shards[:-1]), initial=0))
+            or loaded > self.shape[0]
+        ):
+            raise ValueError(f"{self.name}: the loaded shards do not cover its first rows once")
+        if loaded < self.shape[0]:  # padding: zero blocks (a zero scale) of the last shard's type
+            last = shards[-1][1]
+            if not isinstance(last, FileRows):
+                raise ValueError(f"{self.name}: padding rows after decoded blocks")
+            zeros = torch.zeros(self.shape[0] - loaded, last.raw.shape[1], dtype=torch.uint8)
+            shards.append((loaded, FileRows(last.ggml_type, zeros, last.k, last.block)))
         runs: list[list[FileRows | FileBlocks]] = []
         for _, blocks in shards:
             if runs and _family(runs[-1][0].form) == _family(blocks.form):
@@ -328,7 +344,7 @@ class Packer(LoadHooks):
             weight = module.weight
             if not isinstance(weight, torch.Tensor) or id(weight) in self.shared:
                 continue
-            if not module.loads_rows or not packing.bf16_packable(weight):
+            if not packing.bf16_packable(weight):
                 continue
             prefix, _, leaf = name.rpartition(".")
             merged = [ckpt for ckpt, (param, _) in mapping.items() if param == leaf] or [leaf]
@@ -374,6 +390,8 @@ class Packer(LoadHooks):
         if sink is not None:
             module.linear_method = PackedLinearMethod(self.pack_sink(sink, quantizable))
             self.count += 1
+            del sink
+            release_freed_memory()  # the file's rows read for it: the heap keep_freed_memory never trims
             return
         if self.quantization == "gguf" and self.blocks_of is not None:
             q4, q5, q8 = self.blocks_of(name, module)

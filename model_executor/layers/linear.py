@@ -19,10 +19,6 @@ class LinearBase(nn.Module):
     """A layer that multiplies by its `weight` through its linear method: UNQUANTIZED until a
     device's wing sets another after loading (layers/linear_method.py)."""
 
-    # Its weight loader only narrows the checkpoint tensor and copies that into rows of the weight, so
-    # an object taking narrow(0, ..) and copy_ may stand in for the weight (load_weights' sink).
-    loads_rows = True
-
     def __init__(self) -> None:
         super().__init__()
         self.linear_method: LinearMethod = UNQUANTIZED

@@ -38,7 +38,6 @@ class ReplicatedLinear(LinearBase):
     router)."""
 
     quantizable = False
-    loads_rows = False  # its rows past output_size are padding
     ROWS = 32  # the packed bf16 kernel's multiple of output features (cpu/kernels/packing.py)
 
     def __init__(self, input_size: int, output_size: int, *, params_dtype: torch.dtype) -> None:

@@ -16,6 +16,8 @@ from model_executor.layers.sharding import TensorSource, check_shape, set_weight
 
 
 class VocabParallelEmbedding(nn.Module):
+    LOAD_ROWS = 8192  # rows read at a time: a 151k x 1536 float32 vocabulary is 0.9 GB at once
+
     def __init__(
         self,
         vocab_size: int,
@@ -42,10 +44,13 @@ class VocabParallelEmbedding(nn.Module):
                 f"shape mismatch for embedding: model expects ({self.vocab_size}, {param.shape[1]}), "
                 f"checkpoint has {tuple(loaded.shape)}"
             )
-        shard = loaded.narrow(0, self.start, self.end - self.start)
-        check_shape(param[: self.end - self.start], tuple(shard.shape))
+        rows = self.end - self.start
         with torch.no_grad():
-            param[: self.end - self.start].copy_(shard)
+            for first in range(0, rows, self.LOAD_ROWS):  # a float32 checkpoint's vocabulary is big
+                length = min(self.LOAD_ROWS, rows - first)
+                shard = loaded.narrow(0, self.start + first, length)
+                check_shape(param[first : first + length], tuple(shard.shape))
+                param[first : first + length].copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
@@ -64,7 +69,6 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     text. --quantization gguf runs it on the file's own Q8_0 values where it holds them so."""
 
     quantizable = False  # model_executor/cpu/weights.py, pack_model
-    loads_rows = False  # its rows past the vocabulary are padding
 
     def __init__(
         self,

@@ -270,9 +270,15 @@ class BlockTensor:
         if dim % 2 == 1:
             return self.narrow(0, 0, n).narrow(1, start, length)
         size, type_size = self.file.type_sizes[self.info.tensor_type]
-        raw = self.file.header.data(self.info).reshape(n, (k // size) * type_size)
-        rows = raw[start : start + length] if self.order is None else raw[self.order[start : start + length]]
-        return FileRows(self.ggml_type, torch.from_numpy(np.array(rows)), k, (size, type_size))
+        row_bytes = (k // size) * type_size
+        wanted = (
+            np.arange(start, start + length) if self.order is None else self.order[start : start + length]
+        )
+        first = int(wanted.min()) if length else 0
+        span = int(wanted.max()) - first + 1 if length else 0  # the rows between the first and last asked
+        raw = self.file.header.read(self.info, first * row_bytes, span * row_bytes).reshape(span, row_bytes)
+        rows = raw if self.order is None else raw[wanted - first]
+        return FileRows(self.ggml_type, torch.from_numpy(rows), k, (size, type_size))
 
 
 class GgufFile:

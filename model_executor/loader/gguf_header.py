@@ -118,3 +118,14 @@ class GgufHeader:
 
     def data(self, info: TensorInfo) -> np.ndarray:
         return np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+
+    def read(self, info: TensorInfo, start: int, n_bytes: int) -> np.ndarray:
+        """Bytes start .. start + n_bytes of a tensor, read into memory of their own (the map's pages
+        would stay resident in this process, file-backed, as long as the map is open)."""
+        with open(self.path, "rb", buffering=0) as f:
+            out = np.empty(n_bytes, dtype=np.uint8)
+            f.seek(info.offset + start)
+            got = f.readinto(out.data)
+        if got != n_bytes:
+            raise ValueError(f"{self.path}: tensor {info.name} ends before its {info.n_bytes} bytes")
+        return out

@@ -44,6 +44,7 @@ enum { Q4K_SUPER = 144, Q4KS_SUPER = 2432, Q6K_SUPER = 210, Q6KS_SUPER = 3392 };
  * byte 32 c + 2 j + b = q[j][4c + b] | q[j][4c + 2 + b] << 4. */
 void srt_pack_q4k_file(const uint8_t *raw, int64_t n, int64_t k, uint8_t *out) {
     const int64_t supers = k / 256;
+#pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 16; g++) {
         for (int64_t s = 0; s < supers; s++) {
             uint8_t *o = out + (g * supers + s) * Q4KS_SUPER;
@@ -80,6 +81,7 @@ void srt_pack_q4k_file(const uint8_t *raw, int64_t n, int64_t k, uint8_t *out) {
  * L[b + 32] >> 4 << 4 | L[b + 48] >> 4 << 6. */
 void srt_pack_q6k_file(const uint8_t *raw, int64_t n, int64_t k, uint8_t *out) {
     const int64_t supers = k / 256;
+#pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < n / 16; g++) {
         for (int64_t s = 0; s < supers; s++) {
             uint8_t *o = out + (g * supers + s) * Q6KS_SUPER;
