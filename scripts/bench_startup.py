@@ -5,7 +5,10 @@ with the resident memory of every process of its tree sampled every 0.1 s until 
 
     python scripts/bench_startup.py --starts 10 -- --model-path FILE.gguf --quantization gguf
 
-Run it with a warm cache (a GGUF file converted once before) to time what every later start costs.
+With `--llama-gguf FILE`, llama.cpp's server (llama_peer.py) starts on that file as often, each start
+after one of srt's, timed and sampled alike, one slot of --llama-context tokens (srt's own KV
+budget is what its flags make it). Run it with a warm cache (a GGUF file converted once before) to
+time what every later start costs.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import psutil
 import requests
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from llama_peer import llama_command  # noqa: E402
+
 from srt.utils import free_port  # noqa: E402
 
 
@@ -43,8 +49,15 @@ def tree_rss(root: psutil.Process) -> int:
 
 
 def one_start(flags: list[str], timeout: float, settle: float) -> Start:
+    """One start of srt's server with `flags`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "srt.launch_server", "--port", str(port), *flags]
+    return timed_start(
+        [sys.executable, "-m", "srt.launch_server", "--port", str(port), *flags], port, timeout, settle
+    )
+
+
+def timed_start(cmd: list[str], port: int, timeout: float, settle: float) -> Start:
+    """One start of the server `cmd` runs, ready when its /health on `port` answers 200."""
     began = time.monotonic()
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     root = psutil.Process(server.pid)
@@ -71,10 +84,11 @@ def one_start(flags: list[str], timeout: float, settle: float) -> Start:
             server.wait()
 
 
-def summary(starts: list[Start]) -> str:
+def summary(starts: list[Start], who: str = "srt") -> str:
     ready = [s.ready_s for s in starts if s.ready_s is not None]
     lines = [
-        f"{'start':>5} | {'ready (s)':>9} | {'peak RSS, all processes (MB)':>28} | {'RSS when ready (MB)':>19}"
+        who,
+        f"{'start':>5} | {'ready (s)':>9} | {'peak RSS, all processes (MB)':>28} | {'RSS when ready (MB)':>19}",
     ]
     for i, s in enumerate(starts, 1):
         shown = f"{s.ready_s:.1f}" if s.ready_s is not None else f"failed ({s.exit_code})"
@@ -92,10 +106,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
     parser.add_argument("--settle", type=float, default=5.0, help="seconds sampled after ready")
+    parser.add_argument("--llama-gguf", default=None, help="also start llama.cpp's server on this file")
+    parser.add_argument(
+        "--llama-server", default=None, help="llama.cpp server command; default: llama-server"
+    )
+    parser.add_argument("--llama-threads", type=int, default=psutil.cpu_count() or 1)
+    parser.add_argument("--llama-context", type=int, default=4096, help="llama.cpp's context (one slot)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="launch_server's flags, after --")
     args = parser.parse_args(argv)
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    print(summary([one_start(flags, args.timeout, args.settle) for _ in range(args.starts)]))
+    srt, llama = [], []
+    for _ in range(args.starts):  # alternating: each side meets the machine as the other left it
+        srt.append(one_start(flags, args.timeout, args.settle))
+        if args.llama_gguf is not None:
+            port = free_port()
+            command = llama_command(args.llama_server) + [
+                *("-m", args.llama_gguf, "--host", "127.0.0.1", "--port", str(port)),
+                *("-t", str(args.llama_threads), "-c", str(args.llama_context), "-np", "1"),
+            ]
+            llama.append(timed_start(command, port, args.timeout, args.settle))
+    print(summary(srt))
+    if llama:
+        print(summary(llama, "llama.cpp"))
 
 
 if __name__ == "__main__":
