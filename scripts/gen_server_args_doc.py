@@ -1,8 +1,8 @@
 """Write docs/server_args.md, the flag reference, from the flags launch_server parses.
 
 The parser is built as launch_server builds it (`srt.cli_args.add_cli_args`); each flag's default,
-values and help text come from its argparse action, its topic from `CLI_FLAGS` in
-srt/cli_args.py, and where argparse has no help text, the table's note stands in.
+values and help text (every flag has one) come from its argparse action, its topic from `CLI_FLAGS`
+in srt/cli_args.py.
 
     python scripts/gen_server_args_doc.py           # write docs/server_args.md
     python scripts/gen_server_args_doc.py --check   # exit 1 if the page differs from what this writes
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from srt.cli_args import CLI_FLAGS, Flag, add_cli_args  # noqa: E402
+from srt.cli_args import CLI_FLAGS, add_cli_args  # noqa: E402
 from srt.server_args import ENV_DEFAULTS  # noqa: E402
 
 DOC = ROOT / "docs" / "server_args.md"
@@ -62,10 +62,9 @@ def _values(action: argparse.Action) -> str:
     return {int: "integer", float: "number"}.get(action.type, "text")  # type: ignore[call-overload]
 
 
-def _row(action: argparse.Action, flag: Flag) -> str:
+def _row(action: argparse.Action) -> str:
     names = ", ".join(f"`{name}`" for name in action.option_strings)
-    text = action.help or flag.note
-    return f"| {names} | {_cell(_default(action))} | {_values(action)} | {_cell(text)} |"
+    return f"| {names} | {_cell(_default(action))} | {_values(action)} | {_cell(action.help or '')} |"
 
 
 def render() -> str:
@@ -76,7 +75,7 @@ def render() -> str:
     parts = [HEADER, "Topics: " + ", ".join(f"[{g.title}](#{anchor(g.title)})" for g in CLI_FLAGS) + ".\n"]
     for group in CLI_FLAGS:
         pages = " and ".join(f"[{page}]({page})" for page in group.pages)
-        rows = [_row(actions[flag.names[0]], flag) for flag in group.flags]
+        rows = [_row(actions[flag.names[0]]) for flag in group.flags]
         parts.append(
             f"## {group.title}\n\nMore in {pages}.\n\n"
             "| flag | default | values | what it does |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"

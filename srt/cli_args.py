@@ -1,6 +1,7 @@
 """The launch_server command line: one table of flags grouped by topic (CLI_FLAGS), the parser built
-from it, and ServerArgs parsed from argv. The flag reference (docs/server_args.md) is generated
-from the same table by scripts/gen_server_args_doc.py."""
+from it, and ServerArgs parsed from argv. Every flag has a help text; `--help` adds its default
+where it has one, and a flag whose default is None says in its help what None means. The flag
+reference (docs/server_args.md) is generated from the same table by scripts/gen_server_args_doc.py."""
 
 from __future__ import annotations
 
@@ -31,10 +32,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flag.names, **flag.options)
 
 
-def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="launch_server", description="srt inference server")
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, less its "(default: None)" and "(default: False)":
+    a switch is off unless given, and a flag whose default is None says what None means itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return help_text
+        if "%(default)" in help_text:
+            return help_text
+        return help_text + " (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """launch_server's parser: what `--help` prints and what parse_server_args parses."""
+    parser = argparse.ArgumentParser(
+        prog="launch_server", description="srt inference server", formatter_class=DefaultsHelpFormatter
+    )
     add_cli_args(parser)
-    ns = vars(parser.parse_args(argv))
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = vars(build_parser().parse_args(argv))
     ns = {k: v for k, v in ns.items() if v is not None or k in ("model_path",)}
     if ns.get("cpu_kvcache_space") is not None and ns.get("device") != "cpu":
         raise ValueError(
@@ -48,12 +69,11 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
 
 @dataclass(frozen=True)
 class Flag:
-    """One launch_server flag: argparse's names and keyword arguments, and `note`, the flag
-    reference's line (docs/server_args.md) where argparse has no help text."""
+    """One launch_server flag: argparse's names and keyword arguments (`help` among them: the line
+    `--help` and docs/server_args.md print)."""
 
     names: tuple[str, ...]
     options: dict[str, Any]
-    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -63,8 +83,8 @@ class FlagGroup:
     flags: tuple[Flag, ...]
 
 
-def _flag(*names: str, note: str = "", **options: Any) -> Flag:
-    return Flag(names, options, note)
+def _flag(*names: str, **options: Any) -> Flag:
+    return Flag(names, options)
 
 
 def _default(name: str) -> Any:
@@ -80,26 +100,32 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--model-path",
                 "--model",
                 default=None,
-                help="HF safetensors directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+                help="the path of the model weights: a Hugging Face safetensors directory or a .gguf file "
+                "(default: the bundled SmolLM2-135M-Instruct)",
             ),
-            _flag("--tokenizer-path", default=None, help="defaults to --model-path"),
+            _flag(
+                "--tokenizer-path",
+                default=None,
+                help="the path of the tokenizer (default: --model-path)",
+            ),
             _flag(
                 "--dtype",
                 default=_default("dtype"),
                 choices=DTYPES,
-                note="auto is bfloat16; --quantization needs auto or bfloat16",
+                help="the data type of the model weights and activations: auto is bfloat16, and --quantization "
+                "needs auto or bfloat16",
             ),
             _flag(
                 "--device",
                 default=_default("device"),
                 choices=DEVICES,
-                note="cpu runs srt's C kernels where they apply; cuda runs the torch-native attention",
+                help="the device to use: cpu runs srt's C kernels where they apply, cuda runs on one GPU per rank",
             ),
             _flag(
                 "--quantization",
                 default=None,
                 choices=QUANTIZATIONS,
-                help="w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) "
+                help="the quantization method (default: none, the weights run in --dtype). w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) "
                 "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF model's own Q4_1 layers (AVX-512 BF16) for "
                 "decode batches of up to 12 rows and its Q8_0 LM head (if it has one; AVX-512 VNNI or AVX2) up to "
                 "8 (a bf16 copy for more rows, and for layers of other types); CPU only",
@@ -113,13 +139,13 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
             _flag(
                 "--host",
                 default=_default("host"),
-                note="the address the HTTP server listens on (0.0.0.0: every interface)",
+                help="the host of the HTTP server: the address it listens on, 0.0.0.0 for every interface",
             ),
             _flag(
                 "--port",
                 type=int,
                 default=_default("port"),
-                note="the HTTP port (with --dp-size > 1, the router's)",
+                help="the port of the HTTP server (with --dp-size > 1, the router's)",
             ),
         ),
     ),
@@ -133,7 +159,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 dest="tp_size",
                 type=int,
                 default=1,
-                note="tensor-parallel ranks (SmolLM2 has 9 attention heads: 1, 3 or 9)",
+                help="the tensor parallelism size: ranks that split each layer (SmolLM2 has 9 attention heads: 1, 3 or 9)",
             ),
             _flag(
                 "--pp-size",
@@ -141,7 +167,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 dest="pp_size",
                 type=int,
                 default=1,
-                note="pipeline stages, each a contiguous range of layers (SRT_PP_LAYER_PARTITION=16,14 "
+                help="the pipeline parallelism size: stages, each a contiguous range of layers (SRT_PP_LAYER_PARTITION=16,14 "
                 "overrides the split); T x P ranks with --tp-size T",
             ),
             _flag(
@@ -150,14 +176,14 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 dest="dp_size",
                 type=int,
                 default=1,
-                help="independent replicas of the TP x PP group on this node, the cores divided between them, "
+                help="the data parallelism size: independent replicas of the TP x PP group on this node, the cores divided between them, "
                 "behind SGLang's router on --port (needs the router extra: pip install -e '.[router]')",
             ),
             _flag(
                 "--router-policy",
                 default=_default("router_policy"),
                 choices=ROUTER_POLICIES,
-                help="sglang-router's policy with --dp-size > 1",
+                help="the policy by which sglang-router picks a replica with --dp-size > 1",
             ),
             _flag(
                 "--pp-micro-batches",
@@ -188,16 +214,26 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--nnodes",
                 type=int,
                 default=1,
-                note="machines the TP x PP ranks span, an equal share on each; node 0 serves HTTP",
+                help="the number of nodes (machines) the TP x PP ranks span, an equal share on each; node 0 serves HTTP",
             ),
-            _flag("--node-rank", type=int, default=0, note="this machine's index, 0 to --nnodes - 1"),
-            _flag("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous, or env:// "),
+            _flag(
+                "--node-rank",
+                type=int,
+                default=0,
+                help="the node rank: this machine's index, 0 to --nnodes - 1",
+            ),
+            _flag(
+                "--dist-init-addr",
+                default=None,
+                help="HOST:PORT of node 0's rendezvous for the distributed backend, or env:// (default: none; "
+                "needed with --nnodes > 1)",
+            ),
             _flag(
                 "--dist-timeout",
                 type=float,
                 default=_default("dist_timeout"),
-                note="seconds the nodes wait for each other at the rendezvous (an unreachable address fails "
-                "after it)",
+                help="timeout in seconds for the distributed initialization: how long the nodes wait for each other "
+                "at the rendezvous (an unreachable address fails after it)",
             ),
         ),
     ),
@@ -218,7 +254,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 type=int,
                 nargs="+",
                 default=None,
-                help="the decode batch sizes to capture, instead of those of --cuda-graph-max-bs; --device cuda only",
+                help="the decode batch sizes to capture (default: those of --cuda-graph-max-bs); --device cuda only",
             ),
             _flag(
                 "--disable-cuda-graph",
@@ -235,20 +271,22 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--mem-fraction-static",
                 type=float,
                 default=None,
-                help="fraction of the device's memory for weights and KV (default 0.8 on CUDA); on CPU, given "
+                help="the fraction of the device's memory for static allocation, weights and KV cache (default: 0.8 on "
+                "CUDA); on CPU, given "
                 "alone, sizes the KV cache by host RAM instead of --cpu-kvcache-space",
             ),
             _flag(
                 "--max-total-tokens",
                 type=int,
                 default=None,
-                help="KV cache size in tokens; on CPU, given alone, replaces --cpu-kvcache-space",
+                help="the KV cache size in tokens (default: what --mem-fraction-static leaves on CUDA, "
+                "--cpu-kvcache-space on CPU); on CPU, given alone, replaces --cpu-kvcache-space",
             ),
             _flag(
                 "--cpu-kvcache-space",
                 type=float,
                 default=None,
-                help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default 4, "
+                help="GiB of KV cache on --device cpu, for this server's ranks on the host together (default: 4, "
                 "or VLLM_CPU_KVCACHE_SPACE; never more than --max-running-requests x context length)",
             ),
             _flag(
@@ -280,26 +318,32 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--max-running-requests",
                 type=int,
                 default=_default("max_running_requests"),
-                note="requests in the running batch at once (the request slots)",
+                help="the maximum number of running requests: those in the running batch at once (the request slots)",
             ),
             _flag(
                 "--max-prefill-tokens",
                 type=int,
                 default=_default("max_prefill_tokens"),
-                note="new prompt tokens in one step, all requests together",
+                help="the maximum number of new prompt tokens in a prefill step, all requests together",
             ),
             _flag(
                 "--chunked-prefill-size",
                 type=int,
                 default=_default("chunked_prefill_size"),
-                note="new prompt tokens of one request in one step; a longer prompt is prefilled in chunks",
+                help="the maximum number of new prompt tokens of one request in a step; a longer prompt is "
+                "prefilled in chunks",
             ),
-            _flag("--page-size", type=int, default=_default("page_size"), note="tokens per KV cache page"),
+            _flag(
+                "--page-size",
+                type=int,
+                default=_default("page_size"),
+                help="the number of tokens in a KV cache page",
+            ),
             _flag(
                 "--schedule-policy",
                 default=_default("schedule_policy"),
                 choices=SCHEDULE_POLICIES,
-                note="fcfs: arrival order; lpm: longest cached prefix first",
+                help="the scheduling policy of the waiting requests: fcfs, arrival order; lpm, longest cached prefix first",
             ),
             _flag(
                 "--enable-priority-scheduling",
@@ -329,7 +373,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
             _flag(
                 "--disable-radix-cache",
                 action="store_true",
-                note="no prefix cache: every prompt is prefilled whole",
+                help="disable the radix (prefix) cache: every prompt is prefilled whole",
             ),
         ),
     ),
@@ -341,31 +385,32 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--random-seed",
                 type=int,
                 default=_default("random_seed"),
-                note="with the request's order, gives the seed of each request that sets none",
+                help="the random seed: with the requests' order, it gives the seed of each request that sets none",
             ),
             _flag(
                 "--context-length",
                 type=int,
                 default=None,
-                note="the longest prompt plus output (default and most: the model's max_position_embeddings)",
+                help="the model's maximum context length, prompt plus output (default and most: the model's "
+                "max_position_embeddings)",
             ),
             _flag(
                 "--served-model-name",
                 default=None,
-                note="the model's name in the OpenAI routes (default: --model-path as given, else "
+                help="the model name the OpenAI routes return (default: --model-path as given, else "
                 "SmolLM2-135M-Instruct)",
             ),
             _flag(
                 "--log-level",
                 default=_default("log_level"),
                 choices=LOG_LEVELS,
-                note="the lowest level of log line printed",
+                help="the logging level: the lowest level of log line printed",
             ),
             _flag(
                 "--stream-interval",
                 type=int,
                 default=_default("stream_interval"),
-                note="a stream sends a chunk every this many new tokens",
+                help="the streaming interval in tokens: a stream sends a chunk every this many new tokens",
             ),
             _flag(
                 "--incremental-streaming-output",
@@ -383,13 +428,14 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--attention-backend",
                 default=_default("attention_backend"),
                 choices=ATTENTION_BACKENDS,
-                note="auto: cpu_kernels on the CPU; on CUDA flashinfer where it imports, else triton, else torch_native",
+                help="the kernels for attention layers (auto: cpu_kernels on the CPU; on CUDA flashinfer where it "
+                "imports, else triton, else torch_native)",
             ),
             _flag(
                 "--grammar-backend",
                 default=_default("grammar_backend"),
                 choices=GRAMMAR_BACKENDS,
-                help="compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
+                help="the backend for grammar-guided decoding: compiles the json_schema, regex, ebnf and structural_tag sampling params (none: refuse them)",
             ),
             _flag(
                 "--chat-template",
@@ -408,7 +454,8 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--reasoning-parser",
                 default=None,
                 choices=REASONING_PARSERS,
-                help="the model's <think> format: chat replies carry it as reasoning_content, apart from content",
+                help="the parser for reasoning models' <think> format: chat replies carry it as reasoning_content, "
+                "apart from content (default: none, the reasoning stays in content)",
             ),
             _flag(
                 "--constrained-json-disable-any-whitespace",
@@ -419,7 +466,8 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--constrained-json-max-whitespace-cnt",
                 type=int,
                 default=None,
-                help="at most this many consecutive whitespace characters in JSON-constrained outputs",
+                help="at most this many consecutive whitespace characters in JSON-constrained outputs (default: "
+                "unbounded)",
             ),
         ),
     ),
@@ -431,34 +479,35 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--watchdog-timeout",
                 type=float,
                 default=_default("watchdog_timeout"),
-                note="seconds without a forward step while work is pending before a rank logs its stacks and "
-                "exits (code 75), which takes the server down",
+                help="the watchdog timeout: seconds without a forward step while work is pending before a rank "
+                "logs its stacks and exits (code 75), which takes the server down",
             ),
             _flag(
                 "--soft-watchdog-timeout",
                 type=float,
                 default=None,
-                note="seconds without a forward step while work is pending before a rank logs its stacks and "
-                "goes on serving",
+                help="the soft watchdog timeout: seconds without a forward step while work is pending before a "
+                "rank logs its stacks and goes on serving (default: off)",
             ),
             _flag(
                 "--sync-token-ids-across-tp",
                 action="store_true",
                 default=None,
-                note="TP ranks MIN-all-reduce every step's sampled ids (constrained requests' always)",
+                help="TP ranks MIN-all-reduce every step's sampled ids (constrained requests' always; default: "
+                "off, or SYNC_TOKEN_IDS_ACROSS_TP)",
             ),
             _flag(
                 "--enable-rank-consensus-checker",
                 action="store_true",
                 default=None,
-                note="each rank digests its decisions; a thread compares them every second, names the first "
-                "divergence and exits 70",
+                help="each rank digests its decisions; a thread compares them every second, names the first "
+                "divergence and exits 70 (default: off, or SRT_ENABLE_RANK_CONSENSUS_CHECKER)",
             ),
             _flag(
                 "--shutdown-timeout",
                 type=float,
                 default=_default("shutdown_timeout"),
-                note="seconds a SIGTERM lets the requests in flight finish before they get 503",
+                help="seconds a SIGTERM lets the requests in flight finish before they get 503",
             ),
         ),
     ),
@@ -471,7 +520,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--decode-log-interval",
                 type=int,
                 default=_default("decode_log_interval"),
-                help="log a decode stats line every this many decode steps",
+                help="the decode log interval: log a decode stats line every this many decode steps",
             ),
         ),
     ),
@@ -507,7 +556,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
             _flag(
                 "--speculative-algorithm",
                 default=None,
-                help="NGRAM: each decode step checks drafts taken from the request's own prompt and output "
+                help="the speculative algorithm (default: none, plain decoding). NGRAM: each decode step checks drafts taken from the request's own prompt and output "
                 "where its last tokens occurred before; STANDALONE: drafts decoded by a small model with the same "
                 "tokenizer (--speculative-draft-model-path). The tokens are those of plain decoding (SGLang's "
                 "other algorithms are refused by name)",
@@ -515,40 +564,41 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
             _flag(
                 "--speculative-draft-model-path",
                 default=None,
-                help="STANDALONE's draft model: a directory or GGUF file as --model-path takes, run whole on "
-                "every rank",
+                help="the path of STANDALONE's draft model weights: a directory or GGUF file as --model-path "
+                "takes, run whole on every rank (default: none; STANDALONE needs it)",
             ),
             _flag(
                 "--speculative-num-steps",
                 type=int,
                 default=None,
-                help="STANDALONE: drafts decoded per step at most (--speculative-num-draft-tokens - 1)",
+                help="STANDALONE: drafts decoded per step at most (default: --speculative-num-draft-tokens - 1)",
             ),
             _flag(
                 "--speculative-eagle-topk",
                 type=int,
                 default=None,
-                help="drafts branch per step: 1 only (one chain per request)",
+                help="draft tokens branched per step: 1 only, one chain per request (default: 1)",
             ),
             _flag(
                 "--speculative-num-draft-tokens",
                 type=int,
                 default=None,
                 help="rows a verify step feeds per request and in all: a request's last token and up to this many - 1 "
-                "drafts (default --speculative-num-steps + 1, else 4 on CPU, 12 on CUDA)",
+                "drafts (default: --speculative-num-steps + 1, else 4 on CPU, 12 on CUDA)",
             ),
             _flag(
                 "--speculative-ngram-max-trie-depth",
                 type=int,
                 default=None,
-                help="the longest run of a request's last tokens matched against its earlier tokens (default 18)",
+                help="the max trie depth: the longest run of a request's last tokens matched against its earlier "
+                "tokens (default: 18)",
             ),
             *(
                 _flag(
                     "--" + name.replace("_", "-"),
                     type=type(default) if default is not None else str,
                     default=None,
-                    note=f"SGLang's; accepted at its default ({default}) only: {why}",
+                    help=f"SGLang's; accepted at its default ({default}) only: {why}",
                 )
                 for name, default, why in SPECULATIVE_FIXED
             ),
@@ -562,18 +612,20 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--api-key",
                 default=None,
                 help="every route but /health*, /ready* and /metrics needs 'Authorization: Bearer <key>' "
-                "(or SRT_API_KEY)",
+                "(default: none, no key; or SRT_API_KEY)",
             ),
             _flag(
                 "--admin-api-key",
                 default=None,
-                help="admin routes (/flush_cache) need this key instead of --api-key (or SRT_ADMIN_API_KEY)",
+                help="admin routes (/flush_cache) need this key instead of --api-key (default: none, --api-key "
+                "guards them too; or SRT_ADMIN_API_KEY)",
             ),
             _flag(
                 "--max-queued-requests",
                 type=int,
                 default=None,
-                help="a request that finds this many waiting gets 503 with Retry-After at once",
+                help="the maximum number of queued requests: a request that finds this many waiting gets 503 with "
+                "Retry-After at once (default: no limit)",
             ),
             _flag(
                 "--max-request-bytes",

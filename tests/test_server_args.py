@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from srt.cli_args import parse_server_args
+from srt.cli_args import build_parser, parse_server_args
 from srt.server_args import ServerArgs
 
 
@@ -118,3 +123,38 @@ def test_cpu_threads_flag_and_sglang_binding(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1|2-3")
     with pytest.raises(ValueError, match="SGLANG_CPU_OMP_THREADS_BIND pins the ranks of one replica"):
         parse_server_args(["--dp-size", "2"])
+
+
+def test_every_flag_has_help_and_a_flag_without_a_default_says_what_none_means() -> None:
+    flags = [action for action in build_parser()._actions if action.option_strings and action.dest != "help"]
+    assert len(flags) > 60
+    no_help = [action.option_strings[0] for action in flags if not (action.help or "").strip()]
+    assert not no_help, f"flags without a help text: {no_help}"
+    unexplained = [
+        action.option_strings[0]
+        for action in flags
+        if action.default is None and "default" not in action.help
+    ]
+    assert not unexplained, (
+        f"flags whose default is None and whose help does not say what None means: {unexplained}"
+    )
+
+
+def test_help_shows_the_defaults() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "srt.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert shown.returncode == 0, shown.stderr
+    entries = {
+        match.group(1): " ".join(match.group(2).split())
+        for match in re.finditer(r"^  (--[\w-]+)(.*?)(?=^  -|\Z)", shown.stdout, flags=re.S | re.M)
+    }
+    assert entries["--port"].endswith(
+        "the port of the HTTP server (with --dp-size > 1, the router's) (default: 30000)"
+    )
+    assert entries["--schedule-policy"].endswith("(default: fcfs)")
+    assert "(default: None)" not in shown.stdout and "(default: False)" not in shown.stdout
