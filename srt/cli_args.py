@@ -465,9 +465,10 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
             _flag(
                 "--constrained-json-max-whitespace-cnt",
                 type=int,
-                default=None,
-                help="at most this many consecutive whitespace characters in JSON-constrained outputs (default: "
-                "unbounded)",
+                default=12,
+                help="at most this many consecutive whitespace characters in JSON-constrained outputs: bounded, "
+                "so that a model that keeps emitting newlines between tokens still closes a bounded schema "
+                "(SGLang leaves it unbounded; a large value comes close)",
             ),
         ),
     ),

@@ -172,7 +172,9 @@ class ServerArgs:
     tool_call_parser: str | None = None  # "qwen25" | "llama3" | "generic"; None: from the chat template
     reasoning_parser: str | None = None  # "deepseek-r1" | "qwen3" | "qwen3-thinking": chat splits off <think>
     constrained_json_disable_any_whitespace: bool = False  # JSON outputs compact (SGLang's flag)
-    constrained_json_max_whitespace_cnt: int | None = None  # at most this many whitespace chars in a row
+    # at most this many whitespace characters in a row in a JSON-constrained output (None: unbounded, as
+    # SGLang's default; bounded here so that a schema bounded in size always closes)
+    constrained_json_max_whitespace_cnt: int | None = 12
     watchdog_timeout: float = 300.0
     soft_watchdog_timeout: float | None = None
     sync_token_ids_across_tp: bool = field(

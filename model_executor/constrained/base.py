@@ -32,7 +32,7 @@ class JsonOptions:
     """How JSON-schema grammars treat whitespace (SGLang's --constrained-json-* flags)."""
 
     any_whitespace: bool = True  # False: the compact form only
-    max_whitespace_cnt: int | None = None  # consecutive whitespace characters allowed; None: unbounded
+    max_whitespace_cnt: int | None = 12  # consecutive whitespace characters allowed (--constrained-json-*)
 
     @classmethod
     def of(cls, server_args: Any) -> JsonOptions:
