@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.generate_parse import RequestError
-from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
+from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
 from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl
 
 if TYPE_CHECKING:
@@ -125,8 +125,9 @@ def _block_type(block: Any, where: str) -> str:
     return kind
 
 
-def _user_turns(content: Any, i: int) -> list[dict[str, Any]]:
-    """A user message: its tool_result blocks as `tool` turns, then its text as a user turn."""
+def _user_turns(content: Any, i: int, called: set[str]) -> list[dict[str, Any]]:
+    """A user message: its tool_result blocks as `tool` turns, then its text as a user turn. Each
+    tool_result answers a tool_use of an earlier turn (one of `called`), as Anthropic requires."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
@@ -138,19 +139,27 @@ def _user_turns(content: Any, i: int) -> list[dict[str, Any]]:
         kind = _block_type(block, where)
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+        elif kind == "tool_result":
+            _check_answers(block.get("tool_use_id"), f"{where}.tool_use_id", called)
             result = _text_of(block.get("content") or "", f"{where}.content")
             if block.get("is_error"):
                 result = f"Error: {result}"
             turns.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         else:
             raise RequestError(
-                f"{where}: a user turn holds text blocks (with text) and tool_result blocks (with tool_use_id)",
+                f"{where}: a user turn holds text blocks (with text) and tool_result blocks",
                 "messages",
             )
     if texts or not turns:
         turns.append({"role": "user", "content": "".join(texts)})
     return turns
+
+
+def _check_answers(tool_use_id: Any, where: str, called: set[str]) -> None:
+    if not isinstance(tool_use_id, str):
+        raise RequestError(f"{where} is required: the id of the tool_use block it answers", where)
+    if tool_use_id not in called:
+        raise RequestError(f"{where} {tool_use_id!r} answers no tool_use block of an earlier message", where)
 
 
 def _assistant_turn(content: Any, i: int) -> dict[str, Any]:
@@ -194,18 +203,20 @@ def _conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
+    called: set[str] = set()  # the ids of the tool_use blocks so far
     if body.get("system") is not None:
         out.append({"role": "system", "content": _text_of(body["system"], "system")})
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role == "user":
-            out.extend(_user_turns(message.get("content"), i))
+            out.extend(_user_turns(message.get("content"), i, called))
         elif role == "assistant":
             out.append(_assistant_turn(message.get("content"), i))
+            called.update(call["id"] for call in out[-1].get("tool_calls") or [])
         else:
             raise RequestError(
                 f"messages[{i}].role must be user or assistant (the system prompt is `system`), got {role!r}",
-                "messages",
+                f"messages[{i}].role",
             )
     return out
 
@@ -224,13 +235,15 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
                 raise RequestError(
                     f"tools[{i}]: Anthropic's server tool {kind} is not supported by srt", "tools"
                 )
-            if (
-                not isinstance(tool, dict)
-                or kind not in (None, "custom")
-                or not isinstance(tool.get("input_schema"), dict)
-            ):
+            if not isinstance(tool, dict) or kind not in (None, "custom"):
                 raise RequestError(
                     f"tools[{i}] must be a custom tool with a name and an input_schema", "tools"
+                )
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise RequestError(f"tools[{i}].name is required (a string)", f"tools[{i}].name")
+            if not isinstance(tool.get("input_schema"), dict):
+                raise RequestError(
+                    f"tools[{i}].input_schema is required (a JSON schema object)", f"tools[{i}].input_schema"
                 )
             function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
             if tool.get("description") is not None:
@@ -331,7 +344,10 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise RequestError(f"top_k: must be an integer of 0 or more (got {top_k!r})", "top_k")
         chat["top_k"] = top_k if top_k > 0 else -1  # 0: no top-k cut, as -1 is here
-    call = parse_chat(tm, chat)
+    try:
+        call = parse_chat(tm, chat)
+    except RequestError as error:
+        raise tool_paths_renamed(error, "input_schema") from None
     renamed = {gen: ANTHROPIC_NAMES.get(name, name) for gen, name in call.renamed.items()}
     return AnthropicCall(call, stops, {**ANTHROPIC_NAMES, **renamed})
 
@@ -339,7 +355,10 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
 def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
     """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
     _check(body, COUNT_TOKENS)
-    return len(chat_prompt(tm, chat_body(body)).input_ids)
+    try:
+        return len(chat_prompt(tm, chat_body(body)).input_ids)
+    except RequestError as error:
+        raise tool_paths_renamed(error, "input_schema") from None
 
 
 def tool_input(arguments: str) -> Any:

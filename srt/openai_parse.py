@@ -4,6 +4,7 @@ parameters raise RequestError naming the OpenAI parameter. srt/vocabulary.py lis
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ _PASSED_THROUGH = (
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
+_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")  # OpenAI's content parts
 # apply_chat_template arguments srt sets itself: chat_template_kwargs may not override them
 _TEMPLATE_ARGS = {
     "conversation",
@@ -331,28 +334,45 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     )
 
 
+def _content_parts(parts: list[Any], i: int) -> str:
+    """A message's content parts joined: text parts (and an assistant's refusal parts), each part
+    checked as OpenAI checks it; RequestError naming the part's field."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise RequestError(f"{where}.type is required (a string)", f"{where}.type")
+        if kind not in _PART_TYPES:
+            raise RequestError(
+                f"{where}.type must be one of {', '.join(_PART_TYPES)}, got {kind!r}", f"{where}.type"
+            )
+        if kind not in ("text", "refusal"):
+            raise RequestError(f"{where}: {kind} parts are not supported (srt serves text models)", where)
+        if not isinstance(part.get(kind), str):
+            raise RequestError(f"{where}.{kind} must be a string", f"{where}.{kind}")
+        texts.append(part[kind])
+    return "".join(texts)
+
+
 def _message_text(message: Any, i: int) -> dict[str, Any]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
+    if not isinstance(message, dict):
+        raise RequestError(f"messages[{i}] must be an object with a role", f"messages[{i}]")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise RequestError(
+            f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", f"messages[{i}].role"
+        )
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text is supported
-        if not all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-        content = "".join(p["text"] for p in content)
+        content = _content_parts(content, i)
     if content is None:
-        if (
-            message["role"] != "assistant"
-        ):  # an assistant turn may carry only tool calls; no other may be empty
-            raise RequestError(
-                f"messages[{i}].content is required for a {message['role']} message", "messages"
-            )
+        if role != "assistant":  # an assistant turn may carry only tool calls; no other may be empty
+            raise RequestError(f"messages[{i}].content is required for a {role} message", "messages")
         content = ""
     if not isinstance(content, str):
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    out: dict[str, Any] = {"role": message["role"], "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
     for key in ("name", "tool_call_id"):  # a tool's result names its call
         if isinstance(message.get(key), str):
             out[key] = message[key]
@@ -367,6 +387,37 @@ def _message_text(message: Any, i: int) -> dict[str, Any]:
             for c in calls
         ]
     return out
+
+
+def _check_tool_results(conversation: list[dict[str, Any]]) -> None:
+    """Each tool message answers a call of an earlier assistant message, by its tool_call_id (as
+    OpenAI requires); RequestError naming messages[i].tool_call_id."""
+    called: set[str] = set()
+    for i, message in enumerate(conversation):
+        called.update(c.get("id") for c in message.get("tool_calls") or [] if isinstance(c.get("id"), str))
+        if message["role"] != "tool":
+            continue
+        where = f"messages[{i}].tool_call_id"
+        call_id = message.get("tool_call_id")
+        if call_id is None:
+            raise RequestError(
+                f"{where} is required for a tool message (the id of the call it answers)", where
+            )
+        if call_id not in called:
+            raise RequestError(
+                f"{where} {call_id!r} answers no tool call of an earlier assistant message", where
+            )
+
+
+def tool_paths_renamed(error: RequestError, parameters: str) -> RequestError:
+    """A chat tools error (`tools[i].function.name` ...) in the words of an API whose tools are flat
+    (`tools[i].name`, `tools[i].<parameters>`), its param the field's path there."""
+    found = re.search(r"tools\[(\d+)\]\.function\.(\w+)", str(error))
+    if found is None:
+        return error
+    field = parameters if found[2] == "parameters" else found[2]
+    path = f"tools[{found[1]}].{field}"
+    return RequestError(str(error).replace(found[0], path), path)
 
 
 def _json_or_text(arguments: Any) -> Any:
@@ -421,6 +472,7 @@ def chat_prompt(tm: TokenizerManager, body: dict[str, Any]) -> ChatPrompt:
             "messages",
         )
     conversation = [_message_text(m, i) for i, m in enumerate(messages)]
+    _check_tool_results(conversation)
     options = _template_options(body, conversation)
     prepared = chat_tools(tm.tokenizer, tm.server_args.tool_call_parser, body, conversation)
     if prepared.template_tools is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from srt.generate_parse import RequestError
-from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
+from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
 from srt.vocabulary import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
 
 if TYPE_CHECKING:
@@ -159,28 +159,39 @@ def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _turns(items: list[dict[str, Any]], stored: int) -> list[dict[str, Any]]:
     """The chat turns of the items (the first `stored` from the store, checked when they were
-    stored): a function_call joins the assistant turn just before it."""
+    stored): a function_call joins the assistant turn just before it, a function_call_output
+    answers a function_call before it (as OpenAI requires)."""
     turns: list[dict[str, Any]] = []
+    called: set[str] = set()
     for i, item in enumerate(items, start=-stored):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
             if role is None:
                 raise RequestError(
                     f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
-                    "input",
+                    f"{where}.role",
                 )
             turns.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = _call(item, where)
+            called.add(call["id"])
             if turns and turns[-1]["role"] == "assistant":
                 turns[-1].setdefault("tool_calls", []).append(call)
             else:
                 turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise RequestError(f"{where}: a function_call_output item needs its call_id", "input")
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise RequestError(
+                    f"{where}.call_id is required: the call_id of the function_call it answers",
+                    f"{where}.call_id",
+                )
+            if call_id not in called:
+                raise RequestError(
+                    f"{where}.call_id {call_id!r} answers no function_call item before it", f"{where}.call_id"
+                )
             output = _text(item.get("output"), f"{where}.output")
             turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind != "reasoning":
@@ -317,6 +328,7 @@ def _chat_body(
 
 def _in_responses_words(error: RequestError) -> RequestError:
     """parse_chat's error names the chat's field: name the client's."""
+    error = tool_paths_renamed(error, "parameters")
     param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
     message = str(error)
     if param and param not in message:

@@ -3,7 +3,8 @@ official `anthropic` client: a reply equals the chat completion of the same conv
 in Anthropic's event order to the same text, stops on a stop sequence, counts its tokens, forces a
 tool call that parses back as a `tool_use` block and completes the round trip with a `tool_result`,
 ends a forced turn (a named tool: one `tool_use`; `any`: no call repeated) with `tool_use`;
-bad fields are 400s in Anthropic's shape naming them, and the API key passes as `x-api-key`. The
+bad fields and invalid conversations (a role, a tool_result that answers no tool_use, a tool without
+a name) are 400s in Anthropic's shape naming them, and the API key passes as `x-api-key`. The
 thinking blocks of `--reasoning-parser` are checked on made-up outputs (a random model does not
 think, and the Messages API has no regex to make it)."""
 
@@ -22,7 +23,8 @@ from chat_outputs import THINKING, WEATHER, made_up_outputs
 from server_fixture import Server
 
 from srt.anthropic_api import message, stream_events
-from srt.anthropic_parse import AnthropicCall
+from srt.anthropic_parse import AnthropicCall, chat_body
+from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
 
@@ -193,6 +195,60 @@ def test_bad_fields_are_400s_naming_them(server: Server, client: anthropic.Anthr
     )
     assert missing.status_code == 400 and "max_tokens" in missing.json()["error"]["message"]
     assert create(client, max_tokens=2).usage.output_tokens == 2  # and the server goes on serving
+
+
+USE: Any = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+USED: Any = [*ASK, {"role": "assistant", "content": [USE]}]
+RESULT: Any = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Rain, 9 C"}
+# (messages, tools) Anthropic refuses, and the field its 400 names
+INVALID_CONVERSATIONS: list[tuple[Any, Any, str]] = [
+    ([*ASK, {"role": "user", "content": [RESULT]}], None, "messages[1].content[0].tool_use_id"),  # no call
+    (
+        [
+            *USED,
+            {"role": "user", "content": [{"type": "text", "text": "so?"}, {**RESULT, "tool_use_id": "x"}]},
+        ],
+        None,
+        "messages[2].content[1].tool_use_id",
+    ),
+    (
+        [*USED, {"role": "user", "content": [{**RESULT, "tool_use_id": None}]}],
+        None,
+        "messages[2].content[0].tool_use_id",
+    ),
+    (
+        [{"role": "user", "content": [RESULT]}, *USED[1:]],
+        None,
+        "messages[0].content[0].tool_use_id",
+    ),  # too early
+    ([{"role": "wizard", "content": "Abracadabra"}], None, "messages[0].role"),
+    ([*ASK, {"role": "system", "content": "Be brief."}], None, "messages[1].role"),
+    (ASK, [{"description": "no name", "input_schema": WEATHER}], "tools[0].name"),
+    (ASK, [*TOOLS, {"name": "", "input_schema": WEATHER}], "tools[1].name"),
+    (ASK, [{"name": "get weather", "input_schema": WEATHER}], "tools[0].name"),  # refused by the chat's check
+]
+
+
+def test_invalid_conversations_are_refused_naming_the_field() -> None:
+    """Roles, tool results and tool names as Anthropic checks them, under Anthropic's paths."""
+    for messages, tools, path in INVALID_CONVERSATIONS[:-1]:
+        with pytest.raises(RequestError) as info:
+            chat_body({"messages": messages, "tools": tools})
+        assert info.value.param == path and path in str(info.value), (messages, tools, str(info.value))
+    turns = chat_body({"messages": [*USED, {"role": "user", "content": [RESULT]}], "tools": TOOLS})[
+        "messages"
+    ]
+    assert turns[-1] == {"role": "tool", "tool_call_id": "toolu_1", "content": "Rain, 9 C"}
+
+
+def test_invalid_conversations_get_anthropics_400_and_the_server_keeps_serving(
+    client: anthropic.Anthropic,
+) -> None:
+    for messages, tools, path in INVALID_CONVERSATIONS:
+        message = refusal(client, messages=messages, **({"tools": tools} if tools else {}))
+        assert message.startswith(path) and "function" not in message, message
+    turns = [*USED, {"role": "user", "content": [RESULT]}]
+    assert create(client, turns, tools=TOOLS, max_tokens=2).usage.output_tokens == 2
 
 
 def test_the_api_key_passes_as_x_api_key(server: Server) -> None:

@@ -1,12 +1,14 @@
 """The OpenAI-compatible routes, driven by the official `openai` client against one real SmolLM2
 server: the answers equal /generate's for the same greedy request, streamed deltas add up to the
 non-streamed answer, usage adds up, logprobs equal /generate's (streamed too), n > 1 returns n
-seeded choices, and bad or unsupported parameters get a 400 naming them."""
+seeded choices, and bad or unsupported parameters get a 400 naming them, as do invalid
+conversations (a role, a tool result that answers no call, a content part type) by the field's path."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -14,6 +16,9 @@ import pytest
 import requests
 from server_fixture import Server
 from transformers import AutoTokenizer
+
+from srt.generate_parse import RequestError
+from srt.openai_parse import chat_prompt
 
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -207,6 +212,56 @@ def test_bad_completion_input_gets_a_400_and_the_server_keeps_serving(client: op
         .message.content
     )
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].text
+
+
+CALL: Any = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+CALLED: list[Any] = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+ANSWER: Any = {"role": "tool", "tool_call_id": "call_1", "content": "Rain, 9 C"}
+TEXT_PART: Any = {"type": "text", "text": "Hello"}
+# conversations OpenAI refuses, and the field its 400 names
+INVALID_CONVERSATIONS: list[tuple[list[Any], str]] = [
+    ([MESSAGES[0], {"role": "wizard", "content": "Abracadabra"}], "messages[1].role"),
+    ([{"content": "Hi"}], "messages[0].role"),
+    ([{"role": ["user"], "content": "Hi"}], "messages[0].role"),
+    ([{**CALLED[2], "tool_calls": [{**CALL, "id": ["call_1"]}]}, ANSWER], "messages[1].tool_call_id"),
+    ([*MESSAGES, {"role": "tool", "content": "Rain, 9 C"}], "messages[2].tool_call_id"),  # no id
+    ([*MESSAGES, ANSWER], "messages[2].tool_call_id"),  # no call before it
+    ([*CALLED, {**ANSWER, "tool_call_id": "call_2"}], "messages[3].tool_call_id"),  # not that call's id
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "x"}, *CALLED], "messages[0].tool_call_id"),
+    (
+        [{"role": "user", "content": [TEXT_PART, {"type": "video", "video": "v"}]}],
+        "messages[0].content[1].type",
+    ),
+    ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    (
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+        "messages[0].content[0]",
+    ),
+]
+
+
+def test_invalid_conversations_are_refused_naming_the_field(tokenizer: Any) -> None:
+    """Roles, tool results and content parts as OpenAI checks them, on the chat parser alone."""
+    tm: Any = SimpleNamespace(tokenizer=tokenizer, server_args=SimpleNamespace(tool_call_parser=None))
+    for messages, param in INVALID_CONVERSATIONS:
+        with pytest.raises(RequestError) as info:
+            chat_prompt(tm, {"messages": messages})
+        assert info.value.param == param and param in str(info.value), (messages, str(info.value))
+    # the valid forms still render: a tool loop, each role, text parts and an assistant's refusal
+    developer = {"role": "developer", "content": [TEXT_PART, TEXT_PART]}
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+    assert chat_prompt(tm, {"messages": [*CALLED, ANSWER, developer, refusal, MESSAGES[1]]}).input_ids
+
+
+def test_invalid_conversations_get_openais_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    for messages, param in INVALID_CONVERSATIONS:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+        body = info.value.body
+        assert isinstance(body, dict) and (body["param"], body["type"]) == (param, "invalid_request_error")
+        assert param in body["message"]
+    assert client.chat.completions.create(model="m", messages=[*CALLED, ANSWER], max_tokens=2).choices
 
 
 def direct_ids(server: Server) -> list[int]:

@@ -5,8 +5,9 @@ call that parses back as a `function_call` item and completes the round trip wit
 `function_call_output` (sent explicitly or through previous_response_id), ends a forced turn (a
 named function: one call; `required`: no call repeated) as `completed`, and so does the chat
 completion on the same server with `tool_calls`, follows a JSON schema;
-stored responses are read and deleted, the oldest evicted first; bad fields are 400s in OpenAI's
-shape naming them. Reasoning items are checked on made-up outputs (a random model does not think)."""
+stored responses are read and deleted, the oldest evicted first; bad fields and invalid inputs (a
+role, a function_call_output that answers no call) are 400s in OpenAI's shape naming them.
+Reasoning items are checked on made-up outputs (a random model does not think)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import asyncio
 import inspect
 import json
 from collections.abc import AsyncGenerator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -23,11 +26,13 @@ from chat_outputs import THINKING, WEATHER, made_up_outputs
 from openai.resources.responses import Responses
 from openai.resources.responses.input_tokens import InputTokens
 from server_fixture import Server
+from transformers import AutoTokenizer
 
+from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
 from srt.responses_api import response, stream_events
-from srt.responses_parse import INPUT_TOKENS, RESPONSES, ResponsesCall, echo_settings
+from srt.responses_parse import INPUT_TOKENS, RESPONSES, ResponsesCall, count_input_tokens, echo_settings
 from srt.responses_store import ResponseStore
 
 TOOLS: Any = [
@@ -289,6 +294,48 @@ def test_bad_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     assert create(client, max_output_tokens=2).usage.output_tokens == 2  # and the server goes on serving
     sglang = {"top_k": 1, "repetition_penalty": 1.0, "request_id": "r-responses-1"}
     assert create(client, max_output_tokens=2, extra_body=sglang).usage.output_tokens == 2
+
+
+FUNCTION_CALL: Any = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+OUTPUT: Any = {"type": "function_call_output", "call_id": "call_1", "output": "Rain, 9 C"}
+QUESTION: Any = {"role": "user", "content": ASK}
+# (input, tools) OpenAI refuses, and the field its 400 names
+INVALID_INPUTS: list[tuple[Any, Any, str]] = [
+    ([QUESTION, OUTPUT], None, "input[1].call_id"),  # no call
+    ([QUESTION, FUNCTION_CALL, {**OUTPUT, "call_id": "call_2"}], None, "input[2].call_id"),
+    ([QUESTION, OUTPUT, FUNCTION_CALL], None, "input[1].call_id"),  # the call after its output
+    ([QUESTION, FUNCTION_CALL, {"type": "function_call_output", "output": "x"}], None, "input[2].call_id"),
+    ([{"role": "wizard", "content": "Abracadabra"}], None, "input[0].role"),
+    ([{"role": ["user"], "content": "Hi"}], None, "input[0].role"),
+    (STORY, [{"type": "function", "parameters": WEATHER}], "tools[0].name"),
+    (STORY, [{"type": "function", "name": "get weather", "parameters": WEATHER}], "tools[0].name"),
+]
+
+
+def test_invalid_inputs_are_refused_naming_the_field(smollm2_dir: Path) -> None:
+    """Function call outputs, roles and tool names as OpenAI checks them, under the Responses paths; a
+    stored conversation (previous_response_id) supplies calls too."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tm: Any = SimpleNamespace(tokenizer=tokenizer, server_args=SimpleNamespace(tool_call_parser=None))
+    for input, tools, path in INVALID_INPUTS:
+        with pytest.raises(RequestError) as info:
+            count_input_tokens(tm, {"input": input, "tools": tools}, [])
+        assert info.value.param == path and path in str(info.value), (input, tools, str(info.value))
+    assert count_input_tokens(tm, {"input": [QUESTION, FUNCTION_CALL, OUTPUT]}, [])
+    assert count_input_tokens(tm, {"input": [OUTPUT]}, [QUESTION, FUNCTION_CALL])  # the stored call
+    with pytest.raises(RequestError) as info:
+        count_input_tokens(
+            tm, {"input": [OUTPUT]}, [QUESTION, {"type": "message", "role": "assistant", "content": "Hi"}]
+        )
+    assert info.value.param == "input[0].call_id"
+
+
+def test_invalid_inputs_get_openais_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    for input, tools, path in INVALID_INPUTS:
+        assert refusal(client, input=input, **({"tools": tools} if tools else {})) == path
+    stored = create(client, max_output_tokens=2)  # a stored response with no call: nothing to answer
+    assert refusal(client, input=[OUTPUT], previous_response_id=stored.id) == "input[0].call_id"
+    assert create(client, [QUESTION, FUNCTION_CALL, OUTPUT], max_output_tokens=2).usage.output_tokens == 2
 
 
 def test_every_param_of_the_official_client_is_in_the_table() -> None:
