@@ -222,6 +222,7 @@ def _header_files(tmp_path: Path) -> list[Path]:
     return [Path(default_model_path()), Path(assemble()), written]
 
 
+@pytest.mark.slow  # gguf-py's reader takes ~20 s over the three files' metadata arrays
 def test_header_reads_what_gguf_py_reads(tmp_path: Path) -> None:
     """GgufHeader (which steps over metadata arrays) finds every tensor where gguf-py's reader does,
     and every scalar field with its value."""

@@ -816,6 +816,7 @@ def test_k_quant_and_q5_0_models_decode_on_their_kernels(
     assert (fused - plain).abs().max().item() / scale < 0.02  # the same blocks, fused or op by op
 
 
+@pytest.mark.slow  # ~26 s: a written file converted, then transformers' and srt's decodes
 @needs_q5k
 def test_q5_k_gguf_file_decodes_on_its_blocks_as_transformers_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
