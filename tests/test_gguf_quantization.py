@@ -848,6 +848,7 @@ def test_q5_k_gguf_file_decodes_on_its_blocks_as_transformers_does(
     assert torch.equal(logits.argmax(-1), torch.tensor([tokens[1:] for tokens in greedy]).T)
 
 
+@pytest.mark.slow  # ~30 s: a written file converted, then transformers' fp32 and srt's two paths
 @needs_q5k
 @needs_q8
 def test_a_qkv_with_v_in_other_blocks_runs_each_part_on_its_own(
