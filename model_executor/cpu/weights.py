@@ -29,7 +29,15 @@ from model_executor.cpu.memory import release_freed_memory
 from model_executor.cpu.moe import fuse_experts
 from model_executor.layers.linear import LinearBase
 from model_executor.layers.linear_method import UNQUANTIZED
-from model_executor.loader.gguf_blocks import FORMS, FileRows, GgufFile, blocks_of_weight, join, join_rows
+from model_executor.loader.gguf_blocks import (
+    FORMS,
+    BlockTensor,
+    FileRows,
+    GgufFile,
+    blocks_of_weight,
+    join,
+    join_rows,
+)
 from model_executor.loader.gguf_blocks import Blocks as FileBlocks
 from model_executor.loader.load_weights import LoadHooks, NamedTensorSource
 
@@ -330,8 +338,7 @@ class Packer(LoadHooks):
         self.count = 0
         self.as_bf16: list[str] = []
         self.sinks: dict[str, BlockSink] = {}  # by parameter name: the layers loaded as blocks
-        self.file = file
-        self.block_names: set[str] = set()  # the checkpoint tensors read as blocks
+        self.block_sources: dict[str, BlockTensor] = {}  # the checkpoint tensors read as blocks, by name
         if file is not None and quantization == "gguf":
             self._plan_blocks(model, file)
 
@@ -349,25 +356,23 @@ class Packer(LoadHooks):
             prefix, _, leaf = name.rpartition(".")
             merged = [ckpt for ckpt, (param, _) in mapping.items() if param == leaf] or [leaf]
             parts = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in merged]
-            sources = [file.source(part) for part in parts]
-            if not all(s is not None and _has_kernel(s.ggml_type) for s in sources):
+            found = [file.source(part) for part in parts]
+            sources = [s for s in found if s is not None and _has_kernel(s.ggml_type)]
+            if len(sources) < len(parts):
                 continue
-            families = {_family(s.form) for s in sources if s is not None}
+            families = {_family(s.form) for s in sources}
             if not getattr(module, "quantizable", True) and families != {"8-bit"}:
                 continue  # an LM head runs 8-bit blocks only (float32 logits)
             if len(families) > 1 and not (getattr(module, "q_size", 0) and getattr(module, "kv_size", 0)):
                 continue  # only a qkv runs its parts on two kernels (SplitWeight)
             self.sinks[param_name] = BlockSink(param_name, tuple(weight.shape))
-            self.block_names.update(parts)
+            self.block_sources.update(zip(parts, sources))
             module.weight = _meta_like(weight)
 
     def source(self, tensor: NamedTensorSource) -> NamedTensorSource:
         """LoadHooks: the file's blocks for a tensor of a layer loaded as blocks."""
-        if self.file is None or tensor.name not in self.block_names:
-            return tensor
-        blocks = self.file.source(tensor.name)
-        assert blocks is not None
-        return blocks  # type: ignore[return-value]  # its narrow gives blocks: the sink takes them
+        # its narrow gives blocks, not a tensor: the sink takes them
+        return self.block_sources.get(tensor.name, tensor)  # type: ignore[return-value]
 
     def sink(self, param_name: str) -> BlockSink | None:
         """LoadHooks: where the blocks of a layer loaded as blocks go."""
