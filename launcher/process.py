@@ -68,10 +68,15 @@ class ChildProcess:
     def label(self) -> str:
         return f"{self.name} (pid {self.pid})"
 
+    def exit_code(self) -> int | None:
+        """Its exit status once it has exited: the sentinel can fire a moment before the status is
+        there, so this waits for it (up to 2 s)."""
+        self.process.join(timeout=2.0)
+        return self.process.exitcode
+
     def exit_message(self, when: str = "") -> str:
         """'scheduler TP1 (pid 1234) exited with code 1 during start-up'. Call once it has exited."""
-        self.process.join(timeout=2.0)  # the sentinel can fire a moment before the exit status is ready
-        return f"{self.label} {describe_exit(self.process.exitcode)}{when}"
+        return f"{self.label} {describe_exit(self.exit_code())}{when}"
 
     def read_error(self) -> str | None:
         """The traceback the child sent before dying, if any; never blocks."""

@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 # A child killed by SIGTERM: how long a deliberate shutdown that sent it (to the whole process group,
 # as a service manager or `timeout` does) may take to reach stop() before the death counts as a failure
-EXIT_STATUS_WAIT_S = 2.0  # a dead child's exit status, read after its sentinel fires
 TERM_GRACE_S = 3.0
 
 
@@ -99,12 +98,9 @@ class Supervisor:
                 if self._stopping:
                     return
             dead = next((by_sentinel[h] for h in fired if h in by_sentinel), None)
-            if dead is not None and dead.process.exitcode is None:
-                # its sentinel closes as the child exits, a moment before the exit status is there
-                dead.process.join(EXIT_STATUS_WAIT_S)
             if (
                 dead is not None
-                and dead.process.exitcode == -signal.SIGTERM
+                and dead.exit_code() == -signal.SIGTERM
                 and self._stopped_within(TERM_GRACE_S)
             ):
                 return  # the server's own shutdown: the group's SIGTERM reached the child first
