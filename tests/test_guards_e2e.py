@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -165,24 +166,27 @@ def test_soft_watchdog_dumps_both_ranks_and_keeps_serving(
         *server_args(long_context_llama, smollm2_dir, "--soft-watchdog-timeout", "2"),
         env={"SRT_TEST_FAULT": "stall@1:3"},
     ) as server:
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(lambda: requests.post(server.url + "/generate", json=LONG, timeout=15))
-            deadline = time.monotonic() + 40
-            while time.monotonic() < deadline:
-                out = server.output()
-                if (
-                    "scheduler_TP0] ERROR" in out
-                    and "scheduler_TP1] ERROR" in out
-                    and out.count("soft watchdog") >= 2
-                ):
-                    break
-                time.sleep(0.5)
+        # The stalled request never answers: a daemon thread holds it, so the test does not wait out
+        # its timeout (the server's exit ends it).
+        threading.Thread(
+            target=lambda: requests.post(server.url + "/generate", json=LONG, timeout=60), daemon=True
+        ).start()
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
             out = server.output()
-            assert "soft watchdog timeout" in out, out[-3000:]
-            assert out.count("soft watchdog timeout") >= 2  # both ranks stopped making progress and dumped
-            assert "Thread" in out or "thread" in out  # the stacks are in the dump
-            assert server.proc.poll() is None
-            assert requests.get(server.url + "/health", timeout=5).status_code == 200
+            if (
+                "scheduler_TP0] ERROR" in out
+                and "scheduler_TP1] ERROR" in out
+                and out.count("soft watchdog") >= 2
+            ):
+                break
+            time.sleep(0.5)
+        out = server.output()
+        assert "soft watchdog timeout" in out, out[-3000:]
+        assert out.count("soft watchdog timeout") >= 2  # both ranks stopped making progress and dumped
+        assert "Thread" in out or "thread" in out  # the stacks are in the dump
+        assert server.proc.poll() is None
+        assert requests.get(server.url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize("py_spy", ["py-spy", pytest.param("/nonexistent/py-spy", marks=pytest.mark.slow)])

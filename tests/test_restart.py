@@ -283,9 +283,9 @@ def smollm2_payloads(tokens: int) -> list[dict[str, Any]]:
 INT8 = pytest.mark.skipif(not build.int8_available(), reason="w8a8_int8 needs AMX int8 or AVX-512 VNNI")
 
 
-# Every case streams 8 x 512 tokens (TP=3, three ranks on two cores and the slow tier's longest case:
+# Every case streams 8 x 384 tokens (TP=3, three ranks on two cores and the slow tier's longest case:
 # 8 x 256) and is killed 160 tokens in; their logprobs, compared bit for bit, part at the first token
-# whose arithmetic differs.
+# whose arithmetic differs. int8 at PP=2 is left out: int8 at TP=1 and 3 and bf16 at PP=2 cover its parts.
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(
@@ -296,16 +296,15 @@ INT8 = pytest.mark.skipif(not build.int8_available(), reason="w8a8_int8 needs AM
         (("--tp", "3"), "srt::scheduler_TP2"),
         (("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "24"), "srt::scheduler_TP0"),
         pytest.param(("--quantization", "w8a8_int8"), "srt::scheduler_TP0", marks=INT8),
-        pytest.param(("--quantization", "w8a8_int8", "--pp-size", "2"), "srt::scheduler_PP0_TP0", marks=INT8),
         pytest.param(("--quantization", "w8a8_int8", "--tp", "3"), "srt::scheduler_TP1", marks=INT8),
     ],
-    ids=["tp1", "pp2", "tp3", "ngram-tp1", "w8a8_int8-tp1", "w8a8_int8-pp2", "w8a8_int8-tp3"],
+    ids=["tp1", "pp2", "tp3", "ngram-tp1", "w8a8_int8-tp1", "w8a8_int8-tp3"],
 )
 def test_smollm2_streams_survive_sigkill_with_their_exact_tokens(flags: tuple[str, ...], victim: str) -> None:
     """The default server (bundled SmolLM2, bf16, the CPU kernels; deterministic inference on by
     itself with --restart-on-failure): a rank SIGKILLed mid-stream in eight streams; every stream's
     ids, text and logprobs equal a fault-free run's on the same server."""
-    tokens, killed_at = (256 if "--tp" in flags else 512), 160
+    tokens, killed_at = (256 if "--tp" in flags else 384), 160
     with Server(*flags, "--restart-on-failure", "1", startup_timeout=300) as server:
         bodies = smollm2_payloads(tokens)
         with ThreadPoolExecutor(len(bodies)) as pool:
