@@ -1,12 +1,13 @@
 """DeviceWing: what one device type adds to the device-neutral ModelRunner, picked by device type.
 
-ModelRunner calls its wing at four points of start-up: `check` before it builds the model,
-`prepare_weights` once the weights are loaded (before memory is sized, so what it allocates counts
-as weights), `pads_decode_batches` as it sizes the KV memory, `step_runner` once the KV pool and
-attention backend exist. The CPU's wing is
-model_executor/cpu/wing.py; a device type without one gets this base: torch ops for every linear,
-every batch op by op. A new device's wing is a subclass in its own folder and a line in
-DEVICE_WINGS.
+Made before the model is built, a wing chooses the fused ops that every layer built after it
+calls (`fused_ops`: norms, activations, rotary, ...; layers/fused_ops.py). ModelRunner calls its
+wing at four points of start-up: `check` before it builds the model, `prepare_weights` once the
+weights are loaded (before memory is sized, so what it allocates counts as weights),
+`pads_decode_batches` as it sizes the KV memory, `step_runner` once the KV pool and attention
+backend exist. The CPU's wing is model_executor/cpu/wing.py; a device type without one gets this
+base: torch ops for every linear and every fused op, every batch op by op. A new device's wing is a
+subclass in its own folder and a line in DEVICE_WINGS.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from model_executor.layers.fused_ops import TORCH_OPS, FusedOps, use_fused_ops
 from model_executor.step_runner import NoStepRunner, StepRunner
 
 if TYPE_CHECKING:
@@ -29,9 +31,16 @@ if TYPE_CHECKING:
 
 class DeviceWing:
     def __init__(self, config: RunnerConfig, parallel: ParallelState) -> None:
-        """May set up the process for the device (the CPU wing: glibc keeps freed memory)."""
+        """May set up the process for the device (the CPU wing: glibc keeps freed memory); chooses
+        the process's fused ops (`fused_ops`)."""
         self.config = config
         self.parallel = parallel
+        use_fused_ops(self.fused_ops())
+
+    def fused_ops(self) -> FusedOps:
+        """The fused ops for this device's layers, the kernels it has where they take the input.
+        Called once, as the wing is made. Default: torch's."""
+        return TORCH_OPS
 
     def check(self) -> None:
         """Raises ValueError naming what the configuration asks and this device lacks. Mutates
@@ -84,6 +93,14 @@ def _cuda(config: RunnerConfig, parallel: ParallelState) -> DeviceWing:
     from model_executor.cuda.wing import CudaWing  # imports this module: the base above
 
     return CudaWing(config, parallel)
+
+
+def host_fused_ops() -> FusedOps:
+    """The fused ops of a process no wing has chosen for (a model built outside a ModelRunner): the
+    CPU's, whose kernels take CPU tensors only and leave any other to torch."""
+    from model_executor.cpu.fused_ops import CpuFusedOps
+
+    return CpuFusedOps()
 
 
 DEVICE_WINGS: dict[str, Callable[[RunnerConfig, ParallelState], DeviceWing]] = {"cpu": _cpu, "cuda": _cuda}

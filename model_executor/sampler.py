@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_executor.cpu.kernels import ops
+from model_executor.layers.fused_ops import fused_ops
 
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0 (greedy)
 _MASK32 = 0xFFFFFFFF
@@ -186,27 +186,25 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     logits[index] = torch.where(allowed, logits[index], float("-inf"))
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax per row: the CPU kernel where it applies (faster than torch's: docs/performance.md)."""
-    tokens = ops.argmax(logits)
-    return logits.argmax(dim=-1) if tokens is None else tokens
-
-
 class Sampler:
-    """Stateless: greedy rows take the argmax, the others a seeded draw from filtered softmax."""
+    """Greedy rows take the argmax (the device's fused op where it has one), the others a seeded draw
+    from filtered softmax. Holds no state of a step."""
+
+    def __init__(self) -> None:
+        self.ops = fused_ops()
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits [bs, vocab] (any float dtype) -> next token ids [bs] int64."""
         assert logits.dim() == 2 and logits.shape[0] == info.batch_size, (logits.shape, info.batch_size)
         if info.is_all_greedy:
-            return greedy(logits)
+            return self.ops.argmax(logits)
         is_greedy = info.temperatures == 0
         # Greedy rows divide by 1 to stay finite; their draw is replaced by the argmax below.
         temperatures = torch.where(is_greedy, 1.0, info.temperatures)
         probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
         tokens = draw(filter_probs(probs, info), info.seeds, info.output_positions)
         if info.has_greedy:
-            tokens = torch.where(is_greedy, greedy(logits), tokens)
+            tokens = torch.where(is_greedy, self.ops.argmax(logits), tokens)
         return tokens
 
 

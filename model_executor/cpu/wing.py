@@ -1,7 +1,8 @@
-"""CpuWing: the CPU's DeviceWing. glibc keeps freed memory and oneDNN's caches are bounded
-(memory.py); --quantization is checked and the weights packed for the kernels (weights.py); the step
-runner is the fused decode runner, or an encoder's fused layers (encoder_runner.py), which with
-adaptive threads also apply the thread governor's count (decode_runner.py, thread_governor.py)."""
+"""CpuWing: the CPU's DeviceWing. The layers' fused ops run on our kernels (fused_ops.py); glibc
+keeps freed memory and oneDNN's caches are bounded (memory.py); --quantization is checked and the
+weights packed for the kernels (weights.py); the step runner is the fused decode runner, or an
+encoder's fused layers (encoder_runner.py), which with adaptive threads also apply the thread
+governor's count (decode_runner.py, thread_governor.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from mem_cache.kv_memory import KVMemory
 from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
 from model_executor.cpu.encoder_runner import CpuEncoderRunner
+from model_executor.cpu.fused_ops import CpuFusedOps
 from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory, release_freed_memory
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.cpu.weights import Packer, check_quantization, loading_packer, prepare_weights
 from model_executor.device_wing import DeviceWing
 from model_executor.distributed.parallel_state import ParallelState
+from model_executor.layers.fused_ops import FusedOps
 from model_executor.loader.gguf_convert import gguf_source
 from model_executor.models.base import CausalLM
 from model_executor.step_runner import StepRunner
@@ -35,6 +38,9 @@ class CpuWing(DeviceWing):
         self.packer: Packer | None = None  # packing each weight while the checkpoint loads
         # Set by step_runner with adaptive threads (--disable-adaptive-cpu-threads off).
         self.thread_governor: ThreadGovernor | None = None
+
+    def fused_ops(self) -> FusedOps:
+        return CpuFusedOps()
 
     def check(self) -> None:
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)

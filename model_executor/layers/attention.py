@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_executor.cpu.kernels import ops
 from model_executor.forward_batch import ForwardBatch
+from model_executor.layers.fused_ops import fused_ops
 
 
 class Attention(nn.Module):
@@ -42,21 +42,6 @@ def encoder_attention(
 ) -> torch.Tensor:
     """An encoder's attention (BERT's): q, k, v [tokens, heads x head_dim] float32 (the qkv
     projection's sums), each request's tokens attending to all of its own, softmax(q k^T / sqrt(d)) v
-    in float32, rounded to `dtype` once. It writes no K/V. In one C call (srt_encoder_attention)
-    where the kernels compute `dtype`; else per request as two batched products over the heads, at
-    these lengths faster than scaled_dot_product_attention, whose CPU path for 3-D inputs is its
-    unfused math one (docs/performance.md)."""
-    scale = head_dim**-0.5
-    if ops.computes(dtype, q.device) and q.stride(1) == 1:
-        return ops.encoder_attention(q, k, v, lengths, head_dim, scale)
-    q, k, v = (t.unflatten(-1, (-1, head_dim)).transpose(0, 1) for t in (q, k, v))
-    out = torch.empty(q.shape[1], q.shape[0], head_dim, dtype=dtype)  # [tokens, heads, head_dim]
-    start = 0
-    for length in lengths:
-        rows = slice(start, start + length)
-        # beta=0: the first argument only shapes the result
-        scores = q.new_empty(q.shape[0], length, length)
-        scores = torch.baddbmm(scores, q[:, rows], k[:, rows].transpose(1, 2), beta=0, alpha=scale)
-        out[rows] = torch.bmm(scores.softmax(-1), v[:, rows]).transpose(0, 1)
-        start += length
-    return out.flatten(1)
+    in float32, rounded to `dtype` once. It writes no K/V. In one call where the device has a fused
+    op for it (the CPU's, for bf16), else per request in torch (layers/fused_ops.py)."""
+    return fused_ops().encoder_attention(q, k, v, lengths, head_dim, dtype)

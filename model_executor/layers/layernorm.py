@@ -3,10 +3,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model_executor.cpu.kernels import build, ops
+from model_executor.layers.fused_ops import TORCH_OPS, fused_ops
 from model_executor.layers.sharding import check_shape, default_weight_loader, read_all, set_weight_attrs
 
 
@@ -24,44 +23,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(self.weight, default_weight_loader)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        """-> the weight's dtype (the model's), whatever x's."""
-        if x.dtype == self.weight.dtype:
-            # One fused kernel; for bf16 it accumulates in fp32 (opmath), as transformers does.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return (F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight).to(
-            self.weight.dtype
-        )  # rounded once
-
-    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether srt_rmsnorm takes it: a bf16 weight, x bf16 or float32 (a row-parallel layer's
-        output), the residual float32."""
-        return (
-            x.dtype in (torch.bfloat16, torch.float32)
-            and ops.usable(self.weight)
-            and x.device.type == "cpu"
-            and x.is_contiguous()
-            and (residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()))
-        )
+        self.ops = fused_ops()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         """x: the model dtype, or float32 (a layer's output); residual: the float32 stream."""
-        if self._kernel(x, residual):
-            out, new_residual = ops.rmsnorm(x, self.weight, self.eps, residual)  # one pass, add fused
-            return out if residual is None else (out, new_residual)
-        if residual is None:
-            return self._norm(x)
-        residual = residual + x
-        return self._norm(residual), residual
+        out, new_residual = self.ops.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, new_residual)
 
     def start(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x), the float32 residual stream begun at x), for a decoder's first layer."""
-        if self._kernel(x, None):
-            out, residual = ops.rmsnorm(x, self.weight, self.eps, keep_residual=True)
-            assert residual is not None
-            return out, residual
-        return self._norm(x), x.float()
+        return self.ops.rms_norm_start(x, self.weight, self.eps)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -73,7 +44,8 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.out_dtype = out_dtype
-        self.kernel = kernel  # srt_rmsnorm_f32w where it takes x (a bf16 model's default path)
+        # `kernel`: the device's fused op where it takes x (a bf16 model's default path), else torch's ops
+        self.ops = fused_ops() if kernel else TORCH_OPS
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
         set_weight_attrs(self.weight, self.weight_loader)
 
@@ -82,36 +54,13 @@ class GemmaRMSNorm(nn.Module):
         with torch.no_grad():
             param.copy_(read_all(loaded).float() + 1.0)
 
-    def _norm(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * self.weight).to(out_dtype)
-
-    def _use_kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
-        return (
-            self.kernel
-            and x.device.type == "cpu"
-            and x.dtype in (torch.bfloat16, torch.float32)
-            and out_dtype in (torch.bfloat16, torch.float32)
-            and build.kernels() is not None
-        )
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        if self._use_kernel(x, self.out_dtype):
-            out, new_residual = ops.rmsnorm_f32w(
-                x.contiguous(), self.weight, self.eps, self.out_dtype, residual
-            )
-            return out if residual is None else (out, new_residual)
-        if residual is None:
-            return self._norm(x, self.out_dtype)
-        residual = residual + x
-        return self._norm(residual, self.out_dtype), residual
+        out, new_residual = self.ops.rms_norm_f32w(x, self.weight, self.eps, self.out_dtype, residual)
+        return out if residual is None else (out, new_residual)
 
     def heads(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
         """[n, heads * head_dim] normalized per head (Gemma 3's q_norm and k_norm), in x's dtype."""
-        n = x.shape[0]
-        if self._use_kernel(x, x.dtype):
-            out, _ = ops.rmsnorm_f32w(x.contiguous().view(-1, head_dim), self.weight, self.eps, x.dtype)
-            return out.view(n, -1)
-        return self._norm(x.reshape(n, -1, head_dim), x.dtype).view(n, -1)
+        return self.ops.rms_norm_f32w_heads(x, self.weight, self.eps, head_dim)
 
 
 class HeadsRMSNorm(nn.Module):
@@ -166,16 +115,11 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
         self.eps = eps
+        self.ops = fused_ops()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(layernorm(x + residual) in float32, the same in `dtype`, the next linear's input): in one
-        pass of srt_layernorm for a bf16 model on the CPU kernels, op by op otherwise."""
-        if ops.computes(dtype, x.device):
-            normed, rounded = ops.layernorm(x.contiguous(), self.weight, self.bias, self.eps, residual, True)
-            assert rounded is not None
-            return normed, rounded
-        summed = x.float() if residual is None else residual + x.float()
-        normed = F.layer_norm(summed, x.shape[-1:], self.weight, self.bias, self.eps)
-        return normed, normed.to(dtype)
+        pass where the device has a fused op for it (the CPU's, for a bf16 model), else op by op."""
+        return self.ops.layer_norm(x, self.weight, self.bias, self.eps, residual, dtype)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from model_executor.distributed.communicator import Communicator
-from model_executor.layers.activation import SiluAndMul
+from model_executor.layers.fused_ops import fused_ops
 from model_executor.layers.linear_method import UNQUANTIZED, LinearMethod
 from model_executor.layers.sharding import TensorSource, check_shape, divide, set_weight_attrs
 
@@ -88,6 +88,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, comm, params_dtype=params_dtype, what=what)
         for p in self.parameters():
             set_weight_attrs(p, self.weight_loader, shard_ids=tuple(range(len(output_sizes))))
+        self.ops = fused_ops()  # the activation of silu_mul
 
     def weight_loader(self, param: torch.Tensor, loaded: TensorSource, shard_id: object = None) -> None:
         assert isinstance(shard_id, int), shard_id
@@ -104,10 +105,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(gate) * up of a gate/up layer's product: in one pass where the linear method has one
         (the CPU kernels' packed weights), else the product then the activation."""
         act = self.linear_method.apply_silu_mul(self, x, self.bias)
-        return act if act is not None else _SILU_AND_MUL(self(x))
-
-
-_SILU_AND_MUL = SiluAndMul()
+        return act if act is not None else self.ops.silu_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

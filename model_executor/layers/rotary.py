@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_executor.cpu.kernels import ops
+from model_executor.layers.fused_ops import fused_ops
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # the rope_type values _inv_freq computes
 
@@ -168,6 +168,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.cat([-sin, sin], dim=-1).to(dtype), persistent=False)
         self._cached_positions: torch.Tensor | None = None
         self._cached_cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos, self.sin)
+        self.ops = fused_ops()
 
     def forget_positions(self) -> None:
         """A forward begins: the next rotate gathers its rows again, even for the same positions
@@ -176,15 +177,16 @@ class RotaryEmbedding(nn.Module):
         self._cached_positions = None
         self._cached_cos_sin = (self.cos, self.sin)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, head_dim] -> a rotated copy (contiguous)."""
-        if ops.usable(x, self.cos) and x.stride(1) == self.head_dim and positions.is_contiguous():
-            return ops.rope(x, positions, self.cos, self.sin)
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, [n, 1, head_dim]: gathered once per positions tensor."""
         if positions is not self._cached_positions:
             self._cached_positions = positions
             self._cached_cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        cos, sin = self._cached_cos_sin  # [n, 1, d]
-        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
+        return self._cached_cos_sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim] -> a rotated copy (contiguous)."""
+        return self.ops.rope(self, positions, x)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
