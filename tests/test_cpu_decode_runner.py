@@ -9,10 +9,10 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.registry import create_attention_backend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 from model_executor.cpu import decode_runner as cpu_decode_runner
+from model_executor.cpu.attention_backend import CpuKernelsAttnBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
 from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers

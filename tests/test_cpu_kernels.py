@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import hf_float32, hf_forced_logits, make_tiny_model
 
-from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.cpu.attention_backend import CpuKernelsAttnBackend
 from model_executor.cpu.kernels import build, decode_layers, ops
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.layers.rotary import RotaryEmbedding

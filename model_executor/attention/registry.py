@@ -10,10 +10,15 @@ import torch
 
 from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
-from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
 from model_executor.attention.torch_native import TorchNativeAttnBackend
 
 logger = logging.getLogger("srt.attention")
+
+
+def _cpu_kernels(kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool) -> AttentionBackend:
+    from model_executor.cpu.attention_backend import CpuKernelsAttnBackend  # the CPU's, in its folder
+
+    return CpuKernelsAttnBackend(kv_pool, req_to_token, deterministic)
 
 
 def _flashinfer(kv_pool: KVPool, req_to_token: torch.Tensor, deterministic: bool) -> AttentionBackend:
@@ -32,7 +37,7 @@ ATTENTION_BACKENDS: dict[str, Callable[[KVPool, torch.Tensor, bool], AttentionBa
     "torch_native": lambda kv_pool, req_to_token, deterministic: TorchNativeAttnBackend(
         kv_pool, req_to_token
     ),
-    "cpu_kernels": CpuKernelsAttnBackend,
+    "cpu_kernels": _cpu_kernels,
     "flashinfer": _flashinfer,
     "triton": _triton,
 }

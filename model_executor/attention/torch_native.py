@@ -5,7 +5,8 @@ the whole batch (no per-request loop). Extend runs fresh prompts of one length a
 otherwise it loops over requests: each attends over its cached prefix plus its new tokens with a
 causal mask shifted by the prefix.
 
-The default backend on the CPU (cpu_kernels_backend.py) is this one with our kernels where they apply.
+The default backend on the CPU (model_executor/cpu/attention_backend.py) is this one with our
+kernels where they apply.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention on our CPU kernels (model_executor/cpu/kernels), torch SDPA (TorchNativeAttnBackend) where
+"""Attention on our CPU kernels (kernels/), torch SDPA (TorchNativeAttnBackend) where
 they do not apply. The default backend on the CPU.
 
 Decode with a bf16 pool is one kernel call per layer: it writes the new K/V and attends straight

@@ -22,7 +22,7 @@ import torch
 
 from mem_cache.kv_pool import KVPool
 from model_executor.attention.base import AttentionBackend
-from model_executor.attention.cpu_kernels_backend import CpuKernelsAttnBackend
+from model_executor.cpu.attention_backend import CpuKernelsAttnBackend
 from model_executor.cpu.kernels import build, ops
 from model_executor.cpu.kernels.decode_layers import DecodeLayers, DecodeLayerWeights, KernelWeight
 from model_executor.cpu.kernels.packing import GgufWeight, Int8Weight, SplitWeight
