@@ -96,7 +96,7 @@ class PipelineScheduler(Scheduler):
             if launched is not None:
                 ids = launched.next_ids
                 if ids is None:  # not the last stage: the ids come from it, in launch order
-                    ids = self.runner.receive_ids(launched.num_rows)
+                    ids = self.runner.receive_ids(launched.batch.num_rows)
                 self.complete(launched, ids)
         launched_before = len(self.in_flight)
         super().step()  # messages, schedule, run_batch (below): the same step as on one stage

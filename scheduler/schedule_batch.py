@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
 from scheduler.req import Req
+
+if TYPE_CHECKING:
+    from model_executor.constrained import Matcher
+    from scheduler.speculative import VerifyInput
 
 
 class Phase(enum.Enum):
@@ -21,6 +26,8 @@ class ScheduleBatch:
     phase: Phase
     reqs: list[Req]
     extend_lens: list[int]  # tokens each request feeds this step
+    # a decode step's drafts to verify, planned at launch (scheduler/speculative.py); None: a plain step
+    verify: VerifyInput | None = None
 
     def __post_init__(self) -> None:
         assert self.reqs and len(self.reqs) == len(self.extend_lens)
@@ -36,15 +43,34 @@ class ScheduleBatch:
         """What ranks compare to agree they run the same batch (consensus events and gates)."""
         return self.phase.value, self.rids, self.extend_lens
 
+    @property
+    def new_lens(self) -> list[int]:
+        """The KV slots each request fills this step: its extend length, or in a verify step a
+        row for its last token and each draft."""
+        return self.extend_lens if self.verify is None else self.verify.row_lens
+
+    @property
+    def num_rows(self) -> int:
+        """The ids the step samples: one per request, and in a verify step one per draft."""
+        return len(self.reqs) if self.verify is None else self.verify.num_rows
+
     def samples(self, i: int) -> bool:
         """Whether request i completes its prompt this step (a mid-prompt chunk samples nothing)."""
         return self.reqs[i].kv_len + self.extend_lens[i] == self.reqs[i].seq_len
 
-    def to_forward_batch(
-        self, out_cache_loc: torch.Tensor, device: torch.device, drafts: list[list[int]] | None = None
-    ) -> ForwardBatch:
-        if drafts is not None:
-            return self._verify_batch(out_cache_loc, device, drafts)
+    def sampling_rows(self) -> tuple[list[Req], list[list[int]], list[Matcher | None]]:
+        """Each sampled row's request, the output ids it samples after, and its matcher."""
+        if self.verify is not None:
+            return self.verify.sampling_rows()
+        return self.reqs, [r.output_ids for r in self.reqs], [r.grammar for r in self.reqs]
+
+    def logprob_rows(self) -> ScheduleBatch:
+        """The batch whose rows the step's logprobs are planned and recorded over."""
+        return self if self.verify is None else self.verify.rows()
+
+    def to_forward_batch(self, out_cache_loc: torch.Tensor, device: torch.device) -> ForwardBatch:
+        if self.verify is not None:
+            return self.verify.forward_batch(out_cache_loc, device)
         input_ids: list[int] = []
         for req, n in zip(self.reqs, self.extend_lens):
             input_ids += (
@@ -68,32 +94,6 @@ class ScheduleBatch:
             prompts,
         )
 
-    def verify_rows(self, drafts: list[list[int]]) -> ScheduleBatch:
-        """A verify step's rows as a batch of their own, request i repeated once per row (its
-        logprob rows are planned and recorded over it)."""
-        reqs = [req for req, draft in zip(self.reqs, drafts) for _ in range(1 + len(draft))]
-        return ScheduleBatch(self.phase, reqs, [1] * len(reqs))
-
-    def _verify_batch(
-        self, out_cache_loc: torch.Tensor, device: torch.device, drafts: list[list[int]]
-    ) -> ForwardBatch:
-        """A decode step's rows with each request's drafts after its last token, a decode row each
-        (scheduler/speculative.py): row j of a request at position kv_len + j."""
-        assert self.phase is Phase.DECODE and len(drafts) == len(self.reqs)
-        input_ids: list[int] = []
-        rows: list[int] = []
-        prefix_lens: list[int] = []
-        prompts: list[int] = []
-        for req, draft in zip(self.reqs, drafts):
-            input_ids += [req.output_ids[-1], *draft]
-            rows += [req.req_pool_idx] * (1 + len(draft))  # type: ignore[list-item]
-            prefix_lens += range(req.kv_len, req.kv_len + 1 + len(draft))
-            prompts += [len(req.origin_input_ids)] * (1 + len(draft))
-        seq_lens = [p + 1 for p in prefix_lens]
-        return make_forward_batch(
-            ForwardMode.DECODE, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device, prompts
-        )
-
 
 @dataclass
 class Launched:
@@ -102,9 +102,3 @@ class Launched:
     batch: ScheduleBatch
     sampled: list[bool]  # request i completed its prompt (a token is sampled from its logits)
     next_ids: list[int] | None  # on the last pipeline stage; the others receive them later
-    drafts: list[list[int]] | None = None  # a verify step's drafts per request (scheduler/speculative.py)
-
-    @property
-    def num_rows(self) -> int:
-        """Sampled rows: one per request, and one per draft."""
-        return len(self.batch.reqs) + sum(map(len, self.drafts or []))

@@ -16,21 +16,20 @@ import torch
 import consensus
 from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
-from model_executor.constrained import JsonOptions, LazyGrammarBackend, Matcher
+from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
 from model_executor.forward_batch import ForwardBatch
 from model_executor.model_runner import ModelRunner
 from model_executor.sampling_inputs import SamplingInputs
 from scheduler.admission import Admission, RequestQueues
-from scheduler.draft_model import DraftModelSpeculator, draft_runner
 from scheduler.fault_injection import FaultInjector
-from scheduler.grammar import advance, attach_matcher, draft_matchers
+from scheduler.grammar import advance, attach_matcher
 from scheduler.kv_manager import KVManager
 from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
-from scheduler.speculative import NgramSpeculator, Speculator, accepted_tokens
+from scheduler.speculative import Speculator, new_speculator
 from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
 from srt.io_struct import (
@@ -123,18 +122,10 @@ class Scheduler:
             JsonOptions.of(args),
         )
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
-        self.speculator: Speculator | None = None
-        if args.speculative_algorithm == "NGRAM":
-            self.speculator = NgramSpeculator(args.num_draft_tokens, args.speculative_ngram_max_trie_depth)
-        elif args.speculative_algorithm == "STANDALONE":
-            self.speculator = DraftModelSpeculator(
-                draft_runner(args, self.runner, self.parallel),
-                args.num_draft_tokens,
-                self.parallel.tp,
-                self.runner.vocab_size,
-            )
-        self.stats.speculative = self.speculator is not None
         self.context_length = int(self.runner.info()["context_length"])
+        self.speculator: Speculator | None = new_speculator(
+            args, self.runner, self.parallel, self.kv, self.stats, self.context_length
+        )
         # the front end times first tokens (metrics, deadlines): a request's first token goes out at once
         self.first_token_at_once = bool(
             args.enable_metrics or args.req_waiting_timeout or args.req_running_timeout
@@ -297,26 +288,23 @@ class Scheduler:
         micro-batch when its ids come back from the last stage)."""
         consensus.agree_before_step(batch.identity)  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
-        drafts: list[list[int]] | None = None
-        forks: list[list[Matcher]] = []
         if batch.phase is Phase.DECODE:
-            drafts, forks = self._drafts(batch)
-            lens = batch.extend_lens if drafts is None else [1 + len(d) for d in drafts]
-            ok = self.kv.reserve_extend(batch.reqs, lens)
+            if self.speculator is not None:  # the one way into speculation: a verify step's plan
+                batch.verify = self.speculator.plan(batch)
+            ok = self.kv.reserve_extend(batch.reqs, batch.new_lens)
             assert ok, "decode room was checked"
-        if batch.phase is Phase.PREFILL:
-            self.stats.on_prefill(batch)
-        else:
             self.stats.on_decode()
-        forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device, drafts)
+        else:
+            self.stats.on_prefill(batch)
+        forward_batch = batch.to_forward_batch(self.kv.last_out_cache_loc, self.runner.device)
         step = self.forward_steps + 1
         self.faults.before_forward(step)
-        ids = self._run(batch, forward_batch, step, drafts, forks)
+        ids = self._run(batch, forward_batch, step)
         self.forward_steps = step
         sampled = [batch.samples(i) for i in range(len(batch.reqs))]  # before kv_len moves
         tokens = sum(samples_a_token(batch, i) for i in range(len(batch.reqs)))
-        for i, (req, n, done) in enumerate(zip(batch.reqs, batch.extend_lens, sampled)):
-            req.kv_len += n if drafts is None else n + len(drafts[i])  # until `complete` trims the rejected
+        for req, n, done in zip(batch.reqs, batch.new_lens, sampled):
+            req.kv_len += n  # a verify step's: until `complete` trims the rejected drafts
             if not done:
                 self.chunked_req = req  # a mid-prompt chunk: its next chunk may run at once
                 continue
@@ -325,39 +313,17 @@ class Scheduler:
                 self.running.append(req)
         self.stats.timer.forward_end()
         self.stats.after_step(tokens)
-        return Launched(batch, sampled, ids, drafts)
+        return Launched(batch, sampled, ids)
 
-    def _drafts(self, batch: ScheduleBatch) -> tuple[list[list[int]] | None, list[list[Matcher]]]:
-        """A decode step's drafts (--speculative-algorithm), or None: none drafted, or their KV
-        does not fit in the free pages (drafts never evict the prefix cache); with a constrained
-        request in the batch, each request's draft rows' matchers (draft_matchers), else []."""
-        if self.speculator is None:
-            return None, []
-        drafts = self.speculator.drafts(batch.reqs, self.context_length)
-        forks: list[list[Matcher]] = []
-        if any(req.grammar is not None for req in batch.reqs):
-            cut = [draft_matchers(req, draft) for req, draft in zip(batch.reqs, drafts)]
-            drafts, forks = [draft for draft, _ in cut], [f for _, f in cut]
-        if not any(drafts) or not self.kv.fits_free(batch.reqs, [1 + len(d) for d in drafts]):
-            return None, []
-        return drafts, forks
-
-    def _run(
-        self,
-        batch: ScheduleBatch,
-        forward_batch: ForwardBatch,
-        step: int,
-        drafts: list[list[int]] | None = None,
-        forks: list[list[Matcher]] | None = None,
-    ) -> list[int] | None:
+    def _run(self, batch: ScheduleBatch, forward_batch: ForwardBatch, step: int) -> list[int] | None:
         """The step's forward and sampled ids (None on an earlier pipeline stage), its logprobs
-        recorded: a row per request, or with `drafts` per request and draft (every row's logprobs
+        recorded: a row per request, in a verify step per request and draft (every row's logprobs
         are recorded; `complete` keeps those of the tokens taken). With --is-embedding each request
         keeps its prompt's embedding instead (every rank computes the same); its request asked for
         no token, so `complete` finishes it."""
-        rows = batch if drafts is None else batch.verify_rows(drafts)
+        rows = batch.logprob_rows()
         plan = plan_logprobs(rows, compute=self.send_output is not None)  # None unless one asked
-        inputs = self._sampling_inputs(batch, step, plan, drafts, forks)
+        inputs = self._sampling_inputs(batch, step, plan)
         out = self.runner.step(forward_batch, inputs)
         if out is None:
             return None
@@ -369,39 +335,17 @@ class Scheduler:
             req.embedding = embedding
         return out.next_ids
 
-    def _sampling_inputs(
-        self,
-        batch: ScheduleBatch,
-        step: int,
-        plan: LogprobPlan | None,
-        drafts: list[list[int]] | None = None,
-        forks: list[list[Matcher]] | None = None,
-    ) -> SamplingInputs:
-        """How the runner turns this step's logits into ids: the requests' settings and, when a
-        request of the batch is constrained, its matcher (`forks`: its draft rows'); with `drafts`,
-        draft j's row samples at output position len(output_ids) + j with the drafts before it as
-        output (penalties, min_new_tokens), as plain decoding would have. The TP sync is a scheduling decision,
-        made from the batch, the same on every rank: always with --sync-token-ids-across-tp, with
-        a grammar in the batch (SGLang's rule: each rank's matcher follows its ids), and in a verify
-        step (the accept counts follow the ids)."""
-        reqs, outputs = batch.reqs, [r.output_ids for r in batch.reqs]
-        grammars = [r.grammar for r in reqs]
-        if drafts is not None:
-            rows = [(req, draft[:j]) for req, draft in zip(batch.reqs, drafts) for j in range(len(draft) + 1)]
-            reqs, outputs = (
-                [req for req, _ in rows],
-                [req.output_ids + d if d else req.output_ids for req, d in rows],
-            )
-            grammars = [
-                g
-                for req, draft, f in zip(batch.reqs, drafts, forks or [[] for _ in drafts])
-                for g in ([req.grammar, *f] if req.grammar is not None else [None] * (1 + len(draft)))
-            ]
-            assert len(grammars) == len(reqs)
+    def _sampling_inputs(self, batch: ScheduleBatch, step: int, plan: LogprobPlan | None) -> SamplingInputs:
+        """How the runner turns this step's logits into ids: each sampled row's settings (a verify
+        step's rows: scheduler/speculative.py) and, when a request of the batch is constrained, its
+        row's matcher. The TP sync is a scheduling decision, made from the batch, the same on every
+        rank: always with --sync-token-ids-across-tp, with a grammar in the batch (SGLang's rule:
+        each rank's matcher follows its ids), and in a verify step (the accept counts follow the ids)."""
+        reqs, outputs, grammars = batch.sampling_rows()
         eos = self.stop_checker.eos_token_ids
         constrained = any(g is not None for g in grammars)
         vocab = self.runner.vocab_size
-        verify = drafts is not None and self.parallel.tp_size > 1
+        verify = batch.verify is not None and self.parallel.tp_size > 1
         return SamplingInputs(
             temperatures=[r.sampling_params.temperature for r in reqs],
             top_ps=[r.sampling_params.top_p for r in reqs],
@@ -440,12 +384,9 @@ class Scheduler:
     def complete(self, launched: Launched, next_ids: list[int]) -> None:
         """Appends a launched batch's sampled tokens, checks stops, finishes requests. In a verify
         step a request takes its samples while they equal its drafts, each token checked in turn."""
-        batch, drafts = launched.batch, launched.drafts
-        row = 0
+        batch, verify = launched.batch, launched.batch.verify
+        taking = [[int(t)] for t in next_ids] if verify is None else verify.accepted(next_ids)
         for i, req in enumerate(batch.reqs):
-            draft = drafts[i] if drafts is not None else []
-            samples = [int(t) for t in next_ids[row : row + 1 + len(draft)]]
-            row += 1 + len(draft)
             if not launched.sampled[i] or req.finished:
                 continue  # a mid-prompt chunk, or aborted while its tokens were on the way
             req.awaiting_token = False
@@ -455,15 +396,16 @@ class Scheduler:
                 self._finish(req, FinishReason("length"))
                 continue
             taken, reason = 0, None
-            for token in accepted_tokens(draft, samples):
+            for token in taking[i]:
                 req.output_ids.append(token)
                 taken += 1
                 reason = advance(req, token, skip=self.faults.skip_grammar_accept(self.forward_steps, req))
                 reason = reason or self.stop_checker.check(req)
                 if reason is not None:
                     break
-            if drafts is not None:
-                self._verified(req, draft, taken)
+            if verify is not None:
+                assert self.speculator is not None
+                self.speculator.verified(req, verify.drafts[i], taken)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
@@ -472,25 +414,10 @@ class Scheduler:
             elif req.sent_len == 0 and (req.stream or self.first_token_at_once):
                 self.outbox.append(req)
 
-    def _verified(self, req: Req, draft: list[int], taken: int) -> None:
-        """After a verify step: the KV of the rows past the tokens taken freed (never cached), the
-        logprobs of the rows not taken dropped, the speculator told."""
-        self.kv.trim(req, req.kv_len - (1 + len(draft)) + taken)
-        lp = req.output_logprobs
-        if req.return_logprob and self.send_output is not None:
-            keep = len(req.output_ids) - req.resumed_len
-            del lp.values[keep:], lp.token_ids[keep:], lp.top[keep:], lp.ids[keep:]
-        assert self.speculator is not None
-        self.speculator.verified(req, draft, taken)
-        if draft:
-            self.stats.on_verified(taken)
-
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
-        if req.kv_len > req.seq_len:  # aborted while a verify step's ids were on the way
-            self.kv.trim(req, req.seq_len)
         if self.speculator is not None:
-            self.speculator.forget(req.rid)
+            self.speculator.forget(req)
         if req.return_routed_experts and self.send_output is not None:
             req.routed_experts = self.kv.routed_experts(req)
         self.kv.release(req, insert=True)

@@ -1,6 +1,7 @@
-"""Speculative decoding in the scheduler: drafts from each request's own tokens
-(`--speculative-algorithm NGRAM`) or from a small model (STANDALONE: scheduler/draft_model.py),
-checked in one decode step, accepted while they equal what plain decoding samples.
+"""Speculative decoding's one seam in the scheduler: the speculator plans a verify step (its rows,
+its forward batch, how each request takes its samples), the batch carries it as `batch.verify`,
+and the scheduler runs it as it runs any batch. A plain step carries none and runs none of this.
+Who drafts: scheduler/drafts.py.
 
 A verify step is a decode step with more rows. Request i, its last token t and its drafts
 d1..dk, feeds k + 1 rows, each a decode row of its own:
@@ -14,66 +15,30 @@ drafts before it been sampled (decode rows do not depend on their batch), and sa
 same counter-based draw. The request takes the samples s0..sa while s(j-1) == dj: those are plain
 decoding's tokens, at any temperature. The KV of rows past the last token taken is freed.
 
-Every rank decides alike: draft lengths are functions of a request's tokens and of the accept counts
-so far, and so are n-gram drafts (a draft model's are MIN-synced over TP); the sampled ids are
-MIN-synced over TP (at tp > 1), and each request's (drafts, accepted) goes into the consensus
-digest. A constrained request's row j is masked by a fork of its matcher past d1..dj; the
-request's own matcher advances only on the tokens taken.
+Every rank decides alike: the drafts are (scheduler/drafts.py); the sampled ids are MIN-synced over
+TP (at tp > 1), and each request's (drafts, accepted) goes into the consensus digest. A constrained
+request's row j is masked by a fork of its matcher past d1..dj; the request's own matcher advances
+only on the tokens taken.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import consensus
+import torch
+
+from model_executor.constrained import Matcher
+from model_executor.distributed.parallel_state import ParallelState
+from model_executor.drafter import load_drafter
+from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
+from model_executor.model_runner import ModelRunner
+from scheduler.drafts import DraftSource, ModelDrafts, NgramDrafts
+from scheduler.grammar import draft_matchers
+from scheduler.kv_manager import KVManager
 from scheduler.req import Req
-
-CANDIDATES = 16  # earlier occurrences of the last token tried, most recent first
-MIN_MATCH = 3  # tokens a suffix must match before its continuation is drafted
-MAX_PAUSE = 32  # decode steps a request drafts nothing after drafts kept failing
-
-
-@dataclass
-class DraftState:
-    """How long one request's drafts may be now, whatever drafts them."""
-
-    max_drafts: int = 0
-    misses: int = 0  # verify steps in a row that accepted no draft
-    pause: int = 0  # decode steps left without drafts
-
-
-@dataclass
-class NgramState(DraftState):
-    """One request's n-gram index over its tokens, and its draft lengths."""
-
-    positions: dict[int, list[int]] = field(default_factory=dict)  # token -> positions, ascending
-    indexed: int = 0  # tokens indexed (every position but the last, whose successor is unknown)
-
-    def index(self, tokens: list[int]) -> None:
-        for p in range(self.indexed, len(tokens) - 1):
-            self.positions.setdefault(tokens[p], []).append(p)
-        self.indexed = max(self.indexed, len(tokens) - 1)
-
-
-def ngram_draft(tokens: list[int], state: NgramState, max_len: int, max_match: int) -> list[int]:
-    """Up to `max_len` tokens that followed the longest earlier match (at least MIN_MATCH tokens,
-    at most `max_match`; the most recent of equal matches) of the tokens' suffix."""
-    if max_len <= 0 or len(tokens) < 2:
-        return []
-    state.index(tokens)
-    end = len(tokens) - 1
-    best, best_len = -1, 0
-    for p in reversed(state.positions.get(tokens[end], [])[-CANDIDATES:]):
-        m = 1
-        while m < max_match and p - m >= 0 and tokens[p - m] == tokens[end - m]:
-            m += 1
-        if m > best_len:
-            best, best_len = p, m
-            if m == max_match:
-                break
-    if best_len < MIN_MATCH:
-        return []
-    return tokens[best + 1 : best + 1 + max_len]
+from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.stats import SchedulerStats
+from srt.server_args import ServerArgs
 
 
 def accepted_tokens(drafts: list[int], samples: list[int]) -> list[int]:
@@ -85,78 +50,130 @@ def accepted_tokens(drafts: list[int], samples: list[int]) -> list[int]:
     return samples[:n]
 
 
-class Speculator:
-    """What every drafter shares: a step verifies at most `num_draft_tokens` rows in all, one per
-    request first and the rest as drafts in batch order (past a few rows a decode step is bound by
-    arithmetic rather than by reading the weights, and a draft row costs about what a request's row
-    does: docs/performance.md), and each request's draft length follows its acceptance."""
+@dataclass
+class VerifyInput:
+    """A planned verify step: each request's drafts, and with a constrained request in the batch
+    the matchers of each request's draft rows (draft_matchers), else []."""
 
-    def __init__(self, num_draft_tokens: int) -> None:
-        self.max_drafts = num_draft_tokens - 1
-        self.states: dict[str, DraftState] = {}
+    reqs: list[Req]  # the batch's
+    drafts: list[list[int]]
+    forks: list[list[Matcher]]
 
-    def new_state(self) -> DraftState:
-        return DraftState(max_drafts=self.max_drafts)
+    @property
+    def row_lens(self) -> list[int]:
+        """The rows (tokens fed, ids sampled) of each request: its last token and its drafts."""
+        return [1 + len(draft) for draft in self.drafts]
 
-    def drafts(self, reqs: list[Req], context_length: int) -> list[list[int]]:
-        """Each request's drafts, never past max_new_tokens or the context (the last row samples
-        one more token than it drafts); a constrained request's are cut to what its grammar allows
-        by the scheduler (scheduler/grammar.py draft_matchers)."""
-        limits = []
-        for req in reqs:
-            state = self.states.get(req.rid)
-            if state is None:
-                state = self.states[req.rid] = self.new_state()
-            limit = min(state.max_drafts, req.remaining_new_tokens - 1, context_length - req.seq_len - 1)
-            if state.pause > 0:
-                state.pause = max(state.pause - 1, 0)
-                limit = 0
-            limits.append(limit)
-        return self.draft(reqs, limits, self.max_drafts + 1 - len(reqs))
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_lens)
 
-    def draft(self, reqs: list[Req], limits: list[int], budget: int) -> list[list[int]]:
-        """Up to limits[i] drafts for request i, `budget` in all (a drafter's own)."""
-        raise NotImplementedError
+    def rows(self) -> ScheduleBatch:
+        """The rows as a decode batch of their own, request i repeated once per row (its logprob
+        rows are planned and recorded over it)."""
+        reqs = [req for req, n in zip(self.reqs, self.row_lens) for _ in range(n)]
+        return ScheduleBatch(Phase.DECODE, reqs, [1] * len(reqs))
 
-    def verified(self, req: Req, drafts: list[int], taken: int) -> None:
-        """Records a verify step of `req`: `taken` tokens taken (accepted drafts + 1). Draft lengths
-        follow acceptance: all accepted doubles the next limit, a miss shrinks it to what was
-        accepted plus one, and misses in a row pause drafting for 2, 4, .. MAX_PAUSE steps."""
-        consensus.record("spec_verify", (req.rid, len(drafts), taken))
-        if not drafts:
-            return
-        state = self.states[req.rid]
-        accepted = taken - 1
-        if accepted == len(drafts):
-            state.max_drafts = min(self.max_drafts, max(2 * state.max_drafts, 1))
-        else:
-            state.max_drafts = max(accepted + 1, 1)
-        if accepted == 0:
-            state.misses += 1
-            state.pause = min(2**state.misses, MAX_PAUSE)
-        else:
-            state.misses = 0
+    def forward_batch(self, out_cache_loc: torch.Tensor, device: torch.device) -> ForwardBatch:
+        """Each request's last token and drafts, a decode row each: row j at position kv_len + j."""
+        input_ids: list[int] = []
+        rows: list[int] = []
+        prefix_lens: list[int] = []
+        prompts: list[int] = []
+        for req, draft in zip(self.reqs, self.drafts):
+            assert req.req_pool_idx is not None
+            input_ids += [req.output_ids[-1], *draft]
+            rows += [req.req_pool_idx] * (1 + len(draft))
+            prefix_lens += range(req.kv_len, req.kv_len + 1 + len(draft))
+            prompts += [len(req.origin_input_ids)] * (1 + len(draft))
+        seq_lens = [p + 1 for p in prefix_lens]
+        return make_forward_batch(
+            ForwardMode.DECODE, input_ids, rows, prefix_lens, seq_lens, out_cache_loc, device, prompts
+        )
 
-    def forget(self, rid: str) -> None:
-        self.states.pop(rid, None)
+    def sampling_rows(self) -> tuple[list[Req], list[list[int]], list[Matcher | None]]:
+        """Each row's request, the output it samples after (row j: output_ids + d1..dj, as plain
+        decoding would have had them: penalties, min_new_tokens, the output position) and its
+        matcher (row j's: the fork past d1..dj)."""
+        reqs: list[Req] = []
+        outputs: list[list[int]] = []
+        grammars: list[Matcher | None] = []
+        forks = self.forks or [[] for _ in self.drafts]
+        for req, draft, fork in zip(self.reqs, self.drafts, forks):
+            reqs += [req] * (1 + len(draft))
+            outputs += [req.output_ids + draft[:j] if j else req.output_ids for j in range(1 + len(draft))]
+            grammars += [req.grammar, *fork] if req.grammar is not None else [None] * (1 + len(draft))
+        assert len(grammars) == len(reqs)
+        return reqs, outputs, grammars
 
-
-class NgramSpeculator(Speculator):
-    """Drafts from each request's own tokens (`--speculative-algorithm NGRAM`), `max_match` tokens
-    matched at most."""
-
-    def __init__(self, num_draft_tokens: int, max_match: int) -> None:
-        super().__init__(num_draft_tokens)
-        self.max_match = max_match
-
-    def new_state(self) -> DraftState:
-        return NgramState(max_drafts=self.max_drafts)
-
-    def draft(self, reqs: list[Req], limits: list[int], budget: int) -> list[list[int]]:
-        out = []
-        for req, limit in zip(reqs, limits):
-            state = self.states[req.rid]
-            assert isinstance(state, NgramState)
-            out.append(ngram_draft(req.fill_ids, state, min(limit, budget), self.max_match))
-            budget -= len(out[-1])
+    def accepted(self, next_ids: list[int]) -> list[list[int]]:
+        """The tokens each request takes from its rows' samples (accepted_tokens)."""
+        out, row = [], 0
+        for draft in self.drafts:
+            out.append(accepted_tokens(draft, [int(t) for t in next_ids[row : row + 1 + len(draft)]]))
+            row += 1 + len(draft)
         return out
+
+
+class Speculator:
+    """Plans each decode step's verify (`plan`) and settles it per request (`verified`)."""
+
+    def __init__(
+        self, source: DraftSource, kv: KVManager, stats: SchedulerStats, context_length: int
+    ) -> None:
+        self.source = source
+        self.kv = kv
+        self.stats = stats
+        self.context_length = context_length
+        stats.speculative = True
+
+    def plan(self, batch: ScheduleBatch) -> VerifyInput | None:
+        """The decode batch's verify step, or None: nothing drafted, or the drafts' KV does not fit
+        in the free pages (drafts never evict the prefix cache)."""
+        drafts = self.source.drafts(batch.reqs, self.context_length)
+        forks: list[list[Matcher]] = []
+        if any(req.grammar is not None for req in batch.reqs):
+            cut = [draft_matchers(req, draft) for req, draft in zip(batch.reqs, drafts)]
+            drafts, forks = [draft for draft, _ in cut], [f for _, f in cut]
+        if not any(drafts) or not self.kv.fits_free(batch.reqs, [1 + len(d) for d in drafts]):
+            return None
+        return VerifyInput(batch.reqs, drafts, forks)
+
+    def verified(self, req: Req, draft: list[int], taken: int) -> None:
+        """After a verify step: the KV of the rows past the tokens taken freed (never cached), the
+        logprobs of the rows not taken dropped, the draft source told."""
+        self.kv.trim(req, req.kv_len - (1 + len(draft)) + taken)
+        if req.return_logprob:
+            lp = req.output_logprobs
+            keep = len(req.output_ids) - req.resumed_len
+            del lp.values[keep:], lp.token_ids[keep:], lp.top[keep:], lp.ids[keep:]
+        self.source.verified(req, draft, taken)
+        if draft:
+            self.stats.on_verified(taken)
+
+    def forget(self, req: Req) -> None:
+        """A finished request: the KV of a verify step's rows freed if it was aborted while their ids
+        were on the way, its draft state dropped."""
+        if req.kv_len > req.seq_len:
+            self.kv.trim(req, req.seq_len)
+        self.source.forget(req.rid)
+
+
+def new_speculator(
+    args: ServerArgs,
+    runner: ModelRunner,
+    parallel: ParallelState,
+    kv: KVManager,
+    stats: SchedulerStats,
+    context_length: int,
+) -> Speculator | None:
+    """`--speculative-algorithm`'s speculator; None without one."""
+    if args.speculative_algorithm is None:
+        return None
+    source: DraftSource
+    if args.speculative_algorithm == "NGRAM":
+        source = NgramDrafts(args.num_draft_tokens, args.speculative_ngram_max_trie_depth)
+    else:
+        assert args.speculative_algorithm == "STANDALONE"
+        source = ModelDrafts(load_drafter(args, runner, parallel), args.num_draft_tokens)
+    return Speculator(source, kv, stats, context_length)

@@ -16,8 +16,9 @@ from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
 from model_executor.cpu.kernels import build
-from scheduler.draft_model import DraftModelSpeculator
-from scheduler.speculative import NgramSpeculator, NgramState, accepted_tokens, ngram_draft
+from model_executor.draft_model import DraftModel
+from scheduler.drafts import ModelDrafts, NgramDrafts, NgramState, ngram_draft
+from scheduler.speculative import accepted_tokens
 from srt.io_struct import BatchTokenIDOut, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -60,7 +61,7 @@ def test_accepted_tokens() -> None:
 
 
 def test_draft_lengths_follow_acceptance() -> None:
-    spec = NgramSpeculator(num_draft_tokens=9, max_match=18)
+    spec = NgramDrafts(num_draft_tokens=9, max_match=18)
 
     class R:
         rid, grammar, remaining_new_tokens, seq_len = "r", None, 100, 10
@@ -212,7 +213,7 @@ def test_outputs_equal_with_speculation_off(smollm2_dir: Path, micro_batches: in
     assert on["finished"]["stop"] == ("stop", "plums, figs")
     # drafts were taken: fewer steps for the same tokens
     assert on["steps"] < 0.9 * off["steps"], (on["steps"], off["steps"])
-    assert on_run.h.scheduler.speculator is not None and not on_run.h.scheduler.speculator.states
+    assert on_run.h.scheduler.speculator is not None and not on_run.h.scheduler.speculator.source.states
 
 
 def test_a_constrained_request_takes_drafts_its_grammar_allows(smollm2_dir: Path) -> None:
@@ -244,8 +245,11 @@ def test_a_draft_model_drafts_and_outputs_equal_with_speculation_off(smollm2_dir
     assert on["logprobs"] == off["logprobs"] and on["tops"] == off["tops"]
     assert on["steps"] < 0.7 * off["steps"], (on["steps"], off["steps"])
     speculator = on_run.h.scheduler.speculator
-    assert isinstance(speculator, DraftModelSpeculator) and not speculator.states
-    memory = speculator.memory
+    assert speculator is not None and isinstance(speculator.source, ModelDrafts)
+    assert not speculator.source.states
+    drafter = speculator.source.drafter
+    assert isinstance(drafter, DraftModel) and not drafter.rows
+    memory = drafter.memory
     assert memory.allocator.num_free_pages == memory.budget.num_pages
     assert memory.req_to_token_pool.num_free == on_run.h.scheduler.runner.max_running_requests
 
@@ -266,13 +270,13 @@ def test_draft_model_drafts_are_min_synced_over_tp_and_cut_at_the_vocabulary() -
                 tensor[i, : len(draft)] = torch.minimum(tensor[i, : len(draft)], torch.tensor(draft))
             return tensor
 
-    speculator = DraftModelSpeculator.__new__(DraftModelSpeculator)
-    speculator.tp = OtherRank([[5, 9, 7], [], [3, 200]])  # type: ignore[assignment]
-    speculator.vocab_size = 100
-    speculator.runner = SimpleNamespace(device=torch.device("cpu"))  # type: ignore[assignment]
-    assert speculator._agreed([[5, 8, 9], [], [4, 160]]) == [[5, 8, 7], [], [3]]
-    speculator.tp = OtherRank([[150, 1]])  # type: ignore[assignment]
-    assert speculator._agreed([[150, 1]]) == [[]]
+    drafter = DraftModel.__new__(DraftModel)
+    drafter.tp = OtherRank([[5, 9, 7], [], [3, 200]])  # type: ignore[assignment]
+    drafter.vocab_size = 100
+    drafter.runner = SimpleNamespace(device=torch.device("cpu"))  # type: ignore[assignment]
+    assert drafter._agreed([[5, 8, 9], [], [4, 160]]) == [[5, 8, 7], [], [3]]
+    drafter.tp = OtherRank([[150, 1]])  # type: ignore[assignment]
+    assert drafter._agreed([[150, 1]]) == [[]]
 
 
 def test_gemma3_windowed_layers_give_the_same_tokens_with_speculation(tmp_path: Path) -> None:
