@@ -1,13 +1,12 @@
-"""Anthropic Messages bodies -> chat bodies (AnthropicCall), validated: a bad or unsupported field
+"""Anthropic Messages bodies -> chat calls (AnthropicCall), validated: a bad or unsupported field
 raises RequestError naming it, under Anthropic's name.
 
-A Messages request is a chat request spelled differently, so it becomes one: the system prompt a
-system message, `tool_use` blocks an assistant turn's tool_calls, `tool_result` blocks `tool`
-turns, `tools` function tools, `tool_choice` auto / any / tool / none the chat's auto / required /
-a named function / none, `stop_sequences` stop strings, `thinking` the split of
-`--reasoning-parser`. The chat body then goes through openai_parse.parse_chat (the chat template,
-the tools prompt, the grammar of a forced call), so the two APIs render a conversation alike.
-Image and document blocks are refused by name: srt serves text models.
+The conversation (`system`, `messages`) is read into the typed Conversation by
+srt/conversation/anthropic_messages.py. The rest is a chat request spelled differently: `tools`
+function tools, `tool_choice` auto / any / tool / none the chat's auto / required / a named
+function / none, `stop_sequences` stop strings, `thinking` the split of `--reasoning-parser`; it
+goes through openai_parse.parse_chat with the conversation (the chat template, the tools prompt,
+the grammar of a forced call), so the two APIs render a conversation alike.
 
 The fields, from the official client's `messages.create` and `messages.count_tokens` (anthropic
 2.17) and SGLang's `AnthropicMessagesRequest` (sglang 0.5.23), in the kinds of srt/vocabulary.py.
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from srt.conversation import Conversation, anthropic_messages
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
 from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl
@@ -101,124 +101,6 @@ def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
         check_fields(body, vocabulary)
     except VocabularyError as error:
         raise RequestError(str(error), error.param) from None
-
-
-def _text_of(blocks: Any, where: str) -> str:
-    """A string, or a list of text blocks joined (a system prompt, a tool result)."""
-    if isinstance(blocks, str):
-        return blocks
-    if isinstance(blocks, list) and all(
-        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in blocks
-    ):
-        return "".join(b["text"] for b in blocks)
-    raise RequestError(
-        f"{where} must be a string or a list of text blocks", where.split("[")[0].split(".")[0]
-    )
-
-
-def _block_type(block: Any, where: str) -> str:
-    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-        raise RequestError(f"{where} must be an object with a type", "messages")
-    kind: str = block["type"]
-    if kind in ("image", "document", "search_result", "container_upload"):
-        raise RequestError(f"{where}: {kind} blocks are not supported (srt serves text models)", "messages")
-    return kind
-
-
-def _user_turns(content: Any, i: int, called: set[str]) -> list[dict[str, Any]]:
-    """A user message: its tool_result blocks as `tool` turns, then its text as a user turn. Each
-    tool_result answers a tool_use of an earlier turn (one of `called`), as Anthropic requires."""
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise RequestError(f"messages[{i}].content must be a string or a list of blocks", "messages")
-    turns: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for j, block in enumerate(content):
-        where = f"messages[{i}].content[{j}]"
-        kind = _block_type(block, where)
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "tool_result":
-            _check_answers(block.get("tool_use_id"), f"{where}.tool_use_id", called)
-            result = _text_of(block.get("content") or "", f"{where}.content")
-            if block.get("is_error"):
-                result = f"Error: {result}"
-            turns.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
-        else:
-            raise RequestError(
-                f"{where}: a user turn holds text blocks (with text) and tool_result blocks",
-                "messages",
-            )
-    if texts or not turns:
-        turns.append({"role": "user", "content": "".join(texts)})
-    return turns
-
-
-def _check_answers(tool_use_id: Any, where: str, called: set[str]) -> None:
-    if not isinstance(tool_use_id, str):
-        raise RequestError(f"{where} is required: the id of the tool_use block it answers", where)
-    if tool_use_id not in called:
-        raise RequestError(f"{where} {tool_use_id!r} answers no tool_use block of an earlier message", where)
-
-
-def _assistant_turn(content: Any, i: int) -> dict[str, Any]:
-    """An assistant message: its text, its tool_use blocks as tool_calls (thinking blocks dropped,
-    as Anthropic drops earlier turns' thinking)."""
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise RequestError(f"messages[{i}].content must be a string or a list of blocks", "messages")
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        where = f"messages[{i}].content[{j}]"
-        kind = _block_type(block, where)
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "tool_use" and isinstance(block.get("name"), str) and isinstance(block.get("id"), str):
-            arguments = block.get("input", {})
-            if not isinstance(arguments, dict):
-                raise RequestError(f"{where}.input must be an object", "messages")
-            calls.append(
-                {
-                    "id": block["id"],
-                    "type": "function",
-                    "function": {"name": block["name"], "arguments": arguments},
-                }
-            )
-        elif kind not in ("thinking", "redacted_thinking"):
-            raise RequestError(
-                f"{where}: an assistant turn holds text, tool_use (with id and name) and thinking blocks",
-                "messages",
-            )
-    turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
-    if calls:
-        turn["tool_calls"] = calls
-    return turn
-
-
-def _conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", "messages")
-    out: list[dict[str, Any]] = []
-    called: set[str] = set()  # the ids of the tool_use blocks so far
-    if body.get("system") is not None:
-        out.append({"role": "system", "content": _text_of(body["system"], "system")})
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role == "user":
-            out.extend(_user_turns(message.get("content"), i, called))
-        elif role == "assistant":
-            out.append(_assistant_turn(message.get("content"), i))
-            called.update(call["id"] for call in out[-1].get("tool_calls") or [])
-        else:
-            raise RequestError(
-                f"messages[{i}].role must be user or assistant (the system prompt is `system`), got {role!r}",
-                f"messages[{i}].role",
-            )
-    return out
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -310,14 +192,11 @@ def _output_config(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat body of a Messages (or count_tokens) body whose vocabulary was checked."""
-    return {
-        "messages": _conversation(body),
-        **_tools(body),
-        **_thinking(body),
-        **_output_config(body),
-    }
+def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], Conversation]:
+    """(the chat body of its tools and settings, its conversation) of a Messages (or count_tokens)
+    body whose vocabulary was checked."""
+    conversation = anthropic_messages.conversation(body.get("system"), body.get("messages"))
+    return {**_tools(body), **_thinking(body), **_output_config(body)}, conversation
 
 
 def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
@@ -328,7 +207,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    chat = chat_body(body)
+    chat, conversation = chat_body(body)
     chat.update(max_tokens=max_tokens, stream=body.get("stream") or False)
     if stops:
         chat["stop"] = stops
@@ -345,7 +224,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
             raise RequestError(f"top_k: must be an integer of 0 or more (got {top_k!r})", "top_k")
         chat["top_k"] = top_k if top_k > 0 else -1  # 0: no top-k cut, as -1 is here
     try:
-        call = parse_chat(tm, chat)
+        call = parse_chat(tm, chat, conversation)
     except RequestError as error:
         raise tool_paths_renamed(error, "input_schema") from None
     renamed = {gen: ANTHROPIC_NAMES.get(name, name) for gen, name in call.renamed.items()}
@@ -356,7 +235,7 @@ def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
     """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
     _check(body, COUNT_TOKENS)
     try:
-        return len(chat_prompt(tm, chat_body(body)).input_ids)
+        return len(chat_prompt(tm, *chat_body(body)).input_ids)
     except RequestError as error:
         raise tool_paths_renamed(error, "input_schema") from None
 

@@ -8,14 +8,14 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import jinja2
 import orjson
 
+from srt.conversation import Conversation, openai_chat
+from srt.conversation.render import ChatPrompt, render_prompt
 from srt.fim import FimTokens, check_text, fim_prompt, require_fim_tokens, text_ids
 from srt.generate_parse import RequestError
 from srt.reasoning import ReasoningSplit
 from srt.tool_calls import ToolPlan
-from srt.tool_template import chat_tools
 from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
 
 if TYPE_CHECKING:
@@ -42,8 +42,6 @@ _PASSED_THROUGH = (
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
-_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")  # OpenAI's content parts
 # apply_chat_template arguments srt sets itself: chat_template_kwargs may not override them
 _TEMPLATE_ARGS = {
     "conversation",
@@ -334,81 +332,6 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     )
 
 
-def _content_parts(parts: list[Any], i: int) -> str:
-    """A message's content parts joined: text parts (and an assistant's refusal parts), each part
-    checked as OpenAI checks it; RequestError naming the part's field."""
-    texts = []
-    for j, part in enumerate(parts):
-        where = f"messages[{i}].content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(kind, str):
-            raise RequestError(f"{where}.type is required (a string)", f"{where}.type")
-        if kind not in _PART_TYPES:
-            raise RequestError(
-                f"{where}.type must be one of {', '.join(_PART_TYPES)}, got {kind!r}", f"{where}.type"
-            )
-        if kind not in ("text", "refusal"):
-            raise RequestError(f"{where}: {kind} parts are not supported (srt serves text models)", where)
-        if not isinstance(part.get(kind), str):
-            raise RequestError(f"{where}.{kind} must be a string", f"{where}.{kind}")
-        texts.append(part[kind])
-    return "".join(texts)
-
-
-def _message_text(message: Any, i: int) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise RequestError(f"messages[{i}] must be an object with a role", f"messages[{i}]")
-    role = message.get("role")
-    if role not in _ROLES:
-        raise RequestError(
-            f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", f"messages[{i}].role"
-        )
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: only text is supported
-        content = _content_parts(content, i)
-    if content is None:
-        if role != "assistant":  # an assistant turn may carry only tool calls; no other may be empty
-            raise RequestError(f"messages[{i}].content is required for a {role} message", "messages")
-        content = ""
-    if not isinstance(content, str):
-        raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    out: dict[str, Any] = {"role": role, "content": content}
-    for key in ("name", "tool_call_id"):  # a tool's result names its call
-        if isinstance(message.get(key), str):
-            out[key] = message[key]
-    calls = message.get("tool_calls")
-    if calls is not None:
-        if not isinstance(calls, list) or not all(
-            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
-        ):
-            raise RequestError(f"messages[{i}].tool_calls must be a list of function calls", "messages")
-        out["tool_calls"] = [
-            {**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get("arguments"))}}
-            for c in calls
-        ]
-    return out
-
-
-def _check_tool_results(conversation: list[dict[str, Any]]) -> None:
-    """Each tool message answers a call of an earlier assistant message, by its tool_call_id (as
-    OpenAI requires); RequestError naming messages[i].tool_call_id."""
-    called: set[str] = set()
-    for i, message in enumerate(conversation):
-        called.update(c.get("id") for c in message.get("tool_calls") or [] if isinstance(c.get("id"), str))
-        if message["role"] != "tool":
-            continue
-        where = f"messages[{i}].tool_call_id"
-        call_id = message.get("tool_call_id")
-        if call_id is None:
-            raise RequestError(
-                f"{where} is required for a tool message (the id of the call it answers)", where
-            )
-        if call_id not in called:
-            raise RequestError(
-                f"{where} {call_id!r} answers no tool call of an earlier assistant message", where
-            )
-
-
 def tool_paths_renamed(error: RequestError, parameters: str) -> RequestError:
     """A chat tools error (`tools[i].function.name` ...) in the words of an API whose tools are flat
     (`tools[i].name`, `tools[i].<parameters>`), its param the field's path there."""
@@ -420,17 +343,7 @@ def tool_paths_renamed(error: RequestError, parameters: str) -> RequestError:
     return RequestError(str(error).replace(found[0], path), path)
 
 
-def _json_or_text(arguments: Any) -> Any:
-    """Chat templates render a call's arguments as an object (OpenAI sends them serialized)."""
-    if isinstance(arguments, str):
-        try:
-            return orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            return arguments
-    return arguments
-
-
-def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) -> dict[str, Any]:
+def _template_options(body: dict[str, Any], conversation: Conversation) -> dict[str, Any]:
     """apply_chat_template's arguments for continue_final_message and chat_template_kwargs."""
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
@@ -443,7 +356,7 @@ def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) 
         raise RequestError(
             f"continue_final_message must be a boolean, got {continue_final!r}", "continue_final_message"
         )
-    if continue_final and conversation[-1]["role"] != "assistant":
+    if continue_final and conversation.messages[-1].role != "assistant":
         raise RequestError(
             "continue_final_message needs the last message to be the assistant's", "continue_final_message"
         )
@@ -451,43 +364,23 @@ def _template_options(body: dict[str, Any], conversation: list[dict[str, str]]) 
     return {**extra, "add_generation_prompt": not continue_final, "continue_final_message": continue_final}
 
 
-@dataclass
-class ChatPrompt:
-    """A chat request's prompt: the tokens its messages (and tools) render to, and its ToolPlan."""
-
-    input_ids: list[int]
-    tools: ToolPlan | None
-
-
-def chat_prompt(tm: TokenizerManager, body: dict[str, Any]) -> ChatPrompt:
-    """The prompt of a chat body (its vocabulary checked already): the messages and tools through
-    the chat template; RequestError naming messages, tools or tool_choice."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", "messages")
-    if not getattr(tm.tokenizer, "chat_template", None):
-        raise RequestError(
-            "this model has no chat template (a base model): send the text to /v1/completions or "
-            "/generate, or start the server with --chat-template FILE",
-            "messages",
-        )
-    conversation = [_message_text(m, i) for i, m in enumerate(messages)]
-    _check_tool_results(conversation)
-    options = _template_options(body, conversation)
-    prepared = chat_tools(tm.tokenizer, tm.server_args.tool_call_parser, body, conversation)
-    if prepared.template_tools is not None:
-        options["tools"] = prepared.template_tools
-    try:
-        text = tm.tokenizer.apply_chat_template(prepared.conversation, tokenize=False, **options)
-    except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
-        raise RequestError(f"cannot apply the chat template: {error}", "messages") from None
-    # The template already wrote the special tokens (BOS included), so do not add them again.
-    return ChatPrompt(list(tm.tokenizer(text, add_special_tokens=False)["input_ids"]), prepared.plan)
+def chat_prompt(
+    tm: TokenizerManager, body: dict[str, Any], conversation: Conversation | None = None
+) -> ChatPrompt:
+    """The prompt of a chat body (its vocabulary checked already): its messages (or `conversation`,
+    an adapter's for another API) and tools through the chat template; RequestError naming
+    messages, tools or tool_choice."""
+    if conversation is None:
+        conversation = openai_chat.conversation(body.get("messages"))
+    return render_prompt(tm, conversation, body, _template_options(body, conversation))
 
 
-def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
+def parse_chat(
+    tm: TokenizerManager, body: dict[str, Any], conversation: Conversation | None = None
+) -> OpenAICall:
+    """The call of a chat body; `conversation`: another API's, in place of the body's messages."""
     _check_vocabulary(body, CHAT)
-    prompt = chat_prompt(tm, body)
+    prompt = chat_prompt(tm, body, conversation)
     input_ids, tools = prompt.input_ids, prompt.tools
     capacity = min(tm.context_length, tm.max_total_tokens or tm.context_length)
     if len(input_ids) >= capacity:

@@ -1,15 +1,13 @@
-"""OpenAI Responses bodies -> chat bodies (ResponsesCall), validated: a bad or unsupported field
+"""OpenAI Responses bodies -> chat calls (ResponsesCall), validated: a bad or unsupported field
 raises RequestError naming it, under the Responses name.
 
-A Responses request is a chat request spelled differently, so it becomes one: `instructions` a
-system message first, then the items of `input` in order (a string is one user message): message
-items turns of their role (`developer` a system turn), `function_call` items an assistant turn's
-tool_calls, `function_call_output` items `tool` turns; `reasoning` items are dropped, as the chat
-drops earlier turns' reasoning. `previous_response_id` puts the stored conversation before them
-(responses_store.py). Function tools become the chat's tools, `text.format` its response_format,
-`max_output_tokens` its max_tokens. The chat body then goes through openai_parse.parse_chat, so
-both APIs render a conversation alike. Image, file and audio parts and OpenAI's hosted tools
-(web_search, file_search, code_interpreter, mcp, ...) are refused by name.
+The conversation (`instructions`, then the items of `input`, a string being one user message) is
+read into the typed Conversation by srt/conversation/responses_input.py; `previous_response_id`
+puts the stored conversation's items before them (responses_store.py). Function tools become the
+chat's tools, `text.format` its response_format, `max_output_tokens` its max_tokens, and the call
+goes through openai_parse.parse_chat with the conversation, so both APIs render a conversation
+alike. OpenAI's hosted tools (web_search, file_search, code_interpreter, mcp, ...) are refused by
+name.
 
 The fields, from the official client's `responses.create` (openai 3.60) and SGLang's
 `ResponsesRequest` (sglang 0.5.23: its sampling and scheduling extensions, as its chat
@@ -21,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from srt.conversation import Conversation, responses_input
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
 from srt.vocabulary import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
@@ -101,9 +100,6 @@ RESPONSES_NAMES = {
     "json_schema": "text",
     "rid": "request_id",
 }
-_TEXT_PARTS = ("input_text", "output_text", "text")
-_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
 @dataclass
@@ -124,83 +120,6 @@ def _input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
         raise RequestError("input must be a string or a list of items", "input")
     return value
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or text parts joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text parts", "input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _MEDIA_PARTS:
-            raise RequestError(
-                f"{where}[{j}]: {kind} parts are not supported (srt serves text models)", "input"
-            )
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{j}] must be an input_text or output_text part with text", "input")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
-        raise RequestError(
-            f"{where}: a function_call item needs call_id, name and arguments strings", "input"
-        )
-    return {
-        "id": item["call_id"],
-        "type": "function",
-        "function": {"name": item["name"], "arguments": item["arguments"]},
-    }
-
-
-def _turns(items: list[dict[str, Any]], stored: int) -> list[dict[str, Any]]:
-    """The chat turns of the items (the first `stored` from the store, checked when they were
-    stored): a function_call joins the assistant turn just before it, a function_call_output
-    answers a function_call before it (as OpenAI requires)."""
-    turns: list[dict[str, Any]] = []
-    called: set[str] = set()
-    for i, item in enumerate(items, start=-stored):
-        where = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
-            if role is None:
-                raise RequestError(
-                    f"{where}.role must be user, assistant, system or developer, got {item.get('role')!r}",
-                    f"{where}.role",
-                )
-            turns.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            call = _call(item, where)
-            called.add(call["id"])
-            if turns and turns[-1]["role"] == "assistant":
-                turns[-1].setdefault("tool_calls", []).append(call)
-            else:
-                turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise RequestError(
-                    f"{where}.call_id is required: the call_id of the function_call it answers",
-                    f"{where}.call_id",
-                )
-            if call_id not in called:
-                raise RequestError(
-                    f"{where}.call_id {call_id!r} answers no function_call item before it", f"{where}.call_id"
-                )
-            output = _text(item.get("output"), f"{where}.output")
-            turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-        elif kind != "reasoning":
-            raise RequestError(
-                f"{where}: {kind!r} items are not supported (srt takes message, function_call, "
-                "function_call_output and reasoning items)",
-                "input",
-            )
-    return turns
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -297,8 +216,9 @@ def echo_settings(body: dict[str, Any]) -> dict[str, Any]:
 
 def _chat_body(
     body: dict[str, Any], history: list[dict[str, Any]]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the chat body, the conversation's items) of a Responses body whose fields were checked."""
+) -> tuple[dict[str, Any], Conversation, list[dict[str, Any]]]:
+    """(the chat body of its tools and settings, its conversation, the conversation's items) of a
+    Responses body whose fields were checked."""
     for name in ("store", "stream"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise RequestError(f"{name} must be a boolean, got {body[name]!r}", name)
@@ -306,11 +226,8 @@ def _chat_body(
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("instructions must be a string", "instructions")
     items = [*history, *_input_items(body)]
-    turns = _turns(items, len(history))
-    if instructions:
-        turns.insert(0, {"role": "system", "content": instructions})
+    conversation = responses_input.conversation(instructions, items, len(history))
     chat: dict[str, Any] = {
-        "messages": turns,
         "stream": body.get("stream") or False,
         **_tools(body),
         **_format(body),
@@ -323,7 +240,7 @@ def _chat_body(
     }
     if body.get("request_id") is not None:
         chat["rid"] = body["request_id"]
-    return chat, items
+    return chat, conversation, items
 
 
 def _in_responses_words(error: RequestError) -> RequestError:
@@ -349,9 +266,9 @@ def parse_responses(
     """The call of a Responses body that continues `history` (the stored conversation of its
     previous_response_id, else [])."""
     _check(body, RESPONSES)
-    chat, items = _chat_body(body, history)
+    chat, conversation, items = _chat_body(body, history)
     try:
-        call = parse_chat(tm, chat)
+        call = parse_chat(tm, chat, conversation)
     except RequestError as error:
         raise _in_responses_words(error) from None
     renamed = {gen: RESPONSES_NAMES.get(name, name) for gen, name in call.renamed.items()}
@@ -362,8 +279,8 @@ def count_input_tokens(tm: TokenizerManager, body: dict[str, Any], history: list
     """The tokens the prompt of a Responses body (after `history`) takes: its instructions, input
     items and tools through the chat template (POST /v1/responses/input_tokens)."""
     _check(body, INPUT_TOKENS)
-    chat, _ = _chat_body(body, history)
+    chat, conversation, _ = _chat_body(body, history)
     try:
-        return len(chat_prompt(tm, chat).input_ids)
+        return len(chat_prompt(tm, chat, conversation).input_ids)
     except RequestError as error:
         raise _in_responses_words(error) from None

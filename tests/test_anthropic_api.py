@@ -24,6 +24,7 @@ from server_fixture import Server
 
 from srt.anthropic_api import message, stream_events
 from srt.anthropic_parse import AnthropicCall, chat_body
+from srt.conversation import Message, TextPart
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
@@ -235,10 +236,8 @@ def test_invalid_conversations_are_refused_naming_the_field() -> None:
         with pytest.raises(RequestError) as info:
             chat_body({"messages": messages, "tools": tools})
         assert info.value.param == path and path in str(info.value), (messages, tools, str(info.value))
-    turns = chat_body({"messages": [*USED, {"role": "user", "content": [RESULT]}], "tools": TOOLS})[
-        "messages"
-    ]
-    assert turns[-1] == {"role": "tool", "tool_call_id": "toolu_1", "content": "Rain, 9 C"}
+    _, conversation = chat_body({"messages": [*USED, {"role": "user", "content": [RESULT]}], "tools": TOOLS})
+    assert conversation.messages[-1] == Message("tool", (TextPart("Rain, 9 C"),), call_id="toolu_1")
 
 
 def test_invalid_conversations_get_anthropics_400_and_the_server_keeps_serving(

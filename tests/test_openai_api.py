@@ -223,7 +223,7 @@ INVALID_CONVERSATIONS: list[tuple[list[Any], str]] = [
     ([MESSAGES[0], {"role": "wizard", "content": "Abracadabra"}], "messages[1].role"),
     ([{"content": "Hi"}], "messages[0].role"),
     ([{"role": ["user"], "content": "Hi"}], "messages[0].role"),
-    ([{**CALLED[2], "tool_calls": [{**CALL, "id": ["call_1"]}]}, ANSWER], "messages[1].tool_call_id"),
+    ([{**CALLED[2], "tool_calls": [{**CALL, "id": ["call_1"]}]}, ANSWER], "messages[0].tool_calls[0].id"),
     ([*MESSAGES, {"role": "tool", "content": "Rain, 9 C"}], "messages[2].tool_call_id"),  # no id
     ([*MESSAGES, ANSWER], "messages[2].tool_call_id"),  # no call before it
     ([*CALLED, {**ANSWER, "tool_call_id": "call_2"}], "messages[3].tool_call_id"),  # not that call's id

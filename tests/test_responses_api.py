@@ -286,7 +286,7 @@ def test_bad_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     }
     assert refusal(client, text=bad_strict) == "text"
     image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
-    assert refusal(client, input=[{"role": "user", "content": [image]}]) == "input"
+    assert refusal(client, input=[{"role": "user", "content": [image]}]) == "input[0].content[0]"
     assert refusal(client, tools=[{"type": "web_search"}]) == "tools"
     assert refusal(client, max_output_tokens=0) == "max_output_tokens"
     assert refusal(client, temperature=-1.0) == "temperature"

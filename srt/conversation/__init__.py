@@ -1,0 +1,16 @@
+"""One typed conversation for every chat API.
+
+A chat request arrives as OpenAI chat `messages`, Anthropic Messages `system` + `messages`, or
+Responses `instructions` + `input` items; each API's adapter here (`openai_chat.py`,
+`anthropic_messages.py`, `responses_input.py`) reads its JSON into the same typed `Conversation` (`model.py`),
+checking each field as that API does and naming it by the client's path (`messages[2].tool_call_id`,
+`messages[1].content[0].tool_use_id`, `input[3].call_id`). `check.py` validates what every API
+shares (each tool result answers an earlier call by its id); `read.py` holds the readers the
+adapters share (roles, content parts, call arguments); `render.py` turns a conversation into the
+chat template's prompt. Content parts are a typed union (`Part`): text today, images next.
+"""
+
+from srt.conversation.check import validated
+from srt.conversation.model import Conversation, Message, Part, Role, TextPart, ToolCall
+
+__all__ = ["Conversation", "Message", "Part", "Role", "TextPart", "ToolCall", "validated"]

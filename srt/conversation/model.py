@@ -1,0 +1,56 @@
+"""The typed conversation: messages of a role holding content parts, an assistant's tool calls,
+and tool results that name the call they answer. Frozen values: two APIs' requests for the same
+conversation compare equal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+# A message's content parts; the vision issue widens the union with image parts.
+Part = TextPart
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: Any  # the decoded JSON (an object, as a rule); the text as sent where it is not JSON
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    parts: tuple[Part, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's
+    call_id: str | None = None  # a tool result's: the id of the call it answers
+    name: str | None = None  # OpenAI's participant name; a legacy `function` result's function
+    # where the client wrote call_id, in its API's words (messages[2].tool_call_id); None where no
+    # id is asked for (OpenAI's legacy `function` role names its function instead)
+    call_id_path: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        assert not self.tool_calls or self.role == "assistant", self
+        assert self.call_id is None or self.role == "tool", self
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.parts)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Messages in order, validated (check.validated builds one)."""
+
+    messages: tuple[Message, ...]
+
+    def __post_init__(self) -> None:
+        assert self.messages, "a conversation has a message"
