@@ -165,6 +165,20 @@ def test_tool_turns_end_one_named_tool_use_and_no_repeated_any_call(client: anth
     assert all(call not in calls[:i] for i, call in enumerate(calls)), calls  # no call repeated
 
 
+def test_a_tool_loop_of_three_turns_ends_with_an_answer(client: anthropic.Anthropic) -> None:
+    """The agent loop a client runs: the user asks, the model uses the tool (the choice forces it:
+    the bundled model is too small to decide), the client sends the result back and the model
+    answers; each turn is accepted and ends by itself, not at max_tokens."""
+    kwargs: Any = {"tools": TOOLS, "max_tokens": 256}
+    called = create(client, ASK, tool_choice={"type": "tool", "name": "get_weather"}, **kwargs)
+    assert called.stop_reason == "tool_use"
+    (use,) = [b for b in called.content if b.type == "tool_use"]
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "Rain, 9 C"}
+    turns = [*ASK, {"role": "assistant", "content": called.content}, {"role": "user", "content": [result]}]
+    answer = create(client, turns, tool_choice={"type": "none"}, **kwargs)
+    assert answer.stop_reason == "end_turn" and [b.type for b in answer.content] == ["text"], answer
+
+
 def refusal(client: anthropic.Anthropic, **kwargs: Any) -> str:
     with pytest.raises(anthropic.BadRequestError) as caught:
         client.messages.create(**{"model": "m", "messages": STORY, "max_tokens": 4, **kwargs})

@@ -230,6 +230,38 @@ def test_function_calls_end_one_named_call_and_no_repeated_required_call(client:
     )
 
 
+# The agent loop a client runs, in three turns: the user asks, the model calls the tool (the choice
+# forces it: the bundled model is too small to decide), the client sends the result back and the
+# model answers. Each turn is accepted and ends by itself, not at the token limit.
+ANSWER_TOKENS = 256
+
+
+def test_a_chat_tool_loop_of_three_turns_ends_with_an_answer(client: openai.OpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": ASK}]
+    kwargs: Any = {"model": "m", "temperature": 0, "tools": CHAT_TOOLS, "max_tokens": ANSWER_TOKENS}
+    called = client.chat.completions.create(messages=messages, tool_choice=CHAT_FORCED, **kwargs).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls
+    (call,) = called.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
+    messages.append(called.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "Rain, 9 C"})
+    answer = client.chat.completions.create(messages=messages, tool_choice="none", **kwargs).choices[0]
+    assert answer.finish_reason == "stop" and answer.message.content, answer
+    assert not answer.message.tool_calls
+
+
+def test_a_responses_tool_loop_of_three_turns_ends_with_an_answer(client: openai.OpenAI) -> None:
+    kwargs: Any = {"model": "m", "temperature": 0, "tools": TOOLS, "max_output_tokens": ANSWER_TOKENS}
+    called = client.responses.create(input=ASK, tool_choice=FORCED, **kwargs)
+    assert called.status == "completed"
+    call = _call(called)
+    turns = [QUESTION, *[item.model_dump(exclude_none=True) for item in called.output]]
+    turns.append({"type": "function_call_output", "call_id": call.call_id, "output": "Rain, 9 C"})
+    answer = client.responses.create(input=turns, tool_choice="none", **kwargs)
+    assert answer.status == "completed" and answer.output_text, answer
+    assert [item.type for item in answer.output] == ["message"]
+
+
 def test_a_json_schema_format_is_followed(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "name": "forecast", "schema": WEATHER, "strict": True}
     reply = create(client, ASK, text={"format": fmt}, max_output_tokens=40)
