@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from model_executor.constrained import Matcher
-from srt.io_struct import FinishReason, ResumeState, TokenLogprobs
+from srt.io_struct import FinishReason, ResumeState, TokenizedGenerateReq, TokenLogprobs
 from srt.sampling_params import SamplingParams
 
 
@@ -71,6 +71,29 @@ class Req:
                 f"request {self.rid}: logprob_start_len {self.logprob_start_len} is outside "
                 f"[-1, {len(self.origin_input_ids)})"
             )
+
+    @classmethod
+    def of(cls, msg: TokenizedGenerateReq) -> Req:
+        """The request of a front end's message (a replay's starts with the outputs already sent)."""
+        resumed = list(msg.resume.output_ids) if msg.resume is not None else []
+        return cls(
+            msg.rid,
+            list(msg.input_ids),
+            msg.sampling_params,
+            msg.seed,
+            msg.stream,
+            output_ids=resumed,
+            sent_len=len(resumed),
+            resumed_len=len(resumed),
+            resume=msg.resume,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            token_ids_logprob=msg.token_ids_logprob,
+            priority=msg.priority,
+            return_routed_experts=msg.return_routed_experts,
+            routed_experts_start_len=msg.routed_experts_start_len,
+        )
 
     @property
     def fill_ids(self) -> list[int]:

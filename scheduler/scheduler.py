@@ -25,7 +25,8 @@ from scheduler.admission import Admission, RequestQueues
 from scheduler.fault_injection import FaultInjector
 from scheduler.grammar import advance, attach_matcher
 from scheduler.kv_manager import KVManager
-from scheduler.logprobs import LogprobPlan, attach_logprobs, plan_logprobs, record_logprobs, samples_a_token
+from scheduler.logprobs import LogprobPlan, plan_logprobs, record_logprobs, samples_a_token
+from scheduler.output import mark_sent, token_output
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
 from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
@@ -34,9 +35,7 @@ from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
 from srt.io_struct import (
     AbortReq,
-    BatchTokenIDOut,
     ControlReply,
-    DecodeSpec,
     FinishReason,
     FlushCacheReq,
     GetInternalStateReq,
@@ -203,25 +202,7 @@ class Scheduler:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
-        resumed = list(msg.resume.output_ids) if msg.resume is not None else []
-        req = Req(
-            msg.rid,
-            list(msg.input_ids),
-            msg.sampling_params,
-            msg.seed,
-            msg.stream,
-            output_ids=resumed,
-            sent_len=len(resumed),
-            resumed_len=len(resumed),
-            resume=msg.resume,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            token_ids_logprob=msg.token_ids_logprob,
-            priority=msg.priority,
-            return_routed_experts=msg.return_routed_experts,
-            routed_experts_start_len=msg.routed_experts_start_len,
-        )
+        req = Req.of(msg)
         refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
         if refused is not None:
             self._finish(req, refused)
@@ -424,42 +405,12 @@ class Scheduler:
         self.outbox.append(req)
 
     def flush_outputs(self) -> None:
-        if not self.outbox:
-            return
         reqs, self.outbox = self.outbox, []
         if self.send_output is None:
             for req in reqs:
-                req.sent_len = len(req.output_ids)
-                req.resume = None
-                req.decode_spec_sent = True
-            return
-        out = BatchTokenIDOut([], [], [], [], [], [], [])
-        with_logprobs = any(req.return_logprob for req in reqs)
-        with_resumes = any(req.resume is not None for req in reqs)
-        with_specs = not all(req.decode_spec_sent for req in reqs)
-        with_routes = any(req.return_routed_experts for req in reqs)
-        with_embeddings = any(req.embedding is not None for req in reqs)
-        for req in reqs:
-            if with_logprobs:
-                attach_logprobs(out, req)
-            if with_routes:
-                out.routed_experts.append(req.routed_experts if req.finished_reason is not None else None)
-            if with_embeddings:
-                out.embeddings.append(req.embedding)
-            if with_resumes:
-                out.resumes.append(req.resume)
-            req.resume = None
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.sent_len :])
-            out.finished_reasons.append(req.finished_reason)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            if with_specs:
-                out.decode_specs.append(None if req.decode_spec_sent else DecodeSpec.of(req.sampling_params))
-            req.decode_spec_sent = True
-            req.sent_len = len(req.output_ids)
-        self.send_output(out)
+                mark_sent(req)
+        elif reqs:
+            self.send_output(token_output(reqs))
 
     # ------------------------------------------------------------------ introspection
     def _load(self) -> LoadSnapshot:
