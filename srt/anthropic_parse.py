@@ -9,7 +9,7 @@ goes through openai_parse.parse_chat with the conversation (the chat template, t
 the grammar of a forced call), so the two APIs render a conversation alike.
 
 The fields, from the official client's `messages.create` and `messages.count_tokens` (anthropic
-2.17) and SGLang's `AnthropicMessagesRequest` (sglang 0.5.23), in the kinds of srt/vocabulary.py.
+2.17) and SGLang's `AnthropicMessagesRequest` (sglang 0.5.23), in the kinds of srt/request_fields.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import orjson
 from srt.conversation import Conversation, anthropic_messages
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
-from srt.vocabulary import NONE, Field, VocabularyError, advisory, check_fields, impl
+from srt.request_fields import NONE, Field, VocabularyError, advisory, check_fields, impl
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager

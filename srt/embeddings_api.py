@@ -10,7 +10,7 @@ for it). /encode takes /generate's `text` or `input_ids` (one or a batch) and an
 `{"embedding", "meta_info"}` per input, as SGLang's. A generating server answers both with a 400.
 
 Fields: OpenAI's `embeddings.create` (openai 3.60) and SGLang's `EmbeddingRequest` and
-`EmbeddingReqInput` (sglang 0.5.23), in srt/vocabulary.py's kinds.
+`EmbeddingReqInput` (sglang 0.5.23), in srt/request_fields.py's kinds.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from srt.http_common import (
     manager,
     read_json_object,
 )
+from srt.request_fields import NONE, Field, advisory, impl, off
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
-from srt.vocabulary import NONE, Field, advisory, impl, off
 
 logger = logging.getLogger("srt.embeddings_api")
 router = APIRouter()

@@ -1,7 +1,7 @@
 """Validation and tokenization of a /generate body into the requests sent to rank 0.
 
 Bad input raises RequestError (an HTTP 400) naming the parameter, before anything reaches a rank.
-Fields: SGLang's GenerateReqInput (srt/vocabulary.py says which are implemented, which are
+Fields: SGLang's GenerateReqInput (srt/request_fields.py says which are implemented, which are
 accepted only at their defaults, which carry no meaning here): text or input_ids (one prompt or
 a batch), sampling_params (one object, or one per batch item; `n` > 1 fans each prompt out into n
 requests with seeds derived from the request's, results ordered prompt by prompt), stream, rid,
@@ -19,8 +19,8 @@ from typing import Any
 
 from model_executor.constrained import GrammarError, LazyGrammarBackend
 from srt.io_struct import TokenizedGenerateReq
+from srt.request_fields import GENERATE, SAMPLING, Field, VocabularyError, check_fields
 from srt.sampling_params import SamplingParams
-from srt.vocabulary import GENERATE, SAMPLING, Field, VocabularyError, check_fields
 
 MAX_N = 128  # copies of one prompt (`n`)
 

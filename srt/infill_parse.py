@@ -6,7 +6,7 @@ parameters it shares). An absent sampling field takes llama.cpp's default, not s
 0.8, top_k 40, top_p 0.95, min_p 0.05, n_predict -1 (up to the end of the context), a random seed.
 A field whose llama.cpp meaning srt does not reproduce (penalties over its last-n window, mirostat,
 DRY, the `infill` sampler chain, a time limit) is accepted only at its default, as
-srt/vocabulary.py does for SGLang's fields.
+srt/request_fields.py does for SGLang's fields.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from srt.fim import ExtraChunk, check_text, infill_prompt, require_fim_tokens
 from srt.generate_parse import RequestError, check_request_fields, is_int
-from srt.vocabulary import Field, advisory, impl, off
+from srt.request_fields import Field, advisory, impl, off
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager

@@ -2,7 +2,7 @@
 
 Each request becomes a /generate body and runs through the same TokenizerManager
 (parse_generate, then generate); the cumulative streamed text becomes OpenAI deltas. The fields
-are OpenAI's and SGLang's extensions (srt/vocabulary.py: which are implemented; an option that
+are OpenAI's and SGLang's extensions (srt/request_fields.py: which are implemented; an option that
 would change the output but is not implemented, such as beam search, is a 400 rather than ignored;
 response_format constrains the output with a grammar, srt/openai_parse.py). Completions take a batch of prompts (choice i * n + j is copy j of
 prompt i), `echo` (with `logprobs`, the prompt's tokens are scored too, the first one null, as

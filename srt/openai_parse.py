@@ -1,5 +1,5 @@
 """OpenAI request bodies -> /generate bodies (OpenAICall), validated: bad or unsupported
-parameters raise RequestError naming the OpenAI parameter. srt/vocabulary.py lists the fields
+parameters raise RequestError naming the OpenAI parameter. srt/request_fields.py lists the fields
 (OpenAI's, and SGLang's extensions) and which are implemented."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from srt.conversation.render import ChatPrompt, render_prompt
 from srt.fim import FimTokens, check_text, fim_prompt, require_fim_tokens, text_ids
 from srt.generate_parse import RequestError
 from srt.reasoning import ReasoningSplit
+from srt.request_fields import CHAT, COMPLETION, Field, VocabularyError, check_fields
 from srt.tool_calls import ToolPlan
-from srt.vocabulary import CHAT, COMPLETION, Field, VocabularyError, check_fields
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager

@@ -8,7 +8,7 @@ would. The answer is SGLang's: a list of `{"score", "document", "index"}` (with 
 highest score first, the first `top_n`. A query holding the tokenizer's [SEP] token is refused (the
 model reads the document's tokens as those after the first [SEP]).
 
-Fields: SGLang's `V1RerankReqInput` (sglang 0.5.23), in srt/vocabulary.py's kinds.
+Fields: SGLang's `V1RerankReqInput` (sglang 0.5.23), in srt/request_fields.py's kinds.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from srt.embeddings_api import embed_outputs
 from srt.generate_parse import RequestError, check_request_fields, is_int
 from srt.http_common import NATIVE_ERRORS, manager, read_json_object
+from srt.request_fields import Field, advisory, impl, off
 from srt.request_state import ServiceUnavailableError
-from srt.vocabulary import Field, advisory, impl, off
 
 router = APIRouter()
 

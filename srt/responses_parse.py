@@ -11,7 +11,7 @@ name.
 
 The fields, from the official client's `responses.create` (openai 3.60) and SGLang's
 `ResponsesRequest` (sglang 0.5.23: its sampling and scheduling extensions, as its chat
-completions take them), in the kinds of srt/vocabulary.py.
+completions take them), in the kinds of srt/request_fields.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from srt.conversation import Conversation, responses_input
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
-from srt.vocabulary import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
+from srt.request_fields import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
@@ -78,7 +78,7 @@ RESPONSES: dict[str, Field] = {
     "access_programs": NONE,
     "image": NONE,
     "moderation": NONE,
-    # SGLang's extensions: as in its chat completions (srt/vocabulary.py's CHAT)
+    # SGLang's extensions: as in its chat completions (srt/request_fields.py's CHAT)
     **{name: CHAT[name] for name in _SGLANG_CHAT_FIELDS},
     "request_id": impl(),  # the chat's rid
 }

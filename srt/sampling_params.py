@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from srt.vocabulary import SAMPLING, check_fields
+from srt.request_fields import SAMPLING, check_fields
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's sampling_params names

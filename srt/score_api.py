@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse, Response
 
 from srt.generate_parse import RequestError, check_request_fields, is_int, is_token_id
 from srt.http_common import OPENAI_ERRORS, batch_outputs, manager, read_json_object
+from srt.request_fields import NONE, Field, advisory, impl, off
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
-from srt.vocabulary import NONE, Field, advisory, impl, off
 
 router = APIRouter()
 

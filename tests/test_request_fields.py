@@ -1,4 +1,4 @@
-"""SGLang's and OpenAI's request vocabulary, generated from srt/vocabulary.py's lists and sent through
+"""SGLang's and OpenAI's request vocabulary, generated from srt/request_fields.py's lists and sent through
 the real HTTP app and TokenizerManager (a fake scheduler answers, as in test_frontend.py): every
 field at SGLang's default is accepted, together and one by one, with the same result as a plain
 request; every off-only field set to something else is a 400 naming it and saying it is not
@@ -15,7 +15,7 @@ import pytest
 from test_frontend import Server
 
 from srt.io_struct import TokenizedGenerateReq
-from srt.vocabulary import CHAT, COMPLETION, GENERATE, SAMPLING, SOURCES, Field
+from srt.request_fields import CHAT, COMPLETION, GENERATE, SAMPLING, SOURCES, Field
 
 PROMPT = "Hello big world"
 MESSAGES = [{"role": "user", "content": "Say hi"}]

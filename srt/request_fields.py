@@ -1,6 +1,6 @@
 """SGLang's and OpenAI's request vocabulary: every request field name srt accepts, in one place.
 
-Sources (update here, then run `python scripts/check_vocabulary.py` against a newer sglang):
+Sources (update here, then run `python scripts/check_request_fields.py` against a newer sglang):
 - sglang 0.5.23: `GenerateReqInput` (srt/managers/io_struct.py), `SamplingParams`
   (srt/sampling/sampling_params.py), `CompletionRequest` and `ChatCompletionRequest` with their
   `PDRoutingFields` base (srt/entrypoints/openai/protocol.py);

@@ -1,7 +1,7 @@
-"""Compare srt/vocabulary.py with the request schemas of an installed sglang, to update the lists.
+"""Compare srt/request_fields.py with the request schemas of an installed sglang, to update the lists.
 
     python -m venv /tmp/sgl && /tmp/sgl/bin/pip install --no-deps sglang   # SGLang's Python files only
-    python scripts/check_vocabulary.py --sglang /tmp/sgl/lib/python3.11/site-packages/sglang
+    python scripts/check_request_fields.py --sglang /tmp/sgl/lib/python3.11/site-packages/sglang
 
 Prints, per schema, the fields that sglang has and srt's list lacks (add them: implement, `off`
 with SGLang's default, or `advisory`) and the ones srt lists that sglang no longer has (keep them
@@ -20,7 +20,7 @@ SCRIPTS = Path(__file__).resolve().parent
 if str(SCRIPTS.parent) not in sys.path:
     sys.path.insert(0, str(SCRIPTS.parent))
 
-from srt.vocabulary import CHAT, COMPLETION, GENERATE, SAMPLING, SOURCES  # noqa: E402
+from srt.request_fields import CHAT, COMPLETION, GENERATE, SAMPLING, SOURCES  # noqa: E402
 
 # (srt's list, sglang file, class names whose annotated fields make up the schema)
 SCHEMAS = {
