@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Conversation, anthropic_messages
-from srt.generate_parse import RequestError
+from srt.generate_parse import RequestError, check_request_fields
 from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
-from srt.request_fields import NONE, Field, VocabularyError, advisory, check_fields, impl
+from srt.request_fields import NONE, Field, advisory, impl
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
@@ -94,13 +94,6 @@ class AnthropicCall:
     chat: OpenAICall
     stop_sequences: list[str]
     renamed: dict[str, str]  # /generate or chat parameter -> the Messages field
-
-
-def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
-    try:
-        check_fields(body, vocabulary)
-    except VocabularyError as error:
-        raise RequestError(str(error), error.param) from None
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +193,7 @@ def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], Conversation]:
 
 
 def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
-    _check(body, MESSAGES)
+    check_request_fields(body, MESSAGES)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise RequestError(f"max_tokens is required, a positive integer (got {max_tokens!r})", "max_tokens")
@@ -233,7 +226,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
 
 def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
     """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
-    _check(body, COUNT_TOKENS)
+    check_request_fields(body, COUNT_TOKENS)
     try:
         return len(chat_prompt(tm, *chat_body(body)).input_ids)
     except RequestError as error:

@@ -13,9 +13,9 @@ import orjson
 from srt.conversation import Conversation, openai_chat
 from srt.conversation.render import ChatPrompt, render_prompt
 from srt.fim import FimTokens, check_text, fim_prompt, require_fim_tokens, text_ids
-from srt.generate_parse import RequestError
+from srt.generate_parse import RequestError, check_request_fields
 from srt.reasoning import ReasoningSplit
-from srt.request_fields import CHAT, COMPLETION, Field, VocabularyError, check_fields
+from srt.request_fields import CHAT, COMPLETION, Field
 from srt.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
@@ -88,10 +88,7 @@ def reject_unknown(body: dict[str, Any], known: set[str]) -> None:
 
 
 def _check_vocabulary(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
-    try:
-        check_fields(body, vocabulary)
-    except VocabularyError as error:
-        raise RequestError(str(error), error.param) from None
+    check_request_fields(body, vocabulary)
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict) or set(stream_options) - {

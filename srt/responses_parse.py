@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from srt.conversation import Conversation, responses_input
-from srt.generate_parse import RequestError
+from srt.generate_parse import RequestError, check_request_fields
 from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
-from srt.request_fields import CHAT, NONE, Field, VocabularyError, advisory, check_fields, impl, off
+from srt.request_fields import CHAT, NONE, Field, advisory, impl, off
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
@@ -253,19 +253,12 @@ def _in_responses_words(error: RequestError) -> RequestError:
     return RequestError(message, param)
 
 
-def _check(body: dict[str, Any], vocabulary: dict[str, Field]) -> None:
-    try:
-        check_fields(body, vocabulary)
-    except VocabularyError as error:
-        raise RequestError(str(error), error.param) from None
-
-
 def parse_responses(
     tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]
 ) -> ResponsesCall:
     """The call of a Responses body that continues `history` (the stored conversation of its
     previous_response_id, else [])."""
-    _check(body, RESPONSES)
+    check_request_fields(body, RESPONSES)
     chat, conversation, items = _chat_body(body, history)
     try:
         call = parse_chat(tm, chat, conversation)
@@ -278,7 +271,7 @@ def parse_responses(
 def count_input_tokens(tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]) -> int:
     """The tokens the prompt of a Responses body (after `history`) takes: its instructions, input
     items and tools through the chat template (POST /v1/responses/input_tokens)."""
-    _check(body, INPUT_TOKENS)
+    check_request_fields(body, INPUT_TOKENS)
     chat, conversation, _ = _chat_body(body, history)
     try:
         return len(chat_prompt(tm, chat, conversation).input_ids)
