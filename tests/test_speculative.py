@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from model_executor.cpu.kernels import build
 from model_executor.draft_model import DraftModel
+from model_executor.drafter import Drafter
 from scheduler.drafts import ModelDrafts, NgramDrafts, NgramState, ngram_draft
 from scheduler.speculative import accepted_tokens
 from srt.io_struct import BatchTokenIDOut, TokenizedGenerateReq
@@ -81,6 +82,46 @@ def test_draft_lengths_follow_acceptance() -> None:
     req.remaining_new_tokens = 1  # the last token: nothing to draft
     spec.states["r"].max_drafts = 8
     assert spec.drafts([req], 4096) == [[]]
+
+
+def test_a_draft_model_is_reached_by_rows_and_token_lists() -> None:
+    """STANDALONE's requests each take a row of the drafter when they first draft, draft through it
+    with their tokens within the step's budget, and give it back when they finish; with no row free
+    a request drafts nothing."""
+
+    class OneRow(Drafter):
+        context_length = 4096
+
+        def __init__(self) -> None:
+            self.free, self.calls = [0], []
+
+        def open_row(self) -> int | None:
+            return self.free.pop() if self.free else None
+
+        def close_row(self, row: int) -> None:
+            self.free.append(row)
+
+        def draft(self, rows: list[int], tokens: list[list[int]], lengths: list[int]) -> list[list[int]]:
+            self.calls.append((rows, [len(t) for t in tokens], lengths))
+            return [[7] * n for n in lengths]
+
+    class R:
+        grammar, remaining_new_tokens, seq_len, fill_ids = None, 100, 10, list(range(10))
+
+        def __init__(self, rid: str) -> None:
+            self.rid = rid
+
+    drafter = OneRow()
+    source = ModelDrafts(drafter, num_draft_tokens=5)
+    a: Any = R("a")
+    b: Any = R("b")
+    # 5 rows a step: two requests and 3 drafts, the first request's
+    assert source.drafts([a, b], 4096) == [[7, 7, 7], []]
+    assert drafter.calls == [([0], [10], [3])]
+    assert source.drafts([b], 4096) == [[]]  # the one row is a's
+    source.forget("a")
+    assert drafter.free == [0]
+    assert source.drafts([b], 4096) == [[7, 7, 7, 7]] and drafter.calls[-1] == ([0], [10], [4])
 
 
 def test_flags_refused_by_name() -> None:
