@@ -21,6 +21,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.watchdog import Watchdog
 from srt.metrics import RankMetrics, enable_multiprocess_metrics, metrics_dir
 from srt.server_args import PortArgs, ServerArgs
+from srt.tokenizer_loader import load_tokenizer as load_hf_tokenizer
 from srt.utils import engine_start, resolve_dtype
 
 logger = logging.getLogger("srt.scheduler")
@@ -135,9 +136,7 @@ def run_scheduler_process(
         eos = set(info["eos_token_ids"])
 
         def load_tokenizer() -> Any:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(tokenizer_path)
+            return load_hf_tokenizer(tokenizer_path)
 
         metrics = None
         if server_args.enable_metrics:

@@ -191,9 +191,9 @@ def run_detokenizer_process(
     parent (the main process) is gone."""
     parent_pid = os.getppid()
     try:
-        from transformers import AutoTokenizer
+        from srt.tokenizer_loader import load_tokenizer
 
-        manager = DetokenizerManager(AutoTokenizer.from_pretrained(tokenizer_path))
+        manager = DetokenizerManager(load_tokenizer(tokenizer_path))
         context = zmq.Context(2)
         recv_sock = context.socket(zmq.PULL)
         recv_sock.bind(port_args.detokenizer_ipc)

@@ -15,12 +15,12 @@ Fields: OpenAI's `embeddings.create` (openai 3.60) and SGLang's `EmbeddingReques
 
 from __future__ import annotations
 
+import array
 import base64
 import logging
 import math
 from typing import Any
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -115,7 +115,7 @@ def first_non_finite(embeddings: list[list[float]]) -> int | None:
 def _encoded(embedding: list[float], fmt: str) -> list[float] | str:
     if fmt == "float":
         return embedding
-    return base64.b64encode(torch.tensor(embedding, dtype=torch.float32).numpy().tobytes()).decode()
+    return base64.b64encode(array.array("f", embedding).tobytes()).decode()  # float32, as OpenAI sends
 
 
 @router.post("/v1/embeddings")

@@ -28,7 +28,8 @@ from tqdm import tqdm
 from launcher.child import set_up_threads
 from launcher.layout import local_ranks
 from model_executor.distributed.parallel_state import single_process_state
-from model_executor.loader.weight_source import eos_token_ids, resolve_model_path
+from model_executor.loader.model_path import resolve_model_path
+from model_executor.loader.weight_source import eos_token_ids
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from scheduler.entry import run_scheduler_process, runner_config
 from scheduler.receiver import RequestReceiver
@@ -37,6 +38,7 @@ from srt.generate_parse import is_int
 from srt.io_struct import BatchTokenIDOut, FinishReason, TokenizedGenerateReq
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
+from srt.tokenizer_loader import load_tokenizer
 from srt.utils import free_port, rank_cpus, resolve_dtype
 
 logger = logging.getLogger("srt.engine")
@@ -98,9 +100,7 @@ def _tokenizer_loader(path: str) -> Callable[[], Any]:
     """The Scheduler's stop-string checks load the tokenizer on first need, as a server's ranks do."""
 
     def load() -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(path)
 
     return load
 

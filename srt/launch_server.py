@@ -119,7 +119,7 @@ def plan_launch(server_args: ServerArgs) -> LaunchPlan:
     rendezvous = rendezvous_address(init_method, os.environ)
     if server_args.node_rank == 0 and rendezvous.port == server_args.port and server_args.dist_init_addr:
         raise ValueError(f"--dist-init-addr and --port both name port {server_args.port}; node 0 needs both")
-    from model_executor.loader.weight_source import resolve_model_path  # lazy: imports torch
+    from model_executor.loader.model_path import resolve_model_path
 
     model_dir = str(resolve_model_path(server_args.model_path))
     if server_args.speculative_draft_model_path is not None:  # a GGUF draft is converted once, here

@@ -31,7 +31,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from fastapi import Request
-from transformers import AutoTokenizer
 
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from srt.frontend_recovery import FrontendRecovery
@@ -59,6 +58,7 @@ from srt.metrics import FrontendMetrics, metrics_dir
 from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
+from srt.tokenizer_loader import load_tokenizer
 
 logger = logging.getLogger("srt.tokenizer_manager")
 
@@ -76,7 +76,7 @@ class TokenizerManager:
         self.port_args = port_args
         self.tokenizer_path = tokenizer_path
         self.model_info = model_info
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         if server_args.chat_template is not None:  # --chat-template: checked to be a file
             self.tokenizer.chat_template = Path(server_args.chat_template).read_text()
         self.context_length = int(model_info["context_length"])

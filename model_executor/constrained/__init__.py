@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from model_executor.constrained.base import GrammarBackend, GrammarError, JsonOptions, Matcher, bitmask_words
 from srt.sampling_params import GRAMMAR_KINDS, GrammarSpec
+
+if TYPE_CHECKING:  # the front end imports this; torch comes only with the first grammar (xgrammar)
+    import torch
 
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's --grammar-backend names srt has
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from srt.sampling_params import GrammarSpec
+
+if TYPE_CHECKING:  # the front end imports this; torch comes only with the first grammar (xgrammar)
+    import torch
 
 
 class GrammarError(ValueError):

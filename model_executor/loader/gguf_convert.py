@@ -5,6 +5,7 @@ tensors in float32 under HF names) and the tokenizer files, so the rest of the l
 reads HF directories. Conversions are cached under `<cache>/gguf/<stem>-<hash>`; several processes
 (tensor-parallel ranks) may ask at once: one converts under a file lock into a temporary folder
 and renames it into place, the others wait and reuse it.
+torch is imported only to convert: a process that finds the conversion cached imports none.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("srt.loader")
 
@@ -135,6 +136,7 @@ def _remove_leftovers(target: Path) -> None:
 
 
 def _convert_into(source: Path, out_dir: Path) -> None:
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -228,6 +230,8 @@ def _dequantize(
     (transformers rebuilds it per submodule, which costs more than the dequantisation itself).
     """
     import gguf
+    import numpy as np
+    import torch
     from tqdm import tqdm
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 

@@ -1,4 +1,5 @@
-"""Where weights come from: resolving `--model-path` and reading checkpoint tensors lazily.
+"""Where weights come from: reading checkpoint tensors lazily (`--model-path` is resolved in
+model_path.py).
 
 A `LazyTensor` reads only what a layer's `weight_loader` asks for, so a tensor-parallel rank
 touches just its own shard of each checkpoint tensor.
@@ -17,8 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from model_executor.loader.gguf_convert import convert_gguf
-from srt.default_model import default_model_path
+from model_executor.loader.model_path import resolve_model_path as resolve_model_path  # its old home
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -36,29 +36,6 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-def resolve_model_path(model_path: str | None, flag: str = "--model-path") -> Path:
-    """Turn `--model-path` into an HF-style model directory.
-
-    None means the default model; a `.gguf` file is converted (once, cached); a directory must
-    hold a `config.json`. Raises ValueError naming `flag` for anything else.
-    """
-    if model_path is None:
-        return convert_gguf(default_model_path())
-    path = Path(model_path).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"{flag} {model_path!r} does not exist (downloading from a model hub is not supported: "
-            f"pass a local model directory or a .gguf file)"
-        )
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"{flag} {model_path!r} is a file but not a .gguf file")
-        return convert_gguf(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{flag} {model_path!r} is a directory with no config.json")
-    return path.resolve()
 
 
 def load_hf_config(model_dir: str | Path) -> PretrainedConfig:
