@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Conversation, anthropic_messages
+from srt.conversation.read import tool_of
 from srt.generate_parse import RequestError, check_request_fields
-from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
+from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
 from srt.request_fields import NONE, Field, advisory, impl
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class AnthropicCall:
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
-    """tools and tool_choice as the chat's (the chat's parser validates names and schemas)."""
+    """tools (each checked under its Messages path) and tool_choice as the chat's."""
     out: dict[str, Any] = {}
     tools = body.get("tools")
     if tools is not None:
@@ -114,16 +115,12 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
                 raise RequestError(
                     f"tools[{i}] must be a custom tool with a name and an input_schema", "tools"
                 )
-            if not isinstance(tool.get("name"), str) or not tool["name"]:
-                raise RequestError(f"tools[{i}].name is required (a string)", f"tools[{i}].name")
-            if not isinstance(tool.get("input_schema"), dict):
+            function = tool_of(tool, f"tools[{i}].", "input_schema")
+            if function.parameters is None:
                 raise RequestError(
                     f"tools[{i}].input_schema is required (a JSON schema object)", f"tools[{i}].input_schema"
                 )
-            function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-            if tool.get("description") is not None:
-                function["description"] = tool["description"]
-            out["tools"].append({"type": "function", "function": function})
+            out["tools"].append(function.template_form())
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
@@ -216,10 +213,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise RequestError(f"top_k: must be an integer of 0 or more (got {top_k!r})", "top_k")
         chat["top_k"] = top_k if top_k > 0 else -1  # 0: no top-k cut, as -1 is here
-    try:
-        call = parse_chat(tm, chat, conversation)
-    except RequestError as error:
-        raise tool_paths_renamed(error, "input_schema") from None
+    call = parse_chat(tm, chat, conversation)
     renamed = {gen: ANTHROPIC_NAMES.get(name, name) for gen, name in call.renamed.items()}
     return AnthropicCall(call, stops, {**ANTHROPIC_NAMES, **renamed})
 
@@ -227,10 +221,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
 def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
     """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
     check_request_fields(body, COUNT_TOKENS)
-    try:
-        return len(chat_prompt(tm, *chat_body(body)).input_ids)
-    except RequestError as error:
-        raise tool_paths_renamed(error, "input_schema") from None
+    return len(chat_prompt(tm, *chat_body(body)).input_ids)
 
 
 def tool_input(arguments: str) -> Any:

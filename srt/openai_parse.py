@@ -4,7 +4,6 @@ parameters raise RequestError naming the OpenAI parameter. srt/request_fields.py
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -329,17 +328,6 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     )
 
 
-def tool_paths_renamed(error: RequestError, parameters: str) -> RequestError:
-    """A chat tools error (`tools[i].function.name` ...) in the words of an API whose tools are flat
-    (`tools[i].name`, `tools[i].<parameters>`), its param the field's path there."""
-    found = re.search(r"tools\[(\d+)\]\.function\.(\w+)", str(error))
-    if found is None:
-        return error
-    field = parameters if found[2] == "parameters" else found[2]
-    path = f"tools[{found[1]}].{field}"
-    return RequestError(str(error).replace(found[0], path), path)
-
-
 def _template_options(body: dict[str, Any], conversation: Conversation) -> dict[str, Any]:
     """apply_chat_template's arguments for continue_final_message and chat_template_kwargs."""
     extra = body.get("chat_template_kwargs") or {}
@@ -367,8 +355,9 @@ def chat_prompt(
     """The prompt of a chat body (its vocabulary checked already): its messages (or `conversation`,
     an adapter's for another API) and tools through the chat template; RequestError naming
     messages, tools or tool_choice."""
-    if conversation is None:
+    if conversation is None:  # an OpenAI chat: its own; another API's adapter read its tools too
         conversation = openai_chat.conversation(body.get("messages"))
+        body = {**body, "tools": openai_chat.template_tools(body.get("tools"))}
     return render_prompt(tm, conversation, body, _template_options(body, conversation))
 
 

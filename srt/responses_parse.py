@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from srt.conversation import Conversation, responses_input
+from srt.conversation.read import tool_of
 from srt.generate_parse import RequestError, check_request_fields
-from srt.openai_parse import OpenAICall, chat_prompt, parse_chat, tool_paths_renamed
+from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
 from srt.request_fields import CHAT, NONE, Field, advisory, impl, off
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def _input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
-    """tools, tool_choice and parallel_tool_calls as the chat's (its parser checks names and schemas)."""
+    """tools (each checked under its Responses path), tool_choice and parallel_tool_calls as the chat's."""
     out: dict[str, Any] = {}
     tools = body.get("tools")
     if tools is not None:
@@ -136,10 +137,7 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
                 raise RequestError(
                     f"tools[{i}]: {kind!r} tools are not supported by srt (only function tools)", "tools"
                 )
-            function = {
-                key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool
-            }
-            out["tools"].append({"type": "function", "function": function})
+            out["tools"].append(tool_of(tool, f"tools[{i}].").template_form())
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -245,7 +243,6 @@ def _chat_body(
 
 def _in_responses_words(error: RequestError) -> RequestError:
     """parse_chat's error names the chat's field: name the client's."""
-    error = tool_paths_renamed(error, "parameters")
     param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
     message = str(error)
     if param and param not in message:

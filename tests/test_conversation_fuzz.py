@@ -2,8 +2,8 @@
 
 Valid conversations (a system prompt, user turns of text parts, assistant turns of text and tool
 calls, tool results answering earlier calls) are written in each API's words, OpenAI chat,
-Anthropic Messages and Responses, and must parse to the same typed Conversation and render to the
-same prompt tokens. Mutated ones (a random role, an id dropped or unknown, a tool result before its
+Anthropic Messages and Responses (with the same tools, or none), and must parse to the same typed
+Conversation and render to the same prompt tokens. Mutated ones (a random role, an id dropped or unknown, a tool result before its
 call, a bad part type, odd nesting) must parse or raise RequestError naming a field path that is
 in the request; never another exception."""
 
@@ -168,11 +168,26 @@ def conversation_of(api: str, body: dict[str, Any]) -> Conversation:
 BUILDERS = {"openai": openai_body, "anthropic": anthropic_body, "responses": responses_body}
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+def with_tools(bodies: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """The same function tools, in each API's words."""
+    functions = [{"name": name, "description": f"Does {name}", "parameters": SCHEMA} for name in names]
+    bodies["openai"]["tools"] = [{"type": "function", "function": f} for f in functions]
+    bodies["responses"]["tools"] = [{"type": "function", **f} for f in functions]
+    bodies["anthropic"]["tools"] = [
+        {"name": f["name"], "description": f["description"], "input_schema": SCHEMA} for f in functions
+    ]
+
+
 def test_a_valid_conversation_is_the_same_typed_conversation_and_prompt_through_every_api(tm: Any) -> None:
     rng = random.Random(60)
     for case in range(150):
         turns = generated(rng)
         bodies = {api: build(rng, turns) for api, build in BUILDERS.items()}
+        if rng.random() < 0.5:  # the prompt then holds srt's generic tools prompt
+            with_tools(bodies, rng.sample(NAMES, rng.randint(1, len(NAMES))))
         typed = {api: conversation_of(api, body) for api, body in bodies.items()}
         assert typed["openai"] == typed["anthropic"] == typed["responses"], (case, bodies)
         ids = prompts(tm, "openai", bodies["openai"])

@@ -164,7 +164,7 @@ def test_completions_default_to_16_tokens_and_honour_stop(client: openai.OpenAI)
         ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
         ({"tool_choice": "required"}, "tool_choice"),
         (
             {"extra_body": {"continue_final_message": True}},

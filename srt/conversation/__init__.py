@@ -6,11 +6,11 @@ Responses `instructions` + `input` items; each API's adapter here (`openai_chat.
 checking each field as that API does and naming it by the client's path (`messages[2].tool_call_id`,
 `messages[1].content[0].tool_use_id`, `input[3].call_id`). `check.py` validates what every API
 shares (each tool result answers an earlier call by its id); `read.py` holds the readers the
-adapters share (roles, content parts, call arguments); `render.py` turns a conversation into the
+adapters share (roles, content parts, call arguments, tools); `render.py` turns a conversation into the
 chat template's prompt. Content parts are a typed union (`Part`): text today, images next.
 """
 
 from srt.conversation.check import validated
-from srt.conversation.model import Conversation, Message, Part, Role, TextPart, ToolCall
+from srt.conversation.model import Conversation, Message, Part, Role, TextPart, Tool, ToolCall
 
-__all__ = ["Conversation", "Message", "Part", "Role", "TextPart", "ToolCall", "validated"]
+__all__ = ["Conversation", "Message", "Part", "Role", "TextPart", "Tool", "ToolCall", "validated"]

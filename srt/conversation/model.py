@@ -27,6 +27,24 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Tool:
+    """A function the model may call, whichever API declared it."""
+
+    name: str
+    parameters: dict[str, Any] | None = None  # the JSON schema of its arguments
+    description: str | None = None
+
+    def template_form(self) -> dict[str, Any]:
+        """The tool as chat templates take it (OpenAI's function tool shape, in one key order)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
 class Message:
     role: Role
     parts: tuple[Part, ...] = ()

@@ -9,7 +9,7 @@ from typing import Any
 
 from srt.conversation.check import validated
 from srt.conversation.model import Conversation, Message, Role, ToolCall
-from srt.conversation.read import PartTypes, arguments_of, role_of
+from srt.conversation.read import PartTypes, arguments_of, role_of, tool_of
 from srt.generate_parse import RequestError
 
 ROLES: dict[str, Role] = {
@@ -76,3 +76,23 @@ def _calls(calls: Any, where: str) -> tuple[ToolCall, ...]:
             raise RequestError(f"{at}.function.arguments must be a JSON string", f"{at}.function.arguments")
         out.append(ToolCall(call["id"], function["name"], arguments_of(arguments)))
     return tuple(out)
+
+
+def template_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """`tools`, each function checked, as chat templates take them (None: no tools sent)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of function tools", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
+            raise RequestError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", f"tools[{i}]"
+            )
+        out.append(tool_of(tool["function"], f"tools[{i}].function.").template_form())
+    return out

@@ -3,13 +3,14 @@ types, a call's arguments. Each raises RequestError naming the client's field pa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from srt.conversation.model import Part, Role, TextPart
+from srt.conversation.model import Part, Role, TextPart, Tool
 from srt.generate_parse import RequestError
 
 
@@ -75,3 +76,21 @@ def arguments_of(value: Any) -> Any:
         except orjson.JSONDecodeError:
             return value
     return value
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def tool_of(function: dict[str, Any], path: str, parameters: str = "parameters") -> Tool:
+    """A tool from its fields as an API spells them: `path` the prefix of their paths
+    (`tools[0].function.`, `tools[0].`), `parameters` the name of its schema's field."""
+    name = function.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise RequestError(f"{path}name must be 1-64 letters, digits, _ . or -", f"{path}name")
+    schema = function.get(parameters)
+    if schema is not None and not isinstance(schema, dict):
+        raise RequestError(f"{path}{parameters} must be a JSON schema object", f"{path}{parameters}")
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise RequestError(f"{path}description must be a string", f"{path}description")
+    return Tool(name, schema, description)
