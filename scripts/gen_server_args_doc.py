@@ -2,7 +2,7 @@
 
 The parser is built as launch_server builds it (`srt.cli_args.add_cli_args`); each flag's default,
 values and help text (every flag has one) come from its argparse action, its topic from `CLI_FLAGS`
-in srt/cli_args.py.
+in srt/cli_flags.py.
 
     python scripts/gen_server_args_doc.py           # write docs/server_args.md
     python scripts/gen_server_args_doc.py --check   # exit 1 if the page differs from what this writes
@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from srt.cli_args import CLI_FLAGS, add_cli_args  # noqa: E402
+from srt.cli_args import add_cli_args  # noqa: E402
+from srt.cli_flags import CLI_FLAGS  # noqa: E402
 from srt.server_args import ENV_DEFAULTS  # noqa: E402
 
 DOC = ROOT / "docs" / "server_args.md"
