@@ -2,7 +2,8 @@
 official `anthropic` client: a reply equals the chat completion of the same conversation, streams
 in Anthropic's event order to the same text, stops on a stop sequence, counts its tokens, forces a
 tool call that parses back as a `tool_use` block and completes the round trip with a `tool_result`,
-ends a forced turn (a named tool: one `tool_use`; `any`: no call repeated) with `tool_use`;
+ends a forced turn (a named tool: one `tool_use`; `any`: no call repeated) with `tool_use`, runs
+a three-turn tool loop (ask, forced call, result, answer) to `end_turn`;
 bad fields and invalid conversations (a role, a tool_result that answers no tool_use, a tool without
 a name) are 400s in Anthropic's shape naming them, and the API key passes as `x-api-key`. The
 thinking blocks of `--reasoning-parser` are checked on made-up outputs (a random model does not

@@ -4,7 +4,9 @@ in OpenAI's event order to the same text, stops at max_output_tokens as `incompl
 call that parses back as a `function_call` item and completes the round trip with a
 `function_call_output` (sent explicitly or through previous_response_id), ends a forced turn (a
 named function: one call; `required`: no call repeated) as `completed`, and so does the chat
-completion on the same server with `tool_calls`, follows a JSON schema;
+completion on the same server with `tool_calls`, runs a three-turn tool loop (ask, forced call,
+result, answer) ending by itself, chat and Responses alike, follows a JSON schema; generated and
+mutated conversations on the three chat routes are answered 200 or 400, never a 500;
 stored responses are read and deleted, the oldest evicted first; bad fields and invalid inputs (a
 role, a function_call_output that answers no call) are 400s in OpenAI's shape naming them.
 Reasoning items are checked on made-up outputs (a random model does not think)."""
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import random
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +25,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+from chat_conversations import BUILDERS, generated, mutated
 from chat_outputs import THINKING, WEATHER, made_up_outputs
 from openai.resources.responses import Responses
 from openai.resources.responses.input_tokens import InputTokens
@@ -368,6 +372,26 @@ def test_invalid_inputs_get_openais_400_and_the_server_keeps_serving(client: ope
     stored = create(client, max_output_tokens=2)  # a stored response with no call: nothing to answer
     assert refusal(client, input=[OUTPUT], previous_response_id=stored.id) == "input[0].call_id"
     assert create(client, [QUESTION, FUNCTION_CALL, OUTPUT], max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_generated_conversations_get_a_reply_or_a_400_never_a_500(server: Server) -> None:
+    """Valid and mutated conversations (tests/chat_conversations.py) sent to the three chat routes
+    of the running server: each is answered 200 or 400 within the timeout, and the server stays
+    healthy."""
+    routes = {
+        "openai": ("/v1/chat/completions", {"max_tokens": 1}),
+        "anthropic": ("/v1/messages", {"max_tokens": 1}),
+        "responses": ("/v1/responses", {"max_output_tokens": 1, "store": False}),
+    }
+    rng = random.Random(60)
+    for case in range(30):
+        for api, (route, limits) in routes.items():
+            body = BUILDERS[api](rng, generated(rng))
+            if rng.random() < 0.7:
+                body = mutated(rng, body)
+            reply = requests.post(server.url + route, json={"model": "m", **limits, **body}, timeout=30)
+            assert reply.status_code in (200, 400), (case, api, body, reply.text)
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_every_param_of_the_official_client_is_in_the_table() -> None:
