@@ -96,6 +96,25 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the runner tells its scheduler once loaded; the rank's ready message carries it to the
+    front end as a dict (`asdict`), under these names."""
+
+    max_total_tokens: int
+    num_pages: int
+    kv_budget: str  # the budget's one-line description, as logged
+    page_size: int
+    context_length: int
+    long_rope_original: int | None  # LongRoPE: prompts longer than this run on the long factors throughout
+    weight_bytes: int
+    vocab_size: int
+    hidden_size: int  # an embedding's size (--is-embedding)
+    cross_encoder: bool  # the model scores pairs: /v1/rerank
+    max_running_requests: int
+    eos_token_ids: list[int]
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig, parallel: ParallelState | None = None) -> None:
         self.config = config
@@ -459,19 +478,18 @@ class ModelRunner:
             state["moe_expert_tokens"] = tokens.tolist()
         return state
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "max_total_tokens": self.max_total_tokens,
-            "num_pages": self.num_pages,
-            "kv_budget": self.kv_budget.describe(),
-            "page_size": self.config.page_size,
-            "context_length": self.context_length,
-            # LongRoPE: prompts longer than this run on the long factors throughout (their KV is kept apart)
-            "long_rope_original": None if self.long_rope is None else self.long_rope.original,
-            "weight_bytes": self.weight_bytes,
-            "vocab_size": self.vocab_size,
-            "hidden_size": int(self.hf_config.hidden_size),  # an embedding's size (--is-embedding)
-            "cross_encoder": hasattr(self.model, "pool"),  # scores pairs: /v1/rerank
-            "max_running_requests": self.max_running_requests,
-            "eos_token_ids": sorted(eos_token_ids(self.config.model_dir, self.hf_config)),
-        }
+    def info(self) -> RunnerInfo:
+        return RunnerInfo(
+            max_total_tokens=self.max_total_tokens,
+            num_pages=self.num_pages,
+            kv_budget=self.kv_budget.describe(),
+            page_size=self.config.page_size,
+            context_length=self.context_length,
+            long_rope_original=None if self.long_rope is None else self.long_rope.original,
+            weight_bytes=self.weight_bytes,
+            vocab_size=self.vocab_size,
+            hidden_size=int(self.hf_config.hidden_size),
+            cross_encoder=hasattr(self.model, "pool"),
+            max_running_requests=self.max_running_requests,
+            eos_token_ids=sorted(eos_token_ids(self.config.model_dir, self.hf_config)),
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 from multiprocessing.connection import Connection
@@ -133,7 +134,7 @@ def run_scheduler_process(
 
         tokenizer_path = server_args.tokenizer_path or model_dir
         info = runner.info()
-        eos = set(info["eos_token_ids"])
+        eos = set(info.eos_token_ids)
 
         def load_tokenizer() -> Any:
             return load_hf_tokenizer(tokenizer_path)
@@ -160,7 +161,7 @@ def run_scheduler_process(
         logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
         ready_conn.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    ready_conn.send(("ready", {**info, "model_path": model_dir}))
+    ready_conn.send(("ready", {**dataclasses.asdict(info), "model_path": model_dir}))
     start_watchdogs(server_args, scheduler, getattr(rank_info, "name", f"scheduler TP{tp_rank}"))
     try:
         scheduler.event_loop()
