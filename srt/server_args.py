@@ -28,7 +28,7 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")  # SGLang's names
 TOOL_CALL_PARSERS = ("qwen25", "llama3", "generic")  # SGLang's two, and srt's own (srt/tool_calls.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")  # sglang-router's, for --dp-size
 QUANTIZATIONS = ("w8a8_int8", "gguf")  # model_executor/cpu/weights.py
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # scheduler/speculative.py, scheduler/draft_model.py
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # scheduler/speculative.py, model_executor/draft_model.py
 # SGLang's other algorithms, refused by name
 SGLANG_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH", "DSPARK", "UNO")
 # rows a request verifies a step: SGLang's default for NGRAM on a GPU, where rows up to a tile are free;
