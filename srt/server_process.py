@@ -43,6 +43,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _rendezvous_port(args: Sequence[str], env: dict[str, str]) -> int | None:
+    """The port `--dist-init-addr HOST:PORT` (or, with `env://`, MASTER_PORT) names: node 0 binds it
+    beside its --port, so the two must differ."""
+    addr = next((b for a, b in zip(args, args[1:]) if a == "--dist-init-addr"), None)
+    port = env.get("MASTER_PORT") if addr == "env://" else (addr or "").rpartition(":")[2]
+    return int(port) if port and port.isdigit() else None
+
+
 class ServerProcess:
     """`ServerProcess(args)`: the server with `args` after `--port`. `env` adds to this process's
     environment. The log goes to `log_dir` (kept) or to a temporary file removed by `close`.
@@ -58,7 +66,7 @@ class ServerProcess:
         log_dir: Path | None = None,
         stop_timeout_s: float = 15.0,
     ) -> None:
-        self.port = free_port()
+        self.port = free_port(avoid=_rendezvous_port(args, env or {}))
         self.url = f"http://127.0.0.1:{self.port}"
         self.stop_timeout_s = stop_timeout_s
         self.keep_log = log_dir is not None

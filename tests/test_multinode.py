@@ -108,7 +108,7 @@ def two_node_args(dist_port: int, node_rank: int, *extra: str) -> list[str]:
         "--dist-init-addr",
         f"127.0.0.1:{dist_port}",
         "--port",
-        str(free_port()),
+        str(free_port(avoid=dist_port)),  # never the rendezvous port: node 0 needs both
         *extra,
     ]
 
