@@ -96,7 +96,8 @@ class Router:
 
 
 def vocab_size(args: argparse.Namespace) -> int:
-    from model_executor.loader.weight_source import load_hf_config, resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
+    from model_executor.loader.weight_source import load_hf_config
 
     return int(load_hf_config(resolve_model_path(args.model_path)).vocab_size)
 

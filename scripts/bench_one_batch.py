@@ -75,7 +75,8 @@ from model_executor.distributed.parallel_state import destroy_distributed, init_
 from model_executor.forward_batch import ForwardMode, make_forward_batch  # noqa: E402
 from model_executor.layers.linear import LinearBase  # noqa: E402
 from model_executor.layers.moe import SparseMoeBlock  # noqa: E402
-from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
+from model_executor.loader.model_path import resolve_model_path  # noqa: E402
+from model_executor.loader.weight_source import load_hf_config  # noqa: E402
 from model_executor.model_runner import ModelRunner, RunnerConfig, model_weight_bytes  # noqa: E402
 from model_executor.sampling_inputs import SamplingInputs  # noqa: E402
 from srt.utils import free_port, resolve_dtype, threads_per_rank  # noqa: E402

@@ -59,7 +59,8 @@ from bench_metrics import BenchMetrics, LevelResult, compute_metrics  # noqa: E4
 from bench_serving import Workload, random_prompts, run_level, warmup  # noqa: E402
 from llama_peer import LlamaServer, is_llama_server, llama_command  # noqa: E402
 
-from model_executor.loader.weight_source import load_hf_config, resolve_model_path  # noqa: E402
+from model_executor.loader.model_path import resolve_model_path  # noqa: E402
+from model_executor.loader.weight_source import load_hf_config  # noqa: E402
 from srt.server_process import ServerProcess  # noqa: E402
 
 PEER_NAMES = {"generate": "transformers generate", "continuous": "transformers continuous batching"}

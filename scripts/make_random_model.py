@@ -50,7 +50,8 @@ def make_random_model(
     """Writes the checkpoint and SmolLM2's tokenizer to `out`; returns `out`."""
     import transformers
 
-    from model_executor.loader.weight_source import load_hf_config, resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
+    from model_executor.loader.weight_source import load_hf_config
 
     smollm2 = resolve_model_path(None)
     base = load_hf_config(smollm2)
@@ -94,7 +95,8 @@ def make_random_moe_model(
     mixture of experts of issue 37's benchmark by default (32 experts, top 4, hidden 1024, 8 layers)."""
     import transformers
 
-    from model_executor.loader.weight_source import load_hf_config, resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
+    from model_executor.loader.weight_source import load_hf_config
 
     smollm2 = resolve_model_path(None)
     base = load_hf_config(smollm2)

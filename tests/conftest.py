@@ -38,7 +38,7 @@ def long_context_llama(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytes
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from model_executor.loader.weight_source import resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
 
     return resolve_model_path(None)
 

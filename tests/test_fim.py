@@ -59,7 +59,7 @@ def coder_dir(name: str) -> Path:
     """The converted HF directory of a Qwen2.5-Coder GGUF, as the server converts it."""
     if not real_models.available(name):
         pytest.skip(f"{name}'s chunks are not installed: {real_models.install_command(name)}")
-    from model_executor.loader.weight_source import resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
 
     return resolve_model_path(str(real_models.path(name)))
 

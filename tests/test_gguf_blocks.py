@@ -109,7 +109,7 @@ def test_a_gguf_checkpoint_packs_the_file_blocks_without_a_float32_model(
     from model_executor.cpu.kernels import build, packing
     from model_executor.cpu.linear import packed_of
     from model_executor.layers.linear import LinearBase
-    from model_executor.loader.weight_source import resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
     from model_executor.model_runner import ModelRunner, RunnerConfig
 
     if not (build.q4_available() and build.q8_available()):
@@ -264,7 +264,7 @@ def test_a_weight_on_its_blocks_is_loaded_from_them_alone(monkeypatch: pytest.Mo
     from model_executor.cpu.kernels import build
     from model_executor.layers.linear import LinearBase
     from model_executor.loader import weight_source
-    from model_executor.loader.weight_source import resolve_model_path
+    from model_executor.loader.model_path import resolve_model_path
     from model_executor.model_runner import ModelRunner, RunnerConfig
 
     if not (build.q4_available() and build.q8_available() and build.gguf_linear_available()):

@@ -24,7 +24,7 @@ from tiny_models import hf_greedy
 from model_executor.cpu.kernels import build, packing
 from model_executor.cpu.linear import packed_of
 from model_executor.layers.linear import LinearBase
-from model_executor.loader.weight_source import resolve_model_path
+from model_executor.loader.model_path import resolve_model_path
 from model_executor.model_runner import ModelRunner, RunnerConfig
 
 PROMPTS = [

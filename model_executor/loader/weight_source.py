@@ -18,8 +18,6 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from model_executor.loader.model_path import resolve_model_path as resolve_model_path  # its old home
-
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
