@@ -55,15 +55,7 @@ def _user(content: str | list[Any], where: str) -> list[Message]:
             result = TEXT_BLOCKS.parts(block.get("content") or "", f"{at}.content")
             if block.get("is_error"):
                 result = (TextPart("Error: "), *result)
-            call_id = block.get("tool_use_id")
-            turns.append(
-                Message(
-                    "tool",
-                    result,
-                    call_id=call_id if isinstance(call_id, str) else None,
-                    call_id_path=f"{at}.tool_use_id",
-                )
-            )
+            turns.append(Message.tool_result(result, block.get("tool_use_id"), f"{at}.tool_use_id"))
         else:
             parts.append(USER_BLOCKS.part(block, kind, at))
     if parts or not turns:

@@ -59,6 +59,20 @@ class Message:
         assert not self.tool_calls or self.role == "assistant", self
         assert self.call_id is None or self.role == "tool", self
 
+    @classmethod
+    def tool_result(
+        cls, parts: tuple[Part, ...], call_id: Any, call_id_path: str | None, name: str | None = None
+    ) -> Message:
+        """A tool result answering the call whose id the client sent as `call_id`: anything but a
+        string is no id, which check.validated refuses by `call_id_path`."""
+        return cls(
+            "tool",
+            parts,
+            call_id=call_id if isinstance(call_id, str) else None,
+            name=name,
+            call_id_path=call_id_path,
+        )
+
     @property
     def text(self) -> str:
         return "".join(part.text for part in self.parts)

@@ -40,14 +40,8 @@ def _message(message: Any, where: str) -> Message:
     parts = PARTS.parts(content, f"{where}.content") if content is not None else ()
     name = message.get("name") if isinstance(message.get("name"), str) else None
     if role == "tool":
-        call_id = message.get("tool_call_id")
-        return Message(
-            "tool",
-            parts,
-            call_id=call_id if isinstance(call_id, str) else None,
-            name=name,
-            call_id_path=None if wire_role == "function" else f"{where}.tool_call_id",
-        )
+        path = None if wire_role == "function" else f"{where}.tool_call_id"
+        return Message.tool_result(parts, message.get("tool_call_id"), path, name)
     calls = _calls(message.get("tool_calls"), where) if role == "assistant" else ()
     return Message(role, parts, calls, name=name)
 

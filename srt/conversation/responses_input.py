@@ -39,16 +39,8 @@ def conversation(instructions: str | None, items: list[dict[str, Any]], stored: 
             else:
                 out.append(Message("assistant", (), (call,)))
         elif kind == "function_call_output":
-            call_id = item.get("call_id")
             output = PARTS.parts(item.get("output"), f"{where}.output")
-            out.append(
-                Message(
-                    "tool",
-                    output,
-                    call_id=call_id if isinstance(call_id, str) else None,
-                    call_id_path=f"{where}.call_id",
-                )
-            )
+            out.append(Message.tool_result(output, item.get("call_id"), f"{where}.call_id"))
         elif kind != "reasoning":
             raise RequestError(
                 f"{where}.type: {kind!r} items are not supported (srt takes message, function_call, "
