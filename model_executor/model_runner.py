@@ -8,6 +8,7 @@ it runs faster than the layers op by op) comes from its wing (device_wing.py; th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -478,7 +479,9 @@ class ModelRunner:
             state["moe_expert_tokens"] = tokens.tolist()
         return state
 
+    @functools.cached_property
     def info(self) -> RunnerInfo:
+        """Fixed once the runner is made: computed on first use (it reads generation_config.json)."""
         return RunnerInfo(
             max_total_tokens=self.max_total_tokens,
             num_pages=self.num_pages,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import traceback
 from multiprocessing.connection import Connection
@@ -22,7 +23,7 @@ from scheduler.scheduler import Scheduler
 from scheduler.watchdog import Watchdog
 from srt.metrics import RankMetrics, enable_multiprocess_metrics, metrics_dir
 from srt.server_args import PortArgs, ServerArgs
-from srt.tokenizer_loader import load_tokenizer as load_hf_tokenizer
+from srt.tokenizer_loader import load_tokenizer
 from srt.utils import engine_start, resolve_dtype
 
 logger = logging.getLogger("srt.scheduler")
@@ -133,12 +134,11 @@ def run_scheduler_process(
                 out_socket.send_pyobj(obj)
 
         tokenizer_path = server_args.tokenizer_path or model_dir
-        info = runner.info()
+        info = runner.info
         eos = set(info.eos_token_ids)
 
-        def load_tokenizer() -> Any:
-            return load_hf_tokenizer(tokenizer_path)
-
+        # called on a stop string's first need
+        tokenizer_loader = functools.partial(load_tokenizer, tokenizer_path)
         metrics = None
         if server_args.enable_metrics:
             enable_multiprocess_metrics(metrics_dir(port_args))
@@ -151,12 +151,14 @@ def run_scheduler_process(
                 receiver,
                 send,
                 eos,
-                load_tokenizer,
+                tokenizer_loader,
                 metrics,
                 micro_batches=server_args.pp_micro_batches or server_args.pp_size,
             )
         else:
-            scheduler = Scheduler(server_args, parallel, runner, receiver, send, eos, load_tokenizer, metrics)
+            scheduler = Scheduler(
+                server_args, parallel, runner, receiver, send, eos, tokenizer_loader, metrics
+            )
     except Exception:
         logger.exception("scheduler rank TP%d PP%d failed during start-up", tp_rank, pp_rank)
         ready_conn.send(("error", traceback.format_exc()))

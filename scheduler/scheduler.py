@@ -66,7 +66,7 @@ class Scheduler:
         if server_args.is_embedding:
             # Every prompt is pooled whole, in one step (its chunk as long as the context may be), and
             # its own: no cached prefix stands in for its first tokens.
-            longest = runner.info().context_length
+            longest = runner.info.context_length
             server_args = dataclasses.replace(
                 server_args,
                 disable_radix_cache=True,
@@ -96,7 +96,7 @@ class Scheduler:
         self.tree_cache: BasePrefixCache = (NoPrefixCache if self.args.disable_radix_cache else RadixCache)(
             memory.free_slots, page_size=memory.page_size, device=self.runner.device
         )
-        original = self.runner.info().long_rope_original
+        original = self.runner.info.long_rope_original
         self.kv = KVManager(
             memory, self.tree_cache, long_prompt_over=None if original is None else int(original)
         )
@@ -121,7 +121,7 @@ class Scheduler:
             JsonOptions.of(args),
         )
         self.grammar_sync_on = False  # the last sampled batch held a constrained request (at tp > 1)
-        self.context_length = self.runner.info().context_length
+        self.context_length = self.runner.info.context_length
         self.speculator: Speculator | None = new_speculator(
             args, self.runner, self.parallel, self.kv, self.stats, self.context_length
         )

@@ -9,6 +9,7 @@ admits them in the same step) and pulls the output rank's token ids.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import shutil
@@ -94,15 +95,6 @@ class _Outputs:
             GenerateOutput(self.ids[rid], self.finished[rid][0].type, self.finished[rid][1])
             for rid in self.rids
         ]
-
-
-def _tokenizer_loader(path: str) -> Callable[[], Any]:
-    """The Scheduler's stop-string checks load the tokenizer on first need, as a server's ranks do."""
-
-    def load() -> Any:
-        return load_tokenizer(path)
-
-    return load
 
 
 def _check_prompts(prompts: object) -> None:
@@ -193,7 +185,7 @@ class Engine:
                 self._inbox,
                 self._outbox.append,
                 eos_token_ids(self.model_dir, self.runner.hf_config),
-                _tokenizer_loader(str(self.model_dir)),
+                functools.partial(load_tokenizer, str(self.model_dir)),  # on a stop string's first need
             )
             self.context_length = self.runner.context_length
             return
