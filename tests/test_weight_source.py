@@ -18,12 +18,8 @@ from safetensors.torch import save_file
 
 from model_executor.loader import gguf_convert
 from model_executor.loader.gguf_convert import COMPLETE_MARKER, convert_gguf, converted_dir_for
-from model_executor.loader.weight_source import (
-    LazyTensor,
-    iter_checkpoint,
-    load_hf_config,
-    resolve_model_path,
-)
+from model_executor.loader.model_path import resolve_model_path
+from model_executor.loader.weight_source import LazyTensor, iter_checkpoint, load_hf_config
 from srt.default_model import DEFAULT_MODEL_FILE, default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
