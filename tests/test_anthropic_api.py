@@ -3,7 +3,7 @@ official `anthropic` client: a reply equals the chat completion of the same conv
 in Anthropic's event order to the same text, stops on a stop sequence, counts its tokens, forces a
 tool call that parses back as a `tool_use` block and completes the round trip with a `tool_result`,
 ends a forced turn (a named tool: one `tool_use`; `any`: no call repeated) with `tool_use`, runs
-a three-turn tool loop (ask, forced call, result, answer) to `end_turn`;
+a three-turn tool loop (ask, forced call, result, answer) to `end_turn`, streamed or not;
 bad fields and invalid conversations (a role, a tool_result that answers no tool_use, a tool without
 a name) are 400s in Anthropic's shape naming them, and the API key passes as `x-api-key`. The
 thinking blocks of `--reasoning-parser` are checked on made-up outputs (a random model does not
@@ -166,18 +166,29 @@ def test_tool_turns_end_one_named_tool_use_and_no_repeated_any_call(client: anth
     assert all(call not in calls[:i] for i, call in enumerate(calls)), calls  # no call repeated
 
 
-def test_a_tool_loop_of_three_turns_ends_with_an_answer(client: anthropic.Anthropic) -> None:
+def turn(client: anthropic.Anthropic, stream: bool, messages: Any, **kwargs: Any) -> Any:
+    """One greedy reply; streamed, the SDK's message rebuilt from the events."""
+    if not stream:
+        return create(client, messages, **kwargs)
+    with client.messages.stream(model="m", messages=messages, extra_body=GREEDY, **kwargs) as events:
+        return events.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_loop_of_three_turns_ends_with_an_answer(client: anthropic.Anthropic, stream: bool) -> None:
     """The agent loop a client runs: the user asks, the model uses the tool (the choice forces it:
     the bundled model is too small to decide), the client sends the result back and the model
     answers; each turn is accepted and ends by itself, not at max_tokens."""
     kwargs: Any = {"tools": TOOLS, "max_tokens": 256}
-    called = create(client, ASK, tool_choice={"type": "tool", "name": "get_weather"}, **kwargs)
-    assert called.stop_reason == "tool_use"
-    (use,) = [b for b in called.content if b.type == "tool_use"]
+    called = turn(client, stream, ASK, tool_choice={"type": "tool", "name": "get_weather"}, **kwargs)
+    assert called.stop_reason == "tool_use" and [b.type for b in called.content] == ["tool_use"], called
+    (use,) = called.content
+    assert use.id.startswith("toolu_") and use.name == "get_weather" and use.input["city"]
     result = {"type": "tool_result", "tool_use_id": use.id, "content": "Rain, 9 C"}
     turns = [*ASK, {"role": "assistant", "content": called.content}, {"role": "user", "content": [result]}]
-    answer = create(client, turns, tool_choice={"type": "none"}, **kwargs)
+    answer = turn(client, stream, turns, tool_choice={"type": "none"}, **kwargs)
     assert answer.stop_reason == "end_turn" and [b.type for b in answer.content] == ["text"], answer
+    assert answer.content[0].text
 
 
 def refusal(client: anthropic.Anthropic, **kwargs: Any) -> str:

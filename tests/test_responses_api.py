@@ -5,11 +5,11 @@ call that parses back as a `function_call` item and completes the round trip wit
 `function_call_output` (sent explicitly or through previous_response_id), ends a forced turn (a
 named function: one call; `required`: no call repeated) as `completed`, and so does the chat
 completion on the same server with `tool_calls`, runs a three-turn tool loop (ask, forced call,
-result, answer) ending by itself, chat and Responses alike, follows a JSON schema; generated and
-mutated conversations on the three chat routes are answered 200 or 400, never a 500;
-stored responses are read and deleted, the oldest evicted first; bad fields and invalid inputs (a
-role, a function_call_output that answers no call) are 400s in OpenAI's shape naming them.
-Reasoning items are checked on made-up outputs (a random model does not think)."""
+result, answer) ending by itself, chat and Responses alike, streamed or not, follows a JSON
+schema; generated and mutated conversations on the three chat routes are answered 200 or 400,
+never a 500; stored responses are read and deleted, the oldest evicted first; bad fields and
+invalid inputs (a role, a function_call_output that answers no call) are 400s in OpenAI's shape
+naming them. Reasoning items are checked on made-up outputs (a random model does not think)."""
 
 from __future__ import annotations
 
@@ -240,28 +240,61 @@ def test_function_calls_end_one_named_call_and_no_repeated_required_call(client:
 ANSWER_TOKENS = 256
 
 
-def test_a_chat_tool_loop_of_three_turns_ends_with_an_answer(client: openai.OpenAI) -> None:
+def chat_turn(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[str | None, Any]:
+    """(finish_reason, the assistant message as the client sends it back) of one chat turn; a
+    stream's deltas joined as a client joins them (content, then each call by its index)."""
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.finish_reason, choice.message.model_dump(exclude_none=True)
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            assert call.index not in calls and call.id and call.function, call  # each call whole, once
+            calls[call.index] = call.model_dump(exclude_none=True, exclude={"index"})
+        finish = chunk.choices[0].finish_reason or finish
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return finish, message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_tool_loop_of_three_turns_ends_with_an_answer(client: openai.OpenAI, stream: bool) -> None:
     messages: list[Any] = [{"role": "user", "content": ASK}]
     kwargs: Any = {"model": "m", "temperature": 0, "tools": CHAT_TOOLS, "max_tokens": ANSWER_TOKENS}
-    called = client.chat.completions.create(messages=messages, tool_choice=CHAT_FORCED, **kwargs).choices[0]
-    assert called.finish_reason == "tool_calls" and called.message.tool_calls
-    (call,) = called.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
-    messages.append(called.message.model_dump(exclude_none=True))
-    messages.append({"role": "tool", "tool_call_id": call.id, "content": "Rain, 9 C"})
-    answer = client.chat.completions.create(messages=messages, tool_choice="none", **kwargs).choices[0]
-    assert answer.finish_reason == "stop" and answer.message.content, answer
-    assert not answer.message.tool_calls
+    finish, called = chat_turn(client, stream, messages=messages, tool_choice=CHAT_FORCED, **kwargs)
+    assert finish == "tool_calls" and not called.get("content"), called
+    (call,) = called["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"]
+    messages.append(called)
+    messages.append({"role": "tool", "tool_call_id": call["id"], "content": "Rain, 9 C"})
+    finish, answer = chat_turn(client, stream, messages=messages, tool_choice="none", **kwargs)
+    assert finish == "stop" and answer["content"] and "tool_calls" not in answer, answer
 
 
-def test_a_responses_tool_loop_of_three_turns_ends_with_an_answer(client: openai.OpenAI) -> None:
+def response_turn(client: openai.OpenAI, stream: bool, **kwargs: Any) -> Any:
+    """One Response; streamed, it must end with response.completed (the helper's final response)."""
+    if not stream:
+        return client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as events:
+        assert [event.type for event in events][-1] == "response.completed"
+        return events.get_final_response()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_tool_loop_of_three_turns_ends_with_an_answer(
+    client: openai.OpenAI, stream: bool
+) -> None:
     kwargs: Any = {"model": "m", "temperature": 0, "tools": TOOLS, "max_output_tokens": ANSWER_TOKENS}
-    called = client.responses.create(input=ASK, tool_choice=FORCED, **kwargs)
-    assert called.status == "completed"
+    called = response_turn(client, stream, input=ASK, tool_choice=FORCED, **kwargs)
+    assert called.status == "completed" and [item.type for item in called.output] == ["function_call"]
     call = _call(called)
     turns = [QUESTION, *[item.model_dump(exclude_none=True) for item in called.output]]
     turns.append({"type": "function_call_output", "call_id": call.call_id, "output": "Rain, 9 C"})
-    answer = client.responses.create(input=turns, tool_choice="none", **kwargs)
+    answer = response_turn(client, stream, input=turns, tool_choice="none", **kwargs)
     assert answer.status == "completed" and answer.output_text, answer
     assert [item.type for item in answer.output] == ["message"]
 
