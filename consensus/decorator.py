@@ -6,7 +6,7 @@
     @rank_consensus(args=("rid", "num_tokens"), result=True)
     def admit(self, rid: str, num_tokens: int) -> bool: ...
 
-    @rank_consensus(args={"batch": lambda b: [r.rid for r in b.reqs]}, result=lambda out: out.phase)
+    @rank_consensus(args={"batch": lambda b: [r.rid for r in b.reqs]}, result=lambda out: out.forward_mode)
     def run_batch(self, batch: ScheduleBatch) -> Result: ...
 
 `args` names parameters of the decorated function (a sequence of names, or a mapping from name to

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from consensus import rank_consensus
+from model_executor.forward_batch import ForwardMode
 from scheduler.fault_injection import FaultInjector
 from scheduler.grammar import rebuild_matcher
 from scheduler.kv_manager import KVManager
@@ -17,7 +18,7 @@ from scheduler.policy import (
     order_waiting,
 )
 from scheduler.req import Req
-from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.schedule_batch import ScheduleBatch
 from srt.io_struct import FinishReason
 from srt.server_args import ServerArgs
 
@@ -71,7 +72,7 @@ class Admission:
         if not reqs:
             return None
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ScheduleBatch(Phase.DECODE, reqs, [1] * len(reqs))
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
 
     def _prefill_token_cap(self) -> int:
         return self.args.max_prefill_tokens
@@ -146,7 +147,7 @@ class Admission:
             else:
                 self.kv.release(req, insert=False)
                 self.queues.waiting.insert(0, req)
-        return ScheduleBatch(Phase.PREFILL, reqs, lens) if reqs else None
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, lens) if reqs else None
 
     def _make_room_for_decode(self, reqs: list[Req]) -> list[Req]:
         """Evicts cache, then retracts the newest of `reqs` until one decode step of the rest fits."""

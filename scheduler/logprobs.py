@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_executor.forward_batch import ForwardMode
 from model_executor.logprobs import TopLogprobs
 from model_executor.sampling_inputs import LogprobRows, ScoredTokens
 from scheduler.req import Req
-from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.schedule_batch import ScheduleBatch
 from srt.io_struct import BatchTokenIDOut, TokenLogprobs
 
 
@@ -39,7 +40,7 @@ def plan_logprobs(batch: ScheduleBatch, compute: bool) -> LogprobPlan | None:
     spans: list[PromptSpan] = []
     offset = 0  # where request i's new tokens start in the flattened step
     for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-        if batch.phase is Phase.PREFILL:
+        if batch.forward_mode is ForwardMode.EXTEND:
             wanted = req.prompt_logprob_positions
             # This step computes positions kv_len .. kv_len + n - 1 of the request.
             first, stop = max(wanted.start, req.kv_len), min(wanted.stop, req.kv_len + n)

@@ -29,9 +29,10 @@ from typing import Any
 
 import consensus
 from consensus.canonical import canonical, event_digest
+from model_executor.forward_batch import ForwardMode
 from scheduler.admission import Admission
 from scheduler.req import Req
-from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
+from scheduler.schedule_batch import Launched, ScheduleBatch
 from scheduler.scheduler import Scheduler
 
 MIN_PREFILL_SHARE = 256  # prompt tokens: below this a prefill is not split over micro-batches
@@ -57,7 +58,7 @@ class PipelineAdmission(Admission):
             (
                 sum(b.batch.extend_lens)
                 for b in self.in_flight
-                if b is not None and b.batch.phase is Phase.PREFILL
+                if b is not None and b.batch.forward_mode is ForwardMode.EXTEND
             ),
             default=0,
         )
@@ -119,7 +120,7 @@ class PipelineScheduler(Scheduler):
             None
             if batch is None
             else (
-                batch.phase.value,
+                batch.forward_mode.value,
                 len(batch.reqs),
                 sum(batch.extend_lens),
                 event_digest("step", canonical(batch.identity)),
@@ -156,8 +157,8 @@ class PipelineScheduler(Scheduler):
 
 
 def describe_batch(summary: object) -> str:
-    """A stage gate summary, (phase, requests, tokens, digest) or None, in words."""
+    """A stage gate summary, (forward mode, requests, tokens, digest) or None, in words."""
     if not isinstance(summary, tuple):
         return "no batch"
-    phase, reqs, tokens, digest = summary
-    return f"{phase} of {reqs} requests / {tokens} tokens (digest {int(digest) & 0xFFFFFFFF:08x})"
+    mode, reqs, tokens, digest = summary
+    return f"{mode} of {reqs} requests / {tokens} tokens (digest {int(digest) & 0xFFFFFFFF:08x})"

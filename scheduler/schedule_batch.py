@@ -1,8 +1,7 @@
-"""One scheduled step: which requests run, in which phase, and how many tokens each feeds."""
+"""One scheduled step: which requests run, in which forward mode, and how many tokens each feeds."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,14 +15,10 @@ if TYPE_CHECKING:
     from scheduler.speculative import VerifyInput
 
 
-class Phase(enum.Enum):
-    PREFILL = "prefill"  # new prompts (or the next chunk of one), possibly after a cached prefix
-    DECODE = "decode"  # one token for every running request
-
-
 @dataclass
 class ScheduleBatch:
-    phase: Phase
+    # EXTEND: new prompts (or the next chunk of one) after any cached prefix; DECODE: a token each
+    forward_mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]  # tokens each request feeds this step
     # a decode step's drafts to verify, planned at launch (scheduler/speculative.py); None: a plain step
@@ -41,7 +36,7 @@ class ScheduleBatch:
     @property
     def identity(self) -> tuple[str, list[str], list[int]]:
         """What ranks compare to agree they run the same batch (consensus events and gates)."""
-        return self.phase.value, self.rids, self.extend_lens
+        return self.forward_mode.value, self.rids, self.extend_lens
 
     @property
     def new_lens(self) -> list[int]:
@@ -75,16 +70,15 @@ class ScheduleBatch:
         for req, n in zip(self.reqs, self.extend_lens):
             input_ids += (
                 req.fill_ids[req.kv_len : req.kv_len + n]
-                if self.phase is Phase.PREFILL
+                if self.forward_mode is ForwardMode.EXTEND
                 else [req.output_ids[-1]]
             )
-        mode = ForwardMode.EXTEND if self.phase is Phase.PREFILL else ForwardMode.DECODE
         rows = [r.req_pool_idx for r in self.reqs]
         prefix_lens = [r.kv_len for r in self.reqs]
         seq_lens = [r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)]
         prompts = [len(r.origin_input_ids) for r in self.reqs]
         return make_forward_batch(
-            mode,
+            self.forward_mode,
             input_ids,
             rows,  # type: ignore[arg-type]
             prefix_lens,

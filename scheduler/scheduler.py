@@ -18,7 +18,7 @@ from consensus import rank_consensus
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
-from model_executor.forward_batch import ForwardBatch
+from model_executor.forward_batch import ForwardBatch, ForwardMode
 from model_executor.model_runner import ModelRunner
 from model_executor.sampling_inputs import SamplingInputs
 from scheduler.admission import Admission, RequestQueues
@@ -29,7 +29,7 @@ from scheduler.logprobs import LogprobPlan, plan_logprobs, record_logprobs, samp
 from scheduler.output import mark_sent, token_output
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
-from scheduler.schedule_batch import Launched, Phase, ScheduleBatch
+from scheduler.schedule_batch import Launched, ScheduleBatch
 from scheduler.speculative import Speculator, new_speculator
 from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
@@ -269,7 +269,7 @@ class Scheduler:
         micro-batch when its ids come back from the last stage)."""
         consensus.agree_before_step(batch.identity)  # checker on: TP ranks agree
         self.stats.timer.forward_begin()
-        if batch.phase is Phase.DECODE:
+        if batch.forward_mode is ForwardMode.DECODE:
             if self.speculator is not None:  # the one way into speculation: a verify step's plan
                 batch.verify = self.speculator.plan(batch)
             ok = self.kv.reserve_extend(batch.reqs, batch.new_lens)
@@ -290,7 +290,7 @@ class Scheduler:
                 self.chunked_req = req  # a mid-prompt chunk: its next chunk may run at once
                 continue
             req.awaiting_token = True
-            if batch.phase is Phase.PREFILL and req.sampling_params.max_new_tokens > 0:
+            if batch.forward_mode is ForwardMode.EXTEND and req.sampling_params.max_new_tokens > 0:
                 self.running.append(req)
         self.stats.timer.forward_end()
         self.stats.after_step(tokens)

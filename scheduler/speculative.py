@@ -36,7 +36,7 @@ from scheduler.drafts import DraftSource, ModelDrafts, NgramDrafts
 from scheduler.grammar import draft_matchers
 from scheduler.kv_manager import KVManager
 from scheduler.req import Req
-from scheduler.schedule_batch import Phase, ScheduleBatch
+from scheduler.schedule_batch import ScheduleBatch
 from scheduler.stats import SchedulerStats
 from srt.server_args import ServerArgs
 
@@ -72,7 +72,7 @@ class VerifyInput:
         """The rows as a decode batch of their own, request i repeated once per row (its logprob
         rows are planned and recorded over it)."""
         reqs = [req for req, n in zip(self.reqs, self.row_lens) for _ in range(n)]
-        return ScheduleBatch(Phase.DECODE, reqs, [1] * len(reqs))
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
 
     def forward_batch(self, out_cache_loc: torch.Tensor, device: torch.device) -> ForwardBatch:
         """Each request's last token and drafts, a decode row each: row j at position kv_len + j."""
