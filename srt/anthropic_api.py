@@ -1,8 +1,8 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
-A Messages request becomes a chat request (anthropic_parse.py) and runs as one; the reply is the
-chat choice (openai_api.chat_choice: content, the <think> part, parsed tool calls) in Anthropic's
-blocks: `thinking`, `text`, `tool_use` in that order. A stream sends Anthropic's events:
+A Messages request becomes a chat request (anthropic_parse.py) and runs as one; the reply (the
+typed srt/conversation/reply.py: content, the <think> part, parsed tool calls) goes out in
+Anthropic's blocks: `thinking`, `text`, `tool_use` (its id minted here) in that order. A stream sends Anthropic's events:
 `message_start`, then per block `content_block_start`, its deltas (`thinking_delta`, `text_delta`,
 `input_json_delta`: a tool call streams whole once it is complete) and `content_block_stop`, then
 `message_delta` with the stop_reason and usage, and `message_stop`. stop_reason is `end_turn`,
@@ -14,6 +14,7 @@ and `--api-key` is also accepted in the `x-api-key` header the official client s
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.anthropic_parse import ANTHROPIC_NAMES, AnthropicCall, count_tokens, parse_messages, tool_input
+from srt.anthropic_parse import ANTHROPIC_NAMES, AnthropicCall, count_tokens, parse_messages
+from srt.conversation.reply import Reply, ReplyReader, Usage
 from srt.http_common import (
     ANTHROPIC_ERRORS,
     Aborted,
@@ -34,43 +36,41 @@ from srt.http_common import (
     refused_stream,
     sole_output,
 )
-from srt.openai_api import ChoiceProgress, chat_choice
 from srt.repeated_calls import end_at_repeated_call
 from srt.request_state import ServiceUnavailableError
+from srt.tool_calls import ToolCall
 
 router = APIRouter()
 
 
-def _usage(meta: dict[str, Any]) -> dict[str, Any]:
+def _usage(usage: Usage) -> dict[str, Any]:
     """Anthropic counts the cached part of the prompt apart from input_tokens."""
-    cached = meta.get("cached_tokens", 0)
     return {
-        "input_tokens": meta["prompt_tokens"] - cached,
-        "output_tokens": meta["completion_tokens"],
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
+        "cache_read_input_tokens": usage.cached_tokens,
     }
 
 
-def _stop(call: AnthropicCall, meta: dict[str, Any], finish_reason: str) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished output."""
-    if finish_reason == "tool_calls":
+def _stop(call: AnthropicCall, reply: Reply) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished reply."""
+    if reply.finish_reason == "tool_calls":
         return "tool_use", None
-    if finish_reason == "length":
+    if reply.finish_reason == "length":
         return "max_tokens", None
-    matched = meta["finish_reason"].get("matched")
-    if isinstance(matched, str) and matched in call.stop_sequences:
-        return "stop_sequence", matched
+    if reply.stop in call.stop_sequences:
+        return "stop_sequence", reply.stop
     return "end_turn", None
 
 
-def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    function = call["function"]
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    arguments = call.parsed_arguments
     return {
         "type": "tool_use",
-        "id": "toolu_" + call["id"].removeprefix("call_"),
-        "name": function["name"],
-        "input": tool_input(function["arguments"]),
+        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": call.name,
+        "input": arguments if isinstance(arguments, dict) else {},
     }
 
 
@@ -78,25 +78,28 @@ def _envelope(rid: str, model: str) -> dict[str, Any]:
     return {"id": "msg_" + rid, "type": "message", "role": "assistant", "model": model}
 
 
+def _reader(call: AnthropicCall) -> ReplyReader:
+    return ReplyReader(call.chat.tools, call.chat.reasoning)
+
+
 def message(call: AnthropicCall, out: dict[str, Any], model: str) -> dict[str, Any]:
     """The whole reply to a finished output."""
     finish_of(out)
-    choice = chat_choice(call.chat, out, ChoiceProgress(), chunk=False)
-    reply = choice["message"]
+    reply = _reader(call).read(out, whole=True)
     content: list[dict[str, Any]] = []
-    if reply.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": reply["reasoning_content"], "signature": ""})
-    if reply.get("content"):
-        content.append({"type": "text", "text": reply["content"]})
-    content.extend(_tool_use(c) for c in reply.get("tool_calls") or [])
+    if reply.reasoning:
+        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content:
+        content.append({"type": "text", "text": reply.content})
+    content.extend(_tool_use(c) for c in reply.tool_calls)
     meta = out["meta_info"]
-    stop_reason, stop_sequence = _stop(call, meta, choice["finish_reason"])
+    stop_reason, stop_sequence = _stop(call, reply)
     return {
         **_envelope(meta["id"], model),
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": _usage(meta),
+        "usage": _usage(Usage.of(meta)),
     }
 
 
@@ -133,7 +136,7 @@ class _Blocks:
         out.append(event("content_block_delta", {"index": self.started - 1, "delta": delta}))
         return out
 
-    def tool_use(self, call: dict[str, Any]) -> list[bytes]:
+    def tool_use(self, call: ToolCall) -> list[bytes]:
         """A complete tool call: its block started empty, its input as one input_json_delta."""
         block = _tool_use(call)
         out = self.start({**block, "input": {}})
@@ -146,11 +149,11 @@ class _Blocks:
 async def _events(
     call: AnthropicCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
 ) -> AsyncGenerator[bytes, None]:
-    progress, blocks, started = ChoiceProgress(), _Blocks(), False
+    reader, blocks, started = _reader(call), _Blocks(), False
     async for out in outputs:
         meta = out["meta_info"]
         if not started:
-            usage = {**_usage(meta), "output_tokens": 0}
+            usage = {**_usage(Usage.of(meta)), "output_tokens": 0}
             start = {
                 **_envelope(meta["id"], model),
                 "content": [],
@@ -160,23 +163,20 @@ async def _events(
             yield event("message_start", {"message": {**start, "usage": usage}})
             started = True
         finish = finish_of(out)
-        delta = chat_choice(call.chat, out, progress, chunk=True)["delta"]
+        reply = reader.read(out, whole=False)
         parts = []
-        if delta.get("reasoning_content"):
-            parts += blocks.delta(
-                "thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
-            )
-        if delta.get("content"):
-            parts += blocks.delta("text", {"type": "text_delta", "text": delta["content"]})
-        for tool_call in delta.get("tool_calls") or []:
+        if reply.reasoning:
+            parts += blocks.delta("thinking", {"type": "thinking_delta", "thinking": reply.reasoning})
+        if reply.content:
+            parts += blocks.delta("text", {"type": "text_delta", "text": reply.content})
+        for tool_call in reply.tool_calls:
             parts += blocks.tool_use(tool_call)
         for part in parts:
             yield part
         if finish is not None:
             for part in blocks.close():
                 yield part
-            reason = chat_choice(call.chat, out, ChoiceProgress(), chunk=False)["finish_reason"]
-            stop_reason, stop_sequence = _stop(call, meta, reason)
+            stop_reason, stop_sequence = _stop(call, reply)
             yield event(
                 "message_delta",
                 {

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from srt.conversation import Conversation, anthropic_messages
 from srt.conversation.read import tool_of
 from srt.generate_parse import RequestError, check_request_fields
@@ -222,11 +220,3 @@ def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
     """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
     check_request_fields(body, COUNT_TOKENS)
     return len(chat_prompt(tm, *chat_body(body)).input_ids)
-
-
-def tool_input(arguments: str) -> Any:
-    """A parsed call's arguments as tool_use's `input` (an object)."""
-    try:
-        return orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return {}

@@ -20,13 +20,15 @@ that fails midway sends the error as an event, then `data: [DONE]`.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from srt.conversation.reply import Reply, ReplyReader
 from srt.http_common import (
     OPENAI_ERRORS,
     manager,
@@ -39,10 +41,10 @@ from srt.http_common import (
 )
 from srt.openai_logprobs import chat_logprobs, completion_logprobs
 from srt.openai_parse import OpenAICall, parse_chat, parse_completion
-from srt.reasoning import ReasoningSplit
 from srt.repeated_calls import end_at_repeated_call
 from srt.request_state import ServiceUnavailableError
 from srt.tokenizer_manager import TokenizerManager
+from srt.tool_calls import ToolCall
 
 router = APIRouter()
 
@@ -81,14 +83,18 @@ def _envelope(call: OpenAICall, rid: str, created: int, model: str, chunk: bool)
 
 @dataclass
 class ChoiceProgress:
-    """What one choice has sent so far (a stream sends only what is new)."""
+    """What one choice has sent so far (a stream sends only what is new): a chat's reply, a
+    completion's text, the tokens whose logprobs went out."""
 
+    reply: ReplyReader = field(default_factory=ReplyReader)
     text: str = ""
     tokens: int = 0  # output tokens whose logprobs were sent
     text_offset: int = 0  # completions: where the next token's text starts
     first: bool = True
-    reasoning: str = ""  # reasoning_content sent so far
-    calls: int = 0  # tool calls sent so far
+
+
+def _progress(call: OpenAICall) -> ChoiceProgress:
+    return ChoiceProgress(ReplyReader(call.tools, call.reasoning))
 
 
 def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) -> dict[str, Any] | None:
@@ -111,102 +117,55 @@ def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) 
     return obj
 
 
-def chat_choice(
-    call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool
-) -> dict[str, Any]:
+def _choice(call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool) -> dict[str, Any]:
     """One choice of a response (chunk False) or what is new in it since `progress` (a stream's
-    delta): its content, reasoning_content and tool_calls, and its finish_reason. The Anthropic
-    routes shape theirs from it too."""
+    delta): a completion's text, or a chat's message (content, reasoning_content, tool_calls)."""
     meta = out["meta_info"]
     choice: dict[str, Any] = {
         "index": out.get("index", 0),
         "logprobs": _logprobs(call, meta, progress),
         "finish_reason": _finish_reason(meta),
     }
-    reasoning = None
-    if call.chat and call.reasoning is not None:  # the content part goes on as the whole output would
-        out, reasoning = _reasoning_part(
-            call.reasoning, out, progress, chunk, choice["finish_reason"] is not None
-        )
-    if call.tools is not None:
-        choice = _tool_choice_part(call, out, progress, chunk, choice)
-    else:
-        choice = _content_part(call, out, progress, chunk, choice)
-    if reasoning is not None:
-        choice["delta" if chunk else "message"]["reasoning_content"] = reasoning
-    return choice
-
-
-def _reasoning_part(
-    split: ReasoningSplit, out: dict[str, Any], progress: ChoiceProgress, chunk: bool, finished: bool
-) -> tuple[dict[str, Any], str | None]:
-    """(the output with only its content as text, the reasoning_content to send: all of it in a
-    whole reply; in a stream what is new, or with stream_reasoning false all of it once it ended)."""
-    reasoning, content, done = split.split(out["text"], finished)
-    out = {**out, "text": content}
-    if not chunk:
-        return out, reasoning or None
-    if not split.stream_reasoning and not done:
-        return out, None
-    new = reasoning[len(progress.reasoning) :] if reasoning.startswith(progress.reasoning) else ""
-    progress.reasoning = max(reasoning, progress.reasoning, key=len)
-    return out, new or None
-
-
-def _content_part(
-    call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool, choice: dict[str, Any]
-) -> dict[str, Any]:
-    delta = out["text"][len(progress.text) :]  # the text is cumulative; send what is new
+    if call.chat:
+        reply = progress.reply.read(out, whole=not chunk)
+        choice["finish_reason"] = reply.finish_reason
+        choice["delta" if chunk else "message"] = _message(reply, chunk)
+        return choice
+    text = out["text"][len(progress.text) :]  # the text is cumulative; send what is new
     progress.text = out["text"]
     if call.echo is not None and progress.first:
-        delta = call.echo[choice["index"] // call.n] + delta
-    if not call.chat:
-        choice["text"] = delta
-    elif not chunk:
-        choice["message"] = {"role": "assistant", "content": delta}
-    else:
-        choice["delta"] = {"role": "assistant", "content": delta} if progress.first else {"content": delta}
+        text = call.echo[choice["index"] // call.n] + text
     progress.first = False
+    choice["text"] = text
     return choice
 
 
-def _tool_choice_part(
-    call: OpenAICall, out: dict[str, Any], progress: ChoiceProgress, chunk: bool, choice: dict[str, Any]
-) -> dict[str, Any]:
-    """A chat choice whose output may hold tool calls: content streams only up to where a call
-    could begin; the calls are parsed from the finished text (finish_reason tool_calls)."""
-    assert call.tools is not None
-    text, finished = out["text"], choice["finish_reason"] is not None
-    message: dict[str, Any] = {"role": "assistant"} if progress.first or not chunk else {}
-    if not finished:
-        safe = text[: call.tools.stream_safe_prefix(text)]
-        message["content"] = safe[len(progress.text) :] if len(safe) > len(progress.text) else ""
-        progress.text = max(safe, progress.text, key=len)
-        calls = call.tools.complete_calls(text) if chunk else []
-    else:
-        content, calls = call.tools.parse(text)
-        rest = content or ""
-        message["content"] = (
-            (rest[len(progress.text) :] if rest.startswith(progress.text) else "") if chunk else content
-        )
-        if calls and choice["finish_reason"] == "stop":
-            choice["finish_reason"] = "tool_calls"
-        if chunk and not message["content"] and calls:
-            message["content"] = None
-        progress.text = text
-    if chunk and len(calls) > progress.calls:  # each call streams once, as soon as it is complete
-        message["tool_calls"] = [c.to_json(i) for i, c in enumerate(calls) if i >= progress.calls]
-        progress.calls = len(calls)
-    elif calls and not chunk:
-        message["tool_calls"] = [c.to_json() for c in calls]
-    choice["delta" if chunk else "message"] = message
-    progress.first = False
-    return choice
+def _message(reply: Reply, chunk: bool) -> dict[str, Any]:
+    """A reply as OpenAI's assistant message, or a stream's delta of one (each call with its index)."""
+    message: dict[str, Any] = {"role": "assistant"} if reply.first or not chunk else {}
+    message["content"] = reply.content
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            _tool_call(c, reply.calls_before + i if chunk else None) for i, c in enumerate(reply.tool_calls)
+        ]
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    return message
+
+
+def _tool_call(call: ToolCall, index: int | None) -> dict[str, Any]:
+    """OpenAI's tool call object, its id minted here; a stream's deltas also carry the call's index."""
+    out = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return out if index is None else {"index": index, **out}
 
 
 def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> dict[str, Any]:
     outs = sorted(outs, key=lambda out: out.get("index", 0))
-    choices = [chat_choice(call, out, ChoiceProgress(), chunk=False) for out in outs]
+    choices = [_choice(call, out, _progress(call), chunk=False) for out in outs]
     metas = [out["meta_info"] for out in outs]
     return {
         **_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False),
@@ -232,7 +191,7 @@ async def _chunks(
         index = out.get("index", 0)
         last_metas[index] = out["meta_info"]
         chunk_id = chunk_id or out["meta_info"]["id"]  # one id for every chunk of the response
-        choice = chat_choice(call, out, progress.setdefault(index, ChoiceProgress()), chunk=True)
+        choice = _choice(call, out, progress.setdefault(index, _progress(call)), chunk=True)
         chunk = {**_envelope(call, chunk_id, created, model, chunk=True), "choices": [choice]}
         if call.include_usage:
             chunk["usage"] = None

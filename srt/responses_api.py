@@ -1,8 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
-A Responses request becomes a chat request (responses_parse.py) and runs as one; the reply is the
-chat choice (openai_api.chat_choice: content, the <think> part, parsed tool calls) as a Response's
-output items, in this order: a `reasoning` item (what --reasoning-parser split off), a `message`
+A Responses request becomes a chat request (responses_parse.py) and runs as one; the reply (the
+typed srt/conversation/reply.py: content, the <think> part, parsed tool calls) goes out as a
+Response's output items, in this order: a `reasoning` item (what --reasoning-parser split off), a `message`
 item with one `output_text` part, one `function_call` item per parsed call. `status` is
 `completed`, or `incomplete` (reason max_output_tokens) when the output hit its limit. A stream
 sends OpenAI's events, each with its sequence_number: `response.created`, `response.in_progress`,
@@ -26,6 +26,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from srt.conversation.reply import ReplyReader, Usage
 from srt.http_common import (
     OPENAI_ERRORS,
     Aborted,
@@ -37,7 +38,6 @@ from srt.http_common import (
     refused_stream,
     sole_output,
 )
-from srt.openai_api import ChoiceProgress, chat_choice
 from srt.repeated_calls import end_at_repeated_call
 from srt.request_state import ServiceUnavailableError
 from srt.responses_output import OutputItems, new_id
@@ -53,11 +53,11 @@ def store_of(request: Request) -> ResponseStore:
     return store
 
 
-def _usage(meta: dict[str, Any]) -> dict[str, Any]:
-    prompt, output = meta["prompt_tokens"], meta["completion_tokens"]
+def _usage(usage: Usage) -> dict[str, Any]:
+    prompt, output = usage.prompt_tokens, usage.completion_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0), "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
@@ -75,7 +75,7 @@ def _response(
     """The Response object: in progress while meta is None, else finished as `meta` says."""
     status, incomplete, usage = "in_progress", None, None
     if meta is not None:
-        usage = _usage(meta)
+        usage = _usage(Usage.of(meta))
         status = "completed"
         if meta["finish_reason"]["type"] == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
@@ -93,6 +93,10 @@ def _response(
     }
 
 
+def _reader(call: ResponsesCall) -> ReplyReader:
+    return ReplyReader(call.chat.tools, call.chat.reasoning)
+
+
 def response(
     call: ResponsesCall, out: dict[str, Any], model: str, rid: str, created_at: int
 ) -> dict[str, Any]:
@@ -100,7 +104,7 @@ def response(
     finish = finish_of(out)
     assert finish is not None
     items = OutputItems()
-    items.add(chat_choice(call.chat, out, ChoiceProgress(), chunk=False)["message"])
+    items.add(_reader(call).read(out, whole=True))
     status = "incomplete" if finish["type"] == "length" else "completed"
     items.close(status)
     return _response(call, rid, created_at, model, items.items, out["meta_info"])
@@ -114,7 +118,7 @@ async def _events(
     created_at: int,
     store: ResponseStore,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    progress, items = ChoiceProgress(), OutputItems()
+    reader, items = _reader(call), OutputItems()
     started = False
     async for out in outputs:
         if not started:
@@ -123,7 +127,7 @@ async def _events(
             yield {"type": "response.in_progress", "response": start}
             started = True
         finish = finish_of(out)
-        for event in items.add(chat_choice(call.chat, out, progress, chunk=True)["delta"]):
+        for event in items.add(reader.read(out, whole=False)):
             yield event
         if finish is not None:
             for event in items.close("incomplete" if finish["type"] == "length" else "completed"):

@@ -1,6 +1,6 @@
-"""A Response's output items, built from the chat choice's deltas (or its whole message), and the
+"""A Response's output items, built from a reply's deltas (or the whole reply), and the
 stream events that send them: a `reasoning` item (`reasoning_text`), a `message` item (one
-`output_text` part), a `function_call` item per complete call. One item is open while its text
+`output_text` part), a `function_call` item per complete call (its call_id minted here). One item is open while its text
 grows; a delta of the other kind, or a call, closes it first."""
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import copy
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from srt.conversation.reply import Reply
+from srt.tool_calls import ToolCall
 
 
 def new_id(prefix: str) -> str:
@@ -21,7 +24,7 @@ def _text_part(text: str) -> dict[str, Any]:
 
 @dataclass
 class OutputItems:
-    """A response's output items as the chat choice's deltas arrive, and the stream's events that
+    """A response's output items as the reply's deltas arrive, and the stream's events that
     build them: one item is open (reasoning or message) while its text grows."""
 
     items: list[dict[str, Any]] = field(default_factory=list)
@@ -107,20 +110,19 @@ class OutputItems:
             event["logprobs"] = []
         return [*events, event]
 
-    def function_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def function_call(self, call: ToolCall) -> list[dict[str, Any]]:
         """A complete call: its item added with no arguments, then them as one delta."""
         events = self.close()
-        function = call["function"]
         item = {
             "type": "function_call",
             "id": new_id("fc"),
-            "call_id": call["id"],
-            "name": function["name"],
+            "call_id": new_id("call"),
+            "name": call.name,
             "arguments": "",
             "status": "in_progress",
         }
         events.append(self._added(item))
-        arguments = function["arguments"]
+        arguments = call.arguments
         self.items[-1].update(arguments=arguments, status="completed")
         where = self._where()
         return [
@@ -134,13 +136,13 @@ class OutputItems:
             },
         ]
 
-    def add(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """A chat delta (or a whole message) as items, and the events that sent them."""
+    def add(self, reply: Reply) -> list[dict[str, Any]]:
+        """A reply's delta (or a whole reply) as items, and the events that sent them."""
         events = []
-        if delta.get("reasoning_content"):
-            events += self.text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self.text("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
+        if reply.reasoning:
+            events += self.text("reasoning", reply.reasoning)
+        if reply.content:
+            events += self.text("message", reply.content)
+        for call in reply.tool_calls:
             events += self.function_call(call)
         return events

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,17 +27,14 @@ from srt.server_args import TOOL_CALL_PARSERS
 
 @dataclass(frozen=True)
 class ToolCall:
+    """A call the model wrote; each API's adapter gives it an id of its own spelling."""
+
     name: str
     arguments: str  # a JSON object, serialized
 
-    def to_json(self, index: int | None = None) -> dict[str, Any]:
-        """OpenAI's tool call object; a stream's deltas also carry the call's index."""
-        out = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return out if index is None else {"index": index, **out}
+    @property
+    def parsed_arguments(self) -> Any:
+        return _parsed(self.arguments)
 
 
 @dataclass
@@ -125,7 +121,7 @@ class ToolPlan:
         seen: list[tuple[str, Any]] = []
         end_of_new = 0
         for call, end in _array_spans(text):
-            key = (call.name, _parsed(call.arguments))
+            key = (call.name, call.parsed_arguments)
             if key in seen:
                 return end_of_new
             seen.append(key)

@@ -502,7 +502,7 @@ def test_the_grammar_closes_after_each_call_and_a_named_function_allows_one(smol
 def test_a_repeated_call_ends_the_turn_with_the_calls_before_it(stream: bool) -> None:
     import asyncio
 
-    from srt.openai_api import ChoiceProgress, chat_choice
+    from srt.conversation.reply import ReplyReader
     from srt.openai_parse import OpenAICall
     from srt.repeated_calls import REPEAT_REASON, end_at_repeated_call
 
@@ -530,9 +530,9 @@ def test_a_repeated_call_ends_the_turn_with_the_calls_before_it(stream: bool) ->
     last = outs[-1]
     assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
     assert last["text"] == "".join(CALL_TEXTS[:2])  # the output before the repeat
-    choice = chat_choice(call, last, ChoiceProgress(), chunk=False)
-    assert choice["finish_reason"] == "tool_calls"
-    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "set_alarm"]
+    reply = ReplyReader(plan).read(last, whole=True)
+    assert reply.finish_reason == "tool_calls" and reply.content is None
+    assert [c.name for c in reply.tool_calls] == ["get_weather", "set_alarm"]
     assert plan.repeat_start(texts[1]) is None and plan.repeat_start(texts[3]) == len(texts[1])
     # a named function or no parallel calls: one call, nothing to watch
     for body in (

@@ -7,7 +7,9 @@ checking each field as that API does and naming it by the client's path (`messag
 `messages[1].content[0].tool_use_id`, `input[3].call_id`). `check.py` validates what every API
 shares (each tool result answers an earlier call by its id); `read.py` holds the readers the
 adapters share (roles, content parts, call arguments, tools); `render.py` turns a conversation into the
-chat template's prompt. Content parts are a typed union (`Part`): text today, images next.
+chat template's prompt; `reply.py` reads the engine's output into the typed `Reply` (content,
+reasoning, parsed tool calls, finish reason) that each API's route spells, minting its own call
+ids. Content parts are a typed union (`Part`): text today, images next.
 """
 
 from srt.conversation.check import validated
