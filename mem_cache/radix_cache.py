@@ -18,6 +18,10 @@ the cache on or off):
 
 Every decision is deterministic: access times come from a logical clock, eviction ties break on
 node ids, and traversals sort children by key, so replicated ranks stay identical.
+
+A prefix's identity is its token ids within a ``Namespace``: what besides the ids changes their KV
+(the LoRA adapter, the weights' version). Each namespace has its own root, so a lookup never
+crosses into another's KV; eviction, locking and the digest span them all.
 """
 
 from __future__ import annotations
@@ -29,10 +33,24 @@ import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 FreeSlots = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True, order=True)
+class Namespace:
+    """What besides token ids a prefix's KV depends on, for the whole sequence: the adapter that
+    computed it (0: the base model; srt/lora_config.py) and the version of the weights (one
+    version today). A feature that changes KV adds a field here, never a second cache."""
+
+    adapter: int = 0
+    weight_version: int = 0
+
+
+BASE = Namespace()
 
 
 @dataclass(eq=False)
@@ -78,15 +96,15 @@ class BasePrefixCache(ABC):
         return torch.empty(0, dtype=torch.int64, device=self.device)
 
     @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached whole-page prefix of ``token_ids``. Mutates: may split a node so the
-        match ends on a node boundary; bumps access times on the path. Locks nothing."""
+    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace = BASE) -> MatchResult:
+        """Longest cached whole-page prefix of ``token_ids`` in ``namespace``. Mutates: may split a
+        node so the match ends on a node boundary; bumps access times on the path. Locks nothing."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
-        """Cache the whole pages of ``token_ids`` with their slots; returns how many tokens were
-        already cached (see the module docstring for who owns which slots afterwards). Locks
-        nothing. Raises ``ValueError`` if ``kv_indices`` is not a 1-D int64 tensor on the cache's
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor, namespace: Namespace = BASE) -> int:
+        """Cache the whole pages of ``token_ids`` with their slots in ``namespace``; returns how many
+        tokens were already cached there (see the module docstring for who owns which slots
+        afterwards). Locks nothing. Raises ``ValueError`` if ``kv_indices`` is not a 1-D int64 tensor on the cache's
         device with one slot per token."""
 
     @abstractmethod
@@ -135,10 +153,10 @@ class NoPrefixCache(BasePrefixCache):
         super().__init__(free_slots, page_size, device)
         self.root = TreeNode(id=0)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace = BASE) -> MatchResult:
         return MatchResult(self._empty(), self.root)
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor, namespace: Namespace = BASE) -> int:
         """Takes ownership of the whole pages like RadixCache does, and frees them at once."""
         _check_kv(kv_indices, len(token_ids), self.device)
         owned = kv_indices[: self.page_aligned_len(len(token_ids))]
@@ -174,8 +192,8 @@ class NoPrefixCache(BasePrefixCache):
 
 
 class RadixCache(BasePrefixCache):
-    """Radix tree over token ids. Every node's key length is a multiple of ``page_size`` and
-    children are keyed by their first page, so keys are compared page by page."""
+    """Radix trees over token ids, one per namespace. Every node's key length is a multiple of
+    ``page_size`` and children are keyed by their first page, so keys are compared page by page."""
 
     def __init__(self, free_slots: FreeSlots, page_size: int = 1, device: str | torch.device = "cpu"):
         super().__init__(free_slots, page_size, device)
@@ -185,9 +203,22 @@ class RadixCache(BasePrefixCache):
         """Forget everything without freeing anything."""
         self._node_ids = itertools.count(1)
         self._clock = 0  # logical time: one tick per match/insert, identical on every rank
-        self.root = TreeNode(id=0, value=self._empty())
+        self.roots: dict[Namespace, TreeNode] = {BASE: TreeNode(id=0, value=self._empty())}
         self._evictable = 0
         self._protected = 0
+
+    @property
+    def root(self) -> TreeNode:
+        """The base namespace's root."""
+        return self.roots[BASE]
+
+    def _root(self, namespace: Namespace) -> TreeNode:
+        """The namespace's root, made on its first use (an id from the node counter: every rank makes
+        it in the same call)."""
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = TreeNode(id=next(self._node_ids), value=self._empty())
+        return root
 
     def _tick(self) -> int:
         self._clock += 1
@@ -198,10 +229,13 @@ class RadixCache(BasePrefixCache):
         parent.children[key[: self.page_size]] = node
         return node
 
-    def _walk(self, key: tuple[int, ...], now: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
-        """Follow ``key`` (page-aligned) as far as the tree has it, splitting the last node if the
-        match ends inside it. Returns (deepest node, matched tokens, slot tensors on the path)."""
-        node, matched, values = self.root, 0, []
+    def _walk(
+        self, key: tuple[int, ...], now: int, root: TreeNode
+    ) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow ``key`` (page-aligned) down from ``root`` as far as the tree has it, splitting the
+        last node if the match ends inside it. Returns (deepest node, matched tokens, slot tensors
+        on the path)."""
+        node, matched, values = root, 0, []
         while matched < len(key):
             child = node.children.get(key[matched : matched + self.page_size])
             if child is None:
@@ -225,17 +259,17 @@ class RadixCache(BasePrefixCache):
         upper.children[node.key[: self.page_size]] = node
         return upper
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace = BASE) -> MatchResult:
         key = tuple(token_ids[: self.page_aligned_len(len(token_ids))])
-        node, _, values = self._walk(key, self._tick())
+        node, _, values = self._walk(key, self._tick(), self._root(namespace))
         return MatchResult(torch.cat(values) if values else self._empty(), node)
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor, namespace: Namespace = BASE) -> int:
         _check_kv(kv_indices, len(token_ids), self.device)
         n = self.page_aligned_len(len(token_ids))
         key = tuple(token_ids[:n])
         now = self._tick()
-        node, prefix_len, _ = self._walk(key, now)
+        node, prefix_len, _ = self._walk(key, now, self._root(namespace))
         if prefix_len < n:
             # Clone: the caller's tensor is often a view of a req_to_token row that gets reused.
             leaf = self._new_node(key[prefix_len:], kv_indices[prefix_len:n].clone(), node)
@@ -245,7 +279,7 @@ class RadixCache(BasePrefixCache):
 
     def _path_to_root(self, node: TreeNode) -> Iterator[TreeNode]:
         cur: TreeNode | None = node
-        while cur is not None and cur is not self.root:
+        while cur is not None and cur.parent is not None:  # a root has no parent
             yield cur
             cur = cur.parent
 
@@ -282,7 +316,7 @@ class RadixCache(BasePrefixCache):
             freed.append(node.value)
             num_freed += len(node.key)
             self._evictable -= len(node.key)
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
+            if parent.parent is not None and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         if freed:
             self.free_slots(torch.cat(freed))
@@ -302,14 +336,19 @@ class RadixCache(BasePrefixCache):
     def protected_size(self) -> int:
         return self._protected
 
-    def _nodes(self) -> Iterator[TreeNode]:
-        """Pre-order, children sorted by key: the same order on every rank."""
-        stack = [self.root]
+    @staticmethod
+    def _tree(root: TreeNode) -> Iterator[TreeNode]:
+        """``root`` and its descendants, pre-order, children sorted by key."""
+        stack = [root]
         while stack:
             node = stack.pop()
-            if node is not self.root:
-                yield node
+            yield node
             stack.extend(reversed(node.sorted_children()))
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every node but the roots, namespaces in order: the same order on every rank."""
+        for namespace in sorted(self.roots):
+            yield from itertools.islice(self._tree(self.roots[namespace]), 1, None)
 
     def all_kv_indices(self) -> torch.Tensor:
         values = [n.value for n in self._nodes()]
@@ -318,19 +357,26 @@ class RadixCache(BasePrefixCache):
     def digest(self) -> str:
         """Covers shape, keys, slots, lock counts and access times (all deterministic)."""
         h = hashlib.sha256(struct.pack("<q", self._clock))
-        for node in itertools.chain([self.root], self._nodes()):
-            h.update(
-                struct.pack(
-                    f"<4q{len(node.key)}q",
-                    len(node.children),
-                    node.lock_ref,
-                    node.last_access,
-                    len(node.key),
-                    *node.key,
-                )
-            )
-            h.update(node.value.cpu().numpy().tobytes())
+        for namespace in sorted(self.roots):
+            root = self.roots[namespace]
+            h.update(struct.pack("<3q", namespace.adapter, namespace.weight_version, root.id))
+            for node in self._tree(root):
+                self._digest_node(h, node)
         return h.hexdigest()
+
+    @staticmethod
+    def _digest_node(h: Any, node: TreeNode) -> None:
+        h.update(
+            struct.pack(
+                f"<4q{len(node.key)}q",
+                len(node.children),
+                node.lock_ref,
+                node.last_access,
+                len(node.key),
+                *node.key,
+            )
+        )
+        h.update(node.value.cpu().numpy().tobytes())
 
     def pretty_print(self) -> str:
         lines = []

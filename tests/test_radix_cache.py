@@ -4,7 +4,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from mem_cache.radix_cache import NoPrefixCache, RadixCache, TreeNode
+from mem_cache.radix_cache import BASE, Namespace, NoPrefixCache, RadixCache, TreeNode
 
 
 class Slots:
@@ -330,3 +330,34 @@ def test_digest_sees_slots() -> None:
     a.insert([1, 2], kv(0, 1))
     b.insert([1, 2], kv(0, 2))
     assert a.digest() != b.digest()
+
+
+def test_namespaces_never_share_kv() -> None:
+    """A LoRA adapter's KV of the same tokens is another prefix (ARCHITECTURE.md, "What the prefix
+    cache's key holds"): a lookup in one namespace never returns another's slots; eviction, locks,
+    reset and the digest span every namespace."""
+    cache, slots = make(page_size=2)
+    adapter = Namespace(adapter=1)
+    assert cache.insert([1, 2, 3, 4], kv(10, 11, 12, 13)) == 0
+    assert cache.match_prefix([1, 2, 3, 4], adapter).kv_indices.tolist() == []
+    assert cache.insert([1, 2, 3, 4], kv(20, 21, 22, 23), adapter) == 0  # not "already cached"
+    assert cache.match_prefix([1, 2, 3, 4, 5], adapter).kv_indices.tolist() == [20, 21, 22, 23]
+    assert cache.match_prefix([1, 2, 3, 4, 5], BASE).kv_indices.tolist() == [10, 11, 12, 13]
+    assert cache.match_prefix([1, 2], Namespace(adapter=1, weight_version=1)).kv_indices.tolist() == []
+    digests = []
+    for namespace in (adapter, Namespace(adapter=2)):  # the same calls, another adapter
+        same, _ = make(page_size=2)
+        same.insert([1, 2], kv(10, 11))
+        same.insert([1, 2], kv(20, 21), namespace)
+        digests.append(same.digest())
+    assert digests[0] != digests[1]  # the namespace is part of the state ranks compare
+
+    locked = cache.match_prefix([1, 2, 3, 4], adapter).last_node
+    cache.inc_lock_ref(locked)
+    assert cache.protected_size() == 4 and cache.evictable_size() == 4
+    assert cache.evict(8) == 4 and slots.freed == [10, 11, 12, 13]  # only the unlocked base prefix
+    cache.dec_lock_ref(locked)
+    assert cache.evict(8) == 4 and slots.freed[4:] == [20, 21, 22, 23]
+    cache.insert([5, 6], kv(30, 31), adapter)
+    cache.reset()
+    assert slots.freed[8:] == [30, 31] and cache.total_size() == 0
