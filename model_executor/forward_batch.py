@@ -45,6 +45,8 @@ class ForwardBatch:
     # through this step, as one forward of transformers sees them
     prompt_lens_cpu: list[int] | None = None
     rope_rows: bool = False  # positions were mapped to rotary table rows (LongRoPE's long ones)
+    # each request's LoRA adapter id (0: the base model; model_executor/lora/); None: no adapter
+    lora_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         bs = len(self.seq_lens_cpu)
@@ -54,6 +56,7 @@ class ForwardBatch:
             self.extend_prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu
         ):
             assert 0 <= prefix and new >= 1 and prefix + new == total, (prefix, new, total)
+        assert self.lora_ids is None or len(self.lora_ids) == bs
 
     @property
     def batch_size(self) -> int:
@@ -77,9 +80,11 @@ def make_forward_batch(
     out_cache_loc: torch.Tensor,
     device: torch.device | str = "cpu",
     prompt_lens: list[int] | None = None,
+    lora_ids: list[int] | None = None,
 ) -> ForwardBatch:
     """Builds the step's tensors from per-request Python lists (prefix_lens[i] < seq_lens[i]);
-    prompt_lens: each request's prompt length, where the model's rotary needs it (LongRoPE)."""
+    prompt_lens: each request's prompt length, where the model's rotary needs it (LongRoPE);
+    lora_ids: each request's adapter, where one has one."""
     new_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     if mode is ForwardMode.DECODE:
         positions = [s - 1 for s in seq_lens]
@@ -96,4 +101,5 @@ def make_forward_batch(
         extend_prefix_lens_cpu=list(prefix_lens),
         extend_seq_lens_cpu=new_lens,
         prompt_lens_cpu=None if prompt_lens is None else list(prompt_lens),
+        lora_ids=lora_ids if lora_ids is not None and any(lora_ids) else None,
     )

@@ -38,13 +38,15 @@ from model_executor.layers.rotary import long_rope, rope_parameters
 from model_executor.loader.load_weights import load_weights
 from model_executor.loader.weight_source import eos_token_ids, iter_checkpoint, load_hf_config
 from model_executor.logits_processor import process_logits, score_tokens
+from model_executor.lora.adapters import LoraAdapters
 from model_executor.models.base import CausalLM
 from model_executor.models.registry import get_model_class
 from model_executor.pooler import Pooler
 from model_executor.routed_experts import RouteCapture
 from model_executor.sampler import Sampler
 from model_executor.sampling_inputs import SamplingInputs, StepOutput
-from model_executor.step_runner import StepRunner
+from model_executor.step_runner import NoStepRunner, StepRunner
+from srt.lora_config import LoraRef
 
 logger = logging.getLogger("srt.model_runner")
 
@@ -81,6 +83,9 @@ class RunnerConfig:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     disable_cuda_graph: bool = False
+    # LoRA (--enable-lora): the adapters loaded at start, ids 1, 2, ... in order; None: LoRA off
+    lora_adapters: tuple[LoraRef, ...] | None = None
+    max_lora_rank: int | None = None
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -189,6 +194,11 @@ class ModelRunner:
 
         self.parallel.tp.fixed_order_sum = self.config.deterministic or self.config.fixed_order_sum
         self.wing.prepare_weights(self.model, load_float32)
+        self.lora: LoraAdapters | None = None  # with --enable-lora: every adaptable layer's adapters
+        if self.config.lora_adapters is not None:
+            self.lora = LoraAdapters(
+                self.model, self.config.lora_adapters, self.device, self.config.max_lora_rank
+            )
         self.weight_bytes = model_weight_bytes(self.model)
         layers = (
             "" if self.stage.size == 1 else f", layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
@@ -336,7 +346,14 @@ class ModelRunner:
             )
 
     def _init_step_runner(self) -> None:
-        self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend, self.memory)
+        # With LoRA on, every batch runs the layers op by op, adapters or not: the fused decode layer
+        # and CUDA graphs add no adapter's product, and a base row must take the same path in a batch
+        # with adapters as in one without (its tokens never depend on its batch).
+        self.step_runner: StepRunner = (
+            NoStepRunner()
+            if self.lora is not None
+            else self.wing.step_runner(self.model, self.attn_backend, self.memory)
+        )
         self.step_runner.prepare()
         if self.parallel.world.is_first:
             paths = gpu_paths_in_use(self.device, self.attn_backend_name, self.parallel.world.world_size)
@@ -378,6 +395,8 @@ class ModelRunner:
                 )
         if self.routes is not None:
             self.routes.begin(batch.out_cache_loc)
+        if self.lora is not None:
+            self.lora.begin(batch)
         runs = self.step_runner.can_run(batch)
         self.step_runner.begin_step(batch, runs)
         if runs:

@@ -29,6 +29,7 @@ class NamedTensorSource(Protocol):
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, Any]:
+    """The parameter a (renamed) checkpoint tensor's name loads into, and the shard id."""
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     for ckpt_part, (param_part, shard_id) in mapping.items():
         if f".{ckpt_part}." in name:
@@ -73,6 +74,17 @@ class PermutedRows:
         return picked if dim == 0 else picked.narrow(dim, start, length)
 
 
+def param_parts(model: nn.Module, tensor: NamedTensorSource) -> list[tuple[NamedTensorSource, str, Any]]:
+    """Each part of a checkpoint tensor (split where the checkpoint fuses what the model keeps apart,
+    or rows reordered) with the parameter name and shard id it loads into, as load_weights maps
+    them; no part for a tensor the model skips (another pipeline stage's, a rotary cache). The
+    LoRA loader maps an adapter's B through it, so B's rows land as the weight's do."""
+    skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
+    rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
+    split = getattr(model, "split_checkpoint_tensor", lambda tensor: [tensor])
+    return [(part, *_target(model, rename(part.name))) for part in split(tensor) if not skip(part.name)]
+
+
 class LoadHooks:
     """What a device wing does while the checkpoint loads; each default does nothing."""
 
@@ -103,15 +115,9 @@ def load_weights(
     shards = {name: set(getattr(param, "shard_ids", ()) or (None,)) for name, param in params.items()}
     loaded: dict[str, set[Any]] = {}
     unused: list[str] = []
-    skip = getattr(model, "skip_checkpoint_tensor", lambda name: False)
-    rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
-    split = getattr(model, "split_checkpoint_tensor", lambda tensor: [tensor])
     items = tqdm(checkpoint, desc="Loading weights", unit="tensor", disable=not progress)
     source = hooks.source if hooks is not None else (lambda tensor: tensor)
-    for tensor in (part for whole in items for part in split(source(whole))):
-        if skip(tensor.name):
-            continue
-        target, shard_id = _target(model, rename(tensor.name))
+    for tensor, target, shard_id in (part for whole in items for part in param_parts(model, source(whole))):
         param = params.get(target)
         if param is None:
             unused.append(tensor.name)
