@@ -108,10 +108,13 @@ class Admission:
         ordered = order_waiting(
             self.queues.waiting, self.args.schedule_policy, self.kv.peek_prefix_len, priority_first
         )
+        # the LoRA adapters running or admitted: at most --max-loras-per-batch in one batch (SGLang's rule)
+        adapters = {r.lora_id for r in self.queues.running + reqs} - {0}
         for req in ordered:
             if (
                 len(self.queues.running) + len(reqs) >= self.args.max_running_requests
                 or not self.kv.free_rows()
+                or len(adapters | {req.lora_id} - {0}) > self.args.max_loras_per_batch
             ):
                 break
             prefix_len, match = self.kv.match(req)
@@ -133,6 +136,7 @@ class Admission:
             reqs.append(req)
             lens.append(n)
             used += n
+            adapters |= {req.lora_id} - {0}
         if self.faults.drop_one_admission(step) and reqs and reqs[-1] in ordered:
             req = reqs.pop()
             lens.pop()

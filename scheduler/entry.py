@@ -55,6 +55,8 @@ def runner_config(args: ServerArgs, model_dir: Path) -> RunnerConfig:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_bs=args.cuda_graph_bs,
         disable_cuda_graph=args.disable_cuda_graph,
+        lora_adapters=args.lora_adapters if args.lora_enabled else None,
+        max_lora_rank=args.max_lora_rank,
     )
 
 

@@ -17,7 +17,7 @@ import torch
 
 from consensus import rank_consensus
 from mem_cache.kv_memory import KVMemory
-from mem_cache.radix_cache import BasePrefixCache, MatchResult
+from mem_cache.radix_cache import BasePrefixCache, MatchResult, Namespace
 from scheduler.req import Req
 
 logger = logging.getLogger("srt.scheduler")
@@ -77,10 +77,15 @@ class KVManager:
             return [-1 - t for t in ids]
         return ids
 
+    @staticmethod
+    def namespace(req: Req) -> Namespace:
+        """What besides its ids req's KV depends on: its LoRA adapter (mem_cache/radix_cache.py)."""
+        return Namespace(adapter=req.lora_id)
+
     def match(self, req: Req) -> tuple[int, MatchResult]:
         """The usable length of `req`'s cached prefix, and the lookup to pass to `admit` if the
         tree does not change in between (a lookup may split a node). Locks nothing."""
-        match = self.tree_cache.match_prefix(self.cache_key(req))
+        match = self.tree_cache.match_prefix(self.cache_key(req), self.namespace(req))
         return self._usable_prefix(req, match), match
 
     def peek_prefix_len(self, req: Req) -> int:
@@ -94,7 +99,7 @@ class KVManager:
         if row is None:
             raise RuntimeError("no free request row; admission must respect max_running_requests")
         if match is None:
-            match = self.tree_cache.match_prefix(self.cache_key(req))
+            match = self.tree_cache.match_prefix(self.cache_key(req), self.namespace(req))
         prefix_len = self._usable_prefix(req, match)
         self.req_to_token[row, :prefix_len] = match.kv_indices[:prefix_len]
         if self.window is not None:
@@ -201,7 +206,7 @@ class KVManager:
         row = req.req_pool_idx
         kv = self.req_to_token[row, : req.kv_len].clone()
         if insert:
-            present = self.tree_cache.insert(self.cache_key(req, req.kv_len), kv)
+            present = self.tree_cache.insert(self.cache_key(req, req.kv_len), kv, self.namespace(req))
             aligned = self.tree_cache.page_aligned_len(req.kv_len)
             # The cache already had kv[cached_len:present] from someone else, and never takes the
             # partial last page kv[aligned:]: both stay ours to free.

@@ -54,6 +54,7 @@ class Req:
     embedding: list[float] | None = None  # --is-embedding: the pooled prompt, after its prefill
     priority: int | None = None  # with --enable-priority-scheduling (scheduler/policy.py order_waiting)
     grammar: Matcher | None = None  # a constrained request's matcher (scheduler/grammar.py), on every rank
+    lora_id: int = 0  # the LoRA adapter it runs under (0: the base model; srt/lora_config.py)
     # Logprobs, filled on the output rank only (no rank decides anything from them).
     output_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
     input_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
@@ -73,8 +74,9 @@ class Req:
             )
 
     @classmethod
-    def of(cls, msg: TokenizedGenerateReq) -> Req:
-        """The request of a front end's message (a replay's starts with the outputs already sent)."""
+    def of(cls, msg: TokenizedGenerateReq, lora_id: int = 0) -> Req:
+        """The request of a front end's message (a replay's starts with the outputs already sent),
+        under the adapter the rank's registry gives msg.lora_path."""
         resumed = list(msg.resume.output_ids) if msg.resume is not None else []
         return cls(
             msg.rid,
@@ -93,6 +95,7 @@ class Req:
             priority=msg.priority,
             return_routed_experts=msg.return_routed_experts,
             routed_experts_start_len=msg.routed_experts_start_len,
+            lora_id=lora_id,
         )
 
     @property

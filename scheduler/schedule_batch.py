@@ -86,6 +86,7 @@ class ScheduleBatch:
             out_cache_loc,
             device,
             prompts,
+            [r.lora_id for r in self.reqs],
         )
 
 

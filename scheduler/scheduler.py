@@ -102,6 +102,8 @@ class Scheduler:
         )
 
     def _init_state(self) -> None:
+        # LoRA adapters by name -> id, as the runner loaded them (--lora-paths' order, from 1)
+        self.lora_ids = {ref.name: i for i, ref in enumerate(self.args.lora_adapters, start=1)}
         self.queues = RequestQueues()
         self.forward_steps = 0
         self.outbox: list[Req] = []  # requests with something to stream this step
@@ -202,10 +204,14 @@ class Scheduler:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req.of(msg)
+        req = Req.of(msg, self.lora_ids.get(msg.lora_path, 0) if msg.lora_path is not None else 0)
         refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
         if refused is not None:
             self._finish(req, refused)
+        elif msg.lora_path is not None and msg.lora_path not in self.lora_ids:
+            # the front end checks names first: this is one it knew and the ranks do not
+            message = f"lora_path: no LoRA adapter named {msg.lora_path!r} on the ranks"
+            self._finish(req, FinishReason("abort", status_code=400, message=message))
         elif (
             req.remaining_new_tokens == 0 and not req.prompt_logprob_positions and not self.args.is_embedding
         ):

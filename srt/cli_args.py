@@ -46,6 +46,7 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
             "--cpu-kvcache-space sizes the KV cache on --device cpu; on CUDA use "
             "--mem-fraction-static or --max-total-tokens"
         )
-    if ns.get("cuda_graph_bs") is not None:
-        ns["cuda_graph_bs"] = tuple(ns["cuda_graph_bs"])
+    for name in ("cuda_graph_bs", "lora_paths", "lora_target_modules"):
+        if ns.get(name) is not None:
+            ns[name] = tuple(ns[name])
     return ServerArgs(**ns)

@@ -563,6 +563,45 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
         ),
     ),
     FlagGroup(
+        "LoRA adapters",
+        ("usage.md",),
+        (
+            _flag(
+                "--enable-lora",
+                action="store_true",
+                help="requests may name a LoRA adapter (lora_path, or OpenAI's model as base:adapter or the "
+                "adapter's name); on by itself with --lora-paths. Every batch then runs the model's layers op "
+                "by op (no fused decode layer, no CUDA graph), adapters or not",
+            ),
+            _flag(
+                "--lora-paths",
+                nargs="+",
+                default=None,
+                help="peft adapter folders (adapter_config.json and adapter_model.safetensors) as name=path, or a "
+                "path named by its folder (default: none)",
+            ),
+            _flag(
+                "--max-loras-per-batch",
+                type=int,
+                default=_default("max_loras_per_batch"),
+                help="the most distinct adapters one batch holds (the base model not counted)",
+            ),
+            _flag(
+                "--max-lora-rank",
+                type=int,
+                default=None,
+                help="an adapter of a higher rank is refused (default: any rank)",
+            ),
+            _flag(
+                "--lora-target-modules",
+                nargs="+",
+                default=None,
+                help="the modules adapters may target, e.g. q_proj v_proj, or all (default: any linear layer "
+                "of the model; MoE experts are refused)",
+            ),
+        ),
+    ),
+    FlagGroup(
         "Facing real traffic",
         ("deploy.md",),
         (

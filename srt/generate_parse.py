@@ -7,13 +7,14 @@ a batch), sampling_params (one object, or one per batch item; `n` > 1 fans each 
 requests with seeds derived from the request's, results ordered prompt by prompt), stream, rid,
 the logprob options return_logprob, top_logprobs_num and logprob_start_len (a value, or one per
 batch item) with return_text_in_logprobs, return_prompt_token_ids, priority (with
---enable-priority-scheduling) and log_metrics.
+--enable-priority-scheduling), log_metrics, and lora_path (an adapter's name, or one per batch item,
+with --enable-lora).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Collection, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,7 @@ class GenerateParser:
         priority_scheduling: bool = False,
         grammars: LazyGrammarBackend | None = None,
         return_routed_experts: bool = False,
+        lora_names: Collection[str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -93,6 +95,7 @@ class GenerateParser:
         self.priority_scheduling = priority_scheduling
         self.grammars = grammars  # None: grammars are refused (no backend)
         self.return_routed_experts = return_routed_experts  # --enable-return-routed-experts
+        self.lora_names = lora_names  # the adapters requests may name; None: LoRA off
 
     def parse(self, obj: Any, busy_rids: Container[str]) -> GenerateCall:
         if not isinstance(obj, dict):
@@ -117,6 +120,7 @@ class GenerateParser:
         logprobs = self._logprob_options(obj, prompts, is_batch)
         priorities = self._priorities(obj, len(prompts), is_batch)
         routes = self._routed_experts_options(obj, prompts, is_batch)
+        adapters = self._lora_paths(obj, len(prompts), is_batch)
         seeds = [self.resolve_seed(sp) for sp in params]
         # n > 1: copy j of prompt i is request i * n + j, seeded from the prompt's seed
         expand = [(i, j) for i in range(len(prompts)) for j in range(n)]
@@ -135,6 +139,7 @@ class GenerateParser:
                 priority=priorities[i],
                 return_routed_experts=routes[i][0],
                 routed_experts_start_len=routes[i][1],
+                lora_path=adapters[i],
             )
             for rid, (i, j) in zip(rids, expand)
         ]
@@ -163,6 +168,25 @@ class GenerateParser:
                     "priority",
                 )
         return values
+
+    def _lora_paths(self, obj: dict[str, Any], n: int, is_batch: bool) -> list[str | None]:
+        """Each prompt's LoRA adapter by name (SGLang's lora_path: one, or one per prompt), or None."""
+        names = self._per_item(obj, "lora_path", None, n, is_batch)
+        for name in names:
+            if name is None:
+                continue
+            if not isinstance(name, str):
+                raise RequestError(f"lora_path must be an adapter's name, got {name!r}", "lora_path")
+            if self.lora_names is None:
+                raise RequestError(
+                    "lora_path needs a server started with --enable-lora (or --lora-paths)", "lora_path"
+                )
+            if name not in self.lora_names:
+                known = ", ".join(sorted(self.lora_names)) or "none"
+                raise RequestError(
+                    f"lora_path: no LoRA adapter named {name!r} (loaded: {known})", "lora_path"
+                )
+        return names
 
     def _check_length(self, ids: list[int], sp: SamplingParams, where: str, prompt_key: str) -> None:
         total = len(ids) + sp.max_new_tokens

@@ -43,6 +43,7 @@ class TokenizedGenerateReq:
         False  # with --enable-return-routed-experts (model_executor/routed_experts.py)
     )
     routed_experts_start_len: int = 0  # the first token whose experts are returned
+    lora_path: str | None = None  # the LoRA adapter's name (--lora-paths); None: the base model
 
 
 @dataclass

@@ -103,7 +103,7 @@ GENERATE: dict[str, Field] = {
     "routed_experts_start_len": impl(0),
     "return_indexer_topk": off(False),
     "modalities": NONE,
-    "lora_path": NONE,
+    "lora_path": impl(),  # an adapter's name (--lora-paths), or one per prompt of a batch
     "lora_id": NONE,
     "custom_logit_processor": NONE,
     "positional_embed_overrides": NONE,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from srt.default_model import DEFAULT_MODEL_NAME
+from srt.lora_config import LoraRef, parse_lora_paths, read_adapter_config
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -78,6 +79,8 @@ POSITIVE_FIELDS: tuple[tuple[str, bool], ...] = (
     ("pp_micro_batches", True),
     ("max_queued_requests", True),
     ("max_request_bytes", True),
+    ("max_loras_per_batch", False),
+    ("max_lora_rank", True),
     ("constrained_json_max_whitespace_cnt", True),
     ("req_waiting_timeout", True),
     ("req_running_timeout", True),
@@ -224,6 +227,13 @@ class ServerArgs:
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
 
+    # LoRA adapters (srt/lora_config.py, model_executor/lora/): SGLang's flags
+    enable_lora: bool = False  # on by itself with --lora-paths (`lora_enabled`)
+    lora_paths: tuple[str, ...] | None = None  # name=path, or a path named by its folder
+    max_loras_per_batch: int = 8  # distinct adapters in one batch at most
+    max_lora_rank: int | None = None  # None: any rank
+    lora_target_modules: tuple[str, ...] | None = None  # None: any of the model's linear layers
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -236,6 +246,7 @@ class ServerArgs:
         self._check_choices()
         self._check_cuda_graph()
         self._check_speculative()
+        self._check_lora()
 
     def _check_positive(self) -> None:
         for name, optional in POSITIVE_FIELDS:
@@ -404,6 +415,46 @@ class ServerArgs:
                 "--speculative-algorithm STANDALONE runs with --pp-size 1 (the stages would each "
                 "decode the draft model and could not agree on its drafts without a collective)"
             )
+
+    def _check_lora(self) -> None:
+        """The adapters of --lora-paths read and checked (srt/lora_config.py) before any rank starts,
+        and what LoRA does not run with yet."""
+        adapters = self.lora_adapters
+        if not self.lora_enabled:
+            for name in ("max_lora_rank", "lora_target_modules"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --enable-lora (or --lora-paths)")
+            return
+        for flag, on in (
+            ("--speculative-algorithm", self.speculative_algorithm is not None),
+            ("--is-embedding", self.is_embedding),
+            # the adapters' products run on torch's matmul, whose bits may change with the batch
+            (
+                "deterministic inference (--enable-deterministic-inference, --restart-on-failure)",
+                self.deterministic,
+            ),
+        ):
+            if on:
+                raise ValueError(f"--enable-lora does not run with {flag} in srt yet")
+        allowed = set(self.lora_target_modules or ())
+        for ref in adapters:
+            config = read_adapter_config(ref.path, self.max_lora_rank)
+            targets = config.target_modules
+            if allowed and "all" not in allowed and isinstance(targets, tuple) and set(targets) - allowed:
+                raise ValueError(
+                    f"LoRA adapter {ref.name!r}: target_modules {sorted(set(targets) - allowed)} are not in "
+                    f"--lora-target-modules {sorted(allowed)}"
+                )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether requests may name adapters: --enable-lora, or adapters given (as SGLang)."""
+        return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def lora_adapters(self) -> tuple[LoraRef, ...]:
+        """--lora-paths' adapters in order: adapter id i + 1 is the i-th (srt/lora_config.py)."""
+        return parse_lora_paths(self.lora_paths)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -82,6 +82,10 @@ class TokenizerManager:
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
         self.max_total_tokens: int | None = model_info.get("max_total_tokens")
+        # the LoRA adapters requests may name (--lora-paths); None: LoRA off
+        self.lora_names: dict[str, str] | None = (
+            {ref.name: ref.path for ref in server_args.lora_adapters} if server_args.lora_enabled else None
+        )
         grammars = LazyGrammarBackend(
             server_args.grammar_backend,
             lambda: self.tokenizer,
@@ -98,6 +102,7 @@ class TokenizerManager:
             server_args.enable_priority_scheduling,
             grammars,
             server_args.enable_return_routed_experts,
+            self.lora_names,
         )
         self.metrics = (
             FrontendMetrics(metrics_dir(port_args), server_args.model_name, self.max_total_tokens)

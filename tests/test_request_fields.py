@@ -235,5 +235,8 @@ def test_the_bodies_sglang_router_forwards_are_served(server: Server, name: str)
 def test_a_batch_may_give_an_off_only_field_per_item(server: Server) -> None:
     body = {"text": ["a b", "c d"], "lora_path": [None, None], "return_hidden_states": [False, False]}
     assert server.post("/generate", body).status_code == 200
+    resp = server.post("/generate", {**body, "return_hidden_states": [False, True]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "return_hidden_states"
+    # lora_path is implemented, and needs a server started with --enable-lora
     resp = server.post("/generate", {**body, "lora_path": [None, "adapter"]})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"

@@ -177,7 +177,7 @@ def test_admission_looks_the_prefix_up_once(
     cache = h.scheduler.tree_cache
     lookups: list[int] = []
     real = cache.match_prefix
-    cache.match_prefix = lambda ids: (lookups.append(len(ids)), real(ids))[1]  # type: ignore[method-assign]
+    cache.match_prefix = lambda ids, ns: (lookups.append(len(ids)), real(ids, ns))[1]  # type: ignore[method-assign]
     for i, prompt in enumerate(mixed_prompts(3)):
         h.submit(f"r{i}", prompt, GREEDY)
     h.scheduler.step()  # one prefill step admits all three

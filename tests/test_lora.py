@@ -1,0 +1,306 @@
+"""LoRA adapters (issue 61): peft's adapters on tiny random models and on the bundled SmolLM2, served
+beside the base model in one batch, each row held to transformers + PeftModel on the same weights;
+the prefix cache keyed by adapter; what srt does not implement refused at start-up by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_file
+from server_fixture import Server
+from tiny_models import hf_float32, hf_greedy, make_tiny_model
+
+from model_executor.forward_batch import ForwardMode, make_forward_batch
+from model_executor.model_runner import ModelRunner, RunnerConfig
+from srt.cli_args import parse_server_args
+from srt.lora_config import LoraRef
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_NEW = 12
+
+
+def make_adapter(
+    base: Path, path: Path, targets: list[str], rank: int, seed: int, b_std: float = 0.05, **config: Any
+) -> Path:
+    """A peft adapter on `base` with lora_B random (peft starts it at zero: no change at all)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, **config)
+    )
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, b_std)
+    lora.save_pretrained(path)
+    return path
+
+
+def peft_model(base: Path, adapter: Path | None, dtype: torch.dtype = torch.float32) -> Any:
+    model = hf_float32(base).to(dtype)
+    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+
+
+def prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Qwen2 (q/k/v biases, GQA) and three adapters: rank 8 on q and v, rank 16 on every
+    linear layer, rank 4 on the row-parallel o and down projections alone."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model("qwen2", root / "base")
+    return {
+        "base": base,
+        "qv8": make_adapter(base, root / "qv8", ["q_proj", "v_proj"], 8, seed=1),
+        "all16": make_adapter(base, root / "all16", ALL_LINEAR, 16, seed=2),
+        "rows4": make_adapter(base, root / "rows4", ["o_proj", "down_proj"], 4, seed=3, use_rslora=True),
+    }
+
+
+def lora_flags(tiny: dict[str, Path]) -> list[str]:
+    return ["--lora-paths", *(f"{name}={tiny[name]}" for name in ("qv8", "all16", "rows4"))]
+
+
+def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path]) -> None:
+    """fp32: one prefill batch holding the base model and three adapters (one twice), each row's
+    last logits within fp32's summation noise of transformers + PeftModel, and far from the base's."""
+    names = ("qv8", "all16", "rows4")
+    refs = tuple(LoraRef(name, str(tiny[name])) for name in names)
+    runner = ModelRunner(
+        RunnerConfig(model_dir=tiny["base"], dtype=torch.float32, max_total_tokens=512, lora_adapters=refs)
+    )
+    batch_prompts = prompts(320, (5, 17, 1, 9, 12), seed=4)
+    ids = [0, 1, 2, 3, 1]  # adapter ids: --lora-paths order from 1
+    rows = [runner.req_to_token_pool.alloc() for _ in batch_prompts]
+    lens = [len(p) for p in batch_prompts]
+    loc = runner.memory.alloc_extend(rows, [0] * len(rows), lens)
+    batch = make_forward_batch(
+        ForwardMode.EXTEND,
+        sum(batch_prompts, []),
+        rows,
+        [0] * len(rows),
+        lens,
+        loc,
+        lora_ids=ids,  # type: ignore[arg-type]
+    )
+    ours = runner.forward(batch)
+    base = peft_model(tiny["base"], None)
+    for prompt, adapter, logits in zip(batch_prompts, ids, ours):
+        model = peft_model(tiny["base"], tiny[names[adapter - 1]]) if adapter else base
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0, -1]
+            plain = base(torch.tensor([prompt])).logits[0, -1]
+        assert (logits - ref).abs().max().item() < 2e-4
+        if adapter:
+            assert (ref - plain).abs().max().item() > 0.05  # the adapter changes what the row computes
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny: dict[str, Path], smollm2_dir: Path) -> Iterator[Server]:
+    with Server(
+        "--model-path",
+        str(tiny["base"]),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        *lora_flags(tiny),
+    ) as server:
+        yield server
+
+
+def generate_batch(
+    server: Server, batch: list[list[int]], adapters: list[str | None]
+) -> list[dict[str, Any]]:
+    reply = server.generate(
+        {
+            "input_ids": batch,
+            "lora_path": adapters,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+        }
+    )
+    assert reply.status_code == 200, reply.text
+    out: list[dict[str, Any]] = reply.json()
+    return out
+
+
+def reference_tokens(
+    tiny: dict[str, Path], batch: list[list[int]], adapters: list[str | None]
+) -> list[list[int]]:
+    return [
+        hf_greedy(peft_model(tiny["base"], None if name is None else tiny[name]), prompt, MAX_NEW)
+        for prompt, name in zip(batch, adapters)
+    ]
+
+
+MIXED = [None, "qv8", "all16", "rows4", "all16", None]
+
+
+def test_one_generate_batch_mixing_adapters_gives_each_row_peft_tokens(
+    tiny: dict[str, Path], tiny_server: Server
+) -> None:
+    """fp32 through the server: a /generate batch of the base model and every adapter (prefill and
+    decode steps mixing them) gives each row the greedy tokens of transformers + PeftModel."""
+    batch = prompts(320, (6, 11, 3, 20, 11, 8), seed=5)
+    outs = generate_batch(tiny_server, batch, MIXED)
+    expected = reference_tokens(tiny, batch, MIXED)
+    assert [o["output_ids"] for o in outs] == expected
+    base_tokens = reference_tokens(tiny, batch, [None] * len(batch))
+    changed = [name for name, ours, base in zip(MIXED, expected, base_tokens) if ours != base]
+    assert {"qv8", "all16", "rows4"} <= set(changed)  # each adapter changes its row's tokens
+
+
+def test_the_prefix_cache_never_serves_one_adapters_kv_to_another(tiny_server: Server) -> None:
+    """The same prompt under qv8, then all16, then the base: none reuses another's prefix
+    (cached_tokens 0); qv8's second request reuses its own."""
+    prompt = prompts(320, (40,), seed=6)[0]
+
+    def cached(adapter: str | None) -> int:
+        body: dict[str, Any] = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+        }
+        reply = tiny_server.generate({**body, "lora_path": adapter})
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["meta_info"]["cached_tokens"])
+
+    assert cached("qv8") == 0
+    assert cached("all16") == 0
+    assert cached(None) == 0
+    assert cached("qv8") >= 39  # its own prompt, all but the token whose logits it needs
+    assert cached("all16") >= 39
+
+
+def test_an_unknown_adapter_is_a_400_naming_lora_path(tiny_server: Server) -> None:
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+    reply = tiny_server.generate({**body, "lora_path": "nope"})
+    assert reply.status_code == 400 and "lora_path" in reply.text and "nope" in reply.text
+    reply = tiny_server.generate({**body, "input_ids": [[5, 6], [7]], "lora_path": ["qv8", "nope"]})
+    assert reply.status_code == 400 and "nope" in reply.text
+
+
+@pytest.mark.slow
+def test_tp2_gives_the_tokens_of_tp1(tiny: dict[str, Path], smollm2_dir: Path) -> None:
+    """The adapters sharded as their layers (B's rows for column-parallel, A's columns for row-parallel,
+    added before the all-reduce) at TP=2 over gloo: the tokens of TP=1 and of PeftModel."""
+    batch = prompts(320, (6, 11, 3, 20, 11, 8), seed=5)
+    with Server(
+        "--model-path",
+        str(tiny["base"]),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--tp-size",
+        "2",
+        *lora_flags(tiny),
+    ) as server:
+        outs = generate_batch(server, batch, MIXED)
+    assert [o["output_ids"] for o in outs] == reference_tokens(tiny, batch, MIXED)
+
+
+# ---- refused at start-up, by name ----
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "flags"),
+    [
+        ("use_dora", True, []),
+        ("modules_to_save", ["lm_head"], []),
+        ("bias", "all", []),
+        ("r", 8, ["--max-lora-rank", "4"]),
+    ],
+)
+def test_an_adapter_srt_does_not_implement_is_refused_naming_the_field(
+    tiny: dict[str, Path], tmp_path: Path, field: str, value: Any, flags: list[str]
+) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_model.safetensors").write_bytes((tiny["qv8"] / "adapter_model.safetensors").read_bytes())
+    config = json.loads((tiny["qv8"] / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=field):
+        parse_server_args(["--lora-paths", f"bad={bad}", *flags])
+
+
+def test_launch_server_refuses_a_bad_adapter_before_starting_ranks(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    bad = tmp_path / "dora"
+    bad.mkdir()
+    (bad / "adapter_model.safetensors").write_bytes((tiny["qv8"] / "adapter_model.safetensors").read_bytes())
+    config = json.loads((tiny["qv8"] / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "srt.launch_server",
+            "--model-path",
+            str(tiny["base"]),
+            "--lora-paths",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "use_dora" in run.stderr
+
+
+def test_lora_paths_take_names_and_bare_folders(tiny: dict[str, Path]) -> None:
+    args = parse_server_args(["--lora-paths", f"mine={tiny['qv8']}", str(tiny["all16"]) + "/"])
+    assert [(a.name, Path(a.path)) for a in args.lora_adapters] == [
+        ("mine", tiny["qv8"]),
+        ("all16", tiny["all16"]),
+    ]
+    assert args.lora_enabled and parse_server_args(args.to_cli()).lora_adapters == args.lora_adapters
+    with pytest.raises(ValueError, match="twice"):
+        parse_server_args(["--lora-paths", f"a={tiny['qv8']}", f"a={tiny['all16']}"])
+    with pytest.raises(ValueError, match="lora-target-modules"):
+        parse_server_args(["--lora-paths", str(tiny["all16"]), "--lora-target-modules", "q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="deterministic"):
+        parse_server_args(["--enable-lora", "--enable-deterministic-inference"])
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        parse_server_args(["--max-lora-rank", "8"])
+
+
+def test_an_adapter_for_modules_the_model_lacks_is_refused_naming_them(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """Targets the base model has no linear layer for (another architecture's names, a mixture's
+    experts) are refused when the rank attaches the adapter, naming the module."""
+    for module, what in (("model.layers.0.self_attn.c_attn", "no linear layer"),):
+        bad = tmp_path / module.replace(".", "_")
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text((tiny["qv8"] / "adapter_config.json").read_text())
+        tensors = {
+            f"base_model.model.{module}.lora_A.weight": torch.randn(8, 64),
+            f"base_model.model.{module}.lora_B.weight": torch.randn(64, 8),
+        }
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=f"target module {module} is {what}"):
+            ModelRunner(
+                RunnerConfig(
+                    model_dir=tiny["base"],
+                    dtype=torch.float32,
+                    max_total_tokens=256,
+                    lora_adapters=(LoraRef("bad", str(bad)),),
+                )
+            )
