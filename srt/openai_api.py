@@ -9,7 +9,9 @@ prompt i), `echo` (with `logprobs`, the prompt's tokens are scored too, the firs
 lm-eval-harness's loglikelihood requests need), `best_of` equal to `n`, and `suffix` (the prompt
 and it become the model's fill-in-the-middle prompt, srt/fim.py). n (1..128) runs n
 requests with seeds derived from `seed`, as one /generate batch. Any `model` name is accepted (as
-in SGLang); responses name the served model. finish_reason is "stop", "length", or "abort" for a
+in SGLang); responses name the served model. With --enable-lora, `model` as base:adapter (SGLang)
+or an adapter's name (vLLM) runs the request under that adapter; /v1/models lists the adapters
+with the base model as `parent`. finish_reason is "stop", "length", or "abort" for a
 request ended by /abort_request.
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code": null}}`
@@ -214,6 +216,9 @@ async def _serve(request: Request, chat: bool) -> Response:
         body = await read_json_object(request)
         call = parse_chat(tm, body) if chat else parse_completion(tm, body)
         renamed = call.renamed
+        adapter = tm.lora_of_model(body.get("model"))  # base:adapter or the adapter's name
+        if adapter is not None:
+            call.generate_body["lora_path"] = adapter
         generate_call = tm.parse_generate(call.generate_body)
     except (ValueError, ServiceUnavailableError) as error:
         return OPENAI_ERRORS.of(error, renamed)
@@ -246,16 +251,34 @@ def _model_card(tm: TokenizerManager) -> dict[str, Any]:
     }
 
 
+def _adapter_cards(tm: TokenizerManager) -> list[dict[str, Any]]:
+    """The LoRA adapters, as vLLM lists them: by name, their folder as root, the base as parent."""
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "srt",
+            "root": path,
+            "parent": _model_name(tm),
+        }
+        for name, path in (tm.lora_names or {}).items()
+    ]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(manager(request))]})
+    tm = manager(request)
+    return JSONResponse({"object": "list", "data": [_model_card(tm), *_adapter_cards(tm)]})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(request: Request, model_id: str) -> Response:
     """The served model by its id (the SDK's models.retrieve), else OpenAI's 404 for a model that
     does not exist (an id may hold slashes: a path served under its own name)."""
-    card = _model_card(manager(request))
+    tm = manager(request)
+    card = _model_card(tm)
+    card = next((c for c in _adapter_cards(tm) if c["id"] == model_id), card)
     if model_id != card["id"]:
         message = f"The model `{model_id}` does not exist; this server serves `{card['id']}`"
         body = openai_error_body(404, message, "model", "model_not_found")

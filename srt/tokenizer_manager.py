@@ -249,6 +249,25 @@ class TokenizerManager:
         self._control_calls.fail_all(self.failure or "")
 
     # ---- validation ----
+    def lora_of_model(self, model: Any) -> str | None:
+        """The LoRA adapter an OpenAI `model` names: the adapter's own name (vLLM) or base:adapter
+        (SGLang); None for the base model (any other name: a worker serves whatever it is asked
+        for, as SGLang). RequestError naming `model` for base:adapter with no such adapter."""
+        names = self.lora_names
+        if names is None or not isinstance(model, str) or model == self.server_args.model_name:
+            return None
+        if model in names:
+            return model
+        _, sep, adapter = model.rpartition(":")
+        if not sep:
+            return None
+        if adapter not in names:
+            known = ", ".join(sorted(names)) or "none"
+            raise RequestError(
+                f"model {model!r}: no LoRA adapter named {adapter!r} (loaded: {known})", "model"
+            )
+        return adapter
+
     def parse_generate(self, obj: Any, embed: bool = False) -> GenerateCall:
         """Validate and tokenize a /generate body (`embed`: an embedding request's, from /v1/embeddings
         or /encode). Raises RequestError (400) or ServiceUnavailableError."""

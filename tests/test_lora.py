@@ -11,18 +11,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+import requests
 import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
+from scheduler_harness import Harness
 from server_fixture import Server
 from tiny_models import hf_float32, hf_greedy, make_tiny_model
 
 from model_executor.forward_batch import ForwardMode, make_forward_batch
 from model_executor.model_runner import ModelRunner, RunnerConfig
+from model_executor.step_runner import NoStepRunner
 from srt.cli_args import parse_server_args
+from srt.io_struct import TokenizedGenerateReq
 from srt.lora_config import LoraRef
+from srt.sampling_params import SamplingParams
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_NEW = 12
@@ -69,8 +75,31 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def lora_flags(tiny: dict[str, Path]) -> list[str]:
-    return ["--lora-paths", *(f"{name}={tiny[name]}" for name in ("qv8", "all16", "rows4"))]
+def tiny_server_flags(tiny: dict[str, Path], tokenizer: Path) -> list[str]:
+    """The tiny base in float32 with the three adapters (a tokenizer for a server: SmolLM2's)."""
+    flags = ["--model-path", str(tiny["base"]), "--tokenizer-path", str(tokenizer), "--dtype", "float32"]
+    paths = [f"{name}={tiny[name]}" for name in ("qv8", "all16", "rows4")]
+    return [*flags, "--max-total-tokens", "4096", "--lora-paths", *paths]
+
+
+def prefill_logits(runner: ModelRunner, batch_prompts: list[list[int]], lora_ids: list[int]) -> torch.Tensor:
+    """The last logits of one prefill batch of whole prompts, request i under adapter lora_ids[i]."""
+    rows = [runner.req_to_token_pool.alloc() for _ in batch_prompts]
+    lens = [len(p) for p in batch_prompts]
+    loc = runner.memory.alloc_extend(rows, [0] * len(rows), lens)  # type: ignore[arg-type]
+    tokens = [t for p in batch_prompts for t in p]
+    return runner.forward(
+        make_forward_batch(ForwardMode.EXTEND, tokens, rows, [0] * len(rows), lens, loc, lora_ids=lora_ids)  # type: ignore[arg-type]
+    )
+
+
+def edited_adapter(src: Path, dst: Path, **fields: Any) -> Path:
+    """A copy of the adapter at `src` whose adapter_config.json has `fields` set."""
+    dst.mkdir()
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    config = json.loads((src / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+    return dst
 
 
 def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path]) -> None:
@@ -83,19 +112,9 @@ def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path])
     )
     batch_prompts = prompts(320, (5, 17, 1, 9, 12), seed=4)
     ids = [0, 1, 2, 3, 1]  # adapter ids: --lora-paths order from 1
-    rows = [runner.req_to_token_pool.alloc() for _ in batch_prompts]
-    lens = [len(p) for p in batch_prompts]
-    loc = runner.memory.alloc_extend(rows, [0] * len(rows), lens)
-    batch = make_forward_batch(
-        ForwardMode.EXTEND,
-        sum(batch_prompts, []),
-        rows,
-        [0] * len(rows),
-        lens,
-        loc,
-        lora_ids=ids,  # type: ignore[arg-type]
-    )
-    ours = runner.forward(batch)
+    # with LoRA on, no step runner takes any batch (the fused CPU decode layer adds no adapter)
+    assert isinstance(runner.step_runner, NoStepRunner)
+    ours = prefill_logits(runner, batch_prompts, ids)
     base = peft_model(tiny["base"], None)
     for prompt, adapter, logits in zip(batch_prompts, ids, ours):
         model = peft_model(tiny["base"], tiny[names[adapter - 1]]) if adapter else base
@@ -109,17 +128,7 @@ def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path])
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny: dict[str, Path], smollm2_dir: Path) -> Iterator[Server]:
-    with Server(
-        "--model-path",
-        str(tiny["base"]),
-        "--tokenizer-path",
-        str(smollm2_dir),
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "4096",
-        *lora_flags(tiny),
-    ) as server:
+    with Server(*tiny_server_flags(tiny, smollm2_dir)) as server:
         yield server
 
 
@@ -139,10 +148,10 @@ def generate_batch(
 
 
 def reference_tokens(
-    tiny: dict[str, Path], batch: list[list[int]], adapters: list[str | None]
+    tiny: dict[str, Path], batch: list[list[int]], adapters: list[str | None], steps: int = MAX_NEW
 ) -> list[list[int]]:
     return [
-        hf_greedy(peft_model(tiny["base"], None if name is None else tiny[name]), prompt, MAX_NEW)
+        hf_greedy(peft_model(tiny["base"], None if name is None else tiny[name]), prompt, steps)
         for prompt, name in zip(batch, adapters)
     ]
 
@@ -193,26 +202,143 @@ def test_an_unknown_adapter_is_a_400_naming_lora_path(tiny_server: Server) -> No
     assert reply.status_code == 400 and "nope" in reply.text
 
 
+def test_openai_model_selects_an_adapter_both_ways(tiny: dict[str, Path], tiny_server: Server) -> None:
+    """The official client: `model` as the adapter's name (vLLM) or base:adapter (SGLang) runs the
+    adapter, the served name runs the base; /v1/models lists each adapter with the base as parent;
+    base:unknown is a 400 naming model."""
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none")
+    served = str(tiny["base"])
+    prompt = prompts(320, (9,), seed=7)[0]
+
+    def generate_text(adapter: str | None) -> str:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+        }
+        return str(tiny_server.generate({**body, "lora_path": adapter}).json()["text"])
+
+    def completion_text(model: str) -> str:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        return out.choices[0].text
+
+    adapter_text, base_text = generate_text("all16"), generate_text(None)
+    assert adapter_text != base_text
+    assert completion_text("all16") == completion_text(f"{served}:all16") == adapter_text
+    assert completion_text(served) == base_text
+    with pytest.raises(openai.BadRequestError) as refused:
+        completion_text(f"{served}:nope")
+    assert refused.value.body["param"] == "model"  # type: ignore[index]
+    cards = requests.get(tiny_server.url + "/v1/models", timeout=30).json()["data"]
+    assert [(c["id"], c.get("parent")) for c in cards] == [
+        (served, None),
+        *((name, served) for name in ("qv8", "all16", "rows4")),
+    ]
+    assert client.models.retrieve("qv8").id == "qv8"
+
+
 @pytest.mark.slow
 def test_tp2_gives_the_tokens_of_tp1(tiny: dict[str, Path], smollm2_dir: Path) -> None:
     """The adapters sharded as their layers (B's rows for column-parallel, A's columns for row-parallel,
     added before the all-reduce) at TP=2 over gloo: the tokens of TP=1 and of PeftModel."""
     batch = prompts(320, (6, 11, 3, 20, 11, 8), seed=5)
-    with Server(
-        "--model-path",
-        str(tiny["base"]),
-        "--tokenizer-path",
-        str(smollm2_dir),
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "4096",
-        "--tp-size",
-        "2",
-        *lora_flags(tiny),
-    ) as server:
+    with Server(*tiny_server_flags(tiny, smollm2_dir), "--tp-size", "2") as server:
         outs = generate_batch(server, batch, MIXED)
     assert [o["output_ids"] for o in outs] == reference_tokens(tiny, batch, MIXED)
+
+
+@pytest.mark.parametrize("limit", [1, 8])
+def test_max_loras_per_batch_bounds_the_adapters_of_a_batch(tiny: dict[str, Path], limit: int) -> None:
+    """--max-loras-per-batch: no step holds more distinct adapters (the base not counted); the
+    requests past it wait for a later batch and get the tokens they get without the limit."""
+    paths = tuple(f"{name}={tiny[name]}" for name in ("qv8", "all16", "rows4"))
+    harness = Harness(tiny["base"], lora_paths=paths, max_loras_per_batch=limit, max_total_tokens=2048)
+    seen: list[set[int]] = []
+    get_next_batch = harness.scheduler.admission.get_next_batch
+
+    def recording(step: int) -> Any:
+        batch = get_next_batch(step)
+        if batch is not None:
+            seen.append({r.lora_id for r in batch.reqs} - {0})
+        return batch
+
+    harness.scheduler.admission.get_next_batch = recording  # type: ignore[method-assign]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    batch = prompts(320, (5, 6, 7, 8), seed=10)
+    names = [None, "qv8", "all16", "rows4"]
+    for i, (prompt, name) in enumerate(zip(batch, names)):
+        harness.send(TokenizedGenerateReq(f"r{i}", prompt, params, 0, lora_path=name))
+    harness.run_until_idle()
+    assert max(len(s) for s in seen) == min(limit, 3)
+    assert [harness.tokens[f"r{i}"] for i in range(4)] == reference_tokens(tiny, batch, names, 4)
+
+
+# ---- the default path (bf16) on the bundled SmolLM2 ----
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+]
+SMOL_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def smol_adapters(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("smol_lora")
+    return {
+        "qv8": make_adapter(smollm2_dir, root / "qv8", ["q_proj", "v_proj"], 8, seed=11, b_std=0.15),
+        "all64": make_adapter(smollm2_dir, root / "all64", ALL_LINEAR, 64, seed=12, b_std=0.02),
+    }
+
+
+def smol_generate(server: Server, ids: list[list[int]], adapters: list[str | None]) -> list[dict[str, Any]]:
+    reply = server.generate(
+        {
+            "input_ids": ids,
+            "lora_path": adapters,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": SMOL_NEW, "temperature": 0.0, "ignore_eos": True},
+        }
+    )
+    assert reply.status_code == 200, reply.text
+    out: list[dict[str, Any]] = reply.json()
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_rows_get_peft_tokens_and_base_rows_their_bits(
+    smollm2_dir: Path, smol_adapters: dict[str, Path]
+) -> None:
+    """The default path (bf16) with adapters of rank 8 on q and v and rank 64 on every linear layer:
+    one batch mixing them with the base gives each row transformers + PeftModel's greedy tokens
+    wherever transformers' bf16 keeps its float32 tokens; and a base row's logprobs are the same bits
+    in that batch as in a batch of base rows alone (with --enable-lora every batch runs the layers op
+    by op, and an adapter's delta touches its own rows only)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = [tokenizer(p)["input_ids"] for p in SMOL_PROMPTS]
+    adapters: list[str | None] = [None, "qv8", "all64", "qv8"]
+    flags = [f"{name}={path}" for name, path in smol_adapters.items()]
+    with Server("--model-path", str(smollm2_dir), "--lora-paths", *flags) as server:
+        mixed = smol_generate(server, ids, adapters)
+        assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
+        alone = smol_generate(server, ids, [None] * len(ids))
+    assert mixed[0]["output_ids"] == alone[0]["output_ids"]
+    assert mixed[0]["meta_info"]["output_token_logprobs"] == alone[0]["meta_info"]["output_token_logprobs"]
+    agreed, changed = 0, set()
+    for prompt, name, out in zip(ids, adapters, mixed):
+        adapter = None if name is None else smol_adapters[name]
+        fp32 = hf_greedy(peft_model(smollm2_dir, adapter), prompt, SMOL_NEW)
+        bf16 = hf_greedy(peft_model(smollm2_dir, adapter, torch.bfloat16), prompt, SMOL_NEW)
+        if fp32 != hf_greedy(peft_model(smollm2_dir, None), prompt, SMOL_NEW):
+            changed.add(name)
+        if fp32 == bf16:
+            agreed += 1
+            assert out["output_ids"] == fp32, (name, tokenizer.decode(prompt))
+    assert agreed >= len(ids) // 2, "too few rows where transformers' bf16 keeps float32's tokens"
+    assert changed == {"qv8", "all64"}  # each adapter changes the tokens of a row it runs
 
 
 # ---- refused at start-up, by name ----
@@ -230,11 +356,7 @@ def test_tp2_gives_the_tokens_of_tp1(tiny: dict[str, Path], smollm2_dir: Path) -
 def test_an_adapter_srt_does_not_implement_is_refused_naming_the_field(
     tiny: dict[str, Path], tmp_path: Path, field: str, value: Any, flags: list[str]
 ) -> None:
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "adapter_model.safetensors").write_bytes((tiny["qv8"] / "adapter_model.safetensors").read_bytes())
-    config = json.loads((tiny["qv8"] / "adapter_config.json").read_text())
-    (bad / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    bad = edited_adapter(tiny["qv8"], tmp_path / "bad", **{field: value})
     with pytest.raises(ValueError, match=field):
         parse_server_args(["--lora-paths", f"bad={bad}", *flags])
 
@@ -242,11 +364,7 @@ def test_an_adapter_srt_does_not_implement_is_refused_naming_the_field(
 def test_launch_server_refuses_a_bad_adapter_before_starting_ranks(
     tiny: dict[str, Path], tmp_path: Path
 ) -> None:
-    bad = tmp_path / "dora"
-    bad.mkdir()
-    (bad / "adapter_model.safetensors").write_bytes((tiny["qv8"] / "adapter_model.safetensors").read_bytes())
-    config = json.loads((tiny["qv8"] / "adapter_config.json").read_text())
-    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    bad = edited_adapter(tiny["qv8"], tmp_path / "dora", use_dora=True)
     run = subprocess.run(
         [
             sys.executable,
@@ -279,6 +397,48 @@ def test_lora_paths_take_names_and_bare_folders(tiny: dict[str, Path]) -> None:
         parse_server_args(["--enable-lora", "--enable-deterministic-inference"])
     with pytest.raises(ValueError, match="needs --enable-lora"):
         parse_server_args(["--max-lora-rank", "8"])
+
+
+def test_moe_attention_adapters_run_and_experts_are_refused_by_name(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE: an adapter on the attention matches PeftModel (fp32 logits); one on a
+    mixture's experts is refused at load, naming them."""
+    base = make_tiny_model("qwen3_moe", tmp_path / "moe")
+    attn = make_adapter(base, tmp_path / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"], 8, seed=8)
+    runner = ModelRunner(
+        RunnerConfig(
+            model_dir=base,
+            dtype=torch.float32,
+            max_total_tokens=256,
+            lora_adapters=(LoraRef("attn", str(attn)),),
+        )
+    )
+    batch_prompts = prompts(320, (7, 4), seed=9)
+    ours = prefill_logits(runner, batch_prompts, [1, 0])
+    with torch.no_grad():
+        ref = [peft_model(base, attn), peft_model(base, None)]
+        for prompt, model, logits in zip(batch_prompts, ref, ours):
+            assert (logits - model(torch.tensor([prompt])).logits[0, -1]).abs().max().item() < 2e-4
+
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text((attn / "adapter_config.json").read_text())
+    module = "model.layers.0.mlp.experts.3.gate_proj"
+    save_file(
+        {
+            f"base_model.model.{module}.lora_A.weight": torch.randn(8, 64),
+            f"base_model.model.{module}.lora_B.weight": torch.randn(64, 8),
+        },
+        str(experts / "adapter_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match=f"target module {module} is a mixture's experts"):
+        ModelRunner(
+            RunnerConfig(
+                model_dir=base,
+                dtype=torch.float32,
+                max_total_tokens=256,
+                lora_adapters=(LoraRef("e", str(experts)),),
+            )
+        )
 
 
 def test_an_adapter_for_modules_the_model_lacks_is_refused_naming_them(
