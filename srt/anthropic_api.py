@@ -1,15 +1,16 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
-A Messages request becomes a chat request (anthropic_parse.py) and runs as one; the reply (the
-typed srt/conversation/reply.py: content, the <think> part, parsed tool calls) goes out in
-Anthropic's blocks: `thinking`, `text`, `tool_use` (its id minted here) in that order. A stream sends Anthropic's events:
-`message_start`, then per block `content_block_start`, its deltas (`thinking_delta`, `text_delta`,
-`input_json_delta`: a tool call streams whole once it is complete) and `content_block_stop`, then
-`message_delta` with the stop_reason and usage, and `message_stop`. stop_reason is `end_turn`,
-`max_tokens`, `stop_sequence` (with the stop_sequence matched) or `tool_use`. A request aborted
-while running (/abort_request, a failed rank) is an error, not a message: an `api_error` response,
-or in a stream an `error` event. Errors use Anthropic's shape (http_common.anthropic_error_body),
-and `--api-key` is also accepted in the `x-api-key` header the official client sends (guard.py).
+A Messages request is read into the typed chat request (anthropic_parse.py) and runs as one; the
+reply (the typed srt/conversation/reply.py: content, the <think> part, parsed tool calls) goes out
+in Anthropic's blocks: `thinking`, `text`, `tool_use` (its id minted here) in that order. A stream
+sends Anthropic's events: `message_start`, then per block `content_block_start`, its deltas
+(`thinking_delta`, `text_delta`, `input_json_delta`: a tool call streams whole once it is complete)
+and `content_block_stop`, then `message_delta` with the stop_reason and usage, and `message_stop`.
+stop_reason is `end_turn`, `max_tokens`, `stop_sequence` (with the stop_sequence matched) or
+`tool_use`. A request aborted while running (/abort_request, a failed rank) is an error, not a
+message: an `api_error` response, or in a stream an `error` event. Errors use Anthropic's shape
+(http_common.anthropic_error_body), and `--api-key` is also accepted in the `x-api-key` header the
+official client sends (guard.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.anthropic_parse import ANTHROPIC_NAMES, AnthropicCall, count_tokens, parse_messages
+from srt.anthropic_parse import AnthropicCall, count_tokens, parse_messages
 from srt.conversation.reply import Reply, ReplyReader, Usage
 from srt.http_common import (
     ANTHROPIC_ERRORS,
@@ -209,12 +210,12 @@ async def stream_events(
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     tm = manager(request)
-    renamed = ANTHROPIC_NAMES
+    renamed: dict[str, str] = {}
     try:
         tm.check_kind(embed=False)
         body = await read_json_object(request)
         call = parse_messages(tm, body)
-        renamed = call.renamed
+        renamed = call.chat.renamed
         generate_call = tm.parse_generate(call.chat.generate_body)
     except (ValueError, ServiceUnavailableError) as error:
         return ANTHROPIC_ERRORS.of(error, renamed)
@@ -236,4 +237,4 @@ async def messages_count_tokens(request: Request) -> Response:
         body = await read_json_object(request)
         return JSONResponse({"input_tokens": count_tokens(tm, body)})
     except ValueError as error:
-        return ANTHROPIC_ERRORS.of(error, ANTHROPIC_NAMES)
+        return ANTHROPIC_ERRORS.of(error)

@@ -2,11 +2,11 @@
 raises RequestError naming it, under Anthropic's name.
 
 The conversation (`system`, `messages`) is read into the typed Conversation by
-srt/conversation/anthropic_messages.py. The rest is a chat request spelled differently: `tools`
-function tools, `tool_choice` auto / any / tool / none the chat's auto / required / a named
-function / none, `stop_sequences` stop strings, `thinking` the split of `--reasoning-parser`; it
-goes through openai_parse.parse_chat with the conversation (the chat template, the tools prompt,
-the grammar of a forced call), so the two APIs render a conversation alike.
+srt/conversation/anthropic_messages.py, the rest into the typed ChatRequest: `tools` its tools,
+`tool_choice` auto / any / tool / none the typed choice (auto / required / a named tool / none),
+`stop_sequences` stop strings, `thinking` the split of `--reasoning-parser`, `output_config`'s
+format a JSON schema; openai_parse.chat_call makes the generate call of it (the chat template, the
+tools prompt, the grammar of a forced call), as of every API's request.
 
 The fields, from the official client's `messages.create` and `messages.count_tokens` (anthropic
 2.17) and SGLang's `AnthropicMessagesRequest` (sglang 0.5.23), in the kinds of srt/request_fields.py.
@@ -14,13 +14,17 @@ The fields, from the official client's `messages.create` and `messages.count_tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from srt.conversation import Conversation, anthropic_messages
+import orjson
+
+from srt.conversation import Tool, anthropic_messages
 from srt.conversation.read import tool_of
+from srt.conversation.render import render_prompt
+from srt.conversation.request import ChatRequest, NamedTool, ToolChoice
 from srt.generate_parse import RequestError, check_request_fields
-from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
+from srt.openai_parse import OpenAICall, chat_call
 from srt.request_fields import NONE, Field, advisory, impl
 
 if TYPE_CHECKING:
@@ -62,19 +66,14 @@ MESSAGES: dict[str, Field] = {
 }
 COUNT_TOKENS: dict[str, Field] = dict(_COMMON)
 
-# chat-body names (openai_parse's RequestError params) -> the Messages field the client set
-ANTHROPIC_NAMES = {
-    "stop": "stop_sequences",
-    "max_new_tokens": "max_tokens",
-    "max_tokens": "max_tokens",
+# /generate's parameters -> the Messages field the client set
+NAMES = {
     "input_ids": "messages",
-    "text": "messages",
-    "parallel_tool_calls": "tool_choice",
-    "response_format": "output_config",
+    "max_new_tokens": "max_tokens",
+    "stop": "stop_sequences",
     "json_schema": "output_config",
-    "chat_template_kwargs": "thinking",
 }
-_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_TOOL_CHOICES: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
 _SERVER_TOOL_PREFIXES = (
     "web_search",
     "web_fetch",
@@ -88,62 +87,60 @@ _SERVER_TOOL_PREFIXES = (
 
 @dataclass
 class AnthropicCall:
-    """One Messages request translated: the chat call, and what shapes its reply."""
+    """One Messages request: its generate call, and the stop sequences its reply names."""
 
     chat: OpenAICall
     stop_sequences: list[str]
-    renamed: dict[str, str]  # /generate or chat parameter -> the Messages field
 
 
-def _tools(body: dict[str, Any]) -> dict[str, Any]:
-    """tools (each checked under its Messages path) and tool_choice as the chat's."""
-    out: dict[str, Any] = {}
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise RequestError("tools must be a list of tools", "tools")
-        out["tools"] = []
-        for i, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
-                raise RequestError(
-                    f"tools[{i}]: Anthropic's server tool {kind} is not supported by srt", "tools"
-                )
-            if not isinstance(tool, dict) or kind not in (None, "custom"):
-                raise RequestError(
-                    f"tools[{i}] must be a custom tool with a name and an input_schema", "tools"
-                )
-            function = tool_of(tool, f"tools[{i}].", "input_schema")
-            if function.parameters is None:
-                raise RequestError(
-                    f"tools[{i}].input_schema is required (a JSON schema object)", f"tools[{i}].input_schema"
-                )
-            out["tools"].append(function.template_form())
-    choice = body.get("tool_choice")
-    if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind == "tool":
-            if not isinstance(choice.get("name"), str):
-                raise RequestError("tool_choice of type tool needs the tool's name", "tool_choice")
-            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-        elif kind in _TOOL_CHOICES:
-            out["tool_choice"] = _TOOL_CHOICES[kind]
-        else:
-            raise RequestError("tool_choice.type must be auto, any, tool or none", "tool_choice")
-        parallel = choice.get("disable_parallel_tool_use")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
-        if parallel:
-            out["parallel_tool_calls"] = False
-    return out
+def _tools(value: Any) -> tuple[Tool, ...]:
+    """tools, each a custom tool checked under its Messages path."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list of tools", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
+            raise RequestError(f"tools[{i}]: Anthropic's server tool {kind} is not supported by srt", "tools")
+        if not isinstance(tool, dict) or kind not in (None, "custom"):
+            raise RequestError(f"tools[{i}] must be a custom tool with a name and an input_schema", "tools")
+        function = tool_of(tool, f"tools[{i}].", "input_schema")
+        if function.parameters is None:
+            raise RequestError(
+                f"tools[{i}].input_schema is required (a JSON schema object)", f"tools[{i}].input_schema"
+            )
+        out.append(function)
+    return tuple(out)
 
 
-def _thinking(body: dict[str, Any]) -> dict[str, Any]:
-    """thinking enabled or adaptive: the <think> part is split off (with --reasoning-parser);
-    disabled: no split, and the chat template is asked not to think (enable_thinking, as Qwen3's)."""
+def _tool_choice(choice: Any) -> tuple[ToolChoice, bool]:
+    """(the typed tool choice, whether parallel calls are allowed) of tool_choice."""
+    if choice is None:
+        return "auto", True
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise RequestError("tool_choice of type tool needs the tool's name", "tool_choice")
+        typed: ToolChoice = NamedTool(choice["name"])
+    elif kind in _TOOL_CHOICES:
+        typed = _TOOL_CHOICES[kind]
+    else:
+        raise RequestError("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    serial = choice.get("disable_parallel_tool_use")
+    if serial is not None and not isinstance(serial, bool):
+        raise RequestError("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+    return typed, not serial
+
+
+def _thinking(body: dict[str, Any]) -> bool:
+    """Whether the <think> part is split off: thinking enabled or adaptive (or not sent), with
+    --reasoning-parser; disabled: no split, and the chat template is asked not to think
+    (enable_thinking, as Qwen3's)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return {}
+        return True
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind in ("enabled", "adaptive"):
         budget = thinking.get("budget_tokens")
@@ -151,13 +148,14 @@ def _thinking(body: dict[str, Any]) -> dict[str, Any]:
             raise RequestError(
                 f"thinking.budget_tokens must be a positive integer, got {budget!r}", "thinking"
             )
-        return {}
+        return True
     if kind == "disabled":
-        return {"separate_reasoning": False, "chat_template_kwargs": {"enable_thinking": False}}
+        return False
     raise RequestError("thinking.type must be enabled, adaptive or disabled", "thinking")
 
 
-def _output_config(body: dict[str, Any]) -> dict[str, Any]:
+def _output_format(body: dict[str, Any]) -> dict[str, Any]:
+    """output_config.format as /generate's json_schema."""
     config = body.get("output_config")
     if config is None:
         return {}
@@ -175,16 +173,48 @@ def _output_config(body: dict[str, Any]) -> dict[str, Any]:
         or not isinstance(fmt.get("schema"), dict)
     ):
         raise RequestError("output_config.format must be {type: json_schema, schema: {...}}", "output_config")
-    return {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-    }
+    return {"json_schema": orjson.dumps(fmt["schema"]).decode()}
 
 
-def chat_body(body: dict[str, Any]) -> tuple[dict[str, Any], Conversation]:
-    """(the chat body of its tools and settings, its conversation) of a Messages (or count_tokens)
-    body whose vocabulary was checked."""
+def chat_request(body: dict[str, Any]) -> ChatRequest:
+    """The typed request of a Messages (or count_tokens) body whose vocabulary was checked: its
+    conversation, tools, tool choice, thinking and output format."""
     conversation = anthropic_messages.conversation(body.get("system"), body.get("messages"))
-    return {**_tools(body), **_thinking(body), **_output_config(body)}, conversation
+    choice, parallel = _tool_choice(body.get("tool_choice"))
+    thinking = _thinking(body)
+    return ChatRequest(
+        conversation,
+        _tools(body.get("tools")),
+        choice,
+        parallel,
+        _output_format(body),
+        separate_reasoning=thinking,
+        template_options={} if thinking else {"enable_thinking": False},
+        names=NAMES,
+    )
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """temperature, top_p and top_k in Anthropic's ranges, and stop_sequences, as /generate's."""
+    out: dict[str, Any] = {}
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("stop_sequences must be a list of non-empty strings", "stop_sequences")
+    if stops:
+        out["stop"] = stops
+    for name, low, high in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise RequestError(f"{name}: must be a number from {low:g} to {high:g} (got {value!r})", name)
+        out[name] = value
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise RequestError(f"top_k: must be an integer of 0 or more (got {top_k!r})", "top_k")
+        out["top_k"] = top_k if top_k > 0 else -1  # 0: no top-k cut, as -1 is here
+    return out
 
 
 def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
@@ -192,31 +222,16 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise RequestError(f"max_tokens is required, a positive integer (got {max_tokens!r})", "max_tokens")
-    stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop_sequences must be a list of non-empty strings", "stop_sequences")
-    chat, conversation = chat_body(body)
-    chat.update(max_tokens=max_tokens, stream=body.get("stream") or False)
-    if stops:
-        chat["stop"] = stops
-    for name, low, high in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):  # Anthropic's ranges
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise RequestError(f"{name}: must be a number from {low:g} to {high:g} (got {value!r})", name)
-        chat[name] = value
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise RequestError(f"top_k: must be an integer of 0 or more (got {top_k!r})", "top_k")
-        chat["top_k"] = top_k if top_k > 0 else -1  # 0: no top-k cut, as -1 is here
-    call = parse_chat(tm, chat, conversation)
-    renamed = {gen: ANTHROPIC_NAMES.get(name, name) for gen, name in call.renamed.items()}
-    return AnthropicCall(call, stops, {**ANTHROPIC_NAMES, **renamed})
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
+    request = chat_request(body)
+    sampling = {**request.sampling, **_sampling(body)}
+    request = replace(request, sampling=sampling, max_tokens=max_tokens, stream=stream)
+    return AnthropicCall(chat_call(tm, request), sampling.get("stop", []))
 
 
 def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:
     """The tokens a Messages body's prompt takes (its system prompt, turns and tools)."""
     check_request_fields(body, COUNT_TOKENS)
-    return len(chat_prompt(tm, *chat_body(body)).input_ids)
+    return len(render_prompt(tm, chat_request(body)).input_ids)

@@ -114,14 +114,17 @@ class ErrorFamily:
     def of(
         self, error: ValueError | ServiceUnavailableError, renamed: dict[str, str] | None = None
     ) -> JSONResponse:
-        """400 for bad input, naming its parameter (under the client's name for it, `renamed`); 503
-        when the server cannot serve, with Retry-After where the condition passes by itself."""
+        """400 for bad input, naming its parameter (under the client's name for it, `renamed`; the
+        message starts with that name where it does not hold it); 503 when the server cannot
+        serve, with Retry-After where the condition passes by itself."""
         if isinstance(error, ServiceUnavailableError):
             return self.response(503, str(error), retry_after=error.retry_after)
-        param = getattr(error, "param", None)
-        if renamed is not None:
-            param = renamed.get(param, param) if param else None
-        return self.response(400, str(error), param)
+        param, message = getattr(error, "param", None), str(error)
+        if renamed is not None and param:
+            param = renamed.get(param, param)
+            if param not in message:  # the message names the generate parameter
+                message = f"{param}: {message}"
+        return self.response(400, message, param)
 
     def event(self, error: ValueError | ServiceUnavailableError) -> bytes:
         """The error as a stream's event (the status went out with the stream's start)."""

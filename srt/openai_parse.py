@@ -1,6 +1,8 @@
 """OpenAI request bodies -> /generate bodies (OpenAICall), validated: bad or unsupported
 parameters raise RequestError naming the OpenAI parameter. srt/request_fields.py lists the fields
-(OpenAI's, and SGLang's extensions) and which are implemented."""
+(OpenAI's, and SGLang's extensions) and which are implemented. A chat body is read into the typed
+ChatRequest (srt/conversation/request.py), as Anthropic's and Responses' bodies are by their own
+adapters; chat_call makes the generate call of any of them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import orjson
 
 from srt.conversation import Conversation, openai_chat
 from srt.conversation.render import ChatPrompt, render_prompt
+from srt.conversation.request import ChatRequest
 from srt.fim import FimTokens, check_text, fim_prompt, require_fim_tokens, text_ids
 from srt.generate_parse import RequestError, check_request_fields
 from srt.reasoning import ReasoningSplit
@@ -104,10 +107,9 @@ def _check_vocabulary(body: dict[str, Any], vocabulary: dict[str, Field]) -> Non
             )
 
 
-def _sampling(body: dict[str, Any], max_tokens_name: str, default_max: int | None, n: int) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], n: int) -> dict[str, Any]:
+    """/generate's sampling_params of the OpenAI options, but for the token limit."""
     params = {name: body[name] for name in _PASSED_THROUGH if body.get(name) is not None}
-    max_tokens = body.get(max_tokens_name)
-    params["max_new_tokens"] = default_max if max_tokens is None else max_tokens
     if body.get("min_tokens") is not None:  # vLLM's and SGLang's name for min_new_tokens
         params["min_new_tokens"] = body["min_tokens"]
     if n > 1:
@@ -184,18 +186,16 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _reasoning(body: dict[str, Any], parser: str | None) -> ReasoningSplit | None:
+def _reasoning_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     """separate_reasoning / stream_reasoning (SGLang's fields, both true by default): the split needs
     --reasoning-parser; without one the output is all content, as SGLang's."""
-    flags = {}
+    flags = []
     for name in ("separate_reasoning", "stream_reasoning"):
         value = body.get(name, True)
         if not isinstance(value, bool):
             raise RequestError(f"{name} must be a boolean, got {value!r}", name)
-        flags[name] = value
-    if parser is None or not flags["separate_reasoning"]:
-        return None
-    return ReasoningSplit(parser, flags["stream_reasoning"])
+        flags.append(value)
+    return flags[0], flags[1]
 
 
 def _is_int(value: Any) -> bool:
@@ -309,7 +309,7 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         "stream": stream,
         **logprobs,
         **_request_fields(body),
-        "sampling_params": _sampling(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, n),
+        "sampling_params": {**_sampling(body, n), "max_new_tokens": _max_tokens(body, "max_tokens")},
     }
     if fim is not None:
         _fim_stops(generate_body["sampling_params"], fim[1])
@@ -328,14 +328,20 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
     )
 
 
-def _template_options(body: dict[str, Any], conversation: Conversation) -> dict[str, Any]:
-    """apply_chat_template's arguments for continue_final_message and chat_template_kwargs."""
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs (SGLang's): apply_chat_template's extra arguments, none srt sets itself."""
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
         raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
     reserved = sorted(set(extra) & _TEMPLATE_ARGS)
     if reserved:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return dict(extra)
+
+
+def _template_options(body: dict[str, Any], conversation: Conversation) -> dict[str, Any]:
+    """apply_chat_template's arguments for continue_final_message and chat_template_kwargs."""
+    extra = template_kwargs(body)
     continue_final = body.get("continue_final_message") or False
     if not isinstance(continue_final, bool):
         raise RequestError(
@@ -345,73 +351,108 @@ def _template_options(body: dict[str, Any], conversation: Conversation) -> dict[
         raise RequestError(
             "continue_final_message needs the last message to be the assistant's", "continue_final_message"
         )
-    # continuing the final message: no generation prompt after it (as SGLang and transformers)
-    return {**extra, "add_generation_prompt": not continue_final, "continue_final_message": continue_final}
+    if continue_final:  # no generation prompt after it (as SGLang and transformers)
+        extra.update(add_generation_prompt=False, continue_final_message=True)
+    return extra
 
 
-def chat_prompt(
-    tm: TokenizerManager, body: dict[str, Any], conversation: Conversation | None = None
-) -> ChatPrompt:
-    """The prompt of a chat body (its vocabulary checked already): its messages (or `conversation`,
-    an adapter's for another API) and tools through the chat template; RequestError naming
-    messages, tools or tool_choice."""
-    if conversation is None:  # an OpenAI chat: its own; another API's adapter read its tools too
-        conversation = openai_chat.conversation(body.get("messages"))
-        body = {**body, "tools": openai_chat.template_tools(body.get("tools"))}
-    return render_prompt(tm, conversation, body, _template_options(body, conversation))
+def _max_tokens(body: dict[str, Any], name: str) -> Any:
+    return COMPLETION_DEFAULT_MAX_TOKENS if body.get(name) is None else body[name]
 
 
-def parse_chat(
-    tm: TokenizerManager, body: dict[str, Any], conversation: Conversation | None = None
-) -> OpenAICall:
-    """The call of a chat body; `conversation`: another API's, in place of the body's messages."""
+def chat_request(body: dict[str, Any]) -> ChatRequest:
+    """The typed request of a chat body; RequestError naming the OpenAI field."""
     _check_vocabulary(body, CHAT)
-    prompt = chat_prompt(tm, body, conversation)
+    conversation = openai_chat.conversation(body.get("messages"))
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    stream, include_usage = _stream_flags(body)
+    n = _n(body)
+    separate, stream_reasoning = _reasoning_flags(body)
+    return ChatRequest(
+        conversation,
+        openai_chat.tools(body.get("tools")),
+        openai_chat.tool_choice(body.get("tool_choice")),
+        parallel is not False,
+        _sampling(body, n),
+        body.get(max_name),
+        stream,
+        include_usage,
+        n,
+        _logprob_fields(body, chat=True),
+        separate,
+        stream_reasoning,
+        _template_options(body, conversation),
+        _request_fields(body),
+        {
+            "input_ids": "messages",
+            "max_new_tokens": max_name,
+            "min_new_tokens": "min_tokens",
+            "return_logprob": "logprobs",
+            "top_logprobs_num": "top_logprobs",
+            **_grammar_names(body),
+        },
+    )
+
+
+def chat_prompt(tm: TokenizerManager, body: dict[str, Any]) -> ChatPrompt:
+    """The prompt of a chat body: its messages and tools through the chat template."""
+    return render_prompt(tm, chat_request(body))
+
+
+def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
+    return chat_call(tm, chat_request(body))
+
+
+def chat_call(tm: TokenizerManager, request: ChatRequest) -> OpenAICall:
+    """The generate call of a typed chat request (any API's): its prompt rendered, the rest of the
+    context its default token limit, a forced tool call's grammar; RequestError naming the field
+    of the API the client used."""
+    prompt = render_prompt(tm, request)
     input_ids, tools = prompt.input_ids, prompt.tools
     capacity = min(tm.context_length, tm.max_total_tokens or tm.context_length)
     if len(input_ids) >= capacity:
         raise RequestError(
-            f"the messages take {len(input_ids)} tokens, leaving none of the {capacity} the server can hold",
-            "messages",
+            f"{request.conversation_field}: the prompt takes {len(input_ids)} tokens, leaving none "
+            f"of the {capacity} the server can hold",
+            request.conversation_field,
         )
-    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    stream, include_usage = _stream_flags(body)
-    n, logprobs = _n(body), _logprob_fields(body, chat=True)
-    sampling = _sampling(body, max_name, capacity - len(input_ids), n)
+    default_max = capacity - len(input_ids)
+    max_tokens = default_max if request.max_tokens is None else request.max_tokens
+    sampling = {**request.sampling, "max_new_tokens": max_tokens}
+    names = dict(request.names)
     schema = tools.json_schema() if tools is not None else None
     if schema is not None:
         if any(kind in sampling for kind in ("json_schema", "regex", "ebnf", "structural_tag")):
             raise RequestError(
                 "tool_choice required or a named function constrains the output already: "
-                "drop response_format",
+                f"drop {names.get('json_schema', 'response_format')}",
                 "tool_choice",
             )
         sampling["json_schema"] = schema
+        names["json_schema"] = "tools"
     generate_body = {
         "input_ids": input_ids,
         # a turn that may end at a repeated call is watched as it grows (srt/repeated_calls.py)
-        "stream": stream or (tools is not None and tools.ends_at_repeat),
-        **logprobs,
-        **_request_fields(body),
+        "stream": request.stream or (tools is not None and tools.ends_at_repeat),
+        **request.logprobs,
+        **request.request_fields,
         "sampling_params": sampling,
     }
-    renamed_grammar = {"json_schema": "tools"} if schema is not None else _grammar_names(body)
+    parser = tm.server_args.reasoning_parser
+    reasoning = (
+        ReasoningSplit(parser, request.stream_reasoning) if parser and request.separate_reasoning else None
+    )
     return OpenAICall(
         True,
         generate_body,
-        stream,
-        include_usage,
-        {
-            "input_ids": "messages",
-            "text": "messages",
-            "max_new_tokens": max_name,
-            "min_new_tokens": "min_tokens",
-            "return_logprob": "logprobs",
-            "top_logprobs_num": "top_logprobs",
-            **renamed_grammar,
-        },
-        n,
-        bool(logprobs),
+        request.stream,
+        request.include_usage,
+        names,
+        request.n,
+        bool(request.logprobs),
         tools=tools if tools is not None and tools.parses else None,
-        reasoning=_reasoning(body, tm.server_args.reasoning_parser),
+        reasoning=reasoning,
     )

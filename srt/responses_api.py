@@ -1,18 +1,18 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
-A Responses request becomes a chat request (responses_parse.py) and runs as one; the reply (the
-typed srt/conversation/reply.py: content, the <think> part, parsed tool calls) goes out as a
-Response's output items, in this order: a `reasoning` item (what --reasoning-parser split off), a `message`
-item with one `output_text` part, one `function_call` item per parsed call. `status` is
+A Responses request is read into the typed chat request (responses_parse.py) and runs as one; the
+reply (the typed srt/conversation/reply.py: content, the <think> part, parsed tool calls) goes out
+as a Response's output items, in this order: a `reasoning` item (what --reasoning-parser split off),
+a `message` item with one `output_text` part, one `function_call` item per parsed call. `status` is
 `completed`, or `incomplete` (reason max_output_tokens) when the output hit its limit. A stream
 sends OpenAI's events, each with its sequence_number: `response.created`, `response.in_progress`,
 per item `response.output_item.added`, its content (`response.content_part.added`,
 `response.output_text.delta` / `.done`, `response.content_part.done`; or
-`response.reasoning_text.delta` / `.done`; or `response.function_call_arguments.delta` / `.done`:
-a call streams whole once it is complete) and `response.output_item.done`, then
-`response.completed` (or `response.incomplete`) with the whole response. A request aborted while
-running is an error, not a response: a 500 (or the abort's status), or in a stream an `error`
-event. Responses with `store` (OpenAI's default) are kept in the front end (responses_store.py).
+`response.reasoning_text.delta` / `.done`; or `response.function_call_arguments.delta` / `.done`: a
+call streams whole once it is complete) and `response.output_item.done`, then `response.completed`
+(or `response.incomplete`) with the whole response. A request aborted while running is an error, not
+a response: a 500 (or the abort's status), or in a stream an `error` event. Responses with `store`
+(OpenAI's default) are kept in the front end (responses_store.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from srt.http_common import (
 from srt.repeated_calls import end_at_repeated_call
 from srt.request_state import ServiceUnavailableError
 from srt.responses_output import OutputItems, new_id
-from srt.responses_parse import RESPONSES_NAMES, ResponsesCall, count_input_tokens, parse_responses
+from srt.responses_parse import ResponsesCall, count_input_tokens, parse_responses
 from srt.responses_store import ResponseStore
 
 router = APIRouter()
@@ -186,7 +186,7 @@ def _history(store: ResponseStore, body: dict[str, Any]) -> list[dict[str, Any]]
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     tm, store = manager(request), store_of(request)
-    renamed = RESPONSES_NAMES
+    renamed: dict[str, str] = {}
     try:
         tm.check_kind(embed=False)
         body = await read_json_object(request)
@@ -194,7 +194,7 @@ async def create_response(request: Request) -> Response:
         if isinstance(history, JSONResponse):
             return history
         call = parse_responses(tm, body, history)
-        renamed = call.renamed
+        renamed = call.chat.renamed
         generate_call = tm.parse_generate(call.chat.generate_body)
     except (ValueError, ServiceUnavailableError) as error:
         return OPENAI_ERRORS.of(error, renamed)
@@ -226,7 +226,7 @@ async def input_tokens(request: Request) -> Response:
             return history
         count = count_input_tokens(tm, body, history)
     except ValueError as error:
-        return OPENAI_ERRORS.of(error, RESPONSES_NAMES)
+        return OPENAI_ERRORS.of(error)
     return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
 

@@ -3,11 +3,11 @@ raises RequestError naming it, under the Responses name.
 
 The conversation (`instructions`, then the items of `input`, a string being one user message) is
 read into the typed Conversation by srt/conversation/responses_input.py; `previous_response_id`
-puts the stored conversation's items before them (responses_store.py). Function tools become the
-chat's tools, `text.format` its response_format, `max_output_tokens` its max_tokens, and the call
-goes through openai_parse.parse_chat with the conversation, so both APIs render a conversation
-alike. OpenAI's hosted tools (web_search, file_search, code_interpreter, mcp, ...) are refused by
-name.
+puts the stored conversation's items before them (responses_store.py). The rest becomes the typed
+ChatRequest: function tools its tools, `tool_choice` the typed choice, `text.format` a grammar,
+`max_output_tokens` its token limit; openai_parse.chat_call makes the generate call of it, as of
+every API's request. OpenAI's hosted tools (web_search, file_search, code_interpreter, mcp, ...)
+are refused by name.
 
 The fields, from the official client's `responses.create` (openai 3.60) and SGLang's
 `ResponsesRequest` (sglang 0.5.23: its sampling and scheduling extensions, as its chat
@@ -19,10 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from srt.conversation import Conversation, responses_input
+import orjson
+
+from srt.conversation import Tool, responses_input
 from srt.conversation.read import tool_of
+from srt.conversation.render import render_prompt
+from srt.conversation.request import ChatRequest, NamedTool, ToolChoice
 from srt.generate_parse import RequestError, check_request_fields
-from srt.openai_parse import OpenAICall, chat_prompt, parse_chat
+from srt.openai_parse import OpenAICall, chat_call, template_kwargs
 from srt.request_fields import CHAT, NONE, Field, advisory, impl, off
 
 if TYPE_CHECKING:
@@ -92,25 +96,24 @@ INPUT_TOKENS: dict[str, Field] = {
     "personality": NONE,
 }
 
-# chat-body names (parse_chat's RequestError params) -> the Responses field the client set
-RESPONSES_NAMES = {
-    "messages": "input",
-    "max_tokens": "max_output_tokens",
-    "max_completion_tokens": "max_output_tokens",
-    "response_format": "text",
+# /generate's parameters -> the Responses field the client set
+NAMES = {
+    "input_ids": "input",
+    "max_new_tokens": "max_output_tokens",
     "json_schema": "text",
     "rid": "request_id",
 }
+# SGLang's sampling extensions, by /generate's names
+_SAMPLING = ("frequency_penalty", "presence_penalty", "stop", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
 class ResponsesCall:
-    """One Responses request translated: the chat call, the conversation it continues (its items,
-    for the store) and the settings its response echoes."""
+    """One Responses request: its generate call, the conversation it continues (its items, for
+    the store) and the settings its response echoes."""
 
     chat: OpenAICall
     items: list[dict[str, Any]]  # the stored conversation before it, then this request's input
-    renamed: dict[str, str]  # /generate parameter -> the Responses field
     echo: dict[str, Any]
 
 
@@ -123,38 +126,37 @@ def _input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return value
 
 
-def _tools(body: dict[str, Any]) -> dict[str, Any]:
-    """tools (each checked under its Responses path), tool_choice and parallel_tool_calls as the chat's."""
-    out: dict[str, Any] = {}
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise RequestError("tools must be a list of tools", "tools")
-        out["tools"] = []
-        for i, tool in enumerate(tools):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise RequestError(
-                    f"tools[{i}]: {kind!r} tools are not supported by srt (only function tools)", "tools"
-                )
-            out["tools"].append(tool_of(tool, f"tools[{i}].").template_form())
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+def _tools(value: Any) -> tuple[Tool, ...]:
+    """tools, each a function tool checked under its Responses path."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list of tools", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
             raise RequestError(
-                f"tool_choice must be auto, required, none or {{type: function, name}}, got {choice!r}",
-                "tool_choice",
+                f"tools[{i}]: {kind!r} tools are not supported by srt (only function tools)", "tools"
             )
-        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice is not None:
-        out["tool_choice"] = choice
-    if body.get("parallel_tool_calls") is not None:
-        out["parallel_tool_calls"] = body["parallel_tool_calls"]
-    return out
+        out.append(tool_of(tool, f"tools[{i}]."))
+    return tuple(out)
+
+
+def _tool_choice(choice: Any) -> ToolChoice:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return NamedTool(choice["name"])
+    if choice in ("auto", "required", "none"):
+        return choice
+    raise RequestError(
+        f"tool_choice must be auto, required, none or {{type: function, name}}, got {choice!r}", "tool_choice"
+    )
 
 
 def _format(body: dict[str, Any]) -> dict[str, Any]:
-    """text.format as the chat's response_format."""
+    """text.format as /generate's grammar."""
     text = body.get("text")
     if text is None:
         return {}
@@ -163,30 +165,27 @@ def _format(body: dict[str, Any]) -> dict[str, Any]:
     if text.get("verbosity") not in (None, "medium"):
         raise RequestError(f"text.verbosity={text['verbosity']!r} is not supported by srt", "text")
     fmt = text.get("format")
-    if fmt is None:
-        return {}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind in ("text", "json_object"):
-        return {"response_format": {"type": kind}}
+    if fmt is None or kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise RequestError("text.format.schema is required (a JSON schema object)", "text")
-        spec = {"name": fmt.get("name") or "output", "schema": fmt["schema"]}
-        if fmt.get("strict") is not None:
-            spec["strict"] = fmt["strict"]
-        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+        if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+            raise RequestError(f"text.format.strict must be a boolean, got {fmt['strict']!r}", "text")
+        return {"json_schema": orjson.dumps(fmt["schema"]).decode()}  # strict or not: srt constrains
     raise RequestError("text.format.type must be text, json_object or json_schema", "text")
 
 
-def _max_output_tokens(body: dict[str, Any]) -> dict[str, Any]:
+def _max_output_tokens(body: dict[str, Any]) -> int | None:
     value = body.get("max_output_tokens")
-    if value is None:
-        return {}
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise RequestError(
             f"max_output_tokens must be a positive integer, got {value!r}", "max_output_tokens"
         )
-    return {"max_tokens": value}
+    return value
 
 
 def echo_settings(body: dict[str, Any]) -> dict[str, Any]:
@@ -212,42 +211,34 @@ def echo_settings(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _chat_body(
+def chat_request(
     body: dict[str, Any], history: list[dict[str, Any]]
-) -> tuple[dict[str, Any], Conversation, list[dict[str, Any]]]:
-    """(the chat body of its tools and settings, its conversation, the conversation's items) of a
-    Responses body whose fields were checked."""
-    for name in ("store", "stream"):
+) -> tuple[ChatRequest, list[dict[str, Any]]]:
+    """(the typed request, its conversation's items) of a Responses body whose fields were checked."""
+    for name in ("store", "stream", "parallel_tool_calls"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise RequestError(f"{name} must be a boolean, got {body[name]!r}", name)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("instructions must be a string", "instructions")
     items = [*history, *_input_items(body)]
-    conversation = responses_input.conversation(instructions, items, len(history))
-    chat: dict[str, Any] = {
-        "stream": body.get("stream") or False,
-        **_tools(body),
-        **_format(body),
-        **_max_output_tokens(body),
-        **{
-            name: body[name]
-            for name in ("temperature", "top_p", *_SGLANG_CHAT_FIELDS)
-            if body.get(name) is not None
-        },
+    sampling = {
+        name: body[name] for name in ("temperature", "top_p", *_SAMPLING) if body.get(name) is not None
     }
-    if body.get("request_id") is not None:
-        chat["rid"] = body["request_id"]
-    return chat, conversation, items
-
-
-def _in_responses_words(error: RequestError) -> RequestError:
-    """parse_chat's error names the chat's field: name the client's."""
-    param = RESPONSES_NAMES.get(error.param, error.param) if error.param else None
-    message = str(error)
-    if param and param not in message:
-        message = f"{param}: {message}"
-    return RequestError(message, param)
+    fields = {"rid": body.get("request_id"), "priority": body.get("priority")}
+    request = ChatRequest(
+        responses_input.conversation(instructions, items, len(history)),
+        _tools(body.get("tools")),
+        _tool_choice(body.get("tool_choice")),
+        body.get("parallel_tool_calls") is not False,
+        {**sampling, **_format(body)},
+        _max_output_tokens(body),
+        stream=body.get("stream") or False,
+        template_options=template_kwargs(body),
+        request_fields={name: value for name, value in fields.items() if value is not None},
+        names=NAMES,
+    )
+    return request, items
 
 
 def parse_responses(
@@ -256,21 +247,12 @@ def parse_responses(
     """The call of a Responses body that continues `history` (the stored conversation of its
     previous_response_id, else [])."""
     check_request_fields(body, RESPONSES)
-    chat, conversation, items = _chat_body(body, history)
-    try:
-        call = parse_chat(tm, chat, conversation)
-    except RequestError as error:
-        raise _in_responses_words(error) from None
-    renamed = {gen: RESPONSES_NAMES.get(name, name) for gen, name in call.renamed.items()}
-    return ResponsesCall(call, items, renamed, echo_settings(body))
+    request, items = chat_request(body, history)
+    return ResponsesCall(chat_call(tm, request), items, echo_settings(body))
 
 
 def count_input_tokens(tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]) -> int:
     """The tokens the prompt of a Responses body (after `history`) takes: its instructions, input
     items and tools through the chat template (POST /v1/responses/input_tokens)."""
     check_request_fields(body, INPUT_TOKENS)
-    chat, conversation, _ = _chat_body(body, history)
-    try:
-        return len(chat_prompt(tm, chat, conversation).input_ids)
-    except RequestError as error:
-        raise _in_responses_words(error) from None
+    return len(render_prompt(tm, chat_request(body, history)[0]).input_ids)

@@ -18,11 +18,22 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from srt.detokenizer import stop_holdback_start
 from srt.generate_parse import RequestError
 from srt.server_args import TOOL_CALL_PARSERS
+
+
+@dataclass(frozen=True)
+class NamedTool:
+    """A tool choice naming the one function to call."""
+
+    name: str
+
+
+# what a request lets the model do with its tools, whichever API spelled it
+ToolChoice = Literal["auto", "none", "required"] | NamedTool
 
 
 @dataclass(frozen=True)
@@ -286,60 +297,29 @@ def _parse_generic(text: str, names: list[str]) -> tuple[str | None, list[ToolCa
     return content or None, calls
 
 
-def plan_tools(body: dict[str, Any], parser: str | None) -> ToolPlan | None:
-    """The request's ToolPlan (None without tools); RequestError naming tools / tool_choice /
-    parallel_tool_calls when they are malformed."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if tools is None or tools == []:
-        if choice not in (None, "none", "auto"):
+def plan_tools(
+    tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool, parser: str | None
+) -> ToolPlan | None:
+    """The request's ToolPlan (None without tools); `tools` as the chat template takes them, each
+    checked by its API's adapter. RequestError naming tools or tool_choice."""
+    if not tools:
+        if choice not in ("none", "auto"):
             raise RequestError("tool_choice needs tools", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise RequestError("tools must be a list of function tools", "tools")
-    names = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(function, dict)
-        ):
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
-        name = function.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise RequestError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", "tools")
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        names.append(name)
+    names = [tool["function"]["name"] for tool in tools]
     if len(set(names)) != len(names):
         raise RequestError("tools holds two functions of the same name", "tools")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise RequestError(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls")
     function = None
-    if choice is None:
-        choice = "auto"
-    elif isinstance(choice, dict):
-        named = choice.get("function") if choice.get("type") == "function" else None
-        function = named.get("name") if isinstance(named, dict) else None
-        if not isinstance(function, str):
-            raise RequestError(
-                "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
-                "tool_choice",
-            )
-        if function not in names:
-            raise RequestError(f"tool_choice names {function!r}, which is not in tools", "tool_choice")
-        choice = "function"
-    elif choice not in ("none", "auto", "required"):
-        raise RequestError(
-            f"tool_choice must be none, auto, required or a named function, got {choice!r}", "tool_choice"
-        )
-    if choice == "auto" and parser is None:
+    if isinstance(choice, NamedTool):
+        if choice.name not in names:
+            raise RequestError(f"tool_choice names {choice.name!r}, which is not in tools", "tool_choice")
+        kind, function = "function", choice.name
+    else:
+        kind = choice
+    if kind == "auto" and parser is None:
         raise RequestError(
             "tool_choice auto: srt does not know the call format of this chat template; start the "
             f"server with --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}) or use required or a named function",
             "tool_choice",
         )
-    return ToolPlan(tools, choice, function, parallel is not False, parser, names)
+    return ToolPlan(tools, kind, function, parallel, parser, names)

@@ -22,7 +22,7 @@ from typing import Any
 
 import jinja2
 
-from srt.tool_calls import ToolPlan, plan_tools
+from srt.tool_calls import ToolChoice, ToolPlan, plan_tools
 
 _PROBE_NAME = "srt_probe_function"
 _PROBE_TOOLS = [
@@ -96,15 +96,21 @@ class ChatTools:
 
 
 def chat_tools(
-    tokenizer: Any, flag: str | None, body: dict[str, Any], conversation: list[dict[str, Any]]
+    tokenizer: Any,
+    flag: str | None,
+    tools: list[dict[str, Any]],
+    choice: ToolChoice,
+    parallel: bool,
+    conversation: list[dict[str, Any]],
 ) -> ChatTools:
-    """The request's ToolPlan and what the template gets: the tools themselves where it renders
-    them, else the generic prompt in the conversation. RequestError as plan_tools."""
+    """The request's ToolPlan and what the template gets: the tools themselves (`tools`, in the
+    template's form) where it renders them, else the generic prompt in the conversation.
+    RequestError as plan_tools."""
     has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in conversation)
-    if not body.get("tools") and not has_tool_turns:
-        return ChatTools(plan_tools(body, flag), conversation, None)  # validates a tool_choice alone
+    if not tools and not has_tool_turns:
+        return ChatTools(plan_tools(tools, choice, parallel, flag), conversation, None)  # checks the choice
     template = probe_template(tokenizer)
-    plan = plan_tools(body, flag or template.parser)
+    plan = plan_tools(tools, choice, parallel, flag or template.parser)
     if template.renders_tools and flag != "generic":
         return ChatTools(plan, conversation, plan.tools if plan is not None else None)
     return ChatTools(plan, generic_conversation(conversation, plan), None)

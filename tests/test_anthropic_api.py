@@ -24,7 +24,7 @@ from chat_outputs import THINKING, WEATHER, made_up_outputs
 from server_fixture import Server
 
 from srt.anthropic_api import message, stream_events
-from srt.anthropic_parse import AnthropicCall, chat_body
+from srt.anthropic_parse import AnthropicCall, chat_request
 from srt.conversation import Message, TextPart
 from srt.generate_parse import RequestError
 from srt.openai_parse import OpenAICall
@@ -260,9 +260,11 @@ def test_invalid_conversations_are_refused_naming_the_field() -> None:
     """Roles, tool results and tool names as Anthropic checks them, under Anthropic's paths."""
     for messages, tools, path in INVALID_CONVERSATIONS:
         with pytest.raises(RequestError) as info:
-            chat_body({"messages": messages, "tools": tools})
+            chat_request({"messages": messages, "tools": tools})
         assert info.value.param == path and path in str(info.value), (messages, tools, str(info.value))
-    _, conversation = chat_body({"messages": [*USED, {"role": "user", "content": [RESULT]}], "tools": TOOLS})
+    conversation = chat_request(
+        {"messages": [*USED, {"role": "user", "content": [RESULT]}], "tools": TOOLS}
+    ).conversation
     assert conversation.messages[-1] == Message("tool", (TextPart("Rain, 9 C"),), call_id="toolu_1")
 
 
@@ -291,7 +293,7 @@ def test_the_api_key_passes_as_x_api_key(server: Server) -> None:
 # ---- thinking blocks, on made-up outputs ----
 def _thinking_call() -> AnthropicCall:
     chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
-    return AnthropicCall(chat, [], {})
+    return AnthropicCall(chat, [])
 
 
 def test_thinking_comes_first_as_its_own_block() -> None:

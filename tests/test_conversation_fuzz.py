@@ -19,7 +19,7 @@ import pytest
 from chat_conversations import BUILDERS, NAMES, generated, mutated
 from transformers import AutoTokenizer
 
-from srt.anthropic_parse import chat_body, count_tokens
+from srt.anthropic_parse import chat_request, count_tokens
 from srt.conversation import Conversation, openai_chat
 from srt.generate_parse import RequestError
 from srt.openai_parse import chat_prompt
@@ -45,7 +45,7 @@ def conversation_of(api: str, body: dict[str, Any]) -> Conversation:
     if api == "openai":
         return openai_chat.conversation(body["messages"])
     if api == "anthropic":
-        return chat_body(body)[1]
+        return chat_request(body).conversation
     from srt.conversation import responses_input
 
     return responses_input.conversation(body.get("instructions"), body["input"], 0)

@@ -349,7 +349,6 @@ def test_bad_fields_are_400s_naming_them(client: openai.OpenAI) -> None:
     assert refusal(client, include=["message.output_text.logprobs"]) == "include"
     assert refusal(client, truncation="auto") == "truncation"
     assert refusal(client, text={"format": {"type": "json_schema", "name": "x"}}) == "text"
-    # parse_chat's error names its response_format; the client set text.format
     bad_strict = {
         "format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": "yes"}
     }
@@ -449,7 +448,7 @@ def test_every_param_of_the_official_client_is_in_the_table() -> None:
 # ---- reasoning items, on made-up outputs ----
 def _thinking_call() -> ResponsesCall:
     chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
-    return ResponsesCall(chat, [], {}, echo_settings({"store": False}))
+    return ResponsesCall(chat, [], echo_settings({"store": False}))
 
 
 def test_reasoning_comes_first_as_its_own_item() -> None:

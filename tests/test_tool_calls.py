@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from model_executor.constrained import LazyGrammarBackend
 from srt.generate_parse import RequestError
 from srt.sampling_params import GrammarSpec
-from srt.tool_calls import plan_tools
+from srt.tool_calls import NamedTool, plan_tools
 from srt.tool_template import calls_text, chat_tools, probe_template
 
 # Qwen 2.5's template, shortened (its tool block and turns as the model was trained on them)
@@ -242,7 +242,7 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(
 
 
 def test_qwen25_and_llama3_parsers() -> None:
-    qwen = plan_tools({"tools": TOOLS}, "qwen25")
+    qwen = plan_tools(TOOLS, "auto", True, "qwen25")
     assert qwen is not None
     content, calls = qwen.parse(
         'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
@@ -257,7 +257,7 @@ def test_qwen25_and_llama3_parsers() -> None:
     assert qwen.stream_safe_prefix("Hello <tool_") == len("Hello ")
     assert qwen.stream_safe_prefix("Hello <tool_call>{") == len("Hello ")
     assert qwen.stream_safe_prefix("Hello there") == len("Hello there")
-    llama = plan_tools({"tools": TOOLS}, "llama3")
+    llama = plan_tools(TOOLS, "auto", True, "llama3")
     assert llama is not None
     content, calls = llama.parse(
         '<|python_tag|>{"name": "set_alarm", "parameters": {"hour": 6, "loud": false}}; '
@@ -268,7 +268,7 @@ def test_qwen25_and_llama3_parsers() -> None:
 
 
 def test_generic_parser_reads_the_array_after_any_text_and_leaves_other_text_content() -> None:
-    plan = plan_tools({"tools": TOOLS}, "generic")
+    plan = plan_tools(TOOLS, "auto", True, "generic")
     assert plan is not None and plan.parses
     content, calls = plan.parse(
         'Let me look.\n[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}]'
@@ -292,7 +292,7 @@ def test_generic_parser_reads_the_array_after_any_text_and_leaves_other_text_con
 def test_the_constrained_output_and_the_generic_prompts_format_agree() -> None:
     # a call written as the generic prompt says (and as past calls are rendered) is valid under
     # the grammar of tool_choice required; and the generic parser reads the constrained output
-    required = plan_tools({"tools": TOOLS, "tool_choice": "required"}, "generic")
+    required = plan_tools(TOOLS, "required", True, "generic")
     assert required is not None
     past = [
         {
@@ -302,7 +302,7 @@ def test_the_constrained_output_and_the_generic_prompts_format_agree() -> None:
         }
     ]
     jsonschema.validate(json.loads(calls_text(past)), json.loads(required.json_schema() or ""))
-    auto = plan_tools({"tools": TOOLS}, "generic")
+    auto = plan_tools(TOOLS, "auto", True, "generic")
     assert auto is not None
     assert auto.parse(calls_text(past))[1] == required.parse(calls_text(past))[1]
 
@@ -364,19 +364,20 @@ def test_the_parser_comes_from_the_template_unless_the_flag_names_one(tokenizer_
         return apply(*args, **kwargs)
 
     qwen.apply_chat_template = counting
-    body = {"tools": TOOLS}
     for _ in range(3):
-        found = chat_tools(qwen, None, body, MESSAGES)
+        found = chat_tools(qwen, None, TOOLS, "auto", True, MESSAGES)
         assert found.plan is not None and found.plan.parser == "qwen25" and found.template_tools == TOOLS
     assert renders == 2  # probed once, with and without a tool
-    assert chat_tools(qwen, None, {"tools": TOOLS, "tool_choice": "none"}, MESSAGES).template_tools == TOOLS
-    flagged = chat_tools(qwen, "llama3", body, MESSAGES)
+    assert chat_tools(qwen, None, TOOLS, "none", True, MESSAGES).template_tools == TOOLS
+    flagged = chat_tools(qwen, "llama3", TOOLS, "auto", True, MESSAGES)
     assert flagged.plan is not None and flagged.plan.parser == "llama3" and flagged.template_tools == TOOLS
-    forced = chat_tools(qwen, "generic", body, MESSAGES)  # srt's prompt even where the template has one
+    forced = chat_tools(
+        qwen, "generic", TOOLS, "auto", True, MESSAGES
+    )  # srt's prompt even where the template has one
     assert forced.plan is not None and forced.plan.parser == "generic" and forced.template_tools is None
     assert forced.conversation[0]["role"] == "system" and "get_weather" in forced.conversation[0]["content"]
     with pytest.raises(RequestError, match="--tool-call-parser") as info:  # auto in a format srt cannot read
-        chat_tools(tokenizer_with(OWN_FORMAT_TEMPLATE), None, body, MESSAGES)
+        chat_tools(tokenizer_with(OWN_FORMAT_TEMPLATE), None, TOOLS, "auto", True, MESSAGES)
     assert info.value.param == "tool_choice"
 
 
@@ -394,7 +395,7 @@ def test_calls_and_results_render_as_plain_turns_on_a_template_without_tools(tok
         {"role": "tool", "tool_call_id": "c1", "content": "Rain, 9 C"},
         {"role": "tool", "name": "get_weather", "content": "Sun, 14 C"},
     ]
-    found = chat_tools(smollm2, None, {"tools": TOOLS}, conversation)
+    found = chat_tools(smollm2, None, TOOLS, "auto", True, conversation)
     assert found.plan is not None and found.plan.parser == "generic" and found.template_tools is None
     text = smollm2.apply_chat_template(found.conversation, tokenize=False, add_generation_prompt=True)
     system, user, assistant, results, prompt = text.split("<|im_start|>")[1:]
@@ -409,7 +410,7 @@ def test_calls_and_results_render_as_plain_turns_on_a_template_without_tools(tok
     )
     assert prompt == "assistant\n"
     # tool_choice none: the history still renders, with no tools prompt
-    none = chat_tools(smollm2, None, {"tools": TOOLS, "tool_choice": "none"}, conversation)
+    none = chat_tools(smollm2, None, TOOLS, "none", True, conversation)
     assert none.conversation[0] == {"role": "system", "content": "Be brief."}
     assert len(none.conversation) == 4 and "tool_calls" not in none.conversation[2]
 
@@ -440,7 +441,7 @@ def test_calls_and_results_render_as_plain_turns_on_a_template_without_tools(tok
 def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(
     choice: str, parser: str, text: str
 ) -> None:
-    plan = plan_tools({"tools": TOOLS, "tool_choice": choice}, parser)
+    plan = plan_tools(TOOLS, choice, True, parser)
     assert plan is not None
     finished = plan.parse(text)[1]
     assert [c.name for c in finished] == ["get_weather", "set_alarm"]
@@ -453,16 +454,16 @@ def test_calls_complete_in_a_partial_output_are_the_finished_outputs_first(
 
 
 def test_tool_plans_are_validated() -> None:
-    assert plan_tools({"tools": [], "tool_choice": "none"}, None) is None
+    assert plan_tools([], "none", True, None) is None
     with pytest.raises(RequestError, match="--tool-call-parser") as info:
-        plan_tools({"tools": TOOLS}, None)  # auto needs a parser
+        plan_tools(TOOLS, "auto", True, None)  # auto needs a parser
     assert info.value.param == "tool_choice"
-    required = plan_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None)
+    required = plan_tools(TOOLS, "required", False, None)
     assert required is not None and required.constrained
     schema = json.loads(required.json_schema() or "")
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
     with pytest.raises(RequestError) as info:
-        plan_tools({"tools": TOOLS + TOOLS[:1]}, "qwen25")
+        plan_tools(TOOLS + TOOLS[:1], "auto", True, "qwen25")
     assert info.value.param == "tools"
 
 
@@ -484,10 +485,8 @@ def accepts(grammars: LazyGrammarBackend, tokenizer: Any, schema: str, text: str
 def test_the_grammar_closes_after_each_call_and_a_named_function_allows_one(smollm2_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     grammars = LazyGrammarBackend("xgrammar", lambda: tokenizer, 49152, {tokenizer.eos_token_id})
-    required = plan_tools({"tools": TOOLS, "tool_choice": "required"}, None)
-    named = plan_tools(
-        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "set_alarm"}}}, None
-    )
+    required = plan_tools(TOOLS, "required", True, None)
+    named = plan_tools(TOOLS, NamedTool("set_alarm"), True, None)
     assert required is not None and named is not None and named.parallel  # parallel_tool_calls' default
     schema, one = required.json_schema() or "", named.json_schema() or ""
     for count in range(1, len(CALL_TEXTS) + 1):  # the array may close after every complete call
@@ -506,7 +505,7 @@ def test_a_repeated_call_ends_the_turn_with_the_calls_before_it(stream: bool) ->
     from srt.openai_parse import OpenAICall
     from srt.repeated_calls import REPEAT_REASON, end_at_repeated_call
 
-    plan = plan_tools({"tools": TOOLS, "tool_choice": "required"}, None)
+    plan = plan_tools(TOOLS, "required", True, None)
     assert plan is not None and plan.ends_at_repeat
     call = OpenAICall(True, {}, stream, False, {}, tools=plan)
     texts = ["".join(CALL_TEXTS[:count]) for count in range(1, len(CALL_TEXTS) + 1)]
@@ -535,11 +534,8 @@ def test_a_repeated_call_ends_the_turn_with_the_calls_before_it(stream: bool) ->
     assert [c.name for c in reply.tool_calls] == ["get_weather", "set_alarm"]
     assert plan.repeat_start(texts[1]) is None and plan.repeat_start(texts[3]) == len(texts[1])
     # a named function or no parallel calls: one call, nothing to watch
-    for body in (
-        {"parallel_tool_calls": False},
-        {"tool_choice": {"type": "function", "function": {"name": "set_alarm"}}},
-    ):
-        single = plan_tools({"tools": TOOLS, "tool_choice": "required", **body}, None)
+    for choice, parallel in (("required", False), (NamedTool("set_alarm"), True)):
+        single = plan_tools(TOOLS, choice, parallel, None)
         assert single is not None and not single.ends_at_repeat
 
 
@@ -549,7 +545,7 @@ def test_auto_streams_content_until_a_call_begins_then_the_calls() -> None:
     from srt.openai_api import stream_chunks
     from srt.openai_parse import OpenAICall
 
-    plan = plan_tools({"tools": TOOLS}, "qwen25")
+    plan = plan_tools(TOOLS, "auto", True, "qwen25")
     call = OpenAICall(True, {}, True, False, {}, tools=plan)
     text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>'
     cuts = [5, 14, 16, 40, len(text)]
@@ -576,3 +572,72 @@ def test_auto_streams_content_until_a_call_begins_then_the_calls() -> None:
     assert tool_call["index"] == 0 and tool_call["function"]["name"] == "get_weather"
     assert json.loads(tool_call["function"]["arguments"]) == {"city": "Oslo", "days": 1}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_each_api_reads_its_tools_and_tool_choice_into_the_same_typed_request() -> None:
+    """A named tool, `required` (Anthropic's `any`) and serial calls, each in its API's words: one
+    typed request, and errors named by the client's own paths."""
+    from srt import anthropic_parse, openai_parse, responses_parse
+
+    function = TOOLS[0]["function"]
+    ask = [{"role": "user", "content": "Will it rain in Oslo tomorrow?"}]
+    cases = [
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            {"type": "tool", "name": "get_weather"},
+            {"type": "function", "name": "get_weather"},
+            NamedTool("get_weather"),
+        ),
+        ("required", {"type": "any"}, "required", "required"),
+    ]
+    for openai_choice, anthropic_choice, responses_choice, typed in cases:
+        for parallel in (True, False):
+            requests = [
+                openai_parse.chat_request(
+                    {
+                        "messages": ask,
+                        "tools": [{"type": "function", "function": function}],
+                        "tool_choice": openai_choice,
+                        "parallel_tool_calls": parallel,
+                    }
+                ),
+                anthropic_parse.chat_request(
+                    {
+                        "messages": ask,
+                        "tools": [{"name": function["name"], "input_schema": function["parameters"]}],
+                        "tool_choice": {**anthropic_choice, "disable_parallel_tool_use": not parallel},
+                    }
+                ),
+                responses_parse.chat_request(
+                    {
+                        "input": ask,
+                        "tools": [{"type": "function", "name": function["name"], "parameters": WEATHER}],
+                        "tool_choice": responses_choice,
+                        "parallel_tool_calls": parallel,
+                    },
+                    [],
+                )[0],
+            ]
+            for request in requests:
+                assert request.tool_choice == typed and request.parallel_tool_calls is parallel
+                assert [(t.name, t.parameters) for t in request.tools] == [("get_weather", WEATHER)]
+                assert request.conversation == requests[0].conversation
+    refusals = [
+        (lambda: openai_parse.chat_request({"messages": ask, "tool_choice": "sometimes"}), "tool_choice"),
+        (
+            lambda: anthropic_parse.chat_request({"messages": ask, "tool_choice": {"type": "x"}}),
+            "tool_choice",
+        ),
+        (
+            lambda: responses_parse.chat_request({"input": ask, "parallel_tool_calls": 1}, []),
+            "parallel_tool_calls",
+        ),
+        (
+            lambda: anthropic_parse.chat_request({"messages": ask, "tools": [{"name": "f"}]}),
+            "tools[0].input_schema",
+        ),
+    ]
+    for refused, path in refusals:
+        with pytest.raises(RequestError) as info:
+            refused()
+        assert info.value.param == path, (path, str(info.value))

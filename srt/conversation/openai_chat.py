@@ -1,16 +1,18 @@
 """OpenAI chat `messages` -> Conversation, checked as OpenAI checks them: the six roles
 (`developer` is a system turn, the legacy `function` a tool result named by its function), text
 and refusal content parts (image, audio and file parts refused by name), an assistant's
-`tool_calls`, and each `tool` message's `tool_call_id` answering an earlier call."""
+`tool_calls`, and each `tool` message's `tool_call_id` answering an earlier call; `tools` and
+`tool_choice` as typed values."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from srt.conversation.check import validated
-from srt.conversation.model import Conversation, Message, Role, ToolCall
+from srt.conversation.model import Conversation, Message, Role, Tool, ToolCall
 from srt.conversation.read import PartTypes, arguments_of, role_of, tool_of
 from srt.generate_parse import RequestError
+from srt.tool_calls import NamedTool, ToolChoice
 
 ROLES: dict[str, Role] = {
     "system": "system",
@@ -72,14 +74,14 @@ def _calls(calls: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(out)
 
 
-def template_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """`tools`, each function checked, as chat templates take them (None: no tools sent)."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
+def tools(value: Any) -> tuple[Tool, ...]:
+    """`tools`, each a function tool checked under its path."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
         raise RequestError("tools must be a list of function tools", "tools")
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(value):
         if (
             not isinstance(tool, dict)
             or tool.get("type", "function") != "function"
@@ -88,5 +90,25 @@ def template_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise RequestError(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", f"tools[{i}]"
             )
-        out.append(tool_of(tool["function"], f"tools[{i}].function.").template_form())
-    return out
+        out.append(tool_of(tool["function"], f"tools[{i}].function."))
+    return tuple(out)
+
+
+def tool_choice(value: Any) -> ToolChoice:
+    """`tool_choice`: none, auto (the default), required, or {type: function, function: {name}}."""
+    if value is None:
+        return "auto"
+    if isinstance(value, dict):
+        function = value.get("function") if value.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise RequestError(
+                "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice",
+            )
+        return NamedTool(name)
+    if value not in ("none", "auto", "required"):
+        raise RequestError(
+            f"tool_choice must be none, auto, required or a named function, got {value!r}", "tool_choice"
+        )
+    return value

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 
-from srt.conversation.model import Conversation, Message
+from srt.conversation.model import Message
+from srt.conversation.request import ChatRequest
 from srt.generate_parse import RequestError
 from srt.tool_calls import ToolPlan
 from srt.tool_template import chat_tools
@@ -40,25 +41,28 @@ class ChatPrompt:
     tools: ToolPlan | None
 
 
-def render_prompt(
-    tm: TokenizerManager, conversation: Conversation, tools: dict[str, Any], options: dict[str, Any]
-) -> ChatPrompt:
-    """The prompt of a conversation with its tools (`tools`, `tool_choice`, `parallel_tool_calls`
-    in the chat's shape) and apply_chat_template's `options`; RequestError naming messages, tools
-    or tool_choice."""
+def render_prompt(tm: TokenizerManager, request: ChatRequest) -> ChatPrompt:
+    """The prompt of a request's conversation with its tools and template options; RequestError
+    naming its conversation's field, tools or tool_choice."""
     if not getattr(tm.tokenizer, "chat_template", None):
         raise RequestError(
             "this model has no chat template (a base model): send the text to /v1/completions or "
             "/generate, or start the server with --chat-template FILE",
-            "messages",
+            request.conversation_field,
         )
-    messages = [template_message(m) for m in conversation.messages]
-    prepared = chat_tools(tm.tokenizer, tm.server_args.tool_call_parser, tools, messages)
+    messages = [template_message(m) for m in request.conversation.messages]
+    tools = [tool.template_form() for tool in request.tools]
+    flag = tm.server_args.tool_call_parser
+    prepared = chat_tools(
+        tm.tokenizer, flag, tools, request.tool_choice, request.parallel_tool_calls, messages
+    )
+    # continuing the final message: no generation prompt after it (as SGLang and transformers)
+    options = {"add_generation_prompt": True, "continue_final_message": False, **request.template_options}
     if prepared.template_tools is not None:
-        options = {**options, "tools": prepared.template_tools}
+        options["tools"] = prepared.template_tools
     try:
         text = tm.tokenizer.apply_chat_template(prepared.conversation, tokenize=False, **options)
     except (ValueError, jinja2.TemplateError) as error:  # no chat template, or raise_exception() in it
-        raise RequestError(f"cannot apply the chat template: {error}", "messages") from None
+        raise RequestError(f"cannot apply the chat template: {error}", request.conversation_field) from None
     # The template already wrote the special tokens (BOS included), so do not add them again.
     return ChatPrompt(list(tm.tokenizer(text, add_special_tokens=False)["input_ids"]), prepared.plan)
