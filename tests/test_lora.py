@@ -133,14 +133,12 @@ def tiny_server(tiny: dict[str, Path], smollm2_dir: Path) -> Iterator[Server]:
 
 
 def generate_batch(
-    server: Server, batch: list[list[int]], adapters: list[str | None]
+    server: Server, batch: list[list[int]], adapters: list[str | None], max_new: int = MAX_NEW, **fields: Any
 ) -> list[dict[str, Any]]:
+    """Greedy outputs of one /generate batch, prompt i under adapters[i]."""
+    sampling = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
     reply = server.generate(
-        {
-            "input_ids": batch,
-            "lora_path": adapters,
-            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
-        }
+        {"input_ids": batch, "lora_path": adapters, "sampling_params": sampling, **fields}
     )
     assert reply.status_code == 200, reply.text
     out: list[dict[str, Any]] = reply.json()
@@ -294,20 +292,6 @@ def smol_adapters(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     }
 
 
-def smol_generate(server: Server, ids: list[list[int]], adapters: list[str | None]) -> list[dict[str, Any]]:
-    reply = server.generate(
-        {
-            "input_ids": ids,
-            "lora_path": adapters,
-            "return_logprob": True,
-            "sampling_params": {"max_new_tokens": SMOL_NEW, "temperature": 0.0, "ignore_eos": True},
-        }
-    )
-    assert reply.status_code == 200, reply.text
-    out: list[dict[str, Any]] = reply.json()
-    return out
-
-
 @pytest.mark.slow
 def test_smollm2_bf16_rows_get_peft_tokens_and_base_rows_their_bits(
     smollm2_dir: Path, smol_adapters: dict[str, Path]
@@ -322,9 +306,9 @@ def test_smollm2_bf16_rows_get_peft_tokens_and_base_rows_their_bits(
     adapters: list[str | None] = [None, "qv8", "all64", "qv8"]
     flags = [f"{name}={path}" for name, path in smol_adapters.items()]
     with Server("--model-path", str(smollm2_dir), "--lora-paths", *flags) as server:
-        mixed = smol_generate(server, ids, adapters)
+        mixed = generate_batch(server, ids, adapters, SMOL_NEW, return_logprob=True)
         assert requests.post(server.url + "/flush_cache", timeout=30).status_code == 200
-        alone = smol_generate(server, ids, [None] * len(ids))
+        alone = generate_batch(server, ids, [None] * len(ids), SMOL_NEW, return_logprob=True)
     assert mixed[0]["output_ids"] == alone[0]["output_ids"]
     assert mixed[0]["meta_info"]["output_token_logprobs"] == alone[0]["meta_info"]["output_token_logprobs"]
     agreed, changed = 0, set()
