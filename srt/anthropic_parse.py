@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Tool, anthropic_messages
-from srt.conversation.read import tool_of
+from srt.conversation.read import tool_of, tools_of
 from srt.conversation.render import render_prompt
 from srt.conversation.request import ChatRequest, NamedTool, ToolChoice
 from srt.generate_parse import RequestError, check_request_fields
@@ -93,26 +93,17 @@ class AnthropicCall:
     stop_sequences: list[str]
 
 
-def _tools(value: Any) -> tuple[Tool, ...]:
-    """tools, each a custom tool checked under its Messages path."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise RequestError("tools must be a list of tools", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
-            raise RequestError(f"tools[{i}]: Anthropic's server tool {kind} is not supported by srt", "tools")
-        if not isinstance(tool, dict) or kind not in (None, "custom"):
-            raise RequestError(f"tools[{i}] must be a custom tool with a name and an input_schema", "tools")
-        function = tool_of(tool, f"tools[{i}].", "input_schema")
-        if function.parameters is None:
-            raise RequestError(
-                f"tools[{i}].input_schema is required (a JSON schema object)", f"tools[{i}].input_schema"
-            )
-        out.append(function)
-    return tuple(out)
+def _tool(tool: Any, path: str) -> Tool:
+    """A custom tool, checked under its Messages path."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
+        raise RequestError(f"{path}: Anthropic's server tool {kind} is not supported by srt", "tools")
+    if not isinstance(tool, dict) or kind not in (None, "custom"):
+        raise RequestError(f"{path} must be a custom tool with a name and an input_schema", "tools")
+    function = tool_of(tool, f"{path}.", "input_schema")
+    if function.parameters is None:
+        raise RequestError(f"{path}.input_schema is required (a JSON schema object)", f"{path}.input_schema")
+    return function
 
 
 def _tool_choice(choice: Any) -> tuple[ToolChoice, bool]:
@@ -184,7 +175,7 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     thinking = _thinking(body)
     return ChatRequest(
         conversation,
-        _tools(body.get("tools")),
+        tools_of(body.get("tools"), _tool),
         choice,
         parallel,
         _output_format(body),

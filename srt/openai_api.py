@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.conversation.reply import Reply, ReplyReader
+from srt.conversation.reply import Reply, ReplyReader, Usage
 from srt.http_common import (
     OPENAI_ERRORS,
     manager,
@@ -57,14 +57,15 @@ def _model_name(tm: TokenizerManager) -> str:
 
 def _usage(metas: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Usage of the choices (n per prompt, in order): each prompt counts once."""
-    firsts = metas[::n]
-    prompt = sum(meta["prompt_tokens"] for meta in firsts)
-    completion = sum(meta["completion_tokens"] for meta in metas)
+    usages = [Usage.of(meta) for meta in metas]
+    firsts = usages[::n]
+    prompt = sum(usage.prompt_tokens for usage in firsts)
+    completion = sum(usage.completion_tokens for usage in usages)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(meta["cached_tokens"] for meta in firsts)},
+        "prompt_tokens_details": {"cached_tokens": sum(usage.cached_tokens for usage in firsts)},
     }
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Tool, responses_input
-from srt.conversation.read import tool_of
+from srt.conversation.read import tool_of, tools_of
 from srt.conversation.render import render_prompt
 from srt.conversation.request import ChatRequest, NamedTool, ToolChoice
 from srt.generate_parse import RequestError, check_request_fields
@@ -126,21 +126,12 @@ def _input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return value
 
 
-def _tools(value: Any) -> tuple[Tool, ...]:
-    """tools, each a function tool checked under its Responses path."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise RequestError("tools must be a list of tools", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise RequestError(
-                f"tools[{i}]: {kind!r} tools are not supported by srt (only function tools)", "tools"
-            )
-        out.append(tool_of(tool, f"tools[{i}]."))
-    return tuple(out)
+def _tool(tool: Any, path: str) -> Tool:
+    """A function tool, checked under its Responses path."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise RequestError(f"{path}: {kind!r} tools are not supported by srt (only function tools)", "tools")
+    return tool_of(tool, f"{path}.")
 
 
 def _tool_choice(choice: Any) -> ToolChoice:
@@ -228,7 +219,7 @@ def chat_request(
     fields = {"rid": body.get("request_id"), "priority": body.get("priority")}
     request = ChatRequest(
         responses_input.conversation(instructions, items, len(history)),
-        _tools(body.get("tools")),
+        tools_of(body.get("tools"), _tool),
         _tool_choice(body.get("tool_choice")),
         body.get("parallel_tool_calls") is not False,
         {**sampling, **_format(body)},

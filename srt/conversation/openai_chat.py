@@ -10,7 +10,7 @@ from typing import Any
 
 from srt.conversation.check import validated
 from srt.conversation.model import Conversation, Message, Role, Tool, ToolCall
-from srt.conversation.read import PartTypes, arguments_of, role_of, tool_of
+from srt.conversation.read import PartTypes, arguments_of, role_of, tool_of, tools_of
 from srt.generate_parse import RequestError
 from srt.tool_calls import NamedTool, ToolChoice
 
@@ -76,22 +76,17 @@ def _calls(calls: Any, where: str) -> tuple[ToolCall, ...]:
 
 def tools(value: Any) -> tuple[Tool, ...]:
     """`tools`, each a function tool checked under its path."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise RequestError("tools must be a list of function tools", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(tool.get("function"), dict)
-        ):
-            raise RequestError(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", f"tools[{i}]"
-            )
-        out.append(tool_of(tool["function"], f"tools[{i}].function."))
-    return tuple(out)
+    return tools_of(value, _tool)
+
+
+def _tool(tool: Any, path: str) -> Tool:
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "function") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise RequestError(f"{path} must be {{'type': 'function', 'function': {{...}}}}", path)
+    return tool_of(tool["function"], f"{path}.function.")
 
 
 def tool_choice(value: Any) -> ToolChoice:

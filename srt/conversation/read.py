@@ -4,7 +4,7 @@ types, a call's arguments. Each raises RequestError naming the client's field pa
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,3 +94,12 @@ def tool_of(function: dict[str, Any], path: str, parameters: str = "parameters")
     if description is not None and not isinstance(description, str):
         raise RequestError(f"{path}description must be a string", f"{path}description")
     return Tool(name, schema, description)
+
+
+def tools_of(value: Any, tool: Callable[[Any, str], Tool]) -> tuple[Tool, ...]:
+    """An API's `tools` (None: none), each read by `tool(item, its path)`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list of tools", "tools")
+    return tuple(tool(item, f"tools[{i}]") for i, item in enumerate(value))
