@@ -489,6 +489,17 @@ class ModelRunner:
         ids: list[int] = self.stage_link.recv_ids(batch_size).tolist()
         return ids
 
+    def set_lora_adapter(self, adapter_id: int, ref: LoraRef | None) -> None:
+        """With --enable-lora: attaches this rank's shard of `ref` as adapter `adapter_id`, or with
+        None drops that id (scheduler/lora_registry.py decides both, the same on every rank).
+        ValueError or OSError naming the cause leaves the layers unchanged."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        if ref is None:
+            self.lora.unload(adapter_id)
+        else:
+            self.lora.load(adapter_id, ref)
+
     def state(self) -> dict[str, Any]:
         """What the steps run on now, for /server_info (the device wing's: on the CPU, the threads),
         and with experts the tokens routed to each since start, summed over this rank's layers."""

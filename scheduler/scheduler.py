@@ -26,6 +26,7 @@ from scheduler.fault_injection import FaultInjector
 from scheduler.grammar import advance, attach_matcher
 from scheduler.kv_manager import KVManager
 from scheduler.logprobs import LogprobPlan, plan_logprobs, record_logprobs, samples_a_token
+from scheduler.lora_registry import LoraRegistry
 from scheduler.output import mark_sent, token_output
 from scheduler.receiver import RequestReceiver
 from scheduler.req import Req
@@ -40,8 +41,10 @@ from srt.io_struct import (
     FlushCacheReq,
     GetInternalStateReq,
     GetLoadReq,
+    LoadLoraAdapterReq,
     ReleaseMemoryReq,
     TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
 )
 from srt.metrics import RankMetrics
 from srt.server_args import ServerArgs
@@ -102,8 +105,10 @@ class Scheduler:
         )
 
     def _init_state(self) -> None:
-        # LoRA adapters by name -> id, as the runner loaded them (--lora-paths' order, from 1)
-        self.lora_ids = {ref.name: i for i, ref in enumerate(self.args.lora_adapters, start=1)}
+        # LoRA adapters by name: --lora-paths' as the runner loaded them, then the runtime's changes
+        self.lora = LoraRegistry.of(
+            self.args.lora_adapters, self.parallel.world, self.runner.set_lora_adapter
+        )
         self.queues = RequestQueues()
         self.forward_steps = 0
         self.outbox: list[Req] = []  # requests with something to stream this step
@@ -166,6 +171,9 @@ class Scheduler:
         messages = self._receive(busy)
         self.stats.timer.received()
         self.process_messages(messages)
+        if self.lora.unloading:
+            for reply in self.lora.finish_unloads({r.lora_id for r in self.queues.live() + self.waiting}):
+                self._reply(reply)
         batch = self.get_next_batch()
         if batch is not None:
             self.run_batch(batch)
@@ -200,16 +208,23 @@ class Scheduler:
                 self._reply(ControlReply(msg.request_id, True, self.internal_state()))
             elif isinstance(msg, GetLoadReq):
                 self._reply(ControlReply(msg.request_id, True, self.load_report()))
+            elif isinstance(msg, LoadLoraAdapterReq):
+                self._reply(self.lora.load(msg))
+            elif isinstance(msg, UnloadLoraAdapterReq):
+                refused = self.lora.begin_unload(msg)
+                if refused is not None:
+                    self._reply(refused)
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req.of(msg, self.lora_ids.get(msg.lora_path, 0) if msg.lora_path is not None else 0)
+        lora_id = self.lora.id_of(msg.lora_path) if msg.lora_path is not None else 0
+        req = Req.of(msg, lora_id or 0)
         refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
         if refused is not None:
             self._finish(req, refused)
-        elif msg.lora_path is not None and msg.lora_path not in self.lora_ids:
-            # the front end checks names first: this is one it knew and the ranks do not
+        elif lora_id is None:
+            # the front end checks names first: one unloaded (or being unloaded) since it checked
             message = f"lora_path: no LoRA adapter named {msg.lora_path!r} on the ranks"
             self._finish(req, FinishReason("abort", status_code=400, message=message))
         elif (
@@ -449,4 +464,5 @@ class Scheduler:
             "kv_cache_bytes": self.kv.kv_pool.total_bytes,
             **self.runner.state(),
             **self.kv.stats(self.queues.live()),
+            **({"lora_adapters": self.lora.snapshot()} if self.args.lora_enabled else {}),
         }

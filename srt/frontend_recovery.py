@@ -6,6 +6,10 @@ The TokenizerManager owns one FrontendRecovery and reads it: `reason` makes /hea
 back before its send. EngineRestarter drives it from the Supervisor's thread, on the manager's
 event loop: `begin(reason)` when the engine goes down, `resume()` when the new one is up (between
 the two the manager replaces its sockets, TokenizerManager.reset_channels).
+
+The LoRA registry's changes since start-up (adapters loaded and unloaded at runtime) are part of
+what it replays: the new engine starts from the flags, so `resume` sends those changes again, in
+their order, before any replayed request, and a replayed request finds its adapter.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from srt.io_struct import LoadLoraAdapterReq, UnloadLoraAdapterReq
 from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
 
 
@@ -43,6 +48,20 @@ class FrontendRecovery:
         self.held_back = 0  # requests waiting for the restart to end
         self._recovered = asyncio.Event()  # set while not recovering (binds to a loop on first wait)
         self._recovered.set()
+        # the LoRA registry's changes the engine applied since start-up, in order: (name, folder)
+        # a load, (name, None) an unload (record_lora)
+        self.lora_changes: list[tuple[str, str | None]] = []
+
+    def record_lora(self, name: str, path: str | None) -> None:
+        """A change of the LoRA registry the engine applied (`path` None: an unload), to replay after
+        a restart. An adapter loaded at runtime and unloaded again leaves no change behind."""
+        last = next(
+            (i for i in reversed(range(len(self.lora_changes))) if self.lora_changes[i][0] == name), None
+        )
+        if path is None and last is not None and self.lora_changes[last][1] is not None:
+            del self.lora_changes[last]
+        else:
+            self.lora_changes.append((name, path))
 
     def begin(self, reason: str) -> None:
         """The engine is going down to restart: /health 503, new requests wait, control calls fail."""
@@ -51,13 +70,19 @@ class FrontendRecovery:
         self._control_calls.fail_all(f"recovering: {reason}")
 
     def resume(self) -> int:
-        """The new engine is up: replay every request in flight (with the output its client already
-        has, ReqState.replay), let the held-back ones through. Returns how many were replayed."""
+        """The new engine is up: replay the LoRA registry's changes, then every request in flight
+        (with the output its client already has, ReqState.replay), let the held-back ones through. Returns how many were replayed."""
         replays = [
             state
             for state in self._in_flight.values()
             if state.sent is not None and state.finish_reason is None
         ]
+        for i, (name, path) in enumerate(self.lora_changes):  # nobody waits for their replies
+            self._send(
+                UnloadLoraAdapterReq(f"lora-replay-{i}", name)
+                if path is None
+                else LoadLoraAdapterReq(f"lora-replay-{i}", name, path)
+            )
         for state in replays:
             state.replays += 1
             self._send(state.replay())

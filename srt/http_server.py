@@ -29,6 +29,7 @@ from srt.anthropic_api import router as anthropic_router
 from srt.embeddings_api import router as embeddings_router
 from srt.guard import BodyTooLarge, RequestGuard, too_large_body
 from srt.infill_api import router as infill_router
+from srt.lora_api import router as lora_router
 from srt.native_api import metrics_router
 from srt.native_api import router as native_router
 from srt.openai_api import router as openai_router
@@ -81,6 +82,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     app.include_router(tokenize_router)
     app.include_router(infill_router)
     app.include_router(native_router)
+    app.include_router(lora_router)
     if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)
         app.include_router(metrics_router)
     return app

@@ -79,6 +79,27 @@ class GetLoadReq:
     request_id: str  # echoed in ControlReply
 
 
+@dataclass
+class LoadLoraAdapterReq:
+    """Load a peft folder as the LoRA adapter `name` (SGLang's /load_lora_adapter). Every rank loads
+    its shard in the same iteration; the adapter is usable once every rank succeeded (a MIN over the
+    world), else no rank has it (scheduler/lora_registry.py). Answered by a ControlReply."""
+
+    request_id: str  # echoed in ControlReply
+    name: str
+    path: str
+    pinned: bool = False  # SGLang's: never evicted (srt keeps every adapter in memory anyway)
+
+
+@dataclass
+class UnloadLoraAdapterReq:
+    """Drop the LoRA adapter `name`: new requests naming it are refused at once, and the ControlReply
+    comes once no request running or queued uses it."""
+
+    request_id: str  # echoed in ControlReply
+    name: str
+
+
 # ---- schedulers (output rank only) -> detokenizer ----
 
 

@@ -4,7 +4,8 @@ a tensor. What srt does not implement is refused here by the field's name; what 
 model (a target it lacks, shapes) is checked where the adapter attaches (model_executor/lora/).
 
 An adapter's id is its place in `--lora-paths` counted from 1 (0 is the base model): every rank
-derives the same ids from the same flags.
+derives the same ids from the same flags; adapters loaded at runtime take the next ids
+(scheduler/lora_registry.py).
 """
 
 from __future__ import annotations
@@ -102,3 +103,20 @@ def read_adapter_config(path: str | Path, max_rank: int | None = None) -> Adapte
         )
     scaling = alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank)
     return AdapterConfig(rank, float(scaling), targets if isinstance(targets, str) else tuple(targets))
+
+
+def check_adapter(
+    ref: LoraRef, max_rank: int | None, allowed_targets: tuple[str, ...] | None
+) -> AdapterConfig:
+    """`ref`'s config, read and checked as at start-up (read_adapter_config), and its targets within
+    `--lora-target-modules` where that is given: what the front end checks before any rank reads a
+    tensor, at start-up and at a runtime load. ValueError naming the cause."""
+    config = read_adapter_config(ref.path, max_rank)
+    allowed = set(allowed_targets or ())
+    targets = config.target_modules
+    if allowed and "all" not in allowed and isinstance(targets, tuple) and set(targets) - allowed:
+        raise ValueError(
+            f"LoRA adapter {ref.name!r}: target_modules {sorted(set(targets) - allowed)} are not in "
+            f"--lora-target-modules {sorted(allowed)}"
+        )
+    return config

@@ -138,9 +138,10 @@ class ControlCalls:
         self._waiters: dict[str, asyncio.Future[ControlReply]] = {}
 
     async def call(
-        self, make: Callable[[str], Any], send: Callable[[Any], Awaitable[None]], timeout: float
+        self, make: Callable[[str], Any], send: Callable[[Any], Awaitable[None]], timeout: float | None
     ) -> ControlReply:
-        """Send make(request_id) and wait for its reply; ServiceUnavailableError after `timeout` s."""
+        """Send make(request_id) and wait for its reply; ServiceUnavailableError after `timeout` s
+        (None: as long as it takes; a restart or a failure still ends the wait, fail_all)."""
         request_id = uuid.uuid4().hex
         future: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = future

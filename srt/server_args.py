@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from srt.default_model import DEFAULT_MODEL_NAME
-from srt.lora_config import LoraRef, parse_lora_paths, read_adapter_config
+from srt.lora_config import LoraRef, check_adapter, parse_lora_paths
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -436,15 +436,8 @@ class ServerArgs:
         ):
             if on:
                 raise ValueError(f"--enable-lora does not run with {flag} in srt yet")
-        allowed = set(self.lora_target_modules or ())
         for ref in adapters:
-            config = read_adapter_config(ref.path, self.max_lora_rank)
-            targets = config.target_modules
-            if allowed and "all" not in allowed and isinstance(targets, tuple) and set(targets) - allowed:
-                raise ValueError(
-                    f"LoRA adapter {ref.name!r}: target_modules {sorted(set(targets) - allowed)} are not in "
-                    f"--lora-target-modules {sorted(allowed)}"
-                )
+            check_adapter(ref, self.max_lora_rank, self.lora_target_modules)
 
     @property
     def lora_enabled(self) -> bool:

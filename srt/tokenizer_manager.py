@@ -43,9 +43,12 @@ from srt.io_struct import (
     FlushCacheReq,
     GetInternalStateReq,
     GetLoadReq,
+    LoadLoraAdapterReq,
     ReleaseMemoryReq,
+    UnloadLoraAdapterReq,
 )
 from srt.logprob_meta import LogprobMeta
+from srt.lora_config import LoraRef, check_adapter
 from srt.memory_watch import (
     GIB,
     POLL_S,
@@ -446,7 +449,56 @@ class TokenizerManager:
     async def get_load(self, timeout: float = 10.0) -> dict[str, Any]:
         return (await self._control(GetLoadReq, timeout)).payload
 
-    async def _control(self, make: Callable[[str], Any], timeout: float) -> ControlReply:
+    # ---- LoRA adapters at runtime (scheduler/lora_registry.py holds each rank's registry) ----
+    async def load_lora_adapter(self, name: Any, path: Any, pinned: Any = False) -> dict[str, Any]:
+        """Loads the peft folder `path` as the adapter `name` on every rank (usable once every rank
+        has its shard). Returns the reply's payload (loaded_adapters: name -> folder); RequestError
+        naming the cause otherwise, the registry unchanged on every rank."""
+        names = self._lora_names("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"lora_name must be a non-empty string, got {name!r}", "lora_name")
+        if not isinstance(path, str) or not path:
+            raise RequestError(f"lora_path must be an adapter's folder, got {path!r}", "lora_path")
+        if not isinstance(pinned, bool):
+            raise RequestError(f"pinned must be true or false, got {pinned!r}", "pinned")
+        if name in names:
+            raise RequestError(f"a LoRA adapter named {name!r} is loaded already", "lora_name")
+        args = self.server_args
+        try:  # what the front end can check alone, before any rank reads a tensor
+            check_adapter(LoraRef(name, path), args.max_lora_rank, args.lora_target_modules)
+        except (ValueError, OSError) as error:
+            raise RequestError(str(error), "lora_path") from None
+        reply = await self._control(lambda rid: LoadLoraAdapterReq(rid, name, path, pinned), None)
+        if not reply.success:
+            raise RequestError(str(reply.payload.get("message")), "lora_path")
+        names[name] = path
+        self.recovery.record_lora(name, path)
+        return reply.payload
+
+    async def unload_lora_adapter(self, name: Any) -> dict[str, Any]:
+        """Unloads the adapter `name`: new requests naming it are refused at once; the call returns
+        once no request running or queued uses it (they finish with the adapter, never broken).
+        Returns the reply's payload; RequestError for no such adapter."""
+        names = self._lora_names("lora_name")
+        if not isinstance(name, str) or name not in names:
+            raise RequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        path = names.pop(name)
+        try:
+            reply = await self._control(lambda rid: UnloadLoraAdapterReq(rid, name), None)
+        except ServiceUnavailableError:
+            names[name] = path  # not unloaded: a restart loads it again (FrontendRecovery)
+            raise
+        if not reply.success:
+            raise RequestError(str(reply.payload.get("message")), "lora_name")
+        self.recovery.record_lora(name, None)
+        return reply.payload
+
+    def _lora_names(self, param: str) -> dict[str, str]:
+        if self.lora_names is None:
+            raise RequestError("LoRA adapters need a server started with --enable-lora", param)
+        return self.lora_names
+
+    async def _control(self, make: Callable[[str], Any], timeout: float | None) -> ControlReply:
         if self.unhealthy is not None:
             raise ServiceUnavailableError(self.unhealthy)
         self.start()

@@ -65,7 +65,11 @@ def prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Qwen2 (q/k/v biases, GQA) and three adapters: rank 8 on q and v, rank 16 on every
     linear layer, rank 4 on the row-parallel o and down projections alone."""
-    root = tmp_path_factory.mktemp("lora")
+    return tiny_adapters(tmp_path_factory.mktemp("lora"))
+
+
+def tiny_adapters(root: Path) -> dict[str, Path]:
+    """The `tiny` fixture's model and adapters, made under `root`."""
     base = make_tiny_model("qwen2", root / "base")
     return {
         "base": base,

@@ -70,11 +70,17 @@ class LoraAdapters:
             self.load(adapter_id, ref)
 
     def load(self, adapter_id: int, ref: LoraRef) -> None:
-        """Reads `ref`'s folder and attaches this rank's shard of it as `adapter_id`."""
+        """Reads `ref`'s folder and attaches this rank's shard of it as `adapter_id`: every layer at
+        once, after every check passed (ValueError naming the adapter and the cause, or OSError for
+        a folder that cannot be read, leaves the layers as they were)."""
         config = read_adapter_config(ref.path, self.max_rank)
         where = f"LoRA adapter {ref.name!r}"
         modules: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in sorted(load_file(Path(ref.path) / WEIGHTS_FILE).items()):
+        try:
+            tensors = load_file(Path(ref.path) / WEIGHTS_FILE)
+        except Exception as error:  # safetensors' own error type, or the OS's
+            raise ValueError(f"{where}: {WEIGHTS_FILE} could not be read: {error}") from None
+        for key, tensor in sorted(tensors.items()):
             match = _TENSOR.fullmatch(key)
             if match is None:
                 raise ValueError(
@@ -111,6 +117,12 @@ class LoraAdapters:
             len(layers),
             nbytes / 2**20,
         )
+
+    def unload(self, adapter_id: int) -> None:
+        """Drops adapter `adapter_id` from every layer (a no-op for an id never loaded)."""
+        for method in self.methods.values():
+            method.adapters.pop(adapter_id, None)
+        self.names = {name: i for name, i in self.names.items() if i != adapter_id}
 
     def _shard(
         self, where: str, module: str, a: torch.Tensor, b: torch.Tensor
