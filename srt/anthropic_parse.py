@@ -5,8 +5,8 @@ The conversation (`system`, `messages`) is read into the typed Conversation by
 srt/conversation/anthropic_messages.py, the rest into the typed ChatRequest: `tools` its tools,
 `tool_choice` auto / any / tool / none the typed choice (auto / required / a named tool / none),
 `stop_sequences` stop strings, `thinking` the split of `--reasoning-parser`, `output_config`'s
-format a JSON schema; openai_parse.chat_call makes the generate call of it (the chat template, the
-tools prompt, the grammar of a forced call), as of every API's request.
+format a JSON schema; conversation/call.py's chat_call makes the generate call of it (the chat
+template, the tools prompt, the grammar of a forced call), as of every API's request.
 
 The fields, from the official client's `messages.create` and `messages.count_tokens` (anthropic
 2.17) and SGLang's `AnthropicMessagesRequest` (sglang 0.5.23), in the kinds of srt/request_fields.py.
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Tool, anthropic_messages
+from srt.conversation.call import ChatCall, chat_call
 from srt.conversation.read import tool_of, tools_of
 from srt.conversation.render import render_prompt
 from srt.conversation.request import ChatRequest, NamedTool, ToolChoice
 from srt.generate_parse import RequestError, check_request_fields
-from srt.openai_parse import OpenAICall, chat_call
 from srt.request_fields import NONE, Field, advisory, impl
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ _SERVER_TOOL_PREFIXES = (
 class AnthropicCall:
     """One Messages request: its generate call, and the stop sequences its reply names."""
 
-    chat: OpenAICall
+    chat: ChatCall
     stop_sequences: list[str]
 
 
@@ -219,7 +219,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
     request = chat_request(body)
     sampling = {**request.sampling, **_sampling(body)}
     request = replace(request, sampling=sampling, max_tokens=max_tokens, stream=stream)
-    return AnthropicCall(chat_call(tm, request), sampling.get("stop", []))
+    return AnthropicCall(chat_call(tm, request, ChatCall), sampling.get("stop", []))
 
 
 def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:

@@ -2,7 +2,7 @@
 parameters raise RequestError naming the OpenAI parameter. srt/request_fields.py lists the fields
 (OpenAI's, and SGLang's extensions) and which are implemented. A chat body is read into the typed
 ChatRequest (srt/conversation/request.py), as Anthropic's and Responses' bodies are by their own
-adapters; chat_call makes the generate call of any of them."""
+adapters; conversation/call.py's chat_call makes the generate call of any of them."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Conversation, openai_chat
+from srt.conversation.call import ChatCall, chat_call
+from srt.conversation.read import template_kwargs
 from srt.conversation.render import ChatPrompt, render_prompt
 from srt.conversation.request import ChatRequest
 from srt.fim import FimTokens, check_text, fim_prompt, require_fim_tokens, text_ids
 from srt.generate_parse import RequestError, check_request_fields
-from srt.reasoning import ReasoningSplit
 from srt.request_fields import CHAT, COMPLETION, Field
-from srt.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
     from srt.tokenizer_manager import TokenizerManager
@@ -44,34 +44,15 @@ _PASSED_THROUGH = (
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default; chat defaults to the rest of the context
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-# apply_chat_template arguments srt sets itself: chat_template_kwargs may not override them
-_TEMPLATE_ARGS = {
-    "conversation",
-    "add_generation_prompt",
-    "continue_final_message",
-    "tokenize",
-    "tools",
-    "documents",
-    "return_dict",
-    "return_assistant_tokens_mask",
-}
 
 
 @dataclass
-class OpenAICall:
-    """One OpenAI request translated: the /generate body plus how to shape the reply."""
+class OpenAICall(ChatCall):
+    """One OpenAI request's generate call: a chat's, or a completion's (a batch of prompts, echo)."""
 
-    chat: bool
-    generate_body: dict[str, Any]
-    stream: bool
-    include_usage: bool
-    renamed: dict[str, str]  # /generate parameter -> the OpenAI name the client used
-    n: int = 1  # choices per prompt
-    logprobs: bool = False
+    chat: bool = True
     prompts: int = 1  # completions may send a batch of prompts: choice i * n + j is copy j of prompt i
     echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices start with
-    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
-    reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser: <think> as reasoning_content
 
     @property
     def object_name(self) -> str:
@@ -324,24 +305,21 @@ def parse_completion(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
         **_grammar_names(body),
     }
     return OpenAICall(
-        False, generate_body, stream, include_usage, renamed, n, bool(logprobs), prompts, echo_texts
+        generate_body,
+        stream,
+        renamed,
+        n=n,
+        include_usage=include_usage,
+        logprobs=bool(logprobs),
+        chat=False,
+        prompts=prompts,
+        echo=echo_texts,
     )
-
-
-def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """chat_template_kwargs (SGLang's): apply_chat_template's extra arguments, none srt sets itself."""
-    extra = body.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
-        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    reserved = sorted(set(extra) & _TEMPLATE_ARGS)
-    if reserved:
-        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    return dict(extra)
 
 
 def _template_options(body: dict[str, Any], conversation: Conversation) -> dict[str, Any]:
     """apply_chat_template's arguments for continue_final_message and chat_template_kwargs."""
-    extra = template_kwargs(body)
+    extra = template_kwargs(body.get("chat_template_kwargs"))
     continue_final = body.get("continue_final_message") or False
     if not isinstance(continue_final, bool):
         raise RequestError(
@@ -403,56 +381,4 @@ def chat_prompt(tm: TokenizerManager, body: dict[str, Any]) -> ChatPrompt:
 
 
 def parse_chat(tm: TokenizerManager, body: dict[str, Any]) -> OpenAICall:
-    return chat_call(tm, chat_request(body))
-
-
-def chat_call(tm: TokenizerManager, request: ChatRequest) -> OpenAICall:
-    """The generate call of a typed chat request (any API's): its prompt rendered, the rest of the
-    context its default token limit, a forced tool call's grammar; RequestError naming the field
-    of the API the client used."""
-    prompt = render_prompt(tm, request)
-    input_ids, tools = prompt.input_ids, prompt.tools
-    capacity = min(tm.context_length, tm.max_total_tokens or tm.context_length)
-    if len(input_ids) >= capacity:
-        raise RequestError(
-            f"{request.conversation_field}: the prompt takes {len(input_ids)} tokens, leaving none "
-            f"of the {capacity} the server can hold",
-            request.conversation_field,
-        )
-    default_max = capacity - len(input_ids)
-    max_tokens = default_max if request.max_tokens is None else request.max_tokens
-    sampling = {**request.sampling, "max_new_tokens": max_tokens}
-    names = dict(request.names)
-    schema = tools.json_schema() if tools is not None else None
-    if schema is not None:
-        if any(kind in sampling for kind in ("json_schema", "regex", "ebnf", "structural_tag")):
-            raise RequestError(
-                "tool_choice required or a named function constrains the output already: "
-                f"drop {names.get('json_schema', 'response_format')}",
-                "tool_choice",
-            )
-        sampling["json_schema"] = schema
-        names["json_schema"] = "tools"
-    generate_body = {
-        "input_ids": input_ids,
-        # a turn that may end at a repeated call is watched as it grows (srt/repeated_calls.py)
-        "stream": request.stream or (tools is not None and tools.ends_at_repeat),
-        **request.logprobs,
-        **request.request_fields,
-        "sampling_params": sampling,
-    }
-    parser = tm.server_args.reasoning_parser
-    reasoning = (
-        ReasoningSplit(parser, request.stream_reasoning) if parser and request.separate_reasoning else None
-    )
-    return OpenAICall(
-        True,
-        generate_body,
-        request.stream,
-        request.include_usage,
-        names,
-        request.n,
-        bool(request.logprobs),
-        tools=tools if tools is not None and tools.parses else None,
-        reasoning=reasoning,
-    )
+    return chat_call(tm, chat_request(body), OpenAICall)

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
-from srt.openai_parse import OpenAICall
+from srt.conversation.call import ChatCall
 
 REPEAT_REASON = "a tool call repeated an earlier one: the turn ends with the calls before it"
 
@@ -24,7 +24,7 @@ Outputs = AsyncGenerator[dict[str, Any], None]
 Abort = Callable[[str, str], Awaitable[Any]]  # (rid, reason): TokenizerManager.abort_request
 
 
-def end_at_repeated_call(call: OpenAICall, outputs: Outputs, abort: Abort) -> Outputs:
+def end_at_repeated_call(call: ChatCall, outputs: Outputs, abort: Abort) -> Outputs:
     """`outputs` (TokenizerManager.generate's) ending at the first repeated call where the call's
     plan is watched (ToolPlan.ends_at_repeat), else `outputs` unchanged. A call the client does not
     stream gets only finished outputs, as from generate."""
@@ -33,7 +33,7 @@ def end_at_repeated_call(call: OpenAICall, outputs: Outputs, abort: Abort) -> Ou
     return _until_repeat(call, outputs, abort)
 
 
-async def _until_repeat(call: OpenAICall, outputs: Outputs, abort: Abort) -> Outputs:
+async def _until_repeat(call: ChatCall, outputs: Outputs, abort: Abort) -> Outputs:
     assert call.tools is not None
     done: set[int] = set()  # the choices (by index) whose last output was given
     async with aclosing(outputs):  # leaving early closes generate, which aborts what still runs

@@ -2,12 +2,12 @@
 raises RequestError naming it, under the Responses name.
 
 The conversation (`instructions`, then the items of `input`, a string being one user message) is
-read into the typed Conversation by srt/conversation/responses_input.py; `previous_response_id`
-puts the stored conversation's items before them (responses_store.py). The rest becomes the typed
+read into the typed Conversation by srt/conversation/responses_input.py; `previous_response_id` puts
+the stored conversation's items before them (responses_store.py). The rest becomes the typed
 ChatRequest: function tools its tools, `tool_choice` the typed choice, `text.format` a grammar,
-`max_output_tokens` its token limit; openai_parse.chat_call makes the generate call of it, as of
-every API's request. OpenAI's hosted tools (web_search, file_search, code_interpreter, mcp, ...)
-are refused by name.
+`max_output_tokens` its token limit; conversation/call.py's chat_call makes the generate call of it,
+as of every API's request. OpenAI's hosted tools (web_search, file_search, code_interpreter, mcp,
+...) are refused by name.
 
 The fields, from the official client's `responses.create` (openai 3.60) and SGLang's
 `ResponsesRequest` (sglang 0.5.23: its sampling and scheduling extensions, as its chat
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from srt.conversation import Tool, responses_input
-from srt.conversation.read import tool_of, tools_of
+from srt.conversation.call import ChatCall, chat_call
+from srt.conversation.read import template_kwargs, tool_of, tools_of
 from srt.conversation.render import render_prompt
 from srt.conversation.request import ChatRequest, NamedTool, ToolChoice
 from srt.generate_parse import RequestError, check_request_fields
-from srt.openai_parse import OpenAICall, chat_call, template_kwargs
 from srt.request_fields import CHAT, NONE, Field, advisory, impl, off
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class ResponsesCall:
     """One Responses request: its generate call, the conversation it continues (its items, for
     the store) and the settings its response echoes."""
 
-    chat: OpenAICall
+    chat: ChatCall
     items: list[dict[str, Any]]  # the stored conversation before it, then this request's input
     echo: dict[str, Any]
 
@@ -225,7 +225,7 @@ def chat_request(
         {**sampling, **_format(body)},
         _max_output_tokens(body),
         stream=body.get("stream") or False,
-        template_options=template_kwargs(body),
+        template_options=template_kwargs(body.get("chat_template_kwargs")),
         request_fields={name: value for name, value in fields.items() if value is not None},
         names=NAMES,
     )
@@ -239,7 +239,7 @@ def parse_responses(
     previous_response_id, else [])."""
     check_request_fields(body, RESPONSES)
     request, items = chat_request(body, history)
-    return ResponsesCall(chat_call(tm, request), items, echo_settings(body))
+    return ResponsesCall(chat_call(tm, request, ChatCall), items, echo_settings(body))
 
 
 def count_input_tokens(tm: TokenizerManager, body: dict[str, Any], history: list[dict[str, Any]]) -> int:

@@ -26,8 +26,8 @@ from server_fixture import Server
 from srt.anthropic_api import message, stream_events
 from srt.anthropic_parse import AnthropicCall, chat_request
 from srt.conversation import Message, TextPart
+from srt.conversation.call import ChatCall
 from srt.generate_parse import RequestError
-from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
 
 KEY = "sk-test-anthropic"
@@ -292,7 +292,7 @@ def test_the_api_key_passes_as_x_api_key(server: Server) -> None:
 
 # ---- thinking blocks, on made-up outputs ----
 def _thinking_call() -> AnthropicCall:
-    chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
+    chat = ChatCall({}, True, {}, reasoning=ReasoningSplit("deepseek-r1"))
     return AnthropicCall(chat, [])
 
 

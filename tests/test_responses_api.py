@@ -32,8 +32,8 @@ from openai.resources.responses.input_tokens import InputTokens
 from server_fixture import Server
 from transformers import AutoTokenizer
 
+from srt.conversation.call import ChatCall
 from srt.generate_parse import RequestError
-from srt.openai_parse import OpenAICall
 from srt.reasoning import ReasoningSplit
 from srt.responses_api import response, stream_events
 from srt.responses_parse import INPUT_TOKENS, RESPONSES, ResponsesCall, count_input_tokens, echo_settings
@@ -447,7 +447,7 @@ def test_every_param_of_the_official_client_is_in_the_table() -> None:
 
 # ---- reasoning items, on made-up outputs ----
 def _thinking_call() -> ResponsesCall:
-    chat = OpenAICall(True, {}, True, False, {}, reasoning=ReasoningSplit("deepseek-r1"))
+    chat = ChatCall({}, True, {}, reasoning=ReasoningSplit("deepseek-r1"))
     return ResponsesCall(chat, [], echo_settings({"store": False}))
 
 

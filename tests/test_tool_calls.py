@@ -501,13 +501,13 @@ def test_the_grammar_closes_after_each_call_and_a_named_function_allows_one(smol
 def test_a_repeated_call_ends_the_turn_with_the_calls_before_it(stream: bool) -> None:
     import asyncio
 
+    from srt.conversation.call import ChatCall
     from srt.conversation.reply import ReplyReader
-    from srt.openai_parse import OpenAICall
     from srt.repeated_calls import REPEAT_REASON, end_at_repeated_call
 
     plan = plan_tools(TOOLS, "required", True, None)
     assert plan is not None and plan.ends_at_repeat
-    call = OpenAICall(True, {}, stream, False, {}, tools=plan)
+    call = ChatCall({}, stream, {}, tools=plan)
     texts = ["".join(CALL_TEXTS[:count]) for count in range(1, len(CALL_TEXTS) + 1)]
     read: list[str] = []
     aborts: list[tuple[str, str]] = []
@@ -546,7 +546,7 @@ def test_auto_streams_content_until_a_call_begins_then_the_calls() -> None:
     from srt.openai_parse import OpenAICall
 
     plan = plan_tools(TOOLS, "auto", True, "qwen25")
-    call = OpenAICall(True, {}, True, False, {}, tools=plan)
+    call = OpenAICall({}, True, {}, tools=plan)
     text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>'
     cuts = [5, 14, 16, 40, len(text)]
 

@@ -103,3 +103,27 @@ def tools_of(value: Any, tool: Callable[[Any, str], Tool]) -> tuple[Tool, ...]:
     if not isinstance(value, list):
         raise RequestError("tools must be a list of tools", "tools")
     return tuple(tool(item, f"tools[{i}]") for i, item in enumerate(value))
+
+
+# apply_chat_template arguments srt sets itself: chat_template_kwargs may not override them
+_TEMPLATE_ARGS = {
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "tools",
+    "documents",
+    "return_dict",
+    "return_assistant_tokens_mask",
+}
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """chat_template_kwargs (SGLang's): apply_chat_template's extra arguments, none srt sets itself."""
+    extra = value or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = sorted(set(extra) & _TEMPLATE_ARGS)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return dict(extra)

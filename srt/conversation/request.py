@@ -1,8 +1,8 @@
 """A chat request, typed, whichever API sent it: the conversation and its tools, the tool choice,
 how the output is sampled and constrained, and how the reply goes out. Each API's adapter builds
 one from its own fields, checked there under its own names (srt/openai_parse.py,
-srt/anthropic_parse.py, srt/responses_parse.py); openai_parse.chat_call makes the generate call of
-it, rendering the prompt from it (render.py)."""
+srt/anthropic_parse.py, srt/responses_parse.py); call.py makes the generate call of it, rendering
+the prompt from it (render.py)."""
 
 from __future__ import annotations
 
