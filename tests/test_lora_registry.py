@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from consensus import LOG, set_enabled
 from model_executor.distributed.communicator import Communicator
 from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
 from scheduler.lora_registry import LoraRegistry
@@ -59,6 +60,27 @@ def test_the_registry_loads_refuses_and_unloads_once_no_request_uses_an_adapter(
     assert not registry.begin_unload(UnloadLoraAdapterReq("u2", "b")).success  # type: ignore[union-attr]
     assert registry.load(LoadLoraAdapterReq("r4", "b", "/b")).success
     assert registry.id_of("b") == 3  # ids are never reused: no cached prefix of the old "b" matches
+
+
+def test_each_change_records_the_registry_for_the_consensus_checker() -> None:
+    """Ranks whose registries differ are named by the checker: each load and finished unload
+    records (name, id, folder) of every adapter; a refused load records nothing."""
+    LOG.clear()
+    set_enabled(True)
+    try:
+        registry = LoraRegistry.of((LoraRef("a", "/a"),), Communicator.single(), FakeLayers())
+        registry.load(LoadLoraAdapterReq("r1", "b", "/b"))
+        registry.load(LoadLoraAdapterReq("r2", "c", "/bad"))
+        registry.begin_unload(UnloadLoraAdapterReq("u1", "a"))
+        registry.finish_unloads(set())
+        events = LOG.window(0, LOG.count)
+    finally:
+        set_enabled(False)
+        LOG.clear()
+    assert [(e.name, e.text) for e in events] == [
+        ("lora_registry", "{'return':[('a',1,'/a',),('b',2,'/b',)]}"),
+        ("lora_registry", "{'return':[('b',2,'/b',)]}"),
+    ]
 
 
 def _registry_rank(rank: int, init_method: str, out: Any) -> None:

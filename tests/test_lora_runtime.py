@@ -197,14 +197,15 @@ def test_unloading_an_adapter_in_use_waits_for_its_streaming_request(
 
 
 @pytest.mark.slow
-def test_tp2_loads_at_runtime_and_gives_peft_tokens(
-    tiny: dict[str, Path], smollm2_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("split", ["--tp-size", "--pp-size"])
+def test_two_ranks_load_at_runtime_and_give_peft_tokens(
+    tiny: dict[str, Path], smollm2_dir: Path, tmp_path: Path, split: str
 ) -> None:
-    """Two gloo ranks: a runtime load gives PeftModel's tokens; one refused where the ranks attach
-    it is a 400 and changes nothing on either."""
+    """Two gloo ranks (TP=2, or two pipeline stages): a runtime load gives PeftModel's tokens; one
+    refused where the ranks attach it is a 400 and changes nothing on either."""
     batch = prompts(320, (6, 11, 3), seed=14)
     names: list[str | None] = [None, "qv8", "all16"]
-    with Server(*runtime_flags(tiny, smollm2_dir), "--tp-size", "2") as server:
+    with Server(*runtime_flags(tiny, smollm2_dir), split, "2") as server:
         assert post(server, "/load_lora_adapter", {"lora_name": "all16", "lora_path": str(tiny["all16"])}).ok
         bad = lacking_module_adapter(tiny, tmp_path / "lacking")
         reply = post(server, "/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
@@ -272,4 +273,5 @@ def test_load_and_unload_50_times_while_requests_stream(tiny: dict[str, Path], s
             stop.set()
             thread.join(60)
     assert not errors, errors[:3]
+    assert rss[4] > 100 * 2**20  # the scheduler's process, found
     assert rss[-1] <= rss[4] * 1.05, [r // 2**20 for r in rss]
