@@ -5,12 +5,11 @@ for their requests; and the changes the front end keeps for a restart's replay
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from gloo_ranks import run_ranks
 
 from consensus import LOG, set_enabled
 from model_executor.distributed.communicator import Communicator
@@ -20,7 +19,6 @@ from srt.frontend_recovery import FrontendRecovery
 from srt.io_struct import LoadLoraAdapterReq, UnloadLoraAdapterReq
 from srt.lora_config import LoraRef
 from srt.request_state import ControlCalls
-from srt.utils import free_port
 
 
 class FakeLayers:
@@ -83,48 +81,29 @@ def test_each_change_records_the_registry_for_the_consensus_checker() -> None:
     ]
 
 
-def _registry_rank(rank: int, init_method: str, out: Any) -> None:
-    try:
-        state = init_distributed(
-            tp_size=2,
-            pp_size=1,
-            world_rank=rank,
-            init_method=init_method,
-            device=torch.device("cpu"),
-            timeout_s=60,
-        )
-        layers = FakeLayers()
-        registry = LoraRegistry.of((), state.world, layers)
-        # rank 1 alone cannot read the second folder: no rank keeps it
-        good = registry.load(LoadLoraAdapterReq("r1", "a", "/a"))
-        bad = registry.load(LoadLoraAdapterReq("r2", "b", "/b" if rank == 0 else "/bad"))
-        result = (
-            rank,
-            good.success,
-            bad.success,
-            bad.payload["message"],
-            registry.snapshot(),
-            layers.attached,
-        )
-        dist.barrier()
-        destroy_distributed()
-        out.put(result)
-    except BaseException:
-        out.put((rank, traceback.format_exc()))
+def _registry_rank(rank: int, init_method: str) -> tuple[Any, ...]:
+    state = init_distributed(
+        tp_size=2,
+        pp_size=1,
+        world_rank=rank,
+        init_method=init_method,
+        device=torch.device("cpu"),
+        timeout_s=60,
+    )
+    layers = FakeLayers()
+    registry = LoraRegistry.of((), state.world, layers)
+    # rank 1 alone cannot read the second folder: no rank keeps it
+    good = registry.load(LoadLoraAdapterReq("r1", "a", "/a"))
+    bad = registry.load(LoadLoraAdapterReq("r2", "b", "/b" if rank == 0 else "/bad"))
+    dist.barrier()
+    destroy_distributed()
+    return good.success, bad.success, bad.payload["message"], registry.snapshot(), layers.attached
 
 
 def test_a_load_failing_on_one_rank_leaves_every_ranks_registry_unchanged() -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_registry_rank, args=(r, init, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((r[0], r[1:]) for r in (out.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(30)
+    results = run_ranks(_registry_rank)
     for rank in (0, 1):
-        assert len(results[rank]) > 1, results[rank][0]
+        assert isinstance(results[rank], tuple), results[rank]  # else a traceback
         good, bad, message, snapshot, attached = results[rank]
         assert good and not bad
         assert message.startswith("rank 1: ") and "target module x" in message
