@@ -11,6 +11,7 @@ the requests running or queued under it have finished.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,8 +19,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from srt.http_common import NATIVE_ERRORS, OPENAI_ERRORS, manager, read_json_object
 from srt.request_state import ServiceUnavailableError
+from srt.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
+
+# a registry change: the manager's call with the request's body, its reply's payload
+Change = Callable[[TokenizerManager, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def _sglang_reply(payload: dict[str, Any], error: str | None = None) -> JSONResponse:
@@ -32,21 +37,29 @@ def _sglang_reply(payload: dict[str, Any], error: str | None = None) -> JSONResp
     return JSONResponse(body, status_code=200 if error is None else 400)
 
 
-@router.post("/load_lora_adapter")
-async def load_lora_adapter(request: Request) -> Response:
-    """SGLang's: {"lora_name", "lora_path", "pinned"?} loads the peft folder as that adapter on every
-    rank (`pinned` is accepted: srt keeps every adapter in memory)."""
+async def _sglang_call(request: Request, change: Change) -> Response:
+    """One of SGLang's two routes: `change` with the manager and the body, answered in its shape
+    (bad input or a refused change: 400 with success false; 503 while the server cannot serve)."""
     tm = manager(request)
     try:
-        body = await read_json_object(request)
-        payload = await tm.load_lora_adapter(
-            body.get("lora_name"), body.get("lora_path"), body.get("pinned", False)
-        )
+        payload = await change(tm, await read_json_object(request))
     except ServiceUnavailableError as error:
         return NATIVE_ERRORS.of(error)
     except ValueError as error:
         return _sglang_reply({"loaded_adapters": tm.lora_names}, str(error))
     return _sglang_reply(payload)
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """SGLang's: {"lora_name", "lora_path", "pinned"?} loads the peft folder as that adapter on every
+    rank (`pinned` is accepted: srt keeps every adapter in memory)."""
+    return await _sglang_call(
+        request,
+        lambda tm, body: tm.load_lora_adapter(
+            body.get("lora_name"), body.get("lora_path"), body.get("pinned", False)
+        ),
+    )
 
 
 @router.post("/unload_lora_adapter")
@@ -54,15 +67,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     """SGLang's: {"lora_name"} unloads the adapter. New requests naming it are refused at once
     (400); the requests running or queued under it finish with it, unchanged, and only then does
     this call answer (it may take as long as they do)."""
-    tm = manager(request)
-    try:
-        body = await read_json_object(request)
-        payload = await tm.unload_lora_adapter(body.get("lora_name"))
-    except ServiceUnavailableError as error:
-        return NATIVE_ERRORS.of(error)
-    except ValueError as error:
-        return _sglang_reply({"loaded_adapters": tm.lora_names}, str(error))
-    return _sglang_reply(payload)
+    return await _sglang_call(request, lambda tm, body: tm.unload_lora_adapter(body.get("lora_name")))
 
 
 @router.post("/v1/load_lora_adapter")

@@ -196,6 +196,20 @@ def test_unloading_an_adapter_in_use_waits_for_its_streaming_request(
     assert reply.status_code == 404 and "cannot be found" in reply.text
 
 
+def test_a_name_loaded_again_runs_its_new_adapter_with_none_of_the_old_ones_prefixes(
+    tiny: dict[str, Path], runtime_server: Server
+) -> None:
+    """Unload "swap" (all16) and load "swap" from rows4's folder: the same prompt gives rows4's
+    tokens and reuses nothing cached under all16 (the new adapter has a new id, its own namespace)."""
+    prompt = prompts(320, (40,), seed=16)
+    for folder, name in ((tiny["all16"], "all16"), (tiny["rows4"], "rows4")):
+        assert post(runtime_server, "/load_lora_adapter", {"lora_name": "swap", "lora_path": str(folder)}).ok
+        (out,) = generate_batch(runtime_server, prompt, ["swap"])
+        assert out["output_ids"] == reference_tokens(tiny, prompt, [name])[0]
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert post(runtime_server, "/unload_lora_adapter", {"lora_name": "swap"}).ok
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["--tp-size", "--pp-size"])
 def test_two_ranks_load_at_runtime_and_give_peft_tokens(
