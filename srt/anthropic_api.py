@@ -25,8 +25,9 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.anthropic_parse import AnthropicCall, count_tokens, parse_messages
-from srt.conversation.reply import Reply, ReplyReader, Usage
+from srt.anthropic_parse import count_tokens, parse_messages
+from srt.conversation.call import ChatCall
+from srt.conversation.reply import Reply, Usage
 from srt.http_common import (
     ANTHROPIC_ERRORS,
     Aborted,
@@ -54,13 +55,13 @@ def _usage(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _stop(call: AnthropicCall, reply: Reply) -> tuple[str, str | None]:
+def _stop(reply: Reply) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished reply."""
     if reply.finish_reason == "tool_calls":
         return "tool_use", None
     if reply.finish_reason == "length":
         return "max_tokens", None
-    if reply.stop in call.stop_sequences:
+    if reply.stop is not None:  # a stop string is one of the request's stop_sequences
         return "stop_sequence", reply.stop
     return "end_turn", None
 
@@ -79,14 +80,10 @@ def _envelope(rid: str, model: str) -> dict[str, Any]:
     return {"id": "msg_" + rid, "type": "message", "role": "assistant", "model": model}
 
 
-def _reader(call: AnthropicCall) -> ReplyReader:
-    return ReplyReader(call.chat.tools, call.chat.reasoning)
-
-
-def message(call: AnthropicCall, out: dict[str, Any], model: str) -> dict[str, Any]:
+def message(call: ChatCall, out: dict[str, Any], model: str) -> dict[str, Any]:
     """The whole reply to a finished output."""
     finish_of(out)
-    reply = _reader(call).read(out, whole=True)
+    reply = call.reply_reader().read(out, whole=True)
     content: list[dict[str, Any]] = []
     if reply.reasoning:
         content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
@@ -94,7 +91,7 @@ def message(call: AnthropicCall, out: dict[str, Any], model: str) -> dict[str, A
         content.append({"type": "text", "text": reply.content})
     content.extend(_tool_use(c) for c in reply.tool_calls)
     meta = out["meta_info"]
-    stop_reason, stop_sequence = _stop(call, reply)
+    stop_reason, stop_sequence = _stop(reply)
     return {
         **_envelope(meta["id"], model),
         "content": content,
@@ -148,9 +145,9 @@ class _Blocks:
 
 
 async def _events(
-    call: AnthropicCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
+    call: ChatCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
 ) -> AsyncGenerator[bytes, None]:
-    reader, blocks, started = _reader(call), _Blocks(), False
+    reader, blocks, started = call.reply_reader(), _Blocks(), False
     async for out in outputs:
         meta = out["meta_info"]
         if not started:
@@ -177,7 +174,7 @@ async def _events(
         if finish is not None:
             for part in blocks.close():
                 yield part
-            stop_reason, stop_sequence = _stop(call, reply)
+            stop_reason, stop_sequence = _stop(reply)
             yield event(
                 "message_delta",
                 {
@@ -194,7 +191,7 @@ def _error_event(status: int, message: str) -> bytes:
 
 
 async def stream_events(
-    call: AnthropicCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
+    call: ChatCall, outputs: AsyncGenerator[dict[str, Any], None], model: str
 ) -> AsyncIterator[bytes]:
     """The reply's events; an error midway ends the stream with an `error` event. A disconnect
     closes this generator, which closes `outputs` (aborting the request)."""
@@ -215,13 +212,13 @@ async def messages(request: Request) -> Response:
         tm.check_kind(embed=False)
         body = await read_json_object(request)
         call = parse_messages(tm, body)
-        renamed = call.chat.renamed
-        generate_call = tm.parse_generate(call.chat.generate_body)
+        renamed = call.renamed
+        generate_call = tm.parse_generate(call.generate_body)
     except (ValueError, ServiceUnavailableError) as error:
         return ANTHROPIC_ERRORS.of(error, renamed)
-    outputs = end_at_repeated_call(call.chat, tm.generate(generate_call, request), tm.abort_request)
+    outputs = end_at_repeated_call(call, tm.generate(generate_call, request), tm.abort_request)
     model = tm.server_args.model_name
-    if call.chat.stream:
+    if call.stream:
         outputs, refused = await refused_stream(tm, outputs, ANTHROPIC_ERRORS)
         if refused is not None:
             return refused

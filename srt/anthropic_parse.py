@@ -1,4 +1,4 @@
-"""Anthropic Messages bodies -> chat calls (AnthropicCall), validated: a bad or unsupported field
+"""Anthropic Messages bodies -> generate calls (ChatCall), validated: a bad or unsupported field
 raises RequestError naming it, under Anthropic's name.
 
 The conversation (`system`, `messages`) is read into the typed Conversation by
@@ -14,7 +14,7 @@ The fields, from the official client's `messages.create` and `messages.count_tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -83,14 +83,6 @@ _SERVER_TOOL_PREFIXES = (
     "code_execution",
     "memory",
 )
-
-
-@dataclass
-class AnthropicCall:
-    """One Messages request: its generate call, and the stop sequences its reply names."""
-
-    chat: ChatCall
-    stop_sequences: list[str]
 
 
 def _tool(tool: Any, path: str) -> Tool:
@@ -208,7 +200,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
+def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> ChatCall:
     check_request_fields(body, MESSAGES)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -219,7 +211,7 @@ def parse_messages(tm: TokenizerManager, body: dict[str, Any]) -> AnthropicCall:
     request = chat_request(body)
     sampling = {**request.sampling, **_sampling(body)}
     request = replace(request, sampling=sampling, max_tokens=max_tokens, stream=stream)
-    return AnthropicCall(chat_call(tm, request, ChatCall), sampling.get("stop", []))
+    return chat_call(tm, request, ChatCall)
 
 
 def count_tokens(tm: TokenizerManager, body: dict[str, Any]) -> int:

@@ -96,10 +96,6 @@ class ChoiceProgress:
     first: bool = True
 
 
-def _progress(call: OpenAICall) -> ChoiceProgress:
-    return ChoiceProgress(ReplyReader(call.tools, call.reasoning))
-
-
 def _logprobs(call: OpenAICall, meta: dict[str, Any], progress: ChoiceProgress) -> dict[str, Any] | None:
     """The logprobs object of the choice's tokens not sent yet (None when not asked for); with echo
     the first one starts with the prompt's."""
@@ -168,7 +164,7 @@ def _tool_call(call: ToolCall, index: int | None) -> dict[str, Any]:
 
 def full_response(call: OpenAICall, outs: list[dict[str, Any]], model: str) -> dict[str, Any]:
     outs = sorted(outs, key=lambda out: out.get("index", 0))
-    choices = [_choice(call, out, _progress(call), chunk=False) for out in outs]
+    choices = [_choice(call, out, ChoiceProgress(call.reply_reader()), chunk=False) for out in outs]
     metas = [out["meta_info"] for out in outs]
     return {
         **_envelope(call, metas[0]["id"], int(time.time()), model, chunk=False),
@@ -194,7 +190,9 @@ async def _chunks(
         index = out.get("index", 0)
         last_metas[index] = out["meta_info"]
         chunk_id = chunk_id or out["meta_info"]["id"]  # one id for every chunk of the response
-        choice = _choice(call, out, progress.setdefault(index, _progress(call)), chunk=True)
+        choice = _choice(
+            call, out, progress.setdefault(index, ChoiceProgress(call.reply_reader())), chunk=True
+        )
         chunk = {**_envelope(call, chunk_id, created, model, chunk=True), "choices": [choice]}
         if call.include_usage:
             chunk["usage"] = None

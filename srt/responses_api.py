@@ -26,7 +26,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.conversation.reply import ReplyReader, Usage
+from srt.conversation.reply import Usage
 from srt.http_common import (
     OPENAI_ERRORS,
     Aborted,
@@ -93,10 +93,6 @@ def _response(
     }
 
 
-def _reader(call: ResponsesCall) -> ReplyReader:
-    return ReplyReader(call.chat.tools, call.chat.reasoning)
-
-
 def response(
     call: ResponsesCall, out: dict[str, Any], model: str, rid: str, created_at: int
 ) -> dict[str, Any]:
@@ -104,7 +100,7 @@ def response(
     finish = finish_of(out)
     assert finish is not None
     items = OutputItems()
-    items.add(_reader(call).read(out, whole=True))
+    items.add(call.chat.reply_reader().read(out, whole=True))
     status = "incomplete" if finish["type"] == "length" else "completed"
     items.close(status)
     return _response(call, rid, created_at, model, items.items, out["meta_info"])
@@ -118,7 +114,7 @@ async def _events(
     created_at: int,
     store: ResponseStore,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    reader, items = _reader(call), OutputItems()
+    reader, items = call.chat.reply_reader(), OutputItems()
     started = False
     async for out in outputs:
         if not started:

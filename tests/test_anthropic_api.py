@@ -24,7 +24,7 @@ from chat_outputs import THINKING, WEATHER, made_up_outputs
 from server_fixture import Server
 
 from srt.anthropic_api import message, stream_events
-from srt.anthropic_parse import AnthropicCall, chat_request
+from srt.anthropic_parse import chat_request
 from srt.conversation import Message, TextPart
 from srt.conversation.call import ChatCall
 from srt.generate_parse import RequestError
@@ -291,9 +291,8 @@ def test_the_api_key_passes_as_x_api_key(server: Server) -> None:
 
 
 # ---- thinking blocks, on made-up outputs ----
-def _thinking_call() -> AnthropicCall:
-    chat = ChatCall({}, True, {}, reasoning=ReasoningSplit("deepseek-r1"))
-    return AnthropicCall(chat, [])
+def _thinking_call() -> ChatCall:
+    return ChatCall({}, True, {}, reasoning=ReasoningSplit("deepseek-r1"))
 
 
 def test_thinking_comes_first_as_its_own_block() -> None:

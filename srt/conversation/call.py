@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from srt.conversation.render import render_prompt
+from srt.conversation.reply import ReplyReader
 from srt.conversation.request import ChatRequest
 from srt.generate_parse import RequestError
 from srt.reasoning import ReasoningSplit
@@ -33,6 +34,10 @@ class ChatCall:
     @property
     def choices(self) -> int:
         return self.n
+
+    def reply_reader(self) -> ReplyReader:
+        """A reader of one choice's reply (srt/conversation/reply.py)."""
+        return ReplyReader(self.tools, self.reasoning)
 
 
 C = TypeVar("C", bound=ChatCall)

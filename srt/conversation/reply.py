@@ -32,7 +32,7 @@ class Reply:
     reasoning: str | None  # what --reasoning-parser split off; None: none (new)
     tool_calls: list[ToolCall]  # a delta's: the calls complete since the last
     finish_reason: str | None  # stop | length | tool_calls | abort; None while the turn runs
-    stop: str | None = None  # the stop string that ended it
+    stop: str | None = None  # the stop string (or stop_regex pattern) that ended it
     first: bool = True  # a delta's: the turn's first
     calls_before: int = 0  # a delta's: how many calls earlier deltas sent
 
