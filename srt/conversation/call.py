@@ -62,7 +62,7 @@ def chat_call(tm: TokenizerManager, request: ChatRequest, kind: type[C]) -> C:
     names = dict(request.names)
     schema = tools.json_schema() if tools is not None else None
     if schema is not None:
-        if any(kind in sampling for kind in ("json_schema", "regex", "ebnf", "structural_tag")):
+        if any(grammar in sampling for grammar in ("json_schema", "regex", "ebnf", "structural_tag")):
             raise RequestError(
                 "tool_choice required or a named function constrains the output already: "
                 f"drop {names.get('json_schema', 'response_format')}",
