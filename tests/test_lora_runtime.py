@@ -18,10 +18,13 @@ import pytest
 import requests
 import torch
 from safetensors.torch import save_file
+from scheduler_harness import Harness
 from server_fixture import Server
 from test_lora import MAX_NEW, generate_batch, make_adapter, prompts, reference_tokens, tiny_adapters
 
 from srt.generate_parse import RequestError
+from srt.io_struct import ControlReply, TokenizedGenerateReq, UnloadLoraAdapterReq
+from srt.sampling_params import SamplingParams
 from srt.tokenizer_manager import TokenizerManager
 
 # ---- a real server ------------------------------------------------------------------------------
@@ -31,6 +34,33 @@ from srt.tokenizer_manager import TokenizerManager
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """test_lora's tiny Qwen2 and its adapters qv8, all16, rows4."""
     return tiny_adapters(tmp_path_factory.mktemp("lora"))
+
+
+def test_the_ranks_finish_the_requests_before_an_unload_and_refuse_the_ones_after(
+    tiny: dict[str, Path],
+) -> None:
+    """One rank's scheduler, messages in the order rank 0 broadcasts them: a request under qv8, its
+    unload, another request under qv8. The first runs to its end; the second is a 400 naming the
+    adapter; the unload's reply comes in a step after the first finished, and qv8 is gone."""
+    h = Harness(tiny["base"], lora_paths=(f"qv8={tiny['qv8']}",))
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    h.send(TokenizedGenerateReq("before", [5, 6, 7], params, 0, lora_path="qv8"))
+    h.send(UnloadLoraAdapterReq("u", "qv8"))
+    h.send(TokenizedGenerateReq("after", [5, 6, 7], params, 0, lora_path="qv8"))
+    replies: list[ControlReply] = []
+    for _ in range(100):
+        h.scheduler.step()
+        if any(isinstance(out, ControlReply) for out in h.outputs):
+            assert "before" in h.finished, "the unload answered while its request was running"
+        replies += [out for out in h.outputs if isinstance(out, ControlReply)]
+        h._collect()
+        if replies:
+            break
+    assert len(h.tokens["before"]) == 20 and h.finished["before"].type == "length"
+    refused = h.finished["after"]
+    assert refused.status_code == 400 and "'qv8'" in refused.message
+    assert [(r.request_id, r.success) for r in replies] == [("u", True)]
+    assert h.scheduler.lora.snapshot() == [] and h.scheduler.lora.id_of("qv8") is None
 
 
 def lacking_module_adapter(tiny: dict[str, Path], path: Path) -> Path:
