@@ -197,7 +197,11 @@ class ModelRunner:
         self.lora: LoraAdapters | None = None  # with --enable-lora: every adaptable layer's adapters
         if self.config.lora_adapters is not None:
             self.lora = LoraAdapters(
-                self.model, self.config.lora_adapters, self.device, self.config.max_lora_rank
+                self.model,
+                self.config.lora_adapters,
+                self.device,
+                self.config.max_lora_rank,
+                row_by_row=self.config.deterministic,
             )
         self.weight_bytes = model_weight_bytes(self.model)
         layers = (

@@ -428,11 +428,6 @@ class ServerArgs:
         for flag, on in (
             ("--speculative-algorithm", self.speculative_algorithm is not None),
             ("--is-embedding", self.is_embedding),
-            # the adapters' products run on torch's matmul, whose bits may change with the batch
-            (
-                "deterministic inference (--enable-deterministic-inference, --restart-on-failure)",
-                self.deterministic,
-            ),
         ):
             if on:
                 raise ValueError(f"--enable-lora does not run with {flag} in srt yet")

@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from scheduler_harness import Harness
 from server_fixture import Server
 from test_lora import MAX_NEW, generate_batch, make_adapter, prompts, reference_tokens, tiny_adapters
+from test_restart import streams_through_a_kill
 
 from srt.generate_parse import RequestError
 from srt.io_struct import ControlReply, TokenizedGenerateReq, UnloadLoraAdapterReq
@@ -276,6 +278,43 @@ def stream_tokens(
                 last = json.loads(line[len(b"data: ") :])
     assert last["meta_info"]["finish_reason"]["type"] == "length", last
     return list(last["output_ids"])
+
+
+@pytest.mark.slow
+def test_streams_under_a_runtime_adapter_survive_a_sigkilled_rank(
+    tiny: dict[str, Path], smollm2_dir: Path
+) -> None:
+    """The tiny base in bf16 (deterministic inference on by itself with --restart-on-failure, each
+    adapter row's delta on its own): an adapter loaded at runtime, four streams (two under it), a
+    rank SIGKILLed mid-stream; after the restart the adapter is loaded again before the replays, and
+    every stream's ids and logprobs equal a fault-free run's on the same server."""
+    batch = prompts(320, (6, 11, 3, 20), seed=17)
+    names = ["all16", None, "all16", None]
+    bodies = [
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "lora_path": name,
+        }
+        for prompt, name in zip(batch, names)
+    ]
+    flags = ["--model-path", str(tiny["base"]), "--tokenizer-path", str(smollm2_dir), "--enable-lora"]
+    with Server(*flags, "--max-total-tokens", "4096", "--restart-on-failure", "1") as server:
+        assert post(server, "/load_lora_adapter", {"lora_name": "all16", "lora_path": str(tiny["all16"])}).ok
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            expected = [r.json() for r in pool.map(lambda b: server.generate(b, timeout=300), bodies)]
+        base = server.generate({**bodies[0], "lora_path": None}).json()
+        assert expected[0]["output_ids"] != base["output_ids"]  # the adapter changes its streams
+        assert post(server, "/flush_cache", {}).status_code == 200
+        results = streams_through_a_kill(server, bodies, "srt::scheduler_TP0", after=20, timeout=300)
+        out = server.output()
+        assert "killed by signal SIGKILL; restarting the engine" in out and "engine restarted in" in out
+        assert "deterministic inference: every token on the decode kernel's arithmetic" in out
+        for i, ((ids, _, logprobs, _), want) in enumerate(zip(results, expected)):
+            assert ids == want["output_ids"], f"stream {i} ({names[i]}) parts from the fault-free run"
+            assert logprobs == want["meta_info"]["output_token_logprobs"], f"stream {i}'s logprobs"
+        assert model_ids(server) == ["all16"]
 
 
 def scheduler_rss(server: Server) -> int:

@@ -47,12 +47,14 @@ class LoraAdapters:
         adapters: tuple[LoraRef, ...],
         device: torch.device,
         max_rank: int | None = None,
+        row_by_row: bool = False,
     ) -> None:
-        """Wraps `model`'s adaptable layers and loads `adapters` as ids 1, 2, ... onto `device`;
-        ValueError naming the adapter and the module for one that does not fit the model."""
+        """Wraps `model`'s adaptable layers and loads `adapters` as ids 1, 2, ... onto `device`
+        (`row_by_row`: deterministic inference, LoraBatch); ValueError naming the adapter and the
+        module for one that does not fit the model."""
         self.model = model
         self.device = device
-        self.batch = LoraBatch()
+        self.batch = LoraBatch(row_by_row=row_by_row)
         self.methods: dict[str, LoraLinearMethod] = {}
         experts = {
             id(m) for block in model.modules() if isinstance(block, SparseMoeBlock) for m in block.modules()

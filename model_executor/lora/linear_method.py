@@ -5,7 +5,8 @@ With LoRA on, every adaptable linear layer gets a LoraLinearMethod around the me
 CPU's packed one, or F.linear): the base product runs over every row exactly as without LoRA, so a
 base row gets the same bits in any batch; then each adapter's rows (grouped: one pair of matmuls
 per adapter present, as punica and S-LoRA group them on GPUs) add their delta, in float32, rounded
-once into the layer's output.
+once into the layer's output. With deterministic inference each row's delta runs on its own (a
+row's bits then never depend on its batch, as a restart's replay needs).
 
 Tensor parallelism shards an adapter as its layer: a column-parallel layer keeps B's rows of this
 rank's outputs (A whole); a row-parallel one keeps A's columns of this rank's inputs (B whole) and
@@ -61,6 +62,9 @@ class LoraBatch:
     every layer's LoraLinearMethod: (adapter id, token rows or None for all), in ascending id."""
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    # deterministic inference: each row's delta on its own (one-row matmuls), so its bits never
+    # depend on the rows beside it, as a restart's replay needs
+    row_by_row: bool = False
 
 
 class LoraLinearMethod(LinearMethod):
@@ -81,10 +85,16 @@ class LoraLinearMethod(LinearMethod):
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         out = self.base.apply(layer, x, bias, out_dtype)
+        out_rows, x_rows = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
         for adapter, rows in self.batch.groups:
             lora = self.adapters.get(adapter)
-            if lora is not None:
-                lora.add_to(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), rows)
+            if lora is None:
+                continue
+            if not self.batch.row_by_row:
+                lora.add_to(out_rows, x_rows, rows)
+                continue
+            for row in range(x_rows.shape[0]) if rows is None else rows.tolist():
+                lora.add_to(out_rows, x_rows, torch.tensor([row], device=x.device))
         return out
 
     @property
