@@ -8,6 +8,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from model_executor.distributed.parallel_state import ParallelState, init_distributed
 from srt.utils import free_port
 
 
@@ -32,3 +35,15 @@ def _run(target: Callable[[int, str], Any], rank: int, init_method: str, out: An
         out.put((rank, target(rank, init_method)))
     except BaseException:
         out.put((rank, traceback.format_exc()))
+
+
+def join(rank: int, init_method: str, tp_size: int = 1, pp_size: int = 1) -> ParallelState:
+    """This spawned rank's process groups, on the CPU (gloo)."""
+    return init_distributed(
+        tp_size=tp_size,
+        pp_size=pp_size,
+        world_rank=rank,
+        init_method=init_method,
+        device=torch.device("cpu"),
+        timeout_s=60,
+    )

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gloo_ranks import run_ranks
+from gloo_ranks import join, run_ranks
 
-from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
+from model_executor.distributed.parallel_state import destroy_distributed
 from model_executor.distributed.pipeline import StageLink, StageOutput
 
 OBJECTS: list[Any] = [[], {"rid": "r1", "ids": [1, 2, 3]}, [], ["abort", None], []]
@@ -17,14 +17,7 @@ OBJECTS: list[Any] = [[], {"rid": "r1", "ids": [1, 2, 3]}, [], ["abort", None], 
 def _rank(rank: int, init_method: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     # tp=1, pp=2: the world and the PP group are ranks [0, 1]
-    state = init_distributed(
-        tp_size=1,
-        pp_size=2,
-        world_rank=rank,
-        init_method=init_method,
-        device=torch.device("cpu"),
-        timeout_s=60,
-    )
+    state = join(rank, init_method, pp_size=2)
     broadcasts = 0
     real = dist.broadcast
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from gloo_ranks import run_ranks
+from gloo_ranks import join, run_ranks
 
 from consensus import LOG, set_enabled
 from model_executor.distributed.communicator import Communicator
-from model_executor.distributed.parallel_state import destroy_distributed, init_distributed
+from model_executor.distributed.parallel_state import destroy_distributed
 from scheduler.lora_registry import LoraRegistry
 from srt.frontend_recovery import FrontendRecovery
 from srt.io_struct import LoadLoraAdapterReq, UnloadLoraAdapterReq
@@ -82,14 +81,7 @@ def test_each_change_records_the_registry_for_the_consensus_checker() -> None:
 
 
 def _registry_rank(rank: int, init_method: str) -> tuple[Any, ...]:
-    state = init_distributed(
-        tp_size=2,
-        pp_size=1,
-        world_rank=rank,
-        init_method=init_method,
-        device=torch.device("cpu"),
-        timeout_s=60,
-    )
+    state = join(rank, init_method, tp_size=2)
     layers = FakeLayers()
     registry = LoraRegistry.of((), state.world, layers)
     # rank 1 alone cannot read the second folder: no rank keeps it
