@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_executor.cpu.kernels import build, ops
+from model_executor.cpu.kernels import build, ops, packing
 from model_executor.cpu.linear import (
     AMX_MAX_ROWS,
     is_kernel_packed,
     linear,
     linear_silu_mul,
     onednn_bf16_available,
+    pack_blocks,
     pack_weight,
     packed_max_rows,
 )
@@ -208,3 +209,71 @@ def test_shapes_the_tiles_do_not_cover_keep_onednn() -> None:
     weight = torch.randn(40, 64).bfloat16()  # 40 outputs: not whole pairs of 16
     packed = pack_weight(weight)
     assert packed is not None and not is_kernel_packed(packed)
+
+
+def _gguf_kinds(n: int, k: int) -> dict[str, packing.GgufWeight]:
+    """One packed weight of each GGUF block kind, random blocks (their values do not matter to which
+    sums run): Q4_1, Q4_K with float32 d and m, Q4_K on a file's six-bit scales, Q5_K, Q8_0, Q6_K
+    with float32 D and on a file's int8 scales."""
+    g = torch.Generator().manual_seed(0)
+
+    def scales(runs: int, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A file's super-block scales: per 256 k an fp32 factor, per run of `runs` an integer."""
+        big = torch.rand(n, k // 256, generator=g) / 64
+        small = torch.randint(low, high, (n, k // runs), generator=g).float()
+        return big.repeat_interleave(256 // runs, dim=1) * small, big, small
+
+    q4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d, m = torch.rand(n, k // 32, generator=g), -torch.rand(n, k // 32, generator=g)
+    (d6, big_d, sc), (m6, big_m, mn) = scales(32, 1, 64), scales(32, 0, 64)
+    d8, big_d8, sc8 = scales(16, -128, 128)
+    q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q6 = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    kinds = {
+        "Q4_1": pack_blocks((q4, d.half(), m.half()), None, None),
+        "Q4_K": pack_blocks((q4, d, m), None, None),
+        "Q4_K six-bit": pack_blocks((q4, d6, -m6), None, None, factors=(big_d, sc, -big_m, mn)),
+        "Q5_K": pack_blocks(None, None, (torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8), d, m)),
+        "Q8_0": pack_blocks(None, (q8, d.half()), None),
+        "Q6_K": pack_blocks(None, (q6, torch.rand(n, k // 16, generator=g)), None),
+        "Q6_K int8": pack_blocks(None, (q6, d8), None, factors=(big_d8, sc8)),
+    }
+    assert kinds["Q4_K six-bit"].packed.shape[-1] == packing.Q4KS_BLOCK_BYTES
+    assert kinds["Q6_K int8"].packed.shape[-1] == packing.Q6KS_BLOCK_BYTES
+    return kinds
+
+
+@pytest.mark.skipif(
+    not ops.gguf_rows_exact(),
+    reason="the GGUF block kernels take every row count alike only "
+    "on AVX-512 BF16 and VNNI without AMX tiles",
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gguf_blocks_give_each_row_the_same_bits_in_any_batch(threads: int) -> None:
+    """--quantization gguf is batch-invariant where ops.gguf_rows_exact(): every row count runs on
+    the blocks' own kernels, many rows on the blocks widened once to the values the few-row tiles
+    build, so a row's outputs (bf16 + bias, float32, silu(gate) * up) are the same bits alone, in
+    any slice of a 70-row batch, and on one or two threads: a request decodes the same tokens alone
+    or in a batch, and a verify step's rows are plain decode's."""
+    n, k = 96, 512
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(70, k).bfloat16()
+    dummy = torch.empty(n, k, dtype=torch.bfloat16)  # read by no kernel path
+
+    def forms(rows: torch.Tensor, packed: packing.GgufWeight) -> list[torch.Tensor]:
+        out = [linear(rows, dummy, bias, packed), linear(rows, dummy, None, packed, torch.float32)]
+        gated = linear_silu_mul(rows, packed, None)
+        return out if gated is None else [*out, gated]
+
+    before = torch.get_num_threads()
+    for name, packed in _gguf_kinds(n, k).items():
+        torch.set_num_threads(2)
+        whole = forms(x, packed)
+        torch.set_num_threads(threads)
+        try:
+            for rows in (1, 2, 3, 5, 12, 13, 16, 17, 40):
+                for start in (0, 70 - rows):
+                    for got, want in zip(forms(x[start : start + rows], packed), whole):
+                        assert torch.equal(got, want[start : start + rows]), (name, rows, start, threads)
+        finally:
+            torch.set_num_threads(before)

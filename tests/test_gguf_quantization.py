@@ -32,9 +32,11 @@ from srt.server_args import ServerArgs
 def _four_bit_kernel_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests run the 4-bit and Q6_K kernels up to Q4_MAX_ROWS and Q6K_MAX_ROWS rows, AMX or
     not (on AMX tiles the limits are Q4_AMX_MAX_ROWS and Q6K_AMX_MAX_ROWS; srt_gguf_linear past them
-    is tested in test_gguf_blocks.py)."""
+    is tested in test_gguf_blocks.py), as on a CPU where they have limits (where ops.gguf_rows_exact()
+    every row count runs on the blocks: tests/test_cpu_linear.py)."""
     monkeypatch.setattr(ops, "Q4_AMX_MAX_ROWS", ops.Q4_MAX_ROWS)
     monkeypatch.setattr(ops, "Q6K_AMX_MAX_ROWS", 0)
+    monkeypatch.setattr(ops, "gguf_rows_exact", lambda: False)
 
 
 needs_q4 = pytest.mark.skipif(

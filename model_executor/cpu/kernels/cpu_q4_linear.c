@@ -19,6 +19,10 @@
  * tile, and a task's weights come from memory for its first tile and from L1/L2 for the others.
  * Four-row tiles took less time than two-row ones on SmolLM2's 30 layers, with the same bits
  * (docs/performance.md, "Four-row tiles").
+ * A call of WIDE_MIN_ROWS rows or more (a prefill, a big batch) widens each task's blocks once
+ * into a scratch, to the very bf16 operands the tiles build, and runs tiles of up to six rows on
+ * them with the same per-block sums and FMAs (q4_wide_group): a row's outputs are the same bits at
+ * any row count, so --quantization gguf is batch-invariant here (ops.gguf_rows_exact).
  *
  * GGUF Q5_K (srt_q5k_linear) is Q4_K with a fifth bit on each q (0..31): packing.q5k_pack writes
  * Q4_K's 384 bytes of the low four bits, then 64 bytes, two 32-bit words per chunk c: word p holds
@@ -57,10 +61,14 @@ static inline int nibbles_at(const int kind) { return kind == Q4_KS ? 32 : kind 
 #include <omp.h>
 
 #include "simd_bf16.h"
+#include "dp_bf16.h"
 
 #define ROWS 4
 #define GROUP 4
 #define PARALLEL_MIN 65536
+/* From this many rows on a call widens each task's blocks once (q4_wide_group) instead of again for
+ * every tile of rows; the sums are the same to the bit either way. */
+#define WIDE_MIN_ROWS 16
 /* Each k block's lines are prefetched into L2 this many k blocks (20 KB) ahead: a core spends
  * ~40 cycles on a block's 320 bytes, too few loads in flight for the hardware prefetchers alone.
  * 2.5 and 5 KB ahead, or into L1, gained less (docs/performance.md). */
@@ -203,6 +211,111 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
     }
 }
 
+/* One 16-output stream's blocks -> dst as bf16 128 + q (Q5_K: + 16 for the fifth bit), exact, in
+ * bf16_pack's order per 32-k block (16 pairs of 16 outputs x 2): the operands q4_tile builds in
+ * registers, built once for every row of a call. */
+static inline __attribute__((always_inline)) void q4_widen_exact(const uint8_t *w, const int64_t blocks,
+                                                                 const int kind, bf16 *dst) {
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+    const __m512i turn = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i fifth = _mm512_set1_epi32(0x00100010);
+    const int scales = nibbles_at(kind), bytes = kind_bytes(kind);
+    for (int64_t kb = 0; kb < blocks; kb++)
+        for (int c = 0; c < 8; c++) {
+            const __m512i raw = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256((const __m256i *)(q4_block(w, kb, kind) + scales + 32 * c)));
+            __m512i top[2] = {magic, magic};
+            if (kind == Q5_K) {
+                const int32_t *bits = (const int32_t *)(w + kb * bytes + 384) + 2 * c;
+                for (int p = 0; p < 2; p++)
+                    top[p] = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32(bits[p]), turn), fifth,
+                                                       magic, 0xEA);
+            }
+            _mm512_storeu_si512(dst + (kb * 16 + 2 * c) * 32, _mm512_ternarylogic_epi32(raw, nibbles, top[0], 0xEA));
+            _mm512_storeu_si512(dst + (kb * 16 + 2 * c + 1) * 32,
+                                _mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, top[1], 0xEA));
+        }
+}
+
+/* q4_tile on widened blocks (wide[b]: q4_widen_exact's of stream wb[b]) for up to DP_ROWS rows: per
+ * 32-k block the same vdpbf16ps chain per (row, output) and the same two FMAs, so the same bits; the
+ * running sums wait in `sums` ([DP_ROWS][DP_GROUP][16]) while the block sums hold the registers. */
+static inline __attribute__((always_inline)) void q4_wide_tile(const bf16 *x, int64_t k, const float *xsum,
+                                                               const uint8_t *const *wb, const bf16 *const *wide,
+                                                               const int R, const int NB, const int kind,
+                                                               float *sums) {
+    const int64_t blocks = k / 32;
+    const int32_t *xp = (const int32_t *)x;
+    for (int i = 0; i < DP_ROWS * DP_GROUP * 16; i++) sums[i] = 0.0f;
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        __m512 blk[DP_ROWS][DP_GROUP];
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < NB; b++) blk[r][b] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p++) {
+            __m512bh w[DP_GROUP];
+            for (int b = 0; b < NB; b++) w[b] = (__m512bh)_mm512_loadu_si512(wide[b] + (kb * 16 + p) * 32);
+            for (int r = 0; r < R; r++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[r * (k / 2) + kb * 16 + p]);
+                for (int b = 0; b < NB; b++) blk[r][b] = _mm512_dpbf16_ps(blk[r][b], w[b], xv);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m512 d = q4_scale(wb[b], kb, 0, kind), m = q4_scale(wb[b], kb, 1, kind);
+            const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m); /* m - 128 d */
+            for (int r = 0; r < R; r++) {
+                float *at = sums + (r * DP_GROUP + b) * 16;
+                __m512 acc = _mm512_fmadd_ps(blk[r][b], d, _mm512_loadu_ps(at));
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * blocks + kb]), m128, acc);
+                _mm512_storeu_ps(at, acc);
+            }
+        }
+    }
+}
+
+/* q4_group for many rows: the NB blocks wb widened into `scratch` once, then tiles of DP_ROWS rows;
+ * stored as q4_store stores */
+static inline __attribute__((always_inline)) void q4_wide_group(const bf16 *x, int64_t m, int64_t k,
+                                                                const float *xsum, const uint8_t *const *wb,
+                                                                const int NB, const bf16 *bias, void *out,
+                                                                int64_t n, const int mode, const int kind,
+                                                                bf16 *scratch) {
+    const int64_t blocks = k / 32;
+    const bf16 *wide[DP_GROUP];
+    for (int b = 0; b < NB; b++) {
+        q4_widen_exact(wb[b], blocks, kind, scratch + b * 16 * k);
+        wide[b] = scratch + b * 16 * k;
+    }
+    float sums[DP_ROWS * DP_GROUP * 16];
+    for (int64_t r0 = 0; r0 < m; r0 += DP_ROWS) {
+        const int R = m - r0 < DP_ROWS ? (int)(m - r0) : DP_ROWS;
+        switch (R) {
+#define WIDE(RR)                                                                                \
+    case RR: q4_wide_tile(x + r0 * k, k, xsum + r0 * blocks, wb, wide, RR, NB, kind, sums); break;
+            WIDE(1) WIDE(2) WIDE(3) WIDE(4) WIDE(5) WIDE(6)
+#undef WIDE
+        default: break;
+        }
+        for (int r = 0; r < R; r++) {
+            void *o = OUT_AT(out, (r0 + r) * n, mode);
+            const float *row = sums + r * DP_GROUP * 16;
+            if (mode == OUT_SILU) {
+                for (int b = 0; b < NB / 2; b++)
+                    store16((bf16 *)o + 16 * b, silu_mul16(round16(_mm512_loadu_ps(row + 16 * b)),
+                                                           round16(_mm512_loadu_ps(row + 16 * (b + NB / 2)))));
+                continue;
+            }
+            for (int b = 0; b < NB; b++) {
+                const __m512 acc = _mm512_loadu_ps(row + 16 * b);
+                const __m512 v = bias ? _mm512_add_ps(acc, load16(bias + 16 * b)) : acc;
+                if (mode == OUT_F32)
+                    _mm512_storeu_ps((float *)o + 16 * b, v);
+                else
+                    store16((bf16 *)o + 16 * b, v);
+            }
+        }
+    }
+}
+
 /* out[m][n] = x[m][k] @ w.T (+ bias), or with OUT_SILU silu(gate) * up of the [2d, k] gate_up
  * weight into out[m][d] (n = d): each thread a contiguous run of 16-output blocks, GROUP at a time
  * (silu: two gate blocks with their up blocks) */
@@ -220,6 +333,7 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t u1 = units * (t + 1) / threads;
+        bf16 *scratch = m >= WIDE_MIN_ROWS ? aligned_alloc(64, (size_t)(GROUP * 16 * k) * sizeof(bf16)) : NULL;
         for (int64_t u = units * t / threads; u < u1; u += step) {
             const int64_t left = u1 - u < step ? u1 - u : step;
             const uint8_t *wb[GROUP];
@@ -229,13 +343,18 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
                 for (int64_t i = 0; i < left; i++) wb[nb++] = packed + (units + u + i) * stride;
             void *o = OUT_AT(out, 16 * u, mode);
             const bf16 *b = bias ? bias + 16 * u : NULL;
-/* a constant block count and block kind for each instance */
+/* a constant block count and block kind for each instance; widened once for many rows */
+#define Q4_KIND(NB, K)                                                                \
+    if (scratch)                                                                      \
+        q4_wide_group(x, m, k, xsum, wb, NB, b, o, n, mode, K, scratch);              \
+    else                                                                              \
+        q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, K);
 #define Q4_GROUP(NB)                                                                  \
     switch (kind) {                                                                   \
-    case Q4_KS: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q4_KS); break;         \
-    case Q5_K: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q5_K); break;           \
-    case Q4_K: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q4_K); break;           \
-    default: q4_group(x, m, k, xsum, wb, NB, b, o, n, mode, Q4_1); break;             \
+    case Q4_KS: Q4_KIND(NB, Q4_KS) break;                                             \
+    case Q5_K: Q4_KIND(NB, Q5_K) break;                                               \
+    case Q4_K: Q4_KIND(NB, Q4_K) break;                                               \
+    default: Q4_KIND(NB, Q4_1) break;                                                 \
     }
             switch (nb) {
             case 4: Q4_GROUP(4) break;
@@ -244,7 +363,9 @@ static void q4_linear(const bf16 *x, int64_t m, const uint8_t *packed, const bf1
             default: Q4_GROUP(1) break;
             }
 #undef Q4_GROUP
+#undef Q4_KIND
         }
+        free(scratch);
     }
     free(xsum);
 }

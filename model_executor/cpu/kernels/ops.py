@@ -8,6 +8,8 @@ RuntimeError (callers check `usable` or the `*_applies` / `build.*_available` pr
 from __future__ import annotations
 
 import ctypes
+import functools
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,7 +31,8 @@ GEMV_MAX_ROWS = 4  # cpu_kernels.c: srt_gemv serves up to this many rows
 # AVX-512 BF16 loop (fused_gemv_max_batch). Measured against the op-by-op path on SmolLM2: faster
 # at batch 1 and 2, slower at 4 (there the oneDNN GEMMs beat srt_gemv; docs/performance.md).
 FUSED_DECODE_MAX_BATCH = 2
-# A linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
+# Where gguf_rows_exact() does not hold, the GGUF block kernels take at most these rows:
+# a linear runs on the Q4_1 weight for at most this many rows (measured on SmolLM2, see
 # docs/performance.md), on the bf16 copy for more.
 Q4_MAX_ROWS = 12
 # ... and at most this many where srt_gguf_linear runs on AMX tiles: widening the blocks and
@@ -57,9 +60,22 @@ Q6K_AMX_MAX_ROWS = 8
 Q5K_MAX_ROWS = 2
 
 
+@functools.cache
+def gguf_rows_exact() -> bool:
+    """Whether the GGUF block kernels take every row count here, each row's sums the same bits
+    whatever else the call holds: their AVX-512 BF16 and VNNI paths without AMX tiles (many rows
+    widen the blocks once, to the values the few-row tiles build, and run the same sums). Then
+    --quantization gguf is batch-invariant, as bf16 is. Elsewhere a call past the row limits below
+    runs on the blocks widened to bf16 weights (other sums), and the AVX2 paths keep more partial
+    sums for fewer rows."""
+    return build.bf16_linear_isa() == "AVX-512 BF16" and build.q6ks_available()
+
+
 def q4_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q4_linear / srt_q4k_linear / srt_q5k_linear takes the packed 4-bit (or Q5_K)
     weight for."""
+    if gguf_rows_exact():
+        return sys.maxsize
     if packed.shape[-1] == Q5K_BLOCK_BYTES:
         return Q5K_MAX_ROWS
     return min(Q4_MAX_ROWS, Q4_AMX_MAX_ROWS) if _gguf_on_tiles() else Q4_MAX_ROWS
@@ -72,6 +88,8 @@ def _gguf_on_tiles() -> bool:
 
 def q8_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q8_linear / srt_q6k_linear takes the packed 8-bit weight for."""
+    if gguf_rows_exact():
+        return sys.maxsize
     if packed.shape[-1] not in (Q6K_BLOCK_BYTES, Q6KS_BLOCK_BYTES):
         return Q8_MAX_ROWS
     return max(Q6K_MAX_ROWS, Q6K_AMX_MAX_ROWS) if _gguf_on_tiles() else Q6K_MAX_ROWS
