@@ -51,6 +51,12 @@ class DeviceWing:
                 f"got --device {self.config.device}"
             )
 
+    def batch_invariant(self) -> bool:
+        """Whether, with the --quantization asked for, a row's results are the same bits whatever else
+        its batch holds: speculation (a verify step's rows against plain decode's) needs it. Mutates
+        nothing. Default: yes (this base runs no quantization)."""
+        return True
+
     def load_hooks(self, model: CausalLM) -> LoadHooks | None:
         """Before the checkpoint loads: what load_weights tells as each parameter's shards are read
         (to lay a weight out for the kernels once it is in and free its dense form before the next is

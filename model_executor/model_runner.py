@@ -119,6 +119,9 @@ class RunnerInfo:
     cross_encoder: bool  # the model scores pairs: /v1/rerank
     max_running_requests: int
     eos_token_ids: list[int]
+    # a row's outputs are the same bits whatever else its batch holds (the wing's kernels, with
+    # --quantization): what speculation's verify steps need
+    batch_invariant: bool
 
 
 class ModelRunner:
@@ -529,4 +532,5 @@ class ModelRunner:
             cross_encoder=hasattr(self.model, "pool"),
             max_running_requests=self.max_running_requests,
             eos_token_ids=sorted(eos_token_ids(self.config.model_dir, self.hf_config)),
+            batch_invariant=self.wing.batch_invariant(),
         )

@@ -170,6 +170,12 @@ def new_speculator(
     """`--speculative-algorithm`'s speculator; None without one."""
     if args.speculative_algorithm is None:
         return None
+    if not runner.info.batch_invariant:
+        raise ValueError(
+            f"--speculative-algorithm cannot keep outputs unchanged with --quantization {args.quantization} "
+            "on this CPU: its kernels give a row other bits in a batch of more rows (the file's blocks "
+            "take every row count alike only on AVX-512 BF16 and VNNI without AMX)"
+        )
     source: DraftSource
     if args.speculative_algorithm == "NGRAM":
         source = NgramDrafts(args.num_draft_tokens, args.speculative_ngram_max_trie_depth)

@@ -378,11 +378,6 @@ class ServerArgs:
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         self._check_draft_model()
-        if algorithm is not None and self.quantization == "gguf":
-            raise ValueError(
-                "--speculative-algorithm cannot keep outputs unchanged with --quantization gguf: decode "
-                "steps of up to 12 rows run on the file's 4-bit blocks, larger ones on a bf16 copy"
-            )
         if algorithm is not None and self.is_embedding:
             raise ValueError("--speculative-algorithm decodes; --is-embedding serves no decode step")
 

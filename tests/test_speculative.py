@@ -5,6 +5,9 @@ accepted on text that repeats; rejected drafts' KV goes back to the allocator.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +18,7 @@ from scheduler_harness import Harness
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
-from model_executor.cpu.kernels import build
+from model_executor.cpu.kernels import build, ops
 from model_executor.draft_model import DraftModel
 from model_executor.drafter import Drafter
 from scheduler.drafts import ModelDrafts, NgramDrafts, NgramState, ngram_draft
@@ -131,8 +134,6 @@ def test_flags_refused_by_name() -> None:
         ServerArgs(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=4)
     with pytest.raises(ValueError, match="--speculative-accept-threshold-single"):
         ServerArgs(speculative_accept_threshold_single=0.5)
-    with pytest.raises(ValueError, match="--quantization gguf"):
-        ServerArgs(speculative_algorithm="NGRAM", quantization="gguf")
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be positive"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0)
     assert ServerArgs(speculative_algorithm="NGRAM").num_draft_tokens == 4
@@ -255,6 +256,43 @@ def test_outputs_equal_with_speculation_off(smollm2_dir: Path, micro_batches: in
     # drafts were taken: fewer steps for the same tokens
     assert on["steps"] < 0.9 * off["steps"], (on["steps"], off["steps"])
     assert on_run.h.scheduler.speculator is not None and not on_run.h.scheduler.speculator.source.states
+
+
+@pytest.mark.skipif(
+    not ops.gguf_rows_exact(), reason="the GGUF block kernels take every row count alike only on AVX-512 BF16"
+)
+def test_outputs_equal_with_speculation_off_on_the_gguf_blocks(smollm2_dir: Path) -> None:
+    """--quantization gguf (the bundled file's Q4_1 layers and Q8_0 head on their blocks) where its
+    kernels give a row the same bits in any batch: a verify step's rows are plain decode's, so the
+    same tokens, finishes and logprobs with NGRAM as without."""
+    off = Run(smollm2_dir, spec=False, quantization="gguf").run(REQUESTS)
+    on = Run(smollm2_dir, spec=True, quantization="gguf").run(REQUESTS)
+    assert on["tokens"] == off["tokens"] and on["finished"] == off["finished"]
+    assert on["logprobs"] == off["logprobs"] and on["tops"] == off["tops"]
+    assert on["steps"] < 0.9 * off["steps"], (on["steps"], off["steps"])
+
+
+@pytest.mark.slow  # builds the AVX2 kernels (about a minute; the CI's kernel loop reuses them)
+def test_speculation_on_gguf_blocks_is_refused_where_a_batch_changes_their_bits(smollm2_dir: Path) -> None:
+    """On the AVX2 paths (forced here) a row's sums depend on the rows beside it: the rank refuses
+    speculation with --quantization gguf at start-up, naming both flags, rather than change outputs."""
+    code = (
+        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']\n"
+        "from test_speculative import Run\n"
+        "Run(Path(sys.argv[2]), spec=True, quantization='gguf')\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root), str(smollm2_dir)],
+        env={**os.environ, "SRT_CPU_KERNEL_ISA": "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "--speculative-algorithm cannot keep outputs unchanged with --quantization gguf" in done.stderr, (
+        done.stderr[-2000:]
+    )
 
 
 def test_a_constrained_request_takes_drafts_its_grammar_allows(smollm2_dir: Path) -> None:

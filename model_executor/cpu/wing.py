@@ -16,6 +16,7 @@ from model_executor.attention.base import AttentionBackend
 from model_executor.cpu.decode_runner import CpuDecodeRunner
 from model_executor.cpu.encoder_runner import CpuEncoderRunner
 from model_executor.cpu.fused_ops import CpuFusedOps
+from model_executor.cpu.kernels import ops
 from model_executor.cpu.memory import bound_onednn_caches, keep_freed_memory, release_freed_memory
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.cpu.weights import Packer, check_quantization, loading_packer, prepare_weights
@@ -44,6 +45,9 @@ class CpuWing(DeviceWing):
 
     def check(self) -> None:
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
+
+    def batch_invariant(self) -> bool:
+        return self.config.quantization != "gguf" or ops.gguf_rows_exact()
 
     def load_hooks(self, model: CausalLM) -> Packer | None:
         gguf_file = gguf_source(self.config.model_dir)
