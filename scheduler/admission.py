@@ -62,6 +62,31 @@ class Admission:
         self.finish = finish
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
+    def finish_at_arrival(self, req: Req, unknown_adapter: str | None) -> FinishReason | None:
+        """Why a request just received ends at once (alike on every rank: the queues are), or None
+        to queue it: an adapter the ranks no longer have, nothing to generate, a full waiting
+        queue, a prompt the KV cache cannot hold."""
+        if unknown_adapter is not None:
+            # the front end checks names first: one unloaded (or being unloaded) since it checked
+            message = f"lora_path: no LoRA adapter named {unknown_adapter!r} on the ranks"
+            return FinishReason("abort", status_code=400, message=message)
+        if req.remaining_new_tokens == 0 and not req.prompt_logprob_positions and not self.args.is_embedding:
+            return FinishReason("length")
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.queues.waiting) >= limit:
+            waiting = len(self.queues.waiting)
+            message = f"{waiting} requests are waiting already (--max-queued-requests {limit}); retry later"
+            return FinishReason("abort", status_code=503, message=message)
+        if req.seq_len + 1 > self.kv.max_total_tokens:
+            return FinishReason(
+                "abort",
+                message=(
+                    f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
+                    f"({self.kv.max_total_tokens} tokens); raise {self.kv.memory.budget.flag}"
+                ),
+            )
+        return None
+
     @rank_consensus(result=lambda b: None if b is None else b.identity)
     def get_next_batch(self, step: int) -> ScheduleBatch | None:
         """The batch of forward step `step`, or None when nothing can run."""

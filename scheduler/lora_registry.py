@@ -57,6 +57,10 @@ class LoraRegistry:
             return None
         return self.adapters[name][0]
 
+    def apply(self, msg: LoadLoraAdapterReq | UnloadLoraAdapterReq) -> ControlReply | None:
+        """A load's reply; an unload's now where it is refused, else from `finish_unloads`."""
+        return self.load(msg) if isinstance(msg, LoadLoraAdapterReq) else self.begin_unload(msg)
+
     def load(self, msg: LoadLoraAdapterReq) -> ControlReply:
         """Every rank attaches its shard, then agrees; see the module's doc."""
         error: str | None = None

@@ -208,53 +208,21 @@ class Scheduler:
                 self._reply(ControlReply(msg.request_id, True, self.internal_state()))
             elif isinstance(msg, GetLoadReq):
                 self._reply(ControlReply(msg.request_id, True, self.load_report()))
-            elif isinstance(msg, LoadLoraAdapterReq):
-                self._reply(self.lora.load(msg))
-            elif isinstance(msg, UnloadLoraAdapterReq):
-                refused = self.lora.begin_unload(msg)
-                if refused is not None:
-                    self._reply(refused)
+            elif isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)):
+                if (reply := self.lora.apply(msg)) is not None:
+                    self._reply(reply)
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         lora_id = self.lora.id_of(msg.lora_path) if msg.lora_path is not None else 0
         req = Req.of(msg, lora_id or 0)
-        refused = attach_matcher(self.grammars, req)  # synchronously: every rank has it ready now
-        if refused is not None:
-            self._finish(req, refused)
-        elif lora_id is None:
-            # the front end checks names first: one unloaded (or being unloaded) since it checked
-            message = f"lora_path: no LoRA adapter named {msg.lora_path!r} on the ranks"
-            self._finish(req, FinishReason("abort", status_code=400, message=message))
-        elif (
-            req.remaining_new_tokens == 0 and not req.prompt_logprob_positions and not self.args.is_embedding
-        ):
-            self._finish(req, FinishReason("length"))
-        elif self.args.max_queued_requests is not None and len(self.waiting) >= self.args.max_queued_requests:
-            # the waiting queue is the same on every rank, so every rank refuses the same request
-            self._finish(
-                req,
-                FinishReason(
-                    "abort",
-                    status_code=503,
-                    message=(
-                        f"{len(self.waiting)} requests are waiting already (--max-queued-requests "
-                        f"{self.args.max_queued_requests}); retry later"
-                    ),
-                ),
-            )
-        elif req.seq_len + 1 > self.kv.max_total_tokens:
-            self._finish(
-                req,
-                FinishReason(
-                    "abort",
-                    message=(
-                        f"prompt of {req.seq_len} tokens cannot fit in the KV cache "
-                        f"({self.kv.max_total_tokens} tokens); raise {self.kv.memory.budget.flag}"
-                    ),
-                ),
-            )
+        # the matcher synchronously: every rank has it ready now
+        reason = attach_matcher(self.grammars, req) or self.admission.finish_at_arrival(
+            req, msg.lora_path if lora_id is None else None
+        )
+        if reason is not None:
+            self._finish(req, reason)
         else:
             self.waiting.append(req)
 
