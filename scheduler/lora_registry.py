@@ -74,6 +74,8 @@ class LoraRegistry:
                 self.attach(adapter_id, LoraRef(msg.name, msg.path))
             except (ValueError, OSError) as cause:
                 error = str(cause)
+            except Exception as cause:  # a corrupt file, say: agreed as a failure, never this rank's crash
+                error = f"could not read LoRA adapter {msg.name!r} from {msg.path}: {type(cause).__name__}: {cause}"
         error = self._agree(error)
         if error is not None:
             self.attach(adapter_id, None)  # the ranks that attached it drop it

@@ -31,6 +31,8 @@ class FakeLayers:
             self.attached.pop(adapter_id, None)
         elif "bad" in ref.path:
             raise ValueError(f"LoRA adapter {ref.name!r}: target module x is no linear layer srt adapts")
+        elif "corrupt" in ref.path:  # what a reader raises on a file cut short, say: no ValueError
+            raise RuntimeError("invalid header length")
         else:
             self.attached[adapter_id] = ref.name
 
@@ -49,6 +51,9 @@ def test_the_registry_loads_refuses_and_unloads_once_no_request_uses_an_adapter(
     assert not refused.success and "target module x" in refused.payload["message"]
     assert registry.snapshot() == [("a", 1, "/a"), ("b", 2, "/b")] and layers.attached == {1: "a", 2: "b"}
     assert not registry.load(LoadLoraAdapterReq("r3", "b", "/b2")).success  # a name loaded already
+    broken = registry.load(LoadLoraAdapterReq("r5", "c", "/corrupt"))  # any exception is a refusal
+    assert not broken.success and "RuntimeError: invalid header length" in broken.payload["message"]
+    assert registry.snapshot() == [("a", 1, "/a"), ("b", 2, "/b")] and layers.attached == {1: "a", 2: "b"}
     assert registry.begin_unload(UnloadLoraAdapterReq("u1", "b")) is None
     assert registry.id_of("b") is None  # refused to new requests at once
     assert registry.finish_unloads({2}) == []  # a request still runs under it

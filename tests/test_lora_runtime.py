@@ -139,16 +139,20 @@ def test_a_bad_load_is_a_400_naming_the_cause_and_changes_nothing(
     tiny: dict[str, Path], runtime_server: Server, tmp_path: Path
 ) -> None:
     """A missing folder, a rank above --max-lora-rank (the front end's checks), a module the model
-    lacks (refused where the ranks attach it): 400 naming the cause; the server keeps serving, the
+    lacks (refused where the ranks attach it), a weights file cut short: 400 naming the cause; the server keeps serving, the
     name is not listed, the loaded adapters give the tokens they gave."""
     prompt = prompts(320, (9,), seed=12)
     before = generate_batch(runtime_server, prompt, ["qv8"])[0]["output_ids"]
     listed = model_ids(runtime_server)
     big = make_adapter(tiny["base"], tmp_path / "r32", ["q_proj"], 32, seed=9)
+    corrupt = make_adapter(tiny["base"], tmp_path / "corrupt", ["q_proj"], 8, seed=10)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short: the header promises more
     cases = [
         (tmp_path / "missing", "no adapter_config.json"),
         (big, "exceeds --max-lora-rank 16"),
         (lacking_module_adapter(tiny, tmp_path / "lacking"), "no linear layer srt adapts"),
+        (corrupt, "adapter_model.safetensors could not be read"),
     ]
     for folder, cause in cases:
         reply = post(runtime_server, "/load_lora_adapter", {"lora_name": "bad", "lora_path": str(folder)})
