@@ -75,6 +75,7 @@ class DraftModel(Drafter):
             disable_hybrid_swa_memory=True,  # a row keeps every position: no window to slide
             chunked_prefill_size=args.chunked_prefill_size,
             disable_cuda_graph=True,
+            quantization=args.draft_quantization,
         )
         runner = ModelRunner(config, ParallelState(world=parallel.world, tp=one, pp=one))
         return cls(runner, parallel.tp, target.vocab_size)

@@ -83,9 +83,9 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 default=None,
                 choices=QUANTIZATIONS,
                 help="the quantization method (default: none, the weights run in --dtype). w8a8_int8: int8 weights (a scale per output channel) and activations (a scale per token) "
-                "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF model's own Q4_1 layers (AVX-512 BF16) for "
-                "decode batches of up to 12 rows and its Q8_0 LM head (if it has one; AVX-512 VNNI or AVX2) up to "
-                "8 (a bf16 copy for more rows, and for layers of other types); CPU only",
+                "on AMX or AVX-512 VNNI, the LM head bf16; gguf: a GGUF model's own blocks (Q4_0, Q4_1, Q4_K, "
+                "Q5_0, Q5_K, Q6_K, Q8_0, its LM head too) on AVX-512 BF16 or AVX2 kernels, batch-invariant on "
+                "AVX-512 BF16 without AMX (docs/quantization.md); CPU only",
             ),
         ),
     ),
@@ -524,6 +524,13 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 default=None,
                 help="the path of STANDALONE's draft model weights: a directory or GGUF file as --model-path "
                 "takes, run whole on every rank (default: none; STANDALONE needs it)",
+            ),
+            _flag(
+                "--speculative-draft-model-quantization",
+                default=None,
+                choices=("unquant", *QUANTIZATIONS),
+                help="STANDALONE: the draft model's --quantization (default: the target's, as SGLang does; "
+                "unquant: none)",
             ),
             _flag(
                 "--speculative-num-steps",

@@ -222,6 +222,8 @@ class ServerArgs:
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_capacity: int = 10_000_000
     speculative_draft_model_path: str | None = None  # STANDALONE's draft model
+    # the draft's --quantization: None the target's (SGLang's default), "unquant" none
+    speculative_draft_model_quantization: str | None = None
     speculative_num_steps: int | None = None  # STANDALONE: draft tokens per step (num_draft_tokens - 1)
     speculative_eagle_topk: int | None = None  # 1 only: one chain of drafts per request
     speculative_accept_threshold_single: float = 1.0
@@ -381,6 +383,13 @@ class ServerArgs:
         if algorithm is not None and self.is_embedding:
             raise ValueError("--speculative-algorithm decodes; --is-embedding serves no decode step")
 
+    @property
+    def draft_quantization(self) -> str | None:
+        """The draft model's --quantization: --speculative-draft-model-quantization, by default the
+        target's (as SGLang resolves it); "unquant" is none."""
+        value = self.speculative_draft_model_quantization
+        return None if value == "unquant" else value or self.quantization
+
     def _check_draft_model(self) -> None:
         """STANDALONE's flags: a draft model, one chain of drafts, --speculative-num-steps as SGLang
         means it (drafts per step: --speculative-num-draft-tokens - 1), one pipeline stage."""
@@ -388,7 +397,17 @@ class ServerArgs:
         standalone = algorithm == "STANDALONE"
         if standalone and self.speculative_draft_model_path is None:
             raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
-        for name in ("speculative_draft_model_path", "speculative_num_steps"):
+        draft_quantization = self.speculative_draft_model_quantization
+        if draft_quantization not in (None, "unquant", *QUANTIZATIONS):
+            raise ValueError(
+                f"--speculative-draft-model-quantization must be one of unquant, {', '.join(QUANTIZATIONS)}; "
+                f"got {draft_quantization!r}"
+            )
+        for name in (
+            "speculative_draft_model_path",
+            "speculative_num_steps",
+            "speculative_draft_model_quantization",
+        ):
             if getattr(self, name) is not None and not standalone:
                 raise ValueError(
                     f"--{name.replace('_', '-')} steps a draft model: it needs --speculative-algorithm "

@@ -165,6 +165,14 @@ def test_draft_model_flags_refused_by_name() -> None:
         ServerArgs(speculative_algorithm="EAGLE3")
     standalone = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m"}
     assert ServerArgs(**standalone, speculative_num_steps=5, speculative_eagle_topk=1).num_draft_tokens == 6
+    # the draft's quantization: SGLang's default is the target's; "unquant" none
+    assert ServerArgs(**standalone, quantization="gguf").draft_quantization == "gguf"
+    unquant = ServerArgs(**standalone, quantization="gguf", speculative_draft_model_quantization="unquant")
+    assert unquant.draft_quantization is None and ServerArgs(**standalone).draft_quantization is None
+    with pytest.raises(ValueError, match="--speculative-draft-model-quantization must be one of"):
+        ServerArgs(**standalone, speculative_draft_model_quantization="awq")
+    with pytest.raises(ValueError, match="--speculative-draft-model-quantization steps a draft model"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_draft_model_quantization="gguf")
     assert ServerArgs(**standalone).num_draft_tokens == 4
 
 
@@ -270,6 +278,32 @@ def test_outputs_equal_with_speculation_off_on_the_gguf_blocks(smollm2_dir: Path
     assert on["tokens"] == off["tokens"] and on["finished"] == off["finished"]
     assert on["logprobs"] == off["logprobs"] and on["tops"] == off["tops"]
     assert on["steps"] < 0.9 * off["steps"], (on["steps"], off["steps"])
+
+
+@pytest.mark.skipif(
+    not ops.gguf_rows_exact(), reason="the GGUF block kernels take every row count alike only on AVX-512 BF16"
+)
+def test_a_draft_model_on_the_gguf_blocks_keeps_outputs_unchanged(smollm2_dir: Path) -> None:
+    """STANDALONE with --quantization gguf: the draft model runs on the file's blocks too (SGLang's
+    default for --speculative-draft-model-quantization), and the target's tokens, finishes and
+    logprobs are plain decoding's on the same blocks."""
+    requests = [r for r in REQUESTS if r[0] in ("greedy", "logprobs", "stop")]
+    off = Run(smollm2_dir, spec=False, quantization="gguf").run(requests)
+    on_run = Run(
+        smollm2_dir,
+        spec=False,
+        quantization="gguf",
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(smollm2_dir),
+    )
+    on = on_run.run(requests)
+    assert on["tokens"] == off["tokens"] and on["finished"] == off["finished"]
+    assert on["logprobs"] == off["logprobs"] and on["tops"] == off["tops"]
+    speculator = on_run.h.scheduler.speculator
+    assert speculator is not None and isinstance(speculator.source, ModelDrafts)
+    drafter = speculator.source.drafter
+    assert isinstance(drafter, DraftModel) and drafter.runner.config.quantization == "gguf"
+    assert on["steps"] < 0.7 * off["steps"], (on["steps"], off["steps"])
 
 
 @pytest.mark.slow  # builds the AVX2 kernels (about a minute; the CI's kernel loop reuses them)
