@@ -249,12 +249,15 @@ def _gguf_kinds(n: int, k: int) -> dict[str, packing.GgufWeight]:
     "on AVX-512 BF16 and VNNI without AMX tiles",
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gguf_blocks_give_each_row_the_same_bits_in_any_batch(threads: int) -> None:
+def test_gguf_blocks_give_each_row_the_same_bits_in_any_batch(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--quantization gguf is batch-invariant where ops.gguf_rows_exact(): every row count runs on
     the blocks' own kernels, many rows on the blocks widened once to the values the few-row tiles
     build, so a row's outputs (bf16 + bias, float32, silu(gate) * up) are the same bits alone, in
     any slice of a 70-row batch, and on one or two threads: a request decodes the same tokens alone
     or in a batch, and a verify step's rows are plain decode's."""
+    monkeypatch.setattr(ops, "exact_rows", True)  # as the wing sets it for speculation
     n, k = 96, 512
     bias = torch.randn(n).bfloat16()
     x = torch.randn(70, k).bfloat16()

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 class CpuWing(DeviceWing):
     def __init__(self, config: RunnerConfig, parallel: ParallelState) -> None:
         super().__init__(config, parallel)
+        if config.deterministic or config.fixed_order_sum:  # a row's bits must not depend on its batch
+            ops.exact_rows = True  # for the process: a draft model's runner does not turn it off
         keep_freed_memory()
         bound_onednn_caches()
         self.packer: Packer | None = None  # packing each weight while the checkpoint loads
@@ -47,7 +49,7 @@ class CpuWing(DeviceWing):
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
 
     def batch_invariant(self) -> bool:
-        return self.config.quantization != "gguf" or ops.gguf_rows_exact()
+        return self.config.quantization != "gguf" or (ops.exact_rows and ops.gguf_rows_exact())
 
     def load_hooks(self, model: CausalLM) -> Packer | None:
         gguf_file = gguf_source(self.config.model_dir)

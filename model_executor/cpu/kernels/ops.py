@@ -60,6 +60,13 @@ Q6K_AMX_MAX_ROWS = 8
 Q5K_MAX_ROWS = 2
 
 
+# Whether GGUF weights take every row count on their blocks (where gguf_rows_exact()): set by the CPU
+# wing for a server that needs a row's bits independent of its batch (speculation, deterministic
+# inference). Off, prefills and large batches run on the blocks widened to bf16 weights: 1.36x and 1.47x
+# the prefill tok/s of the 1.5B coder at batch 1 and 32 (docs/performance.md).
+exact_rows = False
+
+
 @functools.cache
 def gguf_rows_exact() -> bool:
     """Whether the GGUF block kernels take every row count here, each row's sums the same bits
@@ -74,7 +81,7 @@ def gguf_rows_exact() -> bool:
 def q4_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q4_linear / srt_q4k_linear / srt_q5k_linear takes the packed 4-bit (or Q5_K)
     weight for."""
-    if gguf_rows_exact():
+    if exact_rows and gguf_rows_exact():
         return sys.maxsize
     if packed.shape[-1] == Q5K_BLOCK_BYTES:
         return Q5K_MAX_ROWS
@@ -88,7 +95,7 @@ def _gguf_on_tiles() -> bool:
 
 def q8_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q8_linear / srt_q6k_linear takes the packed 8-bit weight for."""
-    if gguf_rows_exact():
+    if exact_rows and gguf_rows_exact():
         return sys.maxsize
     if packed.shape[-1] not in (Q6K_BLOCK_BYTES, Q6KS_BLOCK_BYTES):
         return Q8_MAX_ROWS
