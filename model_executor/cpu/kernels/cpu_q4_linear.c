@@ -93,18 +93,34 @@ static inline __attribute__((always_inline)) __m512 q4_scale(const uint8_t *w, c
     return _mm512_loadu_ps((const float *)(p + 64 * which));
 }
 
+/* Chunk c (k 4c .. 4c + 3) of block kb of stream w as two vdpbf16ps operands, 128 + q in bf16
+ * (Q5_K: + 16 for the fifth bit), exact: pair[0] k pair 2c of the 16 outputs, pair[1] pair 2c + 1.
+ * What q4_tile multiplies and q4_widen_exact stores. */
+static inline __attribute__((always_inline)) void q4_operands(const uint8_t *w, const int64_t kb, const int c,
+                                                              const int kind, __m512i pair[2]) {
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+    const __m512i raw =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q4_block(w, kb, kind) + nibbles_at(kind) + 32 * c)));
+    __m512i top[2] = {magic, magic}; /* the bits above each lane's nibble: 128, and Q5_K's 16 */
+    if (kind == Q5_K) { /* rotated right by its output's index, a fifth-bit word holds them at bits 4 and 20 */
+        const __m512i turn = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const int32_t *bits = (const int32_t *)(w + kb * kind_bytes(kind) + 384) + 2 * c;
+        for (int p = 0; p < 2; p++)
+            top[p] = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32(bits[p]), turn),
+                                               _mm512_set1_epi32(0x00100010), magic, 0xEA);
+    }
+    pair[0] = _mm512_ternarylogic_epi32(raw, nibbles, top[0], 0xEA); /* a & b | c */
+    pair[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, top[1], 0xEA);
+}
+
 /* acc[r][b] = row r of x (rows k apart) times block wb[b] (a 16-output stream of k/32 blocks of
  * 320 bytes (kind Q4_1), Q4_K's 384 (fp32 d and m) or Q5_K's 448 (then the fifth bits));
  * xsum[r * kb_count + kb]: row r's sum of x over k block kb */
 static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t k, const float *xsum,
                                                           const uint8_t *const *wb, const int R, const int NB,
                                                           const int kind, __m512 acc[ROWS][GROUP]) {
-    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
-    /* Q5_K: rotated right by its output's index, a fifth-bit word holds them at bits 4 and 20 */
-    const __m512i turn = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i fifth = _mm512_set1_epi32(0x00100010);
     const int64_t blocks = k / 32;
-    const int scales = nibbles_at(kind), bytes = kind_bytes(kind); /* d, m, nibbles(, bits) */
+    const int bytes = kind_bytes(kind); /* d, m, nibbles(, bits) */
     const int32_t *xp = (const int32_t *)x; /* a pair of bf16 x values as one 32-bit lane */
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
@@ -122,18 +138,9 @@ static inline __attribute__((always_inline)) void q4_tile(const bf16 *x, int64_t
                 xb[r] = (__m512bh)_mm512_set1_epi32(xp[r * (k / 2) + kb * 16 + 2 * c + 1]);
             }
             for (int b = 0; b < NB; b++) {
-                const __m512i raw = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(q4_block(wb[b], kb, kind) + scales + 32 * c)));
-                __m512i top[2] = {magic, magic}; /* the bits above each lane's nibble: 128, and Q5_K's 16 */
-                if (kind == Q5_K) {
-                    const int32_t *bits = (const int32_t *)(wb[b] + kb * bytes + 384) + 2 * c;
-                    for (int p = 0; p < 2; p++)
-                        top[p] = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32(bits[p]), turn),
-                                                           fifth, magic, 0xEA);
-                }
-                const __m512bh wa = (__m512bh)_mm512_ternarylogic_epi32(raw, nibbles, top[0], 0xEA); /* a & b | c */
-                const __m512bh wbh =
-                    (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, top[1], 0xEA);
+                __m512i pair[2];
+                q4_operands(wb[b], kb, c, kind, pair);
+                const __m512bh wa = (__m512bh)pair[0], wbh = (__m512bh)pair[1];
                 for (int r = 0; r < R; r++) {
                     blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wa, xa[r]);
                     blk[r][b] = _mm512_dpbf16_ps(blk[r][b], wbh, xb[r]);
@@ -216,24 +223,12 @@ static inline __attribute__((always_inline)) void q4_group(const bf16 *x, int64_
  * registers, built once for every row of a call. */
 static inline __attribute__((always_inline)) void q4_widen_exact(const uint8_t *w, const int64_t blocks,
                                                                  const int kind, bf16 *dst) {
-    const __m512i nibbles = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
-    const __m512i turn = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i fifth = _mm512_set1_epi32(0x00100010);
-    const int scales = nibbles_at(kind), bytes = kind_bytes(kind);
     for (int64_t kb = 0; kb < blocks; kb++)
         for (int c = 0; c < 8; c++) {
-            const __m512i raw = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256((const __m256i *)(q4_block(w, kb, kind) + scales + 32 * c)));
-            __m512i top[2] = {magic, magic};
-            if (kind == Q5_K) {
-                const int32_t *bits = (const int32_t *)(w + kb * bytes + 384) + 2 * c;
-                for (int p = 0; p < 2; p++)
-                    top[p] = _mm512_ternarylogic_epi32(_mm512_rorv_epi32(_mm512_set1_epi32(bits[p]), turn), fifth,
-                                                       magic, 0xEA);
-            }
-            _mm512_storeu_si512(dst + (kb * 16 + 2 * c) * 32, _mm512_ternarylogic_epi32(raw, nibbles, top[0], 0xEA));
-            _mm512_storeu_si512(dst + (kb * 16 + 2 * c + 1) * 32,
-                                _mm512_ternarylogic_epi32(_mm512_srli_epi32(raw, 4), nibbles, top[1], 0xEA));
+            __m512i pair[2];
+            q4_operands(w, kb, c, kind, pair);
+            _mm512_storeu_si512(dst + (kb * 16 + 2 * c) * 32, pair[0]);
+            _mm512_storeu_si512(dst + (kb * 16 + 2 * c + 1) * 32, pair[1]);
         }
 }
 
