@@ -49,7 +49,7 @@ class CpuWing(DeviceWing):
         check_quantization(self.config.quantization, self.config.dtype, self.config.device)
 
     def batch_invariant(self) -> bool:
-        return self.config.quantization != "gguf" or (ops.exact_rows and ops.gguf_rows_exact())
+        return self.config.quantization != "gguf" or ops.gguf_every_row()
 
     def load_hooks(self, model: CausalLM) -> Packer | None:
         gguf_file = gguf_source(self.config.model_dir)

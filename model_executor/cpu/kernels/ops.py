@@ -78,10 +78,16 @@ def gguf_rows_exact() -> bool:
     return build.bf16_linear_isa() == "AVX-512 BF16" and build.q6ks_available()
 
 
+def gguf_every_row() -> bool:
+    """Whether GGUF weights run on their blocks at every row count in this process: asked for
+    (exact_rows) and taken alike here (gguf_rows_exact)."""
+    return exact_rows and gguf_rows_exact()
+
+
 def q4_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q4_linear / srt_q4k_linear / srt_q5k_linear takes the packed 4-bit (or Q5_K)
     weight for."""
-    if exact_rows and gguf_rows_exact():
+    if gguf_every_row():
         return sys.maxsize
     if packed.shape[-1] == Q5K_BLOCK_BYTES:
         return Q5K_MAX_ROWS
@@ -95,7 +101,7 @@ def _gguf_on_tiles() -> bool:
 
 def q8_max_rows(packed: torch.Tensor) -> int:
     """The most rows srt_q8_linear / srt_q6k_linear takes the packed 8-bit weight for."""
-    if exact_rows and gguf_rows_exact():
+    if gguf_every_row():
         return sys.maxsize
     if packed.shape[-1] not in (Q6K_BLOCK_BYTES, Q6KS_BLOCK_BYTES):
         return Q8_MAX_ROWS
