@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from consensus import rank_consensus
+from mem_cache.disk_tier import DiskTier
 from mem_cache.kv_memory import KVMemory
-from mem_cache.radix_cache import BasePrefixCache, MatchResult, Namespace
+from mem_cache.radix_cache import BASE, BasePrefixCache, MatchResult, Namespace
 from scheduler.req import Req
 
 logger = logging.getLogger("srt.scheduler")
@@ -25,12 +26,19 @@ logger = logging.getLogger("srt.scheduler")
 
 class KVManager:
     def __init__(
-        self, memory: KVMemory, tree_cache: BasePrefixCache, long_prompt_over: int | None = None
+        self,
+        memory: KVMemory,
+        tree_cache: BasePrefixCache,
+        long_prompt_over: int | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         """`long_prompt_over`: with LongRoPE's long factors, the prompt length past which a request
         runs every position on them (layers/rotary.py LongRope), so its KV differs from a shorter
-        prompt's at the same tokens: the prefix cache keeps the two apart (cache_key)."""
+        prompt's at the same tokens: the prefix cache keeps the two apart (cache_key). `disk`: the
+        prefix cache's tier on disk (--enable-hierarchical-cache), read on a miss, written on release."""
         self.memory = memory
+        self.disk = disk
+        self._disk_checked: set[str] = set()  # requests whose prefix the disk was asked for
         self.long_prompt_over = long_prompt_over
         self.req_to_token_pool = memory.req_to_token_pool
         self.req_to_token = memory.req_to_token_pool.req_to_token
@@ -84,12 +92,60 @@ class KVManager:
 
     def match(self, req: Req) -> tuple[int, MatchResult]:
         """The usable length of `req`'s cached prefix, and the lookup to pass to `admit` if the
-        tree does not change in between (a lookup may split a node). Locks nothing."""
+        tree does not change in between (a lookup may split a node). Locks nothing. With a disk
+        tier, the first lookup of a request first restores into the tree what the disk has past it."""
+        if (disk := self._disk_for(req)) is not None and req.rid not in self._disk_checked:
+            self._disk_checked.add(req.rid)
+            self._restore(req, disk)
+        return self._lookup(req)
+
+    def _lookup(self, req: Req) -> tuple[int, MatchResult]:
         match = self.tree_cache.match_prefix(self.cache_key(req), self.namespace(req))
         return self._usable_prefix(req, match), match
 
+    def _disk_for(self, req: Req) -> DiskTier | None:
+        """The disk tier for req's prefix: the base model's prefixes under the weights the server
+        started with (the files name those weights' files). An adapter's id or a weights' version
+        names other KV in another server's life, so their prefixes stay in memory alone."""
+        return self.disk if self.namespace(req) == BASE else None
+
     def peek_prefix_len(self, req: Req) -> int:
-        return self.match(req)[0]
+        """The tree's usable prefix of `req` (the disk is not asked)."""
+        return self._lookup(req)[0]
+
+    @rank_consensus(args={"req": lambda r: r.rid}, result=True, name="disk_restore")
+    def _restore(self, req: Req, disk: DiskTier) -> int:
+        """Puts the blocks of `req`'s prefix past the tree's match that every rank has on disk into
+        new pages and the tree (unlocked, like any cached prefix); returns the tokens restored.
+        Each rank reads its own files; the blocks used are the MIN over the world, so every rank
+        makes the same pages and tree. Evicts cache for the pages if it must, never the match."""
+        key, namespace = self.cache_key(req), self.namespace(req)
+        match = self.tree_cache.match_prefix(key, namespace)
+        have, t = len(match.kv_indices), disk.block_tokens
+        limit = min(req.seq_len - 1, req.max_cached_prefix_len) // t * t
+        if have >= limit:  # the same on every rank: no collective
+            return 0
+        first = have // t  # the block `have` falls in; its part before `have` is in the tree
+        blocks = disk.read(disk.block_names(namespace, key, limit // t)[first:])
+        n = disk.agree(len(blocks))
+        self.tree_cache.inc_lock_ref(match.last_node)
+        pages = ((first + n) * t - have) // self.page_size
+        if pages:
+            self._ensure_free_pages(pages)
+            pages = min(pages, self.allocator.num_free_pages)
+        page_ids = self.allocator.alloc_pages(pages)
+        self.tree_cache.dec_lock_ref(match.last_node)
+        if not pages or page_ids is None:
+            return 0
+        offsets = torch.arange(self.page_size, device=page_ids.device)
+        slots = (page_ids[:, None] * self.page_size + offsets).reshape(-1).to(match.kv_indices.device)
+        disk.load_into_pool(blocks[:n], slots, have - first * t)
+        restored = self.tree_cache.insert(
+            key[: have + len(slots)], torch.cat([match.kv_indices, slots]), namespace
+        )
+        assert restored == have, (restored, have)
+        disk.stats.hit_tokens += len(slots)
+        return len(slots)
 
     @rank_consensus(args={"req": lambda r: r.rid}, result=True, name="radix_match")
     def admit(self, req: Req, match: MatchResult | None = None) -> int:
@@ -201,12 +257,19 @@ class KVManager:
     def release(self, req: Req, *, insert: bool) -> None:
         """Frees the request's row; its computed KV goes into the prefix cache (insert=True) or
         back to the allocator. Unlocks its prefix. A request never admitted is left alone."""
+        self._disk_checked.discard(req.rid)
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
         kv = self.req_to_token[row, : req.kv_len].clone()
         if insert:
-            present = self.tree_cache.insert(self.cache_key(req, req.kv_len), kv, self.namespace(req))
+            key = self.cache_key(req, req.kv_len)
+            if (disk := self._disk_for(req)) is not None:  # copies the blocks' KV now; written later
+                blocks = len(key) // disk.block_tokens
+                disk.submit(
+                    disk.block_names(self.namespace(req), key, blocks), kv[: blocks * disk.block_tokens]
+                )
+            present = self.tree_cache.insert(key, kv, self.namespace(req))
             aligned = self.tree_cache.page_aligned_len(req.kv_len)
             # The cache already had kv[cached_len:present] from someone else, and never takes the
             # partial last page kv[aligned:]: both stay ours to free.
@@ -271,6 +334,7 @@ class KVManager:
             "evictable_tokens": self.tree_cache.evictable_size(),
             "protected_tokens": self.tree_cache.protected_size(),
             "kv_integrity_error": self.integrity_error(live),
+            **({} if self.disk is None else {"disk_tier": self.disk.report()}),
         }
 
     def integrity_error(self, live: list[Req]) -> str | None:

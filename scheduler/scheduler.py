@@ -15,6 +15,7 @@ import torch
 
 import consensus
 from consensus import rank_consensus
+from mem_cache.disk_tier import open_disk_tier
 from mem_cache.radix_cache import BasePrefixCache, NoPrefixCache, RadixCache
 from model_executor.constrained import JsonOptions, LazyGrammarBackend
 from model_executor.distributed.parallel_state import ParallelState
@@ -100,9 +101,8 @@ class Scheduler:
             memory.free_slots, page_size=memory.page_size, device=self.runner.device
         )
         original = self.runner.info.long_rope_original
-        self.kv = KVManager(
-            memory, self.tree_cache, long_prompt_over=None if original is None else int(original)
-        )
+        disk = open_disk_tier(self.args, self.parallel, memory.kv_pool)  # None unless --enable-hicache
+        self.kv = KVManager(memory, self.tree_cache, None if original is None else int(original), disk)
 
     def _init_state(self) -> None:
         # LoRA adapters by name: --lora-paths' as the runner loaded them, then the runtime's changes

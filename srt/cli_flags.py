@@ -10,9 +10,11 @@ from typing import Any
 
 from srt.server_args import (
     ATTENTION_BACKENDS,
+    DEFAULT_HICACHE_STORAGE_DIR,
     DEVICES,
     DTYPES,
     GRAMMAR_BACKENDS,
+    HICACHE_FIXED,
     LOG_LEVELS,
     QUANTIZATIONS,
     REASONING_PARSERS,
@@ -605,6 +607,48 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 default=None,
                 help="the modules adapters may target, e.g. q_proj v_proj, or all (default: any linear layer "
                 "of the model; MoE experts are refused)",
+            ),
+        ),
+    ),
+    FlagGroup(
+        "Prompt cache on disk",
+        ("architecture.md",),
+        (
+            _flag(
+                "--enable-hierarchical-cache",
+                "--enable-hicache",
+                action="store_true",
+                help="keep the radix cache's prefixes on disk too, across restarts (SGLang's flag): needs "
+                "--hicache-storage-backend file. Each rank writes its own KV shard of a prefix's whole blocks "
+                "after the request ends and reads them back on a miss; a prefix is used only as far as every "
+                "rank has it",
+            ),
+            _flag(
+                "--hicache-storage-backend",
+                default=None,
+                help="where the hierarchical cache keeps prefixes: file (a directory) only; SGLang's other "
+                "backends are refused by name (default: none, no hierarchical cache)",
+            ),
+            _flag(
+                "--hicache-storage-dir",
+                default=None,
+                help=f"the file backend's directory (default: SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else "
+                f"{DEFAULT_HICACHE_STORAGE_DIR})",
+            ),
+            _flag(
+                "--hicache-storage-max-size",
+                default=None,
+                help="the most bytes the server's files in the directory take, e.g. 200G or 1Gi; the least "
+                "recently used go first (default: SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE, else no bound)",
+            ),
+            *(
+                _flag(
+                    "--" + name.replace("_", "-"),
+                    type=float if name == "hicache_ratio" else type(default) if default is not None else str,
+                    default=None,
+                    help=f"SGLang's; accepted at its default ({default}) only: {why}",
+                )
+                for name, default, why in HICACHE_FIXED
             ),
         ),
     ),

@@ -58,7 +58,44 @@ ENV_DEFAULTS = {
     **SECRET_ENV,
     "req_waiting_timeout": "SGLANG_REQ_WAITING_TIMEOUT",
     "req_running_timeout": "SGLANG_REQ_RUNNING_TIMEOUT",
+    "hicache_storage_dir": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+    "hicache_storage_max_size": "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
 }
+# SGLang's --hicache-storage-backend choices; srt has the file backend alone (mem_cache/disk_tier.py)
+SGLANG_HICACHE_STORAGE_BACKENDS = (
+    "file",
+    "sim",
+    "mooncake",
+    "npu_memcache",
+    "hf3fs",
+    "nixl",
+    "aibrix",
+    "dynamic",
+    "eic",
+    "simm",
+    "mori",
+    "shm",
+    "tensorcast",
+    "seaweedfs",
+)
+DEFAULT_HICACHE_STORAGE_DIR = "/tmp/hicache"  # SGLang's file backend's default
+# SGLang's hierarchical-cache flags srt accepts at their defaults only: srt has no host-memory tier,
+# its disk tier is written through from the radix cache and read synchronously on a miss
+HICACHE_FIXED: tuple[tuple[str, Any, str], ...] = (
+    ("hicache_ratio", None, "srt has no host-memory tier"),
+    ("hicache_size", 0, "srt has no host-memory tier"),
+    ("hicache_host_memory_fraction", 0.8, "srt has no host-memory tier"),
+    ("hicache_host_memory_mode", "cache", "srt has no host-memory tier"),
+    ("hicache_write_policy", "write_through", "srt writes every cached page through to the disk tier"),
+    ("hicache_io_backend", "kernel", "srt reads and writes the disk tier from the host"),
+    ("hicache_mem_layout", "page_first", "srt's page files hold one block's layers in order"),
+    ("hicache_storage_prefetch_policy", "timeout", "srt reads a prefix before admitting its request"),
+    (
+        "hicache_storage_backend_extra_config",
+        None,
+        "the file backend takes its directory and size from flags",
+    ),
+)
 
 # Fields that must be positive, checked in this order, and whether each may be None (off).
 POSITIVE_FIELDS: tuple[tuple[str, bool], ...] = (
@@ -98,6 +135,38 @@ def _env_gib(name: str) -> float | None:
     """vLLM's VLLM_CPU_KVCACHE_SPACE: GiB; unset or 0 means its default."""
     value = float(os.environ.get(name) or 0)
     return value if value > 0 else None
+
+
+def _env_str(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_size(value: str, flag: str) -> int:
+    """Bytes of a size as SGLang's file backend reads it: an integer with an optional SI (K, M, G, T)
+    or IEC (Ki, Mi, Gi, Ti) suffix, B allowed after it; 0: no bound. Raises ValueError naming `flag`."""
+    text = value.strip().lower().removesuffix("b")
+    digits = text.rstrip("kmgti")
+    unit = text[len(digits) :]
+    try:
+        number = float(digits)
+    except ValueError:
+        number = -1.0
+    if number < 0 or unit not in _SIZE_UNITS:
+        raise ValueError(f"{flag} must be a size such as 200G, 1Gi or 1048576 (0: no bound); got {value!r}")
+    return int(number * _SIZE_UNITS[unit])
 
 
 def _env_timeout(name: str) -> float | None:
@@ -236,6 +305,26 @@ class ServerArgs:
     max_lora_rank: int | None = None  # None: any rank
     lora_target_modules: tuple[str, ...] | None = None  # None: any of the model's linear layers
 
+    # A prompt cache on disk (mem_cache/disk_tier.py): SGLang's hierarchical-cache flags
+    enable_hierarchical_cache: bool = False  # with --hicache-storage-backend file
+    hicache_storage_backend: str | None = None  # "file" only
+    # the file backend's directory (None: /tmp/hicache, SGLang's) and bound on its bytes (None or 0: none)
+    hicache_storage_dir: str | None = field(
+        default_factory=lambda: _env_str(ENV_DEFAULTS["hicache_storage_dir"])
+    )
+    hicache_storage_max_size: str | None = field(
+        default_factory=lambda: _env_str(ENV_DEFAULTS["hicache_storage_max_size"])
+    )
+    hicache_ratio: float | None = None
+    hicache_size: int = 0
+    hicache_host_memory_fraction: float = 0.8
+    hicache_host_memory_mode: str = "cache"
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "kernel"
+    hicache_mem_layout: str = "page_first"
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_backend_extra_config: str | None = None
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -249,6 +338,7 @@ class ServerArgs:
         self._check_cuda_graph()
         self._check_speculative()
         self._check_lora()
+        self._check_hicache()
 
     def _check_positive(self) -> None:
         for name, optional in POSITIVE_FIELDS:
@@ -447,6 +537,46 @@ class ServerArgs:
                 raise ValueError(f"--enable-lora does not run with {flag} in srt yet")
         for ref in adapters:
             check_adapter(ref, self.max_lora_rank, self.lora_target_modules)
+
+    def _check_hicache(self) -> None:
+        """srt's hierarchical cache is the file backend's disk tier alone, under the radix cache."""
+        backend = self.hicache_storage_backend
+        if backend is not None and backend not in SGLANG_HICACHE_STORAGE_BACKENDS:
+            raise ValueError(
+                f"--hicache-storage-backend must be one of {', '.join(SGLANG_HICACHE_STORAGE_BACKENDS)}; got {backend!r}"
+            )
+        if backend not in (None, "file"):
+            raise ValueError(f"--hicache-storage-backend {backend} is not implemented in srt; it has file")
+        for name, default, why in HICACHE_FIXED:
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} is not supported ({why}); "
+                    f"srt takes only its default, {default}"
+                )
+        if self.hicache_storage_max_size is not None:
+            parse_size(self.hicache_storage_max_size, "--hicache-storage-max-size")
+        if self.enable_hierarchical_cache != (backend is not None):
+            raise ValueError(
+                "--enable-hierarchical-cache needs --hicache-storage-backend file (srt has no host-memory tier)"
+                if self.enable_hierarchical_cache
+                else f"--hicache-storage-backend {backend} needs --enable-hierarchical-cache"
+            )
+        if self.enable_hierarchical_cache and (self.disable_radix_cache or self.is_embedding):
+            flag = "--disable-radix-cache" if self.disable_radix_cache else "--is-embedding"
+            raise ValueError(
+                f"--enable-hierarchical-cache stores the radix cache's prefixes: not with {flag}"
+            )
+
+    @property
+    def disk_tier_on(self) -> bool:
+        """Whether the radix cache has a tier on disk (mem_cache/disk_tier.py)."""
+        return self.enable_hierarchical_cache and self.hicache_storage_backend == "file"
+
+    @property
+    def hicache_max_bytes(self) -> int:
+        """The bound on the disk tier's bytes, the server's ranks together (0: none)."""
+        size = self.hicache_storage_max_size
+        return 0 if size is None else parse_size(size, "--hicache-storage-max-size")
 
     @property
     def lora_enabled(self) -> bool:

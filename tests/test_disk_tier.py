@@ -1,0 +1,278 @@
+"""The radix cache's tier on disk (mem_cache/disk_tier.py): its files, and a scheduler that
+restores a prefix from another's files with the outputs of recomputation."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from scheduler_harness import Harness
+from server_fixture import Server
+
+from mem_cache.disk_tier import DiskTier
+from mem_cache.kv_pool import PagedKVPool
+from mem_cache.radix_cache import BASE, Namespace
+from srt.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+PROMPT = [(7 * i + 3) % 200 + 1 for i in range(150)]  # two whole blocks of 64 and a tail
+
+
+def _pool(page_size: int = 4, dtype: torch.dtype = torch.bfloat16) -> PagedKVPool:
+    return PagedKVPool(64, page_size, num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype)
+
+
+def _tier(directory: Path, identity: object = "m", **kwargs: object) -> DiskTier:
+    pool = kwargs.pop("pool", None) or _pool()
+    return DiskTier(directory, {"model": identity}, pool, **kwargs)  # type: ignore[arg-type]
+
+
+def _fill(tier: DiskTier, tokens: int) -> torch.Tensor:
+    """Random KV in the pool's first `tokens` slots; returns the slots."""
+    slots = torch.arange(tokens)
+    for layer in range(tier.pool.num_layers):
+        k = torch.randn(tokens, tier.pool.num_kv_heads, tier.pool.head_dim)
+        tier.pool.set_kv_buffer(layer, slots, k, -k)
+    return slots
+
+
+def test_blocks_round_trip_and_keys_name_the_whole_prefix(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    t = tier.block_tokens
+    ids = list(range(1, 2 * t + 1))
+    names = tier.block_names(BASE, ids, 2)
+    slots = _fill(tier, 2 * t)
+    tier.submit(names, slots)
+    tier.flush()
+    assert sorted(os.listdir(tmp_path)) == sorted(names)
+    blocks = tier.read(names)
+    k, v = tier.pool.get_kv_buffer(1)
+    assert torch.equal(blocks[1][1, 0], k[t : 2 * t]) and torch.equal(blocks[1][1, 1], v[t : 2 * t])
+    # a block's name covers every token before it, and the namespace
+    other = tier.block_names(BASE, [9, *ids[1:]], 2)
+    assert other[0] != names[0] and other[1] != names[1]
+    assert tier.block_names(Namespace(adapter=1), ids, 2)[0] != names[0]
+    assert tier.block_names(BASE, ids, 1) == names[:1]
+
+
+def test_another_identity_never_reads_the_files(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    names = tier.block_names(BASE, list(range(tier.block_tokens)), 1)
+    tier.submit(names, _fill(tier, tier.block_tokens))
+    tier.flush()
+    for other in (_tier(tmp_path, "m2"), _tier(tmp_path, pool=_pool(page_size=8))):
+        theirs = other.block_names(BASE, list(range(tier.block_tokens)), 1)
+        assert theirs != names and other.read(theirs) == []
+        assert other.bytes_on_disk() == 0  # nor are they counted as its files
+    # a foreign file under the name this tier asks for: a miss, and deleted
+    (tmp_path / "x").write_bytes((tmp_path / names[0]).read_bytes())
+    foreign = _tier(tmp_path, "m2")
+    theirs = foreign.block_names(BASE, list(range(tier.block_tokens)), 1)
+    os.replace(tmp_path / "x", tmp_path / theirs[0])
+    assert foreign.read(theirs) == [] and not (tmp_path / theirs[0]).exists()
+    assert foreign.stats.bad_blocks == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_a_damaged_file_is_a_miss_and_deleted(tmp_path: Path, damage: str) -> None:
+    tier = _tier(tmp_path)
+    t = tier.block_tokens
+    names = tier.block_names(BASE, list(range(3 * t)), 3)
+    tier.submit(names, _fill(tier, 3 * t))
+    tier.flush()
+    path = tmp_path / names[1]
+    data = path.read_bytes()
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data = data[:-100] + bytes([data[-100] ^ 1]) + data[-99:]
+    else:
+        data = b""
+    path.write_bytes(data)
+    fresh = _tier(tmp_path)  # as after a restart
+    assert len(fresh.read(names)) == 1  # the blocks before it only
+    assert not path.exists() and fresh.stats.bad_blocks == 1
+
+
+def test_least_recently_used_files_go_past_the_bound(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    t = tier.block_tokens
+    names = tier.block_names(BASE, list(range(4 * t)), 4)
+    slots = _fill(tier, 4 * t)
+    tier.submit(names[:2], slots[: 2 * t])
+    tier.flush()
+    size = (tmp_path / names[0]).stat().st_size
+    bounded = _tier(tmp_path, max_bytes=3 * size)
+    assert bounded.read(names[:1])  # the first block is now the most recently used
+    bounded.submit(names, slots)
+    bounded.flush()
+    assert sorted(os.listdir(tmp_path)) == sorted([names[0], names[2], names[3]])
+    assert bounded.bytes_on_disk() == 3 * size and bounded.stats.evicted_blocks == 1
+
+
+def test_a_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer that fails mid-file leaves no file under the block's name and no temporary file."""
+    tier = _tier(tmp_path)
+    names = tier.block_names(BASE, list(range(tier.block_tokens)), 1)
+
+    def fail(self: Path, data: bytes) -> int:
+        Path.open(self, "wb").write(data[:10])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_bytes", fail)
+    tier.submit(names, _fill(tier, tier.block_tokens))
+    tier.flush()
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert tier.read(names) == []
+
+
+def test_only_the_file_backend_with_the_radix_cache() -> None:
+    with pytest.raises(ValueError, match="needs --hicache-storage-backend file"):
+        ServerArgs(enable_hierarchical_cache=True)
+    with pytest.raises(ValueError, match="--hicache-storage-backend mooncake is not implemented"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="mooncake")
+    with pytest.raises(ValueError, match="--hicache-write-policy write_back is not supported"):
+        ServerArgs(
+            enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_write_policy="write_back"
+        )
+    with pytest.raises(ValueError, match="not with --disable-radix-cache"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file", disable_radix_cache=True)
+    args = ServerArgs(
+        enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_max_size="2Gi"
+    )
+    assert args.hicache_max_bytes == 2 * 2**30
+
+
+def _serve(
+    model_dir: Path, directory: Path | None, rid: str, prompt: list[int] = PROMPT, **kwargs: object
+) -> Harness:
+    hicache = (
+        {}
+        if directory is None
+        else {
+            "enable_hierarchical_cache": True,
+            "hicache_storage_backend": "file",
+            "hicache_storage_dir": str(directory),
+        }
+    )
+    h = Harness(model_dir, dtype="bfloat16", max_total_tokens=1024, **hicache, **kwargs)  # type: ignore[arg-type]
+    h.submit(rid, prompt, GREEDY)
+    h.run_until_idle()
+    assert h.integrity_error() is None
+    return h
+
+
+def test_a_new_scheduler_restores_the_prefix_with_recomputations_outputs(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    model = tiny_model_dirs["llama"]
+    plain = _serve(model, None, "plain")
+    first = _serve(model, tmp_path, "first")
+    assert first.meta["first"]["cached_tokens"] == 0
+    assert first.scheduler.kv.disk is not None
+    first.scheduler.kv.disk.flush()
+    second = _serve(model, tmp_path, "second")  # a restart: an empty radix cache, the same directory
+    assert second.meta["second"]["cached_tokens"] == 128  # two whole blocks of the 150-token prompt
+    assert second.tokens["second"] == first.tokens["first"] == plain.tokens["plain"]
+    # one block corrupted: the prefix before it is restored, the rest recomputed, the same outputs
+    disk = second.scheduler.kv.disk
+    assert disk is not None
+    names = disk.block_names(BASE, PROMPT, 2)
+    path = tmp_path / names[1]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    third = _serve(model, tmp_path, "third")
+    assert third.meta["third"]["cached_tokens"] == 64
+    assert third.tokens["third"] == plain.tokens["plain"]
+    assert third.scheduler.internal_state()["disk_tier"]["bad_blocks"] == 1
+    third_disk = third.scheduler.kv.disk
+    assert third_disk is not None
+    third_disk.flush()  # the corrupt file was deleted, and the block written again from the recomputed KV
+    assert path.read_bytes() != bytes(data) and len(third_disk.read(names)) == 2
+    # a prefix partly in the tree already: the blocks from disk fill in past it
+    fifth = _serve(model, tmp_path, "short", prompt=PROMPT[:40])
+    fifth.submit("fifth", PROMPT, GREEDY)
+    fifth.run_until_idle()
+    assert fifth.meta["fifth"]["cached_tokens"] == 128 and fifth.tokens["fifth"] == plain.tokens["plain"]
+    assert fifth.scheduler.internal_state()["disk_tier"]["hit_tokens"] == 128 - 40
+    # another page size is another identity: none of these files is read
+    fourth = _serve(model, tmp_path, "fourth", page_size=4)
+    assert fourth.meta["fourth"]["cached_tokens"] == 0
+
+
+def _wait_for_files(directory: Path, count: int, timeout: float = 30.0) -> None:
+    """Blocks reach the disk in the background after the request ends."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = os.listdir(directory)
+        if sum(n.endswith(".kv") for n in names) >= count and not any(n.endswith(".tmp") for n in names):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{count} block files not written to {directory}: {os.listdir(directory)}")
+
+
+@pytest.mark.slow
+def test_a_restarted_server_serves_the_prompt_from_disk(tmp_path: Path) -> None:
+    """The bundled model, bf16: a server answers a 200-token prompt cold (nothing cached: the
+    recomputation), is stopped; a new server on the directory answers it with 192 tokens restored,
+    token for token the same."""
+    flags = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
+    payload = {"input_ids": PROMPT + PROMPT[:50], "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
+    with Server(*flags, "--hicache-storage-dir", str(tmp_path)) as server:
+        cold = server.generate(payload).json()
+        assert cold["meta_info"]["cached_tokens"] == 0
+        _wait_for_files(tmp_path, 3)
+    with Server(*flags, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}) as server:
+        warm = server.generate(payload).json()
+        assert warm["meta_info"]["cached_tokens"] == 192
+        assert warm["output_ids"] == cold["output_ids"] and warm["text"] == cold["text"]
+        assert server.internal_state()["disk_tier"]["hit_tokens"] == 192
+
+
+@pytest.mark.slow
+def test_tp2_a_prefix_one_rank_lacks_is_a_miss_on_every_rank(
+    tiny_model_dirs: dict[str, Path], smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """TP=2 (the tiny Llama, bf16): after a restart, a prompt whose blocks both ranks have is
+    restored; one whose blocks a rank lost is recomputed on both (the hit is the MIN over the
+    world), the outputs unchanged."""
+    flags = (
+        "--model-path",
+        str(tiny_model_dirs["llama"]),
+        "--tokenizer-path",
+        str(smollm2_dir),
+        "--tp-size",
+        "2",
+    )
+    flags += (
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-dir",
+        str(tmp_path),
+    )
+    prompts = [PROMPT + PROMPT[:50], [1] + PROMPT[::-1] + PROMPT[:49]]
+    payloads = [
+        {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16}} for p in prompts
+    ]
+    with Server(*flags) as server:
+        cold = [server.generate(payloads[0]).json()]
+        _wait_for_files(tmp_path, 6)  # three blocks on each rank
+        first = set(os.listdir(tmp_path))
+        cold.append(server.generate(payloads[1]).json())
+        _wait_for_files(tmp_path, 12)
+    second = sorted(set(os.listdir(tmp_path)) - first)
+    lost = [name for name in second if name.split("-")[0] == second[0].split("-")[0]]
+    assert len(lost) == 3
+    for name in lost:  # one rank's blocks of the second prompt
+        (tmp_path / name).unlink()
+    with Server(*flags) as server:
+        warm = [server.generate(p).json() for p in payloads]
+    assert [w["meta_info"]["cached_tokens"] for w in warm] == [192, 0]
+    assert [w["output_ids"] for w in warm] == [c["output_ids"] for c in cold]
