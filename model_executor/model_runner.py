@@ -8,11 +8,13 @@ it runs faster than the layers op by op) comes from its wing (device_wing.py; th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from model_executor.sampler import Sampler
 from model_executor.sampling_inputs import SamplingInputs, StepOutput
 from model_executor.step_runner import NoStepRunner, StepRunner
 from srt.lora_config import LoraRef
+from srt.weight_checkpoint import check_checkpoint
 
 logger = logging.getLogger("srt.model_runner")
 
@@ -178,25 +181,9 @@ class ModelRunner:
             lm_head_cost_in_layers(self.hf_config),
         )
         self.stage_link = StageLink(pp) if pp.world_size > 1 else None
-        with torch.device(self.device):
-            self.model: CausalLM = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)
-        load_weights(
-            self.model,
-            iter_checkpoint(self.config.model_dir),
-            progress=self.parallel.world.is_first,
-            hooks=self.wing.load_hooks(self.model),
-        )
-        self.model.eval()
-        self.moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
-
-        def load_float32() -> CausalLM:  # the checkpoint's exact values, for a layout that needs them
-            with torch.device(self.device):
-                model = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
-            load_weights(model, iter_checkpoint(self.config.model_dir))
-            return model
-
         self.parallel.tp.fixed_order_sum = self.config.deterministic or self.config.fixed_order_sum
-        self.wing.prepare_weights(self.model, load_float32)
+        self.model: CausalLM = self._load_model(self.config.model_dir)
+        self.moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
         self.lora: LoraAdapters | None = None  # with --enable-lora: every adaptable layer's adapters
         if self.config.lora_adapters is not None:
             self.lora = LoraAdapters(
@@ -218,6 +205,48 @@ class ModelRunner:
             self.config.dtype,
             time.perf_counter() - start,
         )
+
+    def _load_model(self, model_dir: Path) -> CausalLM:
+        """A new model of this rank's stage with `model_dir`'s weights, laid out by the wing."""
+        model_cls = get_model_class(self.hf_config)
+        with torch.device(self.device):
+            model = model_cls(self.hf_config, self.parallel.tp, self.config.dtype, self.stage)
+        load_weights(
+            model,
+            iter_checkpoint(model_dir),
+            progress=self.parallel.world.is_first,
+            hooks=self.wing.load_hooks(model),
+        )
+        model.eval()
+
+        def load_float32() -> CausalLM:  # the checkpoint's exact values, for a layout that needs them
+            with torch.device(self.device):
+                exact = model_cls(self.hf_config, self.parallel.tp, torch.float32, self.stage)
+            load_weights(exact, iter_checkpoint(model_dir))
+            return exact
+
+        self.wing.prepare_weights(model, load_float32)
+        return model
+
+    def stage_weights(self, model_dir: Path) -> Callable[[], None]:
+        """Loads this rank's shard of `model_dir` (a safetensors folder of the running model's
+        architecture and config) into a new model beside the serving one, which keeps serving.
+        Returns the commit that swaps it in (between steps); dropping it drops the new weights.
+        ValueError or OSError names the cause (scheduler/weight_registry.py agrees on it)."""
+        check_checkpoint(model_dir, self.config.model_dir)
+        if self.lora is not None or self.routes is not None:
+            raise ValueError(
+                "update_weights_from_disk runs without --enable-lora and --enable-return-routed-experts"
+            )
+        model = self._load_model(model_dir)
+
+        def commit() -> None:
+            self.model = model
+            self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+            self.config = dataclasses.replace(self.config, model_dir=model_dir)
+            self._init_step_runner()  # the fused paths lay out the new weights (CUDA graphs: recaptured)
+
+        return commit
 
     @property
     def vocab_size(self) -> int:

@@ -198,6 +198,11 @@ class Admission:
                 )
         return reqs
 
+    def retract(self, req: Req) -> None:
+        """Puts `req` (taken off `running` by the caller) first in the waiting queue with its tokens,
+        its KV released into the prefix cache: it resumes from what it holds (a pause's retract)."""
+        self._retract(req)
+
     @rank_consensus(args={"req": lambda r: r.rid})
     def _retract(self, req: Req) -> None:
         self.kv.release(req, insert=True)

@@ -87,8 +87,9 @@ class KVManager:
 
     @staticmethod
     def namespace(req: Req) -> Namespace:
-        """What besides its ids req's KV depends on: its LoRA adapter (mem_cache/radix_cache.py)."""
-        return Namespace(adapter=req.lora_id)
+        """What besides its ids req's KV depends on: its LoRA adapter and the weights' epoch
+        (mem_cache/radix_cache.py)."""
+        return Namespace(adapter=req.lora_id, weight_version=req.weight_epoch)
 
     def match(self, req: Req) -> tuple[int, MatchResult]:
         """The usable length of `req`'s cached prefix, and the lookup to pass to `admit` if the

@@ -34,6 +34,20 @@ logger = logging.getLogger("srt.scheduler")
 AttachAdapter = Callable[[int, LoraRef | None], None]
 
 
+def agree(world: Communicator, error: str | None) -> str | None:
+    """None when every rank succeeded; else the cause on the first rank that failed (a MIN over the
+    world of each rank's index, or the world's size for success). Every rank calls it in the same
+    iteration (a change of a replicated registry: this one, scheduler/weight_registry.py)."""
+    if world.world_size == 1:
+        return error
+    size = world.world_size
+    first = world.cpu_all_reduce_int(size if error is None else world.rank_in_group)
+    if first == size:
+        return None
+    cause = world.broadcast_pyobj(error, src_in_group=first)
+    return str(cause) if first == 0 else f"rank {first}: {cause}"
+
+
 @dataclass
 class LoraRegistry:
     """The adapters by name (load order), their ids, the unloads waiting for their requests."""
@@ -110,16 +124,7 @@ class LoraRegistry:
         return replies
 
     def _agree(self, error: str | None) -> str | None:
-        """None when every rank succeeded; else the cause on the first rank that failed (a MIN
-        over the world of each rank's index, or the world's size for success)."""
-        if self.world.world_size == 1:
-            return error
-        size = self.world.world_size
-        first = self.world.cpu_all_reduce_int(size if error is None else self.world.rank_in_group)
-        if first == size:
-            return None
-        cause = self.world.broadcast_pyobj(error, src_in_group=first)
-        return str(cause) if first == 0 else f"rank {first}: {cause}"
+        return agree(self.world, error)
 
     def _loaded(self) -> dict[str, dict[str, str]]:
         """SGLang's loaded_adapters: name -> folder, the ones new requests may name."""

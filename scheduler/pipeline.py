@@ -91,6 +91,9 @@ class PipelineScheduler(Scheduler):
     def has_work(self) -> bool:
         return super().has_work() or any(launched is not None for launched in self.in_flight)
 
+    def launches_in_flight(self) -> bool:
+        return any(launched is not None for launched in self.in_flight)
+
     def step(self) -> None:
         if len(self.in_flight) == self.micro_batches:
             launched = self.in_flight.popleft()

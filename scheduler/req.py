@@ -55,6 +55,7 @@ class Req:
     priority: int | None = None  # with --enable-priority-scheduling (scheduler/policy.py order_waiting)
     grammar: Matcher | None = None  # a constrained request's matcher (scheduler/grammar.py), on every rank
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model; srt/lora_config.py)
+    weight_epoch: int = 0  # the weights that compute its KV (scheduler/weight_registry.py)
     # Logprobs, filled on the output rank only (no rank decides anything from them).
     output_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))
     input_logprobs: TokenLogprobs = field(default_factory=lambda: TokenLogprobs([], [], []))

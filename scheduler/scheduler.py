@@ -35,6 +35,7 @@ from scheduler.schedule_batch import Launched, ScheduleBatch
 from scheduler.speculative import Speculator, new_speculator
 from scheduler.stats import LoadSnapshot, SchedulerStats
 from scheduler.stop import StopChecker
+from scheduler.weight_registry import WEIGHT_MESSAGES, WeightRegistry
 from srt.io_struct import (
     AbortReq,
     ControlReply,
@@ -86,6 +87,7 @@ class Scheduler:
         self._init_cache()
         self._init_state()
         self.admission = self._new_admission()
+        self.weights = WeightRegistry(self.parallel.world, self.runner.stage_weights, self.admission.retract)
         self.stats = SchedulerStats(
             self._load,
             log_enabled=send_output is not None,
@@ -155,7 +157,7 @@ class Scheduler:
         self.queues.chunked_req = req
 
     def has_work(self) -> bool:
-        return self.queues.has_work()
+        return self.queues.has_work() and not self.weights.paused  # paused: idle, not stalled
 
     def get_next_batch(self) -> ScheduleBatch | None:
         return self.admission.get_next_batch(self.forward_steps + 1)
@@ -174,7 +176,9 @@ class Scheduler:
         if self.lora.unloading:
             for reply in self.lora.finish_unloads({r.lora_id for r in self.queues.live() + self.waiting}):
                 self._reply(reply)
-        batch = self.get_next_batch()
+        for reply in self.weights.between_steps(self.queues, self.launches_in_flight()):
+            self._reply(reply)
+        batch = None if self.weights.holds_steps else self.get_next_batch()
         if batch is not None:
             self.run_batch(batch)
         else:
@@ -194,7 +198,7 @@ class Scheduler:
             elif isinstance(msg, AbortReq):
                 self._abort(msg.rid, msg.reason, msg.status_code)
             elif isinstance(msg, FlushCacheReq):
-                ok = not self.has_work()
+                ok = not self.queues.has_work()
                 if ok:
                     self.tree_cache.reset()
                     self.kv.release_memory(evict=False)  # every page is free now
@@ -211,12 +215,15 @@ class Scheduler:
             elif isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)):
                 if (reply := self.lora.apply(msg)) is not None:
                     self._reply(reply)
+            elif isinstance(msg, WEIGHT_MESSAGES):
+                self.weights.receive(msg)
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         lora_id = self.lora.id_of(msg.lora_path) if msg.lora_path is not None else 0
         req = Req.of(msg, lora_id or 0)
+        req.weight_epoch = self.weights.epoch
         # the matcher synchronously: every rank has it ready now
         reason = attach_matcher(self.grammars, req) or self.admission.finish_at_arrival(
             req, msg.lora_path if lora_id is None else None
@@ -239,6 +246,9 @@ class Scheduler:
             return
         logger.info("aborted %s: %s", rid, reason)
         self._finish(req, FinishReason("abort", status_code=status_code, message=reason))
+
+    def launches_in_flight(self) -> bool:
+        return False  # a pipeline's micro-batches are (scheduler/pipeline.py)
 
     def _reply(self, reply: ControlReply) -> None:
         if self.send_output is not None:

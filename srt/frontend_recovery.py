@@ -9,7 +9,9 @@ the two the manager replaces its sockets, TokenizerManager.reset_channels).
 
 The LoRA registry's changes since start-up (adapters loaded and unloaded at runtime) are part of
 what it replays: the new engine starts from the flags, so `resume` sends those changes again, in
-their order, before any replayed request, and a replayed request finds its adapter.
+their order, before any replayed request, and a replayed request finds its adapter. So are the
+weights: after /update_weights_from_disk the new engine loads the updated folder (and version)
+before any replayed request, never --model-path's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from srt.io_struct import LoadLoraAdapterReq, UnloadLoraAdapterReq
+from srt.io_struct import (
+    LoadLoraAdapterReq,
+    UnloadLoraAdapterReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightVersionReq,
+)
 from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
 
 
@@ -51,6 +58,13 @@ class FrontendRecovery:
         # the LoRA registry's changes the engine applied since start-up, in order: (name, folder)
         # a load, (name, None) an unload (record_lora)
         self.lora_changes: list[tuple[str, str | None]] = []
+        # the weights' folder since the last update from disk (None: --model-path's) and version
+        self.weights: tuple[str | None, str] | None = None
+
+    def record_weights(self, model_path: str | None, version: str) -> None:
+        """The weights the engine serves after a change (`model_path` None: the version renamed only)."""
+        folder = model_path if model_path is not None else (self.weights or (None, ""))[0]
+        self.weights = (folder, version)
 
     def record_lora(self, name: str, path: str | None) -> None:
         """A change of the LoRA registry the engine applied (`path` None: an unload), to replay after
@@ -77,6 +91,13 @@ class FrontendRecovery:
             for state in self._in_flight.values()
             if state.sent is not None and state.finish_reason is None
         ]
+        if self.weights is not None:  # nobody waits for its reply
+            folder, version = self.weights
+            self._send(
+                UpdateWeightVersionReq("weights-replay", version)
+                if folder is None
+                else UpdateWeightsFromDiskReq("weights-replay", folder, version)
+            )
         for i, (name, path) in enumerate(self.lora_changes):  # nobody waits for their replies
             self._send(
                 UnloadLoraAdapterReq(f"lora-replay-{i}", name)

@@ -20,7 +20,13 @@ import orjson
 
 from srt.http_common import anthropic_error_body, openai_error_body
 
-ADMIN_PATHS = ("/flush_cache",)  # SGLang's admin-level routes that srt has
+ADMIN_PATHS = (  # SGLang's admin-level routes that srt has
+    "/flush_cache",
+    "/update_weights_from_disk",
+    "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
+)
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # probes: never behind a key (as SGLang)
 
 Scope = MutableMapping[str, Any]

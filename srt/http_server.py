@@ -39,6 +39,7 @@ from srt.responses_store import ResponseStore
 from srt.score_api import router as score_router
 from srt.tokenize_api import router as tokenize_router
 from srt.tokenizer_manager import SHUTTING_DOWN, TokenizerManager
+from srt.weights_api import router as weights_router
 
 logger = logging.getLogger("srt.http_server")
 
@@ -83,6 +84,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_info: dict[str, Any])
     app.include_router(infill_router)
     app.include_router(native_router)
     app.include_router(lora_router)
+    app.include_router(weights_router)
     if tm.metrics is not None:  # without --enable-metrics, /metrics is a 404 (as in SGLang)
         app.include_router(metrics_router)
     return app

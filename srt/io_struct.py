@@ -100,6 +100,43 @@ class UnloadLoraAdapterReq:
     name: str
 
 
+@dataclass
+class UpdateWeightsFromDiskReq:
+    """Load the weights of the safetensors folder `model_path` (SGLang's /update_weights_from_disk).
+    Every rank loads its shard into new tensors between steps; the new weights serve only once every
+    rank succeeded (a MIN over the world), else every rank keeps the old ones
+    (scheduler/weight_registry.py). Answered by a ControlReply."""
+
+    request_id: str  # echoed in ControlReply
+    model_path: str
+    weight_version: str | None = None  # the version the new weights serve under; None: unchanged
+
+
+@dataclass
+class UpdateWeightVersionReq:
+    """Rename the weights' version (SGLang's /update_weight_version). Answered by a ControlReply."""
+
+    request_id: str
+    new_version: str
+
+
+@dataclass
+class PauseGenerationReq:
+    """Stop running steps until ContinueGenerationReq (SGLang's `in_place` and `retract` modes; its
+    `abort` mode is the front end's aborts). `retract` also puts every running request back in the
+    waiting queue with its tokens. Answered by a ControlReply."""
+
+    request_id: str
+    mode: str  # "in_place" or "retract"
+
+
+@dataclass
+class ContinueGenerationReq:
+    """Run steps again after a pause (harmless without one). Answered by a ControlReply."""
+
+    request_id: str
+
+
 # ---- schedulers (output rank only) -> detokenizer ----
 
 

@@ -101,7 +101,7 @@ async def model_info(request: Request) -> Response:
             "is_generation": True,
             "served_model_name": tm.server_args.model_name,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": tm.weights.version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": config.get("model_type"),

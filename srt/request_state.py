@@ -56,6 +56,7 @@ class ReqState:
     deadline_abort_sent: bool = False
     routed_experts: str | None = None  # base64 int32 [tokens, layers, top_k], with the last output
     embedding: list[float] | None = None  # --is-embedding: the prompt's, with the last output
+    weight_version: str = "default"  # the weights' version when its latest output came
 
     def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
         """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
@@ -108,6 +109,7 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
             "e2e_latency": time.perf_counter() - self.timing.created,
+            "weight_version": self.weight_version,
         }
         if self.routed_experts is not None:
             meta["routed_experts"] = self.routed_experts

@@ -62,6 +62,7 @@ from srt.request_state import ControlCalls, ReqState, ServiceUnavailableError
 from srt.sampling_params import SamplingParams
 from srt.server_args import PortArgs, ServerArgs
 from srt.tokenizer_loader import load_tokenizer
+from srt.weight_updates import WeightUpdates
 
 logger = logging.getLogger("srt.tokenizer_manager")
 
@@ -124,6 +125,8 @@ class TokenizerManager:
             lambda: self.failure,
             self._control_calls,
         )
+        # the weights' version, pause and updates (SGLang's RL protocol: srt/weight_updates.py)
+        self.weights = WeightUpdates(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._zmq: zmq.asyncio.Context | None = None
         self._send_sock: zmq.asyncio.Socket | None = None
@@ -340,6 +343,7 @@ class TokenizerManager:
         ]
         self.rid_to_state.update((s.rid, s) for s in states)
         try:
+            await self.weights.until_unpaused()
             await self.recovery.until_recovered(len(call.reqs))
             for req, state in zip(call.reqs, states):
                 state.sent = req  # with the send, no await between: a restart replays exactly the sent ones
@@ -498,6 +502,17 @@ class TokenizerManager:
             raise RequestError("LoRA adapters need a server started with --enable-lora", param)
         return self.lora_names
 
+    def abort_all(self, reason: str) -> int:
+        """Asks every rank to abort every request in flight; how many were."""
+        rids = [rid for rid, state in self.rid_to_state.items() if state.finish_reason is None]
+        for rid in rids:
+            self._send_nowait(AbortReq(rid, reason))
+        return len(rids)
+
+    async def control(self, make: Callable[[str], Any], timeout: float | None = None) -> ControlReply:
+        """A control message to every rank and its reply (srt/weight_updates.py's calls)."""
+        return await self._control(make, timeout)
+
     async def _control(self, make: Callable[[str], Any], timeout: float | None) -> ControlReply:
         if self.unhealthy is not None:
             raise ServiceUnavailableError(self.unhealthy)
@@ -535,7 +550,9 @@ class TokenizerManager:
                 if state is None:  # finished, aborted or abandoned already
                     continue
                 state.add_output(msg, i, self.metrics)
+                state.weight_version = self.weights.version
         elif isinstance(msg, ControlReply):
+            self.weights.replied(msg)  # a new version serves from the reply on, in output order
             self._control_calls.deliver(msg)
         else:
             logger.warning("ignoring an unexpected message %s", type(msg).__name__)
