@@ -6,8 +6,11 @@ the restart's replay: tests/test_weight_registry.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from scheduler_harness import Harness
 from server_fixture import Server
+from test_guards_e2e import rank_pid
 from tiny_models import make_tiny_model
 
 from srt.io_struct import (
@@ -200,26 +204,36 @@ def test_sglang_routes_pause_update_and_continue_on_a_real_server(
     assert [ids for ids, _ in on_b] == fresh_b != [ids for ids, _ in on_a]
 
 
-@pytest.mark.slow  # two servers: ~20 s
-def test_an_updated_server_answers_as_a_fresh_server_on_the_new_weights(
+@pytest.mark.slow  # two PP=2 servers and a restart: ~40 s
+def test_at_pp2_an_update_survives_a_lost_rank_and_answers_as_a_fresh_server(
     models: dict[str, Path], smollm2_dir: Path
 ) -> None:
-    flags = ("--tokenizer-path", str(smollm2_dir), "--max-total-tokens", "4096")
+    """PP=2 with --restart-on-failure: after A -> B the server gives what a fresh server on B gives,
+    token for token, and still does after its last stage is SIGKILLed (the restart loads B, not
+    --model-path's A)."""
+    flags = ("--tokenizer-path", str(smollm2_dir), "--max-total-tokens", "4096", "--pp-size", "2")
+    flags += ("--restart-on-failure", "1")
     sampling = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+    def generate(server: Server) -> list[list[int]]:
+        return [
+            server.generate({"input_ids": p, "sampling_params": sampling}).json()["output_ids"]
+            for p in PROMPTS
+        ]
+
     with Server("--model-path", str(models["a"]), *flags) as server:
-        on_a = [
-            server.generate({"input_ids": p, "sampling_params": sampling}).json()["output_ids"]
-            for p in PROMPTS
-        ]
-        body = {"model_path": str(models["b"])}
+        on_a = generate(server)
+        body = {"model_path": str(models["b"]), "weight_version": "v2"}
         assert requests.post(server.url + "/update_weights_from_disk", json=body, timeout=120).ok
-        on_b = [
-            server.generate({"input_ids": p, "sampling_params": sampling}).json()["output_ids"]
-            for p in PROMPTS
-        ]
+        on_b = generate(server)
+        os.kill(rank_pid(server, "srt::scheduler_PP1_TP0"), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "engine restarted in" not in server.output():
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.1)
+        after_restart = generate(server)
+        info = requests.get(server.url + "/model_info", timeout=30).json()
+        assert info["weight_version"] == "v2"
     with Server("--model-path", str(models["b"]), *flags) as fresh:
-        fresh_b = [
-            fresh.generate({"input_ids": p, "sampling_params": sampling}).json()["output_ids"]
-            for p in PROMPTS
-        ]
-    assert on_b == fresh_b != on_a
+        fresh_b = generate(fresh)
+    assert on_b == fresh_b == after_restart != on_a
