@@ -11,8 +11,9 @@ restarts.
   so a reader sees a whole file or none. A short, corrupt or foreign file is a miss (and deleted).
 - `read` is one rank's own view; the scheduler agrees the usable number of blocks over the world
   (MIN) before any rank uses one (scheduler/kv_manager.py), so ranks never disagree on a hit.
-- Writes run on a background thread from copies taken when the request ends; a full queue drops
-  the write (the step never waits on the disk). Each rank bounds its own files to its share of
+- Writes run on a background thread from copies taken once a prompt is computed and when its
+  request ends; a full queue drops the write (the step never waits on the disk), and so does a
+  process that exits before the writer is done (a miss later, never a bad file). Each rank bounds its own files to its share of
   `max_bytes`, the least recently used (written or read) deleted first.
 """
 
@@ -115,7 +116,10 @@ class DiskTier:
         if pool.window_layers:
             raise ValueError("--enable-hierarchical-cache does not store sliding-window layers' pages yet")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--hicache-storage-dir {directory}: cannot create the directory: {e}") from e
         self.pool = pool
         self.block_tokens = -(-BLOCK_TOKENS // pool.page_size) * pool.page_size
         layout = {
@@ -130,6 +134,7 @@ class DiskTier:
         self.stats = DiskStats()
         self._lock = threading.Lock()
         self._index = self._scan()
+        self._pending: set[str] = set()  # names queued for the writer
         self._queue: queue.Queue[tuple[list[str], list[torch.Tensor]] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="srt-disk-tier", daemon=True)
         self._writer.start()
@@ -148,8 +153,9 @@ class DiskTier:
         return names
 
     def known(self, name: str) -> bool:
+        """Whether the block is on disk (as far as this rank knows) or queued for the writer."""
         with self._lock:
-            return name in self._index.files
+            return name in self._index.files or name in self._pending
 
     # ------------------------------------------------------------------ read
     def read(self, names: list[str]) -> list[torch.Tensor]:
@@ -170,8 +176,11 @@ class DiskTier:
         path = self.directory / name
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except FileNotFoundError:  # never written, or evicted by another server on the directory
             self._forget(name)
+            return None
+        except OSError as e:  # unreadable: a miss, never an error to the client
+            logger.warning("disk tier: cannot read %s: %s", path, e)
             return None
         block = self._decode(name, data)
         if block is None:
@@ -185,7 +194,10 @@ class DiskTier:
                 self._index.total += len(data)
             self._index.files[name] = len(data)
             self._index.files.move_to_end(name)
-        os.utime(path)  # the most recently used, for every server on the directory
+        try:
+            os.utime(path)  # the most recently used, for every server on the directory
+        except OSError:
+            pass  # deleted since (another server's eviction): the block read is whole all the same
         return block
 
     def _decode(self, name: str, data: bytes) -> torch.Tensor | None:
@@ -239,10 +251,15 @@ class DiskTier:
             copies.append(torch.stack([k.index_select(0, index), v.index_select(0, index)]).cpu())
         kv = torch.stack(copies)  # [layers, 2, tokens, heads, head_dim]
         blocks = [kv[:, :, j * t : (j + 1) * t] for j in range(len(todo))]
+        queued = [names[i] for i in todo]
+        with self._lock:  # before the writer can take them
+            self._pending.update(queued)
         try:
-            self._queue.put_nowait(([names[i] for i in todo], blocks))
+            self._queue.put_nowait((queued, blocks))
         except queue.Full:
             self.stats.dropped_writes += 1
+            with self._lock:
+                self._pending.difference_update(queued)
 
     def flush(self) -> None:
         """Waits until every queued write is on disk (tests; a graceful stop)."""
@@ -258,11 +275,15 @@ class DiskTier:
             except OSError as e:  # a full or read-only disk: the cache is only slower
                 logger.warning("disk tier: a write failed: %s", e)
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._pending.difference_update(item[0])
                 self._queue.task_done()
 
     def _write_one(self, name: str, block: torch.Tensor) -> None:
-        if self.known(name):
-            return
+        with self._lock:
+            if name in self._index.files:
+                return
         start = time.perf_counter()
         header = json.dumps({"identity": self.identity.decode(), "name": name}).encode()
         payload = block.contiguous().view(torch.uint8).numpy().tobytes()

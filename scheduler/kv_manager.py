@@ -39,6 +39,7 @@ class KVManager:
         self.memory = memory
         self.disk = disk
         self._disk_checked: set[str] = set()  # requests whose prefix the disk was asked for
+        self._prompt_written: set[str] = set()  # requests whose prompt's blocks went to the disk
         self.long_prompt_over = long_prompt_over
         self.req_to_token_pool = memory.req_to_token_pool
         self.req_to_token = memory.req_to_token_pool.req_to_token
@@ -233,6 +234,7 @@ class KVManager:
         On success `last_out_cache_loc` holds them; on failure nothing changed but window pages
         the requests had moved past."""
         self._slide(reqs)
+        self._write_prompts(reqs)
         prefix = [r.kv_len for r in reqs]
         seq = [k + n for k, n in zip(prefix, lens)]
         if not self._ensure_free_pages(self.allocator.pages_needed(prefix, seq)):
@@ -243,6 +245,26 @@ class KVManager:
             return False
         self.last_out_cache_loc = out
         return True
+
+    def _write_prompts(self, reqs: list[Req]) -> None:
+        """Hands the disk tier the whole blocks of each prompt computed by an earlier step (once per
+        request: its KV covers the prompt), so a long generation's prompt is on disk before it ends."""
+        if self.disk is None:
+            return
+        for req in reqs:
+            if req.rid not in self._prompt_written and req.kv_len >= len(req.origin_input_ids):
+                self._prompt_written.add(req.rid)
+                self._write_blocks(req, len(req.origin_input_ids))
+
+    def _write_blocks(self, req: Req, n: int) -> None:
+        """Queues the whole blocks of req's first n tokens (computed, in req's row) for the disk."""
+        disk = self._disk_for(req)
+        if disk is None or req.req_pool_idx is None:
+            return
+        blocks = n // disk.block_tokens
+        if blocks:
+            names = disk.block_names(self.namespace(req), self.cache_key(req, n), blocks)
+            disk.submit(names, self.req_to_token[req.req_pool_idx, : blocks * disk.block_tokens])
 
     def routed_experts(self, req: Req) -> str | None:
         """base64 of the int32 experts [tokens, layers, top_k] of the tokens req fed through the model
@@ -259,18 +281,14 @@ class KVManager:
         """Frees the request's row; its computed KV goes into the prefix cache (insert=True) or
         back to the allocator. Unlocks its prefix. A request never admitted is left alone."""
         self._disk_checked.discard(req.rid)
+        self._prompt_written.discard(req.rid)
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
         kv = self.req_to_token[row, : req.kv_len].clone()
         if insert:
-            key = self.cache_key(req, req.kv_len)
-            if (disk := self._disk_for(req)) is not None:  # copies the blocks' KV now; written later
-                blocks = len(key) // disk.block_tokens
-                disk.submit(
-                    disk.block_names(self.namespace(req), key, blocks), kv[: blocks * disk.block_tokens]
-                )
-            present = self.tree_cache.insert(key, kv, self.namespace(req))
+            self._write_blocks(req, req.kv_len)  # the blocks' KV copied now, written in the background
+            present = self.tree_cache.insert(self.cache_key(req, req.kv_len), kv, self.namespace(req))
             aligned = self.tree_cache.page_aligned_len(req.kv_len)
             # The cache already had kv[cached_len:present] from someone else, and never takes the
             # partial last page kv[aligned:]: both stay ours to free.

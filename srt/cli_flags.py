@@ -620,7 +620,7 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 action="store_true",
                 help="keep the radix cache's prefixes on disk too, across restarts (SGLang's flag): needs "
                 "--hicache-storage-backend file. Each rank writes its own KV shard of a prefix's whole blocks "
-                "after the request ends and reads them back on a miss; a prefix is used only as far as every "
+                "once the prompt is computed and when the request ends, and reads them back on a miss; a prefix is used only as far as every "
                 "rank has it",
             ),
             _flag(

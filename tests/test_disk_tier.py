@@ -206,6 +206,26 @@ def test_a_new_scheduler_restores_the_prefix_with_recomputations_outputs(
     assert fourth.meta["fourth"]["cached_tokens"] == 0
 
 
+def test_a_prompt_reaches_the_disk_before_its_request_ends(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    hicache = {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
+    h = Harness(
+        tiny_model_dirs["llama"],
+        dtype="bfloat16",
+        max_total_tokens=1024,
+        enable_hierarchical_cache=True,
+        **hicache,
+    )
+    h.submit("long", PROMPT, SamplingParams(temperature=0.0, max_new_tokens=64))
+    for _ in range(3):  # the prefill and two decode steps
+        h.scheduler.step()
+    disk = h.scheduler.kv.disk
+    assert disk is not None
+    disk.flush()
+    assert h.scheduler.has_work() and len(list(tmp_path.glob("*.kv"))) == 2
+
+
 def _wait_for_files(directory: Path, count: int, timeout: float = 30.0) -> None:
     """Blocks reach the disk in the background after the request ends."""
     deadline = time.monotonic() + timeout
@@ -218,31 +238,14 @@ def _wait_for_files(directory: Path, count: int, timeout: float = 30.0) -> None:
 
 
 @pytest.mark.slow
-def test_a_restarted_server_serves_the_prompt_from_disk(tmp_path: Path) -> None:
-    """The bundled model, bf16: a server answers a 200-token prompt cold (nothing cached: the
-    recomputation), is stopped; a new server on the directory answers it with 192 tokens restored,
-    token for token the same."""
-    flags = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
-    payload = {"input_ids": PROMPT + PROMPT[:50], "sampling_params": {"temperature": 0, "max_new_tokens": 16}}
-    with Server(*flags, "--hicache-storage-dir", str(tmp_path)) as server:
-        cold = server.generate(payload).json()
-        assert cold["meta_info"]["cached_tokens"] == 0
-        _wait_for_files(tmp_path, 3)
-    with Server(*flags, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}) as server:
-        warm = server.generate(payload).json()
-        assert warm["meta_info"]["cached_tokens"] == 192
-        assert warm["output_ids"] == cold["output_ids"] and warm["text"] == cold["text"]
-        assert server.internal_state()["disk_tier"]["hit_tokens"] == 192
-
-
-@pytest.mark.slow
-def test_tp2_a_prefix_one_rank_lacks_is_a_miss_on_every_rank(
+def test_a_restarted_tp2_server_serves_what_every_rank_has_from_disk(
     tiny_model_dirs: dict[str, Path], smollm2_dir: Path, tmp_path: Path
 ) -> None:
-    """TP=2 (the tiny Llama, bf16): after a restart, a prompt whose blocks both ranks have is
-    restored; one whose blocks a rank lost is recomputed on both (the hit is the MIN over the
-    world), the outputs unchanged."""
-    flags = (
+    """A server (TP=2, the tiny Llama, bf16 by default) answers two prompts cold (the
+    recomputation) and is stopped; one rank's blocks of the second prompt are lost. A new server on
+    the directory (SGLang's environment variable) restores the first prompt's 192 tokens and
+    recomputes the second on both ranks (the hit is the MIN over the world): the same outputs."""
+    model = (
         "--model-path",
         str(tiny_model_dirs["llama"]),
         "--tokenizer-path",
@@ -250,29 +253,26 @@ def test_tp2_a_prefix_one_rank_lacks_is_a_miss_on_every_rank(
         "--tp-size",
         "2",
     )
-    flags += (
-        "--enable-hierarchical-cache",
-        "--hicache-storage-backend",
-        "file",
-        "--hicache-storage-dir",
-        str(tmp_path),
-    )
+    flags = (*model, "--enable-hierarchical-cache", "--hicache-storage-backend", "file")
     prompts = [PROMPT + PROMPT[:50], [1] + PROMPT[::-1] + PROMPT[:49]]
     payloads = [
         {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16}} for p in prompts
     ]
-    with Server(*flags) as server:
+    with Server(*flags, "--hicache-storage-dir", str(tmp_path)) as server:
         cold = [server.generate(payloads[0]).json()]
         _wait_for_files(tmp_path, 6)  # three blocks on each rank
         first = set(os.listdir(tmp_path))
         cold.append(server.generate(payloads[1]).json())
         _wait_for_files(tmp_path, 12)
+    assert [c["meta_info"]["cached_tokens"] for c in cold] == [0, 0]
     second = sorted(set(os.listdir(tmp_path)) - first)
     lost = [name for name in second if name.split("-")[0] == second[0].split("-")[0]]
     assert len(lost) == 3
     for name in lost:  # one rank's blocks of the second prompt
         (tmp_path / name).unlink()
-    with Server(*flags) as server:
+    with Server(*flags, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}) as server:
         warm = [server.generate(p).json() for p in payloads]
+        assert server.internal_state()["disk_tier"]["hit_tokens"] == 192
     assert [w["meta_info"]["cached_tokens"] for w in warm] == [192, 0]
     assert [w["output_ids"] for w in warm] == [c["output_ids"] for c in cold]
+    assert [w["text"] for w in warm] == [c["text"] for c in cold]
