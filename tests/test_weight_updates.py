@@ -200,6 +200,23 @@ def test_sglang_routes_pause_update_and_continue_on_a_real_server(
         assert info["weight_version"] == "v2" and info["model_path"] == str(models["b"])
         on_b = [generate(p) for p in PROMPTS]
         assert {v for _, v in on_b} == {"v2"}
+        # `abort` ends the streams in flight; a request sent while paused waits for continue
+        aborted: list[dict[str, Any]] = []
+        stream = threading.Thread(target=_stream, args=(server, PROMPTS[0], aborted))
+        stream.start()
+        while not aborted:
+            threading.Event().wait(0.05)
+        assert requests.post(url + "/pause_generation", json={"mode": "abort"}, timeout=60).ok
+        stream.join(timeout=60)
+        assert aborted[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        held: list[tuple[list[int], str]] = []
+        waiting = threading.Thread(target=lambda: held.append(generate(PROMPTS[0])))
+        waiting.start()
+        threading.Event().wait(0.5)
+        assert not held  # held back at the front end while paused
+        assert requests.post(url + "/continue_generation", timeout=60).ok
+        waiting.join(timeout=60)
+        assert held == on_b[:1]
     fresh_b = greedy(Harness(models["b"], dtype="bfloat16"), "b")  # a fresh scheduler on B, in-process
     assert [ids for ids, _ in on_b] == fresh_b != [ids for ids, _ in on_a]
 
