@@ -43,8 +43,9 @@ FreeSlots = Callable[[torch.Tensor], None]
 @dataclass(frozen=True, order=True)
 class Namespace:
     """What besides token ids a prefix's KV depends on, for the whole sequence: the adapter that
-    computed it (0: the base model; srt/lora_config.py) and the version of the weights (one
-    version today). A feature that changes KV adds a field here, never a second cache."""
+    computed it (0: the base model; srt/lora_config.py) and the version of the weights (the count of
+    updates from disk: scheduler/weight_registry.py). A feature that changes KV adds a field here,
+    never a second cache."""
 
     adapter: int = 0
     weight_version: int = 0
