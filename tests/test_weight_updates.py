@@ -217,6 +217,23 @@ def test_sglang_routes_pause_update_and_continue_on_a_real_server(
         assert requests.post(url + "/continue_generation", timeout=60).ok
         waiting.join(timeout=60)
         assert held == on_b[:1]
+        # two updates at once: the second waits for the first, both succeed, in some order
+        results: dict[str, int] = {}
+
+        def update(folder: Path, version: str) -> None:
+            body = {"model_path": str(folder), "weight_version": version}
+            results[version] = requests.post(
+                url + "/update_weights_from_disk", json=body, timeout=120
+            ).status_code
+
+        both = [threading.Thread(target=update, args=a) for a in [(models["a"], "v3"), (models["b"], "v4")]]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(timeout=120)
+        assert results == {"v3": 200, "v4": 200}
+        last = requests.get(url + "/model_info", timeout=30).json()["weight_version"]
+        assert [generate(p)[0] for p in PROMPTS] == [ids for ids, _ in (on_a if last == "v3" else on_b)]
     fresh_b = greedy(Harness(models["b"], dtype="bfloat16"), "b")  # a fresh scheduler on B, in-process
     assert [ids for ids, _ in on_b] == fresh_b != [ids for ids, _ in on_a]
 
