@@ -22,7 +22,11 @@ from scheduler_harness import Harness
 from server_fixture import Server
 from tiny_models import hf_float32, hf_greedy, make_tiny_model
 
+from model_executor.cpu.fused_ops import CpuFusedOps
 from model_executor.forward_batch import ForwardMode, make_forward_batch
+from model_executor.layers.fused_ops import FusedOps
+from model_executor.layers.linear_method import UnquantizedLinearMethod
+from model_executor.lora.linear_method import LayerLora, LoraBatch, LoraLinearMethod, LoraPart
 from model_executor.model_runner import ModelRunner, RunnerConfig
 from model_executor.step_runner import NoStepRunner
 from srt.cli_args import parse_server_args
@@ -104,6 +108,59 @@ def edited_adapter(src: Path, dst: Path, **fields: Any) -> Path:
     config = json.loads((src / "adapter_config.json").read_text())
     (dst / "adapter_config.json").write_text(json.dumps({**config, **fields}))
     return dst
+
+
+def layer_loras(k: int, seed: int) -> LoraLinearMethod:
+    """A qkv-like layer (outputs 64 + 32 + 32) with three adapters in slots 0, 1 and 3: q/k/v of
+    ranks 8, 4 and 16; q and v only; v alone."""
+    g = torch.Generator().manual_seed(seed)
+    method = LoraLinearMethod(UnquantizedLinearMethod(), LoraBatch())
+    outputs = {"q": slice(0, 64), "k": slice(64, 96), "v": slice(96, 128)}
+    for slot, ranks in ((0, {"q": 8, "k": 4, "v": 16}), (1, {"q": 8, "v": 8}), (3, {"v": 2})):
+        parts, start = [], 0
+        for name, rank in ranks.items():
+            cols = outputs[name]
+            b = torch.randn(cols.stop - cols.start, rank, generator=g) * 0.1
+            parts.append(LoraPart(slice(start, start + rank), cols, b.T.contiguous()))
+            start += rank
+        method.attach(slot, LayerLora(torch.randn(start, k, generator=g) / k**0.5, tuple(parts)))
+    return method
+
+
+def deltas(
+    method: LoraLinearMethod, ops: FusedOps, out: torch.Tensor, x: torch.Tensor, slots: list[int]
+) -> torch.Tensor:
+    row_slots = torch.tensor(slots, dtype=torch.int32)
+    method.batch.row_slots = row_slots
+    method.batch.groups = [(s, (row_slots == s).nonzero().squeeze(1)) for s in sorted(set(slots) - {-1})]
+    result = out.clone()
+    ops.lora_delta(result, x, method)
+    return result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cpu_kernel_adds_every_adapters_delta_in_one_call_and_each_row_alone(dtype: torch.dtype) -> None:
+    """cpu_lora.c against the torch products: every adapter's rows of a step in one call, equal to
+    the grouped matmuls within float32's rounding, rows without an adapter untouched, and each row's
+    bits those it gets alone (batch-invariant)."""
+    k = 96
+    method = layer_loras(k, seed=5)
+    assert method.table is not None, "the kernel takes these adapters"
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, k, generator=g).to(dtype)
+    out = torch.randn(9, 128, generator=g).to(dtype)
+    slots = [0, -1, 1, 3, 0, 2, 1, -1, 3]  # slot 2 holds nothing: a base row here
+    fast = deltas(method, CpuFusedOps(), out, x, slots)
+    slow = deltas(method, FusedOps(), out, x, slots)
+    base = [i for i, s in enumerate(slots) if s in (-1, 2)]
+    assert torch.equal(fast[base], out[base])
+    assert not torch.equal(fast, out)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # one bf16 rounding of a different sum
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=tolerance, atol=tolerance)
+    for i, s in enumerate(slots):
+        assert torch.equal(deltas(method, CpuFusedOps(), out[i : i + 1], x[i : i + 1], [s])[0], fast[i])
+    method.attach(0, None)  # an adapter leaves: its rows are base rows from then on
+    assert torch.equal(deltas(method, CpuFusedOps(), out, x, slots)[0], out[0])
 
 
 def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path]) -> None:

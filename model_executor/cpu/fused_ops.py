@@ -8,10 +8,12 @@ or an op sends every layer's call where it says.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from model_executor.cpu.kernels import build, ops
-from model_executor.layers.fused_ops import FusedOps, Rotary
+from model_executor.layers.fused_ops import FusedOps, LoraDeltas, LoraWeights, Rotary
 
 _NORM_INPUTS = (torch.bfloat16, torch.float32)  # x of srt_rmsnorm*: bf16, or a layer's float32 output
 
@@ -104,6 +106,32 @@ class CpuFusedOps(FusedOps):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         tokens = ops.argmax(logits)  # faster than torch's where it applies (docs/performance.md)
         return super().argmax(logits) if tokens is None else tokens
+
+    def lora_delta(self, out: torch.Tensor, x: torch.Tensor, lora: LoraDeltas) -> None:
+        # every adapter's rows in one call, each row on its own (batch-invariant)
+        if lora.table is None or not ops.lora_delta(out, x, lora.row_slots, lora.table):
+            super().lora_delta(out, x, lora)
+
+    def lora_table(self, adapters: Mapping[int, LoraWeights]) -> torch.Tensor | None:
+        """srt_lora_delta's table (cpu_lora.c): per slot A's address, its rows, its parts, then each
+        part's first row, rank, first output, outputs and B's address (transposed); None where the kernel
+        cannot take them (not built, not on the CPU, more parts than a slot holds)."""
+        words = ops.lora_slot_words()
+        if words is None or not adapters:
+            return None
+        table = torch.zeros(max(adapters) + 1, words, dtype=torch.int64)
+        for slot, lora in adapters.items():
+            tensors = (lora.a, *(part.bt for part in lora.parts))
+            if 3 + 5 * len(lora.parts) > words or any(
+                t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors
+            ):
+                return None
+            entry = [lora.a.data_ptr(), lora.a.shape[0], len(lora.parts)]
+            for part in lora.parts:
+                entry += [part.ranks.start, part.ranks.stop - part.ranks.start, part.outputs.start]
+                entry += [part.outputs.stop - part.outputs.start, part.bt.data_ptr()]
+            table[slot, : len(entry)] = torch.tensor(entry, dtype=torch.int64)
+        return table
 
 
 def _rmsnorm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

@@ -12,6 +12,7 @@ CPU's (device_wing.host_fused_ops).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -27,6 +28,39 @@ class Rotary(Protocol):
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions`, [n, 1, head_dim], gathered once per forward."""
+        ...
+
+
+class LoraPartWeights(Protocol):
+    """One adapted module of a layer's adapter (lora/linear_method.py's LoraPart)."""
+
+    @property
+    def ranks(self) -> slice: ...  # its rows of the adapter's stacked A
+    @property
+    def outputs(self) -> slice: ...  # the output columns its B writes
+    @property
+    def bt(self) -> torch.Tensor: ...  # float32 [rank, outputs]: B scaled, transposed
+
+
+class LoraWeights(Protocol):
+    """One adapter on one layer (lora/linear_method.py's LayerLora)."""
+
+    @property
+    def a(self) -> torch.Tensor: ...  # float32 [sum of ranks, inputs]
+    @property
+    def parts(self) -> Sequence[LoraPartWeights]: ...
+
+
+class LoraDeltas(Protocol):
+    """What the lora_delta op reads of a layer's adapters for one step (lora/linear_method.py)."""
+
+    @property
+    def row_slots(self) -> torch.Tensor: ...  # int32 [m]: each row's adapter slot, -1 for none
+    @property
+    def table(self) -> torch.Tensor | None: ...  # the device's lora_table (None: no kernel takes it)
+
+    def add_each(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """The torch products: one pair of matmuls per adapter of the step."""
         ...
 
 
@@ -133,6 +167,17 @@ class FusedOps:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] -> each row's argmax, int64."""
         return logits.argmax(dim=-1)
+
+    def lora_delta(self, out: torch.Tensor, x: torch.Tensor, lora: LoraDeltas) -> None:
+        """Adds the LoRA delta of each of x's rows under an adapter into out's row, in place (x [m, k],
+        out [m, n], a layer's input and output): lora/linear_method.py's torch products, one pair
+        of matmuls per adapter of the step."""
+        lora.add_each(out, x)
+
+    def lora_table(self, adapters: Mapping[int, LoraWeights]) -> torch.Tensor | None:
+        """What a device's lora_delta reads of a layer's adapters by slot, made as they attach
+        (None: the torch products)."""
+        return None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

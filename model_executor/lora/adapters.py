@@ -68,6 +68,7 @@ class LoraAdapters:
                 self.methods[name] = method
         self.max_rank = max_rank
         self.names: dict[str, int] = {}
+        self.slots: dict[int, int] = {}  # adapter id -> its slot in every layer (the smallest free)
         for adapter_id, ref in enumerate(adapters, start=1):
             self.load(adapter_id, ref)
 
@@ -101,16 +102,18 @@ class LoraAdapters:
             for name, piece in self._shard(where, module, a, b).items():
                 layers.setdefault(name, []).append(piece)
         nbytes = 0
+        slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
         for name, pieces in layers.items():
             pieces.sort(key=lambda p: p[1].start)  # the layer's output order: q, k, v; gate, up
             parts, start = [], 0
             for a, outputs, b in pieces:
-                parts.append(LoraPart(slice(start, start + a.shape[0]), outputs, b))
+                parts.append(LoraPart(slice(start, start + a.shape[0]), outputs, b.T.contiguous()))
                 start += a.shape[0]
             lora = LayerLora(torch.cat([a for a, _, _ in pieces]), tuple(parts))
-            self.methods[name].adapters[adapter_id] = lora
+            self.methods[name].attach(slot, lora)
             nbytes += lora.nbytes
         self.names[ref.name] = adapter_id
+        self.slots[adapter_id] = slot
         logger.info(
             "LoRA adapter %r (id %d, rank %d): %d layers, %.1f MB on this rank",
             ref.name,
@@ -122,8 +125,12 @@ class LoraAdapters:
 
     def unload(self, adapter_id: int) -> None:
         """Drops adapter `adapter_id` from every layer (a no-op for an id never loaded)."""
+        slot = self.slots.pop(adapter_id, None)
+        if slot is None:
+            return
         for method in self.methods.values():
-            method.adapters.pop(adapter_id, None)
+            if slot in method.adapters:
+                method.attach(slot, None)
         self.names = {name: i for name, i in self.names.items() if i != adapter_id}
 
     def _shard(
@@ -174,20 +181,21 @@ class LoraAdapters:
         return out
 
     def begin(self, batch: ForwardBatch) -> None:
-        """Tells the layers which of this step's token rows run under which adapter."""
+        """Tells the layers which of this step's token rows run under which adapter's slot."""
         ids = batch.lora_ids
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        adapters = sorted(set(ids or ()) - {0})
-        if ids is not None and adapters == [ids[0]] and all(i == ids[0] for i in ids):
-            groups = [(ids[0], None)]  # every row: no gather
-        elif adapters:
-            assert ids is not None
-            per_token = torch.repeat_interleave(
-                torch.tensor(ids, device=batch.input_ids.device),
-                torch.tensor(batch.extend_seq_lens_cpu, device=batch.input_ids.device),
-            )
-            groups = [(a, (per_token == a).nonzero().squeeze(1)) for a in adapters]
-        self.batch.groups = groups
+        if not ids or not any(ids):
+            self.batch.row_slots, self.batch.groups = None, []
+            return
+        device = batch.input_ids.device
+        per_request = torch.tensor([self.slots.get(i, -1) if i else -1 for i in ids], dtype=torch.int32)
+        lens = torch.tensor(batch.extend_seq_lens_cpu)
+        row_slots = torch.repeat_interleave(per_request, lens).to(device)
+        slots = sorted(set(per_request.tolist()) - {-1})
+        if len(slots) == 1 and bool((per_request == slots[0]).all()):
+            self.batch.groups = [(slots[0], None)]  # every row: no gather
+        else:
+            self.batch.groups = [(s, (row_slots == s).nonzero().squeeze(1)) for s in slots]
+        self.batch.row_slots = row_slots
 
 
 # the layers an adapter may target (a subclass of one, as the MoE's ReplicatedLinear, is not)

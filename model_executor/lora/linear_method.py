@@ -3,10 +3,14 @@ scaling * (x A^T) B^T.
 
 With LoRA on, every adaptable linear layer gets a LoraLinearMethod around the method it had (the
 CPU's packed one, or F.linear): the base product runs over every row exactly as without LoRA, so a
-base row gets the same bits in any batch; then each adapter's rows (grouped: one pair of matmuls
-per adapter present, as punica and S-LoRA group them on GPUs) add their delta, in float32, rounded
-once into the layer's output. With deterministic inference each row's delta runs on its own (a
-row's bits then never depend on its batch, as a restart's replay needs).
+base row gets the same bits in any batch; then the device's lora_delta op (layers/fused_ops.py) adds
+each adapter row's delta, in float32, rounded once into the layer's output. On the CPU that is one
+kernel call per layer for every adapter of the step (cpu_lora.c), each row on its own, so a row's
+bits never depend on its batch; elsewhere one pair of matmuls per adapter present (grouped as
+punica and S-LoRA group them on GPUs), or, with deterministic inference, per row.
+
+An adapter attaches to a slot (LoraAdapters keeps them few and reuses them); each layer keeps its
+adapters by slot and, for the kernel, a table of their addresses (srt_lora_delta's).
 
 Tensor parallelism shards an adapter as its layer: a column-parallel layer keeps B's rows of this
 rank's outputs (A whole); a row-parallel one keeps A's columns of this rank's inputs (B whole) and
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_executor.layers.fused_ops import fused_ops
 from model_executor.layers.linear_method import LinearLayer, LinearMethod
 
 
@@ -30,7 +35,7 @@ class LoraPart:
 
     ranks: slice  # rows of LayerLora.a
     outputs: slice  # columns of the layer's output on this rank
-    b: torch.Tensor  # [outputs, ranks] float32, lora_B scaled by the adapter's scaling
+    bt: torch.Tensor  # [ranks, outputs] float32: lora_B scaled by the adapter's scaling, transposed
 
 
 @dataclass(frozen=True)
@@ -47,23 +52,25 @@ class LayerLora:
         xa = xs.float() @ self.a.T
         target = out if rows is None else out.index_select(0, rows)
         for part in self.parts:
-            target[:, part.outputs] += xa[:, part.ranks] @ part.b.T
+            target[:, part.outputs] += xa[:, part.ranks] @ part.bt
         if rows is not None:
             out.index_copy_(0, rows, target)
 
     @property
     def nbytes(self) -> int:
-        return self.a.numel() * 4 + sum(p.b.numel() * 4 for p in self.parts)
+        return self.a.numel() * 4 + sum(p.bt.numel() * 4 for p in self.parts)
 
 
 @dataclass
 class LoraBatch:
     """The step's rows of each adapter, set by LoraAdapters.begin before each forward and read by
-    every layer's LoraLinearMethod: (adapter id, token rows or None for all), in ascending id."""
+    every layer's LoraLinearMethod: each token row's slot (int32, -1 for the base model; None when
+    no row has an adapter), and (slot, token rows or None for all) in ascending slot."""
 
+    row_slots: torch.Tensor | None = None
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
-    # deterministic inference: each row's delta on its own (one-row matmuls), so its bits never
-    # depend on the rows beside it, as a restart's replay needs
+    # deterministic inference: the torch products of each row on its own (one-row matmuls), so its
+    # bits never depend on the rows beside it, as a restart's replay needs (the kernel's always are)
     row_by_row: bool = False
 
 
@@ -75,7 +82,22 @@ class LoraLinearMethod(LinearMethod):
     def __init__(self, base: LinearMethod, batch: LoraBatch) -> None:
         self.base = base
         self.batch = batch
-        self.adapters: dict[int, LayerLora] = {}  # adapter id -> its weights on this layer
+        self.adapters: dict[int, LayerLora] = {}  # slot -> this adapter's weights on this layer
+        self.table: torch.Tensor | None = None  # srt_lora_delta's, by slot (None: no kernel)
+        self.ops = fused_ops()
+
+    def attach(self, slot: int, lora: LayerLora | None) -> None:
+        """Puts `lora` in `slot` (None: empties it) and rewrites the kernel's table."""
+        if lora is None:
+            self.adapters.pop(slot, None)
+        else:
+            self.adapters[slot] = lora
+        self.table = self.ops.lora_table(self.adapters)
+
+    @property
+    def row_slots(self) -> torch.Tensor:
+        assert self.batch.row_slots is not None
+        return self.batch.row_slots
 
     def apply(
         self,
@@ -85,17 +107,21 @@ class LoraLinearMethod(LinearMethod):
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         out = self.base.apply(layer, x, bias, out_dtype)
-        out_rows, x_rows = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
-        for adapter, rows in self.batch.groups:
-            lora = self.adapters.get(adapter)
+        if self.batch.row_slots is not None and self.adapters:
+            self.ops.lora_delta(out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), self)
+        return out
+
+    def add_each(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """The torch products: one pair of matmuls per adapter of the step (or per row)."""
+        for slot, rows in self.batch.groups:
+            lora = self.adapters.get(slot)
             if lora is None:
                 continue
             if not self.batch.row_by_row:
-                lora.add_to(out_rows, x_rows, rows)
+                lora.add_to(out, x, rows)
                 continue
-            for row in range(x_rows.shape[0]) if rows is None else rows.tolist():
-                lora.add_to(out_rows, x_rows, torch.tensor([row], device=x.device))
-        return out
+            for row in range(x.shape[0]) if rows is None else rows.tolist():
+                lora.add_to(out, x, torch.tensor([row], device=x.device))
 
     @property
     def packed_weight(self) -> object | None:

@@ -48,6 +48,7 @@ SOURCES = tuple(
         "cpu_q8_linear.c",
         "cpu_prefill_attention.c",
         "cpu_moe.c",
+        "cpu_lora.c",
         "gguf_repack.c",
     )
 )
@@ -62,6 +63,7 @@ HEADERS = (
             "prefill_tasks.h",
             "gguf_layouts.h",
             "gguf_widen.h",
+            "scalar_bf16.h",
         )
     ),
 )  # part of the build key

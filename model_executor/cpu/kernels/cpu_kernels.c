@@ -18,24 +18,9 @@
 #include "gguf_layouts.h"
 #include "srt_kernels.h"
 
+#include "scalar_bf16.h"
 #include "simd_avx2.h"
 #include "simd_bf16.h"
-
-static inline float bf16_to_f32(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 cast; a NaN stays a (quiet) NaN. A select,
- * not a branch, so that a loop of it vectorises. */
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
 
 /* exp(x) for float, vectorisable (libm's expf is a scalar call): Cephes' range reduction by ln 2
  * in two parts and a degree-5 polynomial, about 1 ulp over the clamped range. n is rounded with

@@ -784,3 +784,44 @@ def gguf_linear_silu(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         2,
     )
     return out
+
+
+def lora_slot_words() -> int | None:
+    """The int64 words of one adapter slot in srt_lora_delta's table, or None without the kernels."""
+    lib = build.kernels()
+    return None if lib is None else int(lib.srt_lora_slot_words())
+
+
+def lora_delta(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, table: torch.Tensor) -> bool:
+    """Adds each row's LoRA delta (srt_lora_delta; `table` as lora/linear_method.py writes it) into
+    out [m, n] (bf16 or float32, in place) from x [m, k] (bf16 or float32), row i under slot
+    row_slots[i] (int32, -1: none). False, touching nothing, where the kernel does not apply."""
+    lib = build.kernels()
+    floats = (torch.bfloat16, torch.float32)
+    if (
+        lib is None
+        or out.dim() != 2
+        or x.dim() != 2
+        or out.shape[0] != x.shape[0]
+        or out.dtype not in floats
+        or x.dtype not in floats
+        or any(t.device.type != "cpu" or not t.is_contiguous() for t in (out, x, row_slots, table))
+        or row_slots.dtype != torch.int32
+        or row_slots.numel() != x.shape[0]
+        or table.dtype != torch.int64
+    ):
+        return False
+    m, k = x.shape
+    lib.srt_lora_delta(
+        x.data_ptr(),
+        int(x.dtype == torch.float32),
+        m,
+        k,
+        out.data_ptr(),
+        int(out.dtype == torch.float32),
+        out.shape[1],
+        row_slots.data_ptr(),
+        table.data_ptr(),
+        table.shape[0],
+    )
+    return True

@@ -51,6 +51,11 @@ void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stri
                   const int64_t *loc, int64_t n, int64_t width);
 void srt_argmax(const float *logits, int64_t rows, int64_t n, int64_t *out);
 
+/* cpu_lora.c: LoRA's low-rank products of a step's rows, every adapter in one call per layer */
+int64_t srt_lora_slot_words(void);
+void srt_lora_delta(const void *x, int64_t x_f32, int64_t m, int64_t k, void *out, int64_t out_f32, int64_t n,
+                    const int32_t *row_slot, const int64_t *table, int64_t slots);
+
 /* cpu_amx.c: AMX tiles (each answers 0 / is never called where the compiler's target lacks AMX) */
 int64_t srt_amx_init(void);
 int64_t srt_amx_granted(void);
