@@ -87,7 +87,7 @@ class Scheduler:
         self._init_cache()
         self._init_state()
         self.admission = self._new_admission()
-        self.weights = WeightRegistry(self.parallel.world, self.runner.stage_weights, self.admission.retract)
+        self.weights = WeightRegistry.of(self)  # the weights' folder and version, the pause state
         self.stats = SchedulerStats(
             self._load,
             log_enabled=send_output is not None,

@@ -20,6 +20,10 @@ first drains its micro-batches), the same iteration on every rank; until then no
   queue with its tokens. ContinueGenerationReq runs steps again (harmless without a pause).
 - UpdateWeightVersionReq renames the version the replies report.
 
+Before a change of weights or version, every request's tokens not yet sent go out (`send_now`), so
+the front end, which gets the reply after them, knows which version produced which tokens (SGLang's
+`weight_versions` spans: srt/weight_updates.py).
+
 Each change records (folder, version, epoch) as a consensus event.
 """
 
@@ -29,7 +33,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from consensus import rank_consensus
 from model_executor.distributed.communicator import Communicator
@@ -43,6 +47,9 @@ from srt.io_struct import (
     UpdateWeightsFromDiskReq,
     UpdateWeightVersionReq,
 )
+
+if TYPE_CHECKING:
+    from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("srt.scheduler")
 
@@ -62,11 +69,22 @@ class WeightRegistry:
     world: Communicator  # every rank of the server: an update is agreed over all of them
     stage: StageWeights
     retract: Callable[[Req], None]  # the admission's retraction (kept tokens, KV released)
+    send_now: Callable[[list[Req]], None]  # the output message of these requests' unsent tokens
     model_path: str = "--model-path"  # the folder of the last update from disk
     version: str = "default"  # SGLang's weight_version
     epoch: int = 0  # successful updates so far: the prefix cache's namespace field
     paused: bool = False
     pending: list[Any] = field(default_factory=list)  # WEIGHT_MESSAGES not yet applied
+
+    @classmethod
+    def of(cls, sched: Scheduler) -> WeightRegistry:
+        """The registry of a scheduler (its world, runner, admission and outputs)."""
+
+        def send_now(reqs: list[Req]) -> None:
+            sched.outbox.extend(reqs)
+            sched.flush_outputs()
+
+        return cls(sched.parallel.world, sched.runner.stage_weights, sched.admission.retract, send_now)
 
     @property
     def holds_steps(self) -> bool:
@@ -84,6 +102,10 @@ class WeightRegistry:
         return [self._apply(msg, queues) for msg in messages]
 
     def _apply(self, msg: Any, queues: RequestQueues) -> ControlReply:
+        if isinstance(msg, (UpdateWeightsFromDiskReq, UpdateWeightVersionReq)):
+            held = [r for r in queues.waiting + queues.live() if len(r.output_ids) > r.sent_len]
+            if held:
+                self.send_now(held)  # before the reply: the front end splits the tokens by version
         if isinstance(msg, UpdateWeightsFromDiskReq):
             return self._update(msg, queues)
         if isinstance(msg, UpdateWeightVersionReq):

@@ -57,6 +57,9 @@ class ReqState:
     routed_experts: str | None = None  # base64 int32 [tokens, layers, top_k], with the last output
     embedding: list[float] | None = None  # --is-embedding: the prompt's, with the last output
     weight_version: str = "default"  # the weights' version when its latest output came
+    # (the version before a change, output tokens by then) for each change of weights or version
+    # while it ran: SGLang's weight_versions spans (srt/weight_updates.py)
+    version_changes: list[tuple[str, int]] = field(default_factory=list)
 
     def add_output(self, out: BatchStrOut, i: int, metrics: FrontendMetrics | None) -> None:
         """Take row i of `out` (text and ids are increments, the token counts totals) and wake the caller."""
@@ -111,6 +114,9 @@ class ReqState:
             "e2e_latency": time.perf_counter() - self.timing.created,
             "weight_version": self.weight_version,
         }
+        if self.finish_reason is not None:
+            spans = version_spans(self.version_changes, self.weight_version, len(self.output_ids))
+            meta["weight_versions"], meta["weight_version"] = spans, spans[-1]["version"]
         if self.routed_experts is not None:
             meta["routed_experts"] = self.routed_experts
         ids_from, text_from = (self.streamed_ids, self.streamed_text) if incremental else (0, 0)
@@ -130,6 +136,21 @@ class ReqState:
         if self.embedding is not None:
             out["embedding"] = self.embedding
         return out
+
+
+def version_spans(changes: list[tuple[str, int]], current: str, tokens: int) -> list[dict[str, Any]]:
+    """SGLang's weight_versions: which version produced output tokens [start, end), in order (a
+    change before the first token leaves no span of its old version)."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*changes, (current, tokens)]:
+        end = min(end, tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
 
 
 class ControlCalls:

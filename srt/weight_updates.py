@@ -6,7 +6,9 @@ srt/weights_api.py).
   srt/weight_checkpoint.py, a 400 naming `model_path`), then sent to every rank, which agree before
   the new weights serve. Updates run one at a time: a second waits for the first's reply.
 - The version every reply's meta_info reports moves when the update's reply arrives, in order with
-  the outputs (the ranks send it between steps), so an output computed after the swap reports it.
+  the outputs (the ranks send every request's unsent tokens first), so an output computed after
+  the swap reports it, and a finished request's `weight_versions` says which version produced
+  which of its tokens (SGLang's spans).
 - While paused, new requests wait here (as SGLang's TokenizerManager holds them); `abort` aborts
   every request in flight, `in_place` and `retract` stop the ranks' steps.
 - A successful change is recorded for a restart (srt/frontend_recovery.py replays it).
@@ -77,10 +79,16 @@ class WeightUpdates:
                 pass
 
     def replied(self, reply: ControlReply) -> None:
-        """A rank's reply passing by: a weights' change carries the version it serves under."""
+        """A rank's reply passing by: a weights' change carries the version it serves under. Every
+        token a request in flight has now came before the change (the ranks sent them first), so
+        each records the old version's end there (meta_info's weight_versions)."""
         version = reply.payload.get("weight_version") if reply.success else None
-        if isinstance(version, str):
-            self.version = version
+        if not isinstance(version, str):
+            return
+        for state in self.tm.rid_to_state.values():
+            if state.finish_reason is None and state.output_ids:
+                state.version_changes.append((self.version, len(state.output_ids)))
+        self.version = version
 
     async def update_from_disk(self, body: dict[str, Any]) -> tuple[bool, str, int]:
         """SGLang's UpdateWeightFromDiskReqInput: (success, message, num_paused_requests);

@@ -14,7 +14,7 @@ from model_executor.distributed.parallel_state import destroy_distributed
 from scheduler.weight_registry import WeightRegistry
 from srt.frontend_recovery import FrontendRecovery
 from srt.io_struct import UpdateWeightsFromDiskReq
-from srt.request_state import ControlCalls
+from srt.request_state import ControlCalls, version_spans
 
 
 class FakeStage:
@@ -32,7 +32,7 @@ class FakeStage:
 def _update_rank(rank: int, init_method: str) -> tuple[Any, ...]:
     state = join(rank, init_method, tp_size=2)
     stage = FakeStage()
-    registry = WeightRegistry(state.world, stage, lambda req: None)
+    registry = WeightRegistry(state.world, stage, lambda req: None, lambda reqs: None)
     queues: Any = type("Queues", (), {"waiting": [], "live": lambda self: []})()
     replies = []
     for msg in [
@@ -65,4 +65,14 @@ def test_a_restart_replays_the_weights_before_any_request() -> None:
     recovery.resume()
     assert [(type(m).__name__, m.model_path, m.weight_version) for m in sent] == [
         ("UpdateWeightsFromDiskReq", "/b", "v3")
+    ]
+
+
+def test_weight_versions_spans_say_which_version_produced_which_tokens() -> None:
+    """SGLang's spans (a change is recorded only once a request has tokens): a change with no new
+    token since the last leaves no span; a rename to the same version extends its span."""
+    assert version_spans([], "default", 5) == [{"version": "default", "start": 0, "end": 5}]
+    assert version_spans([("b", 3), ("a", 3), ("c", 7)], "c", 9) == [
+        {"version": "b", "start": 0, "end": 3},
+        {"version": "c", "start": 3, "end": 9},
     ]

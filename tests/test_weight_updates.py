@@ -122,6 +122,9 @@ def test_paused_requests_take_no_step_and_finish_after_an_update_and_continue(
         h.scheduler.step()
     assert h.scheduler.forward_steps == steps and not h.scheduler.has_work()  # idle, not stalled
     assert control(h, UpdateWeightsFromDiskReq("u", str(models["b"]), "v2")).success
+    # every token produced before the update went out before its reply (the front end's spans)
+    held = h.scheduler.queues.waiting + h.scheduler.queues.live()
+    assert held and all(len(h.tokens.get(r.rid, [])) == len(r.output_ids) > 0 for r in held)
     assert control(h, ContinueGenerationReq("c")).success
     h.run_until_idle()
     assert all(len(h.tokens[f"r{i}"]) == GREEDY.max_new_tokens for i in range(len(PROMPTS)))
@@ -191,6 +194,12 @@ def test_sglang_routes_pause_update_and_continue_on_a_real_server(
         for t in threads:
             t.join(timeout=120)
         for out in outs:
+            spans = out[-1]["meta_info"]["weight_versions"]  # which version produced which tokens
+            assert [s["version"] for s in spans] == ["default", "v2"], spans
+            assert (
+                spans[0]["start"] == 0
+                and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == STREAMED
+            )
             assert (
                 len(out[-1]["output_ids"]) == STREAMED
                 and out[-1]["meta_info"]["finish_reason"]["type"] == "length"
