@@ -340,6 +340,17 @@ class DiskTier:
             (self.directory / name).unlink(missing_ok=True)
             self.stats.evicted_blocks += 1
 
+    def clear(self) -> int:
+        """Deletes this rank's files once the writes queued so far are done; returns how many."""
+        self.flush()
+        with self._lock:
+            names = list(self._index.files)
+            self._index = _Index()
+        for name in names:
+            (self.directory / name).unlink(missing_ok=True)
+        logger.info("disk tier: %d files cleared", len(names))
+        return len(names)
+
     def bytes_on_disk(self) -> int:
         with self._lock:
             return self._index.total

@@ -20,6 +20,7 @@ from mem_cache.disk_tier import DiskTier
 from mem_cache.kv_memory import KVMemory
 from mem_cache.radix_cache import BASE, BasePrefixCache, MatchResult, Namespace
 from scheduler.req import Req
+from srt.io_struct import ControlReply, FlushCacheReq
 
 logger = logging.getLogger("srt.scheduler")
 
@@ -303,6 +304,20 @@ class KVManager:
         self.req_to_token_pool.free(row)
         req.req_pool_idx, req.last_node = None, None
         req.kv_len = req.cached_len = 0
+
+    def flush_cache(self, msg: FlushCacheReq, *, idle: bool) -> ControlReply:
+        """/flush_cache: empties the prefix cache and frees its pages when no request is in flight
+        (`idle`); with `msg.storage` (SGLang's /hicache/storage-backend/clear) deletes this rank's disk
+        tier files instead, after the writes queued before it."""
+        if msg.storage:
+            if self.disk is None:
+                return ControlReply(msg.request_id, False, {"message": "the hierarchical cache is off"})
+            return ControlReply(msg.request_id, True, {"deleted_files": self.disk.clear()})
+        if not idle:
+            return ControlReply(msg.request_id, False, {"message": "requests are in flight"})
+        self.tree_cache.reset()
+        self.release_memory(evict=False)  # every page is free now
+        return ControlReply(msg.request_id, True)
 
     @rank_consensus(args=("evict",), result=True, name="release_memory")
     def release_memory(self, *, evict: bool) -> int:

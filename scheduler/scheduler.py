@@ -198,13 +198,7 @@ class Scheduler:
             elif isinstance(msg, AbortReq):
                 self._abort(msg.rid, msg.reason, msg.status_code)
             elif isinstance(msg, FlushCacheReq):
-                ok = not self.queues.has_work()
-                if ok:
-                    self.tree_cache.reset()
-                    self.kv.release_memory(evict=False)  # every page is free now
-                self._reply(
-                    ControlReply(msg.request_id, ok, {} if ok else {"message": "requests are in flight"})
-                )
+                self._reply(self.kv.flush_cache(msg, idle=not self.queues.has_work()))
             elif isinstance(msg, ReleaseMemoryReq):
                 logger.warning("releasing KV memory: %s", msg.reason)
                 self.kv.release_memory(evict=True)

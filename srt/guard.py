@@ -26,6 +26,7 @@ ADMIN_PATHS = (  # SGLang's admin-level routes that srt has
     "/update_weight_version",
     "/pause_generation",
     "/continue_generation",
+    "/hicache/storage-backend/clear",
 )
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # probes: never behind a key (as SGLang)
 

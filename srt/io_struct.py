@@ -56,6 +56,8 @@ class AbortReq:
 @dataclass
 class FlushCacheReq:
     request_id: str  # echoed in ControlReply
+    # SGLang's /hicache/storage-backend/clear: each rank deletes its disk tier's files instead
+    storage: bool = False
 
 
 @dataclass

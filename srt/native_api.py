@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from srt.generate_parse import RequestError
 from srt.http_common import (
@@ -142,6 +142,22 @@ async def flush_cache(request: Request) -> Response:
     if not reply.success:
         return NATIVE_ERRORS.response(400, str(reply.payload.get("message", "the cache was not flushed")))
     return JSONResponse({"success": True, **reply.payload})
+
+
+@router.post("/hicache/storage-backend/clear")
+async def clear_hicache_storage(request: Request) -> Response:
+    """SGLang's: deletes the disk tier's files (--enable-hierarchical-cache); 400 without it."""
+    if not manager(request).server_args.disk_tier_on:
+        return NATIVE_ERRORS.response(
+            400, "the hierarchical cache is off: start with --enable-hierarchical-cache"
+        )
+    try:
+        reply = await manager(request).clear_hicache_storage()
+    except ServiceUnavailableError as error:
+        return NATIVE_ERRORS.of(error)
+    return PlainTextResponse(
+        "Hierarchical cache storage backend cleared.\n", status_code=200 if reply.success else 400
+    )
 
 
 @router.post("/abort_request")

@@ -447,6 +447,10 @@ class TokenizerManager:
     async def flush_cache(self, timeout: float = 10.0) -> ControlReply:
         return await self._control(FlushCacheReq, timeout)
 
+    async def clear_hicache_storage(self, timeout: float = 60.0) -> ControlReply:
+        """SGLang's /hicache/storage-backend/clear: every rank deletes its disk tier's files."""
+        return await self._control(lambda request_id: FlushCacheReq(request_id, storage=True), timeout)
+
     async def get_internal_state(self, timeout: float = 10.0) -> dict[str, Any]:
         return (await self._control(GetInternalStateReq, timeout)).payload
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from scheduler_harness import Harness
 from server_fixture import Server
@@ -15,6 +16,7 @@ from server_fixture import Server
 from mem_cache.disk_tier import DiskTier
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.radix_cache import BASE, Namespace
+from srt.io_struct import ControlReply, FlushCacheReq
 from srt.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -226,6 +228,28 @@ def test_a_prompt_reaches_the_disk_before_its_request_ends(
     assert h.scheduler.has_work() and len(list(tmp_path.glob("*.kv"))) == 2
 
 
+def test_flush_cache_keeps_the_files_and_clearing_the_storage_backend_deletes_them(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    h = _serve(tiny_model_dirs["llama"], tmp_path, "r")
+    disk = h.scheduler.kv.disk
+    assert disk is not None
+    disk.flush()
+    outputs: list[object] = []
+    send = h.scheduler.send_output
+    assert send is not None
+    h.scheduler.send_output = lambda out: (outputs.append(out), send(out))[1]
+    h.send(FlushCacheReq("flush"))  # the radix cache only, as SGLang's /flush_cache
+    h.submit("again", PROMPT, GREEDY)
+    h.run_until_idle()
+    assert h.meta["again"]["cached_tokens"] == 128 and disk.stats.hit_tokens == 128
+    h.send(FlushCacheReq("clear", storage=True))  # SGLang's /hicache/storage-backend/clear
+    h.run_until_idle()
+    replies = [(out.request_id, out.success, out.payload) for out in outputs if isinstance(out, ControlReply)]
+    assert replies == [("flush", True, {}), ("clear", True, {"deleted_files": 2})]
+    assert list(tmp_path.glob("*.kv")) == []
+
+
 def _wait_for_files(directory: Path, count: int, timeout: float = 30.0) -> None:
     """Blocks reach the disk in the background after the request ends."""
     deadline = time.monotonic() + timeout
@@ -273,6 +297,8 @@ def test_a_restarted_tp2_server_serves_what_every_rank_has_from_disk(
     with Server(*flags, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}) as server:
         warm = [server.generate(p).json() for p in payloads]
         assert server.internal_state()["disk_tier"]["hit_tokens"] == 192
+        cleared = requests.post(server.url + "/hicache/storage-backend/clear", timeout=60)
+        assert cleared.status_code == 200 and list(tmp_path.glob("*.kv")) == []
     assert [w["meta_info"]["cached_tokens"] for w in warm] == [192, 0]
     assert [w["output_ids"] for w in warm] == [c["output_ids"] for c in cold]
     assert [w["text"] for w in warm] == [c["text"] for c in cold]

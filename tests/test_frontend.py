@@ -518,6 +518,8 @@ def test_info_control_and_health_routes(server: Server) -> None:
         {"fake_state": 1}
     ]
     assert server.post("/flush_cache", {}).json() == {"success": True}
+    cleared = server.post("/hicache/storage-backend/clear", {})  # SGLang's route: no disk tier here
+    assert cleared.status_code == 400 and "--enable-hierarchical-cache" in cleared.text
 
 
 def test_control_without_reply_times_out(fresh_server: Server) -> None:
