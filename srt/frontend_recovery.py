@@ -11,7 +11,8 @@ The LoRA registry's changes since start-up (adapters loaded and unloaded at runt
 what it replays: the new engine starts from the flags, so `resume` sends those changes again, in
 their order, before any replayed request, and a replayed request finds its adapter. So are the
 weights: after /update_weights_from_disk the new engine loads the updated folder (and version)
-before any replayed request, never --model-path's.
+before any replayed request, never --model-path's; and a pause the ranks held (`in_place`,
+`retract`) holds the new engine's steps too, the replayed requests waiting for /continue_generation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from srt.io_struct import (
     LoadLoraAdapterReq,
+    PauseGenerationReq,
     UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
     UpdateWeightVersionReq,
@@ -60,6 +62,7 @@ class FrontendRecovery:
         self.lora_changes: list[tuple[str, str | None]] = []
         # the weights' folder since the last update from disk (None: --model-path's) and version
         self.weights: tuple[str | None, str] | None = None
+        self.paused = False  # the ranks hold their steps (/pause_generation in_place or retract)
 
     def record_weights(self, model_path: str | None, version: str) -> None:
         """The weights the engine serves after a change (`model_path` None: the version renamed only)."""
@@ -98,6 +101,8 @@ class FrontendRecovery:
                 if folder is None
                 else UpdateWeightsFromDiskReq("weights-replay", folder, version)
             )
+        if self.paused:  # before the replays: they wait in the queue, their tokens kept
+            self._send(PauseGenerationReq("pause-replay", "in_place"))
         for i, (name, path) in enumerate(self.lora_changes):  # nobody waits for their replies
             self._send(
                 UnloadLoraAdapterReq(f"lora-replay-{i}", name)

@@ -142,11 +142,12 @@ class WeightUpdates:
             self.tm.abort_all("aborted by /pause_generation")
         else:
             await self.tm.control(lambda rid: PauseGenerationReq(rid, mode))
+            self.tm.recovery.paused = True  # a restart holds the new engine's steps too
 
     async def resume(self) -> None:
         """SGLang's /continue_generation: steps run again, held requests go (harmless unpaused)."""
         await self.tm.control(ContinueGenerationReq)
-        self.paused = False
+        self.paused = self.tm.recovery.paused = False
         self._event().set()
 
     def _update_lock(self) -> asyncio.Lock:

@@ -61,11 +61,11 @@ def test_a_restart_replays_the_weights_before_any_request() -> None:
     recovery = FrontendRecovery(4, {}, sent.append, lambda: None, ControlCalls())
     recovery.record_weights("/b", "v2")
     recovery.record_weights(None, "v3")  # a version renamed: the folder stays /b
+    recovery.paused = True  # paused in place: the new engine holds its steps as well
     recovery.begin("test")
     recovery.resume()
-    assert [(type(m).__name__, m.model_path, m.weight_version) for m in sent] == [
-        ("UpdateWeightsFromDiskReq", "/b", "v3")
-    ]
+    assert [type(m).__name__ for m in sent] == ["UpdateWeightsFromDiskReq", "PauseGenerationReq"]
+    assert (sent[0].model_path, sent[0].weight_version) == ("/b", "v3")
 
 
 def test_weight_versions_spans_say_which_version_produced_which_tokens() -> None:
