@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import queue
 import struct
 import threading
@@ -48,6 +49,7 @@ MAGIC = b"SRTKV\x01\n"
 SUFFIX = ".kv"
 BLOCK_TOKENS = 64  # tokens per file, rounded up to whole KV pages
 WRITE_QUEUE = 64  # requests' blocks waiting for the writer at most; past it a write is dropped
+WRITE_QUEUE_BYTES = 2**30  # and their copies' bytes at most
 STALE_TMP_S = 600.0  # a temporary file this old was left by a writer that died
 _DIGEST = 32
 
@@ -64,10 +66,25 @@ def model_fingerprint(model_path: str | None) -> list[tuple[str, int, int]]:
     return [(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
+def host_fingerprint(device: str) -> list[str]:
+    """What of the host may change a kernel's bits: the CPU's model (its ISA picks the CPU
+    kernels), torch's version, the GPU's name on CUDA. Stricter than needed (a directory shared by
+    hosts of another CPU model is a miss there), never looser."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else ""
+    return [platform.machine(), cpu, torch.__version__, gpu]
+
+
 def rank_identity(args: ServerArgs, tp_rank: int, pp_rank: int) -> dict[str, object]:
     """What besides the tokens and the pool's layout (DiskTier adds it) decides one rank's KV bits."""
     return {
         "model": model_fingerprint(args.model_path),
+        "host": host_fingerprint(args.device),
         "args": [
             args.dtype,
             args.device,
@@ -135,6 +152,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index = self._scan()
         self._pending: set[str] = set()  # names queued for the writer
+        self._queued_bytes = 0  # of the copies queued
         self._queue: queue.Queue[tuple[list[str], list[torch.Tensor]] | None] = queue.Queue(WRITE_QUEUE)
         self._writer = threading.Thread(target=self._write_loop, name="srt-disk-tier", daemon=True)
         self._writer.start()
@@ -240,10 +258,14 @@ class DiskTier:
         todo = [i for i, name in enumerate(names) if not self.known(name)]
         if not todo:
             return
-        if self._queue.full():
+        t = self.block_tokens
+        size = len(todo) * t * self.pool.num_layers * 2 * self.pool.num_kv_heads * self.pool.head_dim
+        size *= self.pool.dtype.itemsize
+        with self._lock:
+            full = self._queued_bytes + size > WRITE_QUEUE_BYTES
+        if full or self._queue.full():  # the host's memory and the step come first: a later miss
             self.stats.dropped_writes += 1
             return
-        t = self.block_tokens
         index = torch.cat([slots[i * t : (i + 1) * t] for i in todo])
         copies = []
         for layer in range(self.pool.num_layers):
@@ -254,12 +276,14 @@ class DiskTier:
         queued = [names[i] for i in todo]
         with self._lock:  # before the writer can take them
             self._pending.update(queued)
+            self._queued_bytes += size
         try:
             self._queue.put_nowait((queued, blocks))
         except queue.Full:
             self.stats.dropped_writes += 1
             with self._lock:
                 self._pending.difference_update(queued)
+                self._queued_bytes -= size
 
     def flush(self) -> None:
         """Waits until every queued write is on disk (tests; a graceful stop)."""
@@ -278,6 +302,7 @@ class DiskTier:
                 if item is not None:
                     with self._lock:
                         self._pending.difference_update(item[0])
+                        self._queued_bytes -= sum(block.nbytes for block in item[1])
                 self._queue.task_done()
 
     def _write_one(self, name: str, block: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import torch
 from scheduler_harness import Harness
 from server_fixture import Server
 
+from mem_cache import disk_tier
 from mem_cache.disk_tier import DiskTier
 from mem_cache.kv_pool import PagedKVPool
 from mem_cache.radix_cache import BASE, Namespace
@@ -114,6 +115,19 @@ def test_least_recently_used_files_go_past_the_bound(tmp_path: Path) -> None:
     bounded.flush()
     assert sorted(os.listdir(tmp_path)) == sorted([names[0], names[2], names[3]])
     assert bounded.bytes_on_disk() == 3 * size and bounded.stats.evicted_blocks == 1
+
+
+def test_a_write_past_the_queues_bytes_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies waiting for the writer are bounded in bytes: past it a write is dropped (a miss
+    later), the step never waits and the host's memory never grows with a slow disk."""
+    tier = _tier(tmp_path)
+    t = tier.block_tokens
+    names = tier.block_names(BASE, list(range(2 * t)), 2)
+    monkeypatch.setattr(disk_tier, "WRITE_QUEUE_BYTES", tier._block_shape().numel() * 2)  # one block
+    tier.submit(names, _fill(tier, 2 * t))
+    tier.submit(names[:1], _fill(tier, t))
+    tier.flush()
+    assert tier.stats.dropped_writes == 1 and os.listdir(tmp_path) == names[:1]
 
 
 def test_a_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
