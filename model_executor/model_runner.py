@@ -234,9 +234,10 @@ class ModelRunner:
         Returns the commit that swaps it in (between steps); dropping it drops the new weights.
         ValueError or OSError names the cause (scheduler/weight_registry.py agrees on it)."""
         check_checkpoint(model_dir, self.config.model_dir)
-        if self.lora is not None or self.routes is not None:
+        if self.lora is not None or self.routes is not None or self.config.quantization == "gguf":
             raise ValueError(
-                "update_weights_from_disk runs without --enable-lora and --enable-return-routed-experts"
+                "update_weights_from_disk runs without --enable-lora, --enable-return-routed-experts "
+                "and --quantization gguf (whose linears would be read from the running GGUF file)"
             )
         model = self._load_model(model_dir)
 

@@ -98,6 +98,10 @@ class WeightUpdates:
         load_format = _text(body, "load_format", required=False)
         version = _text(body, "weight_version", required=False)
         abort_all = _flag(body, "abort_all_requests", False)
+        if self.tm.server_args.quantization == "gguf":  # its linears are the file's blocks, not a folder's
+            raise RequestError(
+                "update_weights_from_disk needs a server without --quantization gguf", "model_path"
+            )
         try:
             check_checkpoint(path, self.tm.model_info["model_path"], load_format)
         except ValueError as error:
