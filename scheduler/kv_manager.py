@@ -348,6 +348,23 @@ class KVManager:
             "cached_pages": self.tree_cache.total_size() // self.page_size,
         }
 
+    def disk_counts(self) -> dict[str, float]:
+        """The disk tier's counters as /metrics' gauges (srt/metrics.py DISK_GAUGES); none without it."""
+        if self.disk is None:
+            return {}
+        s = self.disk.stats
+        return {
+            "disk_hit_tokens": s.hit_tokens,
+            "disk_read_blocks": s.read_blocks,
+            "disk_bad_blocks": s.bad_blocks,
+            "disk_written_blocks": s.written_blocks,
+            "disk_dropped_writes": s.dropped_writes,
+            "disk_evicted_blocks": s.evicted_blocks,
+            "disk_bytes": self.disk.bytes_on_disk(),
+            "disk_read_seconds": s.read_s,
+            "disk_write_seconds": s.write_s,
+        }
+
     def stats(self, live: list[Req]) -> dict[str, Any]:
         return {
             "max_total_tokens": self.max_total_tokens,

@@ -413,6 +413,7 @@ class Scheduler:
             used_tokens=self.kv.held_tokens(),
             max_total_tokens=self.kv.max_total_tokens,
             **self.kv.page_counts(),
+            disk=self.kv.disk_counts(),
         )
 
     def load_report(self) -> dict[str, int]:

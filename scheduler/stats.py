@@ -35,6 +35,7 @@ class LoadSnapshot:
     free_pages: int = 0  # KV pages: free, held by the prefix cache, allocated (cached or requests')
     cached_pages: int = 0
     used_pages: int = 0
+    disk: dict[str, float] = field(default_factory=dict)  # the disk tier's counters (KVManager.disk_counts)
 
     @property
     def token_usage(self) -> float:
@@ -223,4 +224,5 @@ class SchedulerStats:
             kv_free_pages=load.free_pages,
             kv_cached_pages=load.cached_pages,
             kv_used_pages=load.used_pages,
+            **load.disk,
         )

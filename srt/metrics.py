@@ -87,6 +87,21 @@ def enable_multiprocess_metrics(directory: Path) -> None:
     values.ValueClass = values.MultiProcessValue()
 
 
+# The prompt cache on disk (--enable-hierarchical-cache, mem_cache/disk_tier.py), as the output rank
+# sees it: hits are agreed over the world, the rest are that rank's own files
+DISK_GAUGES = {
+    "disk_hit_tokens": "Tokens restored from the prompt cache on disk (every rank had them), since start",
+    "disk_read_blocks": "Blocks this rank read whole from the disk tier, since start",
+    "disk_bad_blocks": "Short, corrupt or foreign disk tier files this rank deleted (each a miss), since start",
+    "disk_written_blocks": "Blocks this rank wrote to the disk tier, since start",
+    "disk_dropped_writes": "Writes to the disk tier dropped with the writer's queue full, since start",
+    "disk_evicted_blocks": "Disk tier files this rank deleted for the size bound, since start",
+    "disk_bytes": "Bytes of this rank's disk tier files",
+    "disk_read_seconds": "Seconds this rank spent reading the disk tier, since start",
+    "disk_write_seconds": "Seconds this rank's writer spent writing the disk tier, since start",
+}
+
+
 class RankMetrics:
     """A scheduler rank's series (create after enable_multiprocess_metrics)."""
 
@@ -150,7 +165,8 @@ class RankMetrics:
             "since start (--speculative-algorithm)",
         }
         self.gauges = {
-            name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent") for name, doc in gauges.items()
+            name: Gauge(f"srt:{name}", doc, multiprocess_mode="mostrecent")
+            for name, doc in {**gauges, **DISK_GAUGES}.items()
         }
 
     def step(self) -> None:

@@ -308,9 +308,12 @@ def test_a_restarted_tp2_server_serves_what_every_rank_has_from_disk(
     assert len(lost) == 3
     for name in lost:  # one rank's blocks of the second prompt
         (tmp_path / name).unlink()
-    with Server(*flags, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}) as server:
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path)}
+    with Server(*flags, "--enable-metrics", env=env) as server:
         warm = [server.generate(p).json() for p in payloads]
         assert server.internal_state()["disk_tier"]["hit_tokens"] == 192
+        metrics = requests.get(server.url + "/metrics", timeout=30).text
+        assert "srt:disk_hit_tokens 192.0" in metrics
         cleared = requests.post(server.url + "/hicache/storage-backend/clear", timeout=60)
         assert cleared.status_code == 200 and list(tmp_path.glob("*.kv")) == []
     assert [w["meta_info"]["cached_tokens"] for w in warm] == [192, 0]
