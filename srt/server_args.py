@@ -566,6 +566,11 @@ class ServerArgs:
             raise ValueError(
                 f"--enable-hierarchical-cache stores the radix cache's prefixes: not with {flag}"
             )
+        if self.enable_hierarchical_cache and self.enable_return_routed_experts:
+            raise ValueError(
+                "--enable-hierarchical-cache keeps a prefix's KV, not its tokens' experts: "
+                "not with --enable-return-routed-experts"
+            )
 
     @property
     def disk_tier_on(self) -> bool:

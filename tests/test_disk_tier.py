@@ -156,6 +156,10 @@ def test_only_the_file_backend_with_the_radix_cache() -> None:
         ServerArgs(
             enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_write_policy="write_back"
         )
+    with pytest.raises(ValueError, match="not with --enable-return-routed-experts"):
+        ServerArgs(
+            enable_hierarchical_cache=True, hicache_storage_backend="file", enable_return_routed_experts=True
+        )
     with pytest.raises(ValueError, match="not with --disable-radix-cache"):
         ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="file", disable_radix_cache=True)
     args = ServerArgs(
