@@ -117,6 +117,19 @@ def test_least_recently_used_files_go_past_the_bound(tmp_path: Path) -> None:
     assert bounded.bytes_on_disk() == 3 * size and bounded.stats.evicted_blocks == 1
 
 
+def test_two_writers_of_one_block_leave_one_whole_file(tmp_path: Path) -> None:
+    """Two servers (replicas) on one directory write the same block: each write is atomic, the
+    file is whole, and either server reads it."""
+    tiers = [_tier(tmp_path), _tier(tmp_path)]
+    names = tiers[0].block_names(BASE, list(range(tiers[0].block_tokens)), 1)
+    for tier in tiers:
+        tier.submit(names, _fill(tier, tier.block_tokens))
+    for tier in tiers:
+        tier.flush()
+    assert os.listdir(tmp_path) == names
+    assert all(len(tier.read(names)) == 1 for tier in tiers)
+
+
 def test_a_write_past_the_queues_bytes_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The copies waiting for the writer are bounded in bytes: past it a write is dropped (a miss
     later), the step never waits and the host's memory never grows with a slow disk."""
@@ -244,6 +257,26 @@ def test_a_prompt_reaches_the_disk_before_its_request_ends(
     assert disk is not None
     disk.flush()
     assert h.scheduler.has_work() and len(list(tmp_path.glob("*.kv"))) == 2
+
+
+def test_prefixes_under_updated_weights_stay_off_the_disk(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The files name the weights the server started with: after a weight update (epoch 1) no
+    prefix is written or read, so another server's life never serves its KV."""
+    h = _serve(tiny_model_dirs["llama"], tmp_path, "base")
+    disk = h.scheduler.kv.disk
+    assert disk is not None
+    disk.flush()
+    written = sorted(os.listdir(tmp_path))
+    h.scheduler.weights.epoch = 1  # as a successful /update_weights_from_disk leaves it
+    h.send(FlushCacheReq("flush"))
+    h.submit("updated", PROMPT[::-1], GREEDY)
+    h.submit("same", PROMPT, GREEDY)
+    h.run_until_idle()
+    disk.flush()
+    assert h.meta["same"]["cached_tokens"] == 0 and disk.stats.read_blocks == 0
+    assert sorted(os.listdir(tmp_path)) == written
 
 
 def test_flush_cache_keeps_the_files_and_clearing_the_storage_backend_deletes_them(
