@@ -383,14 +383,12 @@ class ModelRunner:
             )
 
     def _init_step_runner(self) -> None:
-        # With LoRA on, every batch runs the layers op by op, adapters or not: the fused decode layer
-        # and CUDA graphs add no adapter's product, and a base row must take the same path in a batch
-        # with adapters as in one without (its tokens never depend on its batch).
-        self.step_runner: StepRunner = (
-            NoStepRunner()
-            if self.lora is not None
-            else self.wing.step_runner(self.model, self.attn_backend, self.memory)
-        )
+        # With LoRA on, a step runner that adds no adapter's product (CUDA graphs) runs nothing: every
+        # batch then runs the layers op by op, adapters or not, as a base row must take the same path
+        # in a batch with adapters as in one without (its tokens never depend on its batch).
+        self.step_runner: StepRunner = self.wing.step_runner(self.model, self.attn_backend, self.memory)
+        if self.lora is not None and not self.step_runner.takes_lora:
+            self.step_runner = NoStepRunner()
         self.step_runner.prepare()
         if self.parallel.world.is_first:
             paths = gpu_paths_in_use(self.device, self.attn_backend_name, self.parallel.world.world_size)

@@ -24,6 +24,9 @@ class StepRunner(ABC):
 
     # the GPU path it is in model_executor/gpu_status.GPU_VERIFIED (a CUDA graph runner's), if any
     gpu_path: str | None = None
+    # whether `run` adds LoRA adapters' deltas as the layers' LoraLinearMethods do (else with LoRA
+    # on every batch runs the layers op by op)
+    takes_lora: bool = False
 
     @abstractmethod
     def prepare(self) -> None:

@@ -23,12 +23,13 @@ from server_fixture import Server
 from tiny_models import hf_float32, hf_greedy, make_tiny_model
 
 from model_executor.cpu.fused_ops import CpuFusedOps
-from model_executor.forward_batch import ForwardMode, make_forward_batch
+from model_executor.cpu.kernels import build
+from model_executor.cpu.kernels.decode_layers import DecodeLayers
+from model_executor.forward_batch import ForwardBatch, ForwardMode, make_forward_batch
 from model_executor.layers.fused_ops import FusedOps
 from model_executor.layers.linear_method import UnquantizedLinearMethod
 from model_executor.lora.linear_method import LayerLora, LoraBatch, LoraLinearMethod, LoraPart
 from model_executor.model_runner import ModelRunner, RunnerConfig
-from model_executor.step_runner import NoStepRunner
 from srt.cli_args import parse_server_args
 from srt.io_struct import TokenizedGenerateReq
 from srt.lora_config import LoraRef
@@ -173,8 +174,8 @@ def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path])
     )
     batch_prompts = prompts(320, (5, 17, 1, 9, 12), seed=4)
     ids = [0, 1, 2, 3, 1]  # adapter ids: --lora-paths order from 1
-    # with LoRA on, no step runner takes any batch (the fused CPU decode layer adds no adapter)
-    assert isinstance(runner.step_runner, NoStepRunner)
+    # fp32 weights: the fused CPU decode layer (which adds adapters) takes no batch here
+    assert runner.step_runner.takes_lora and not runner.step_runner.can_run(decode_batch(runner, [3], [1]))
     ours = prefill_logits(runner, batch_prompts, ids)
     base = peft_model(tiny["base"], None)
     for prompt, adapter, logits in zip(batch_prompts, ids, ours):
@@ -185,6 +186,52 @@ def test_a_mixed_prefill_batch_gives_each_row_peft_logits(tiny: dict[str, Path])
         assert (logits - ref).abs().max().item() < 2e-4
         if adapter:
             assert (ref - plain).abs().max().item() > 0.05  # the adapter changes what the row computes
+
+
+def decode_batch(runner: ModelRunner, lens: list[int], lora_ids: list[int]) -> ForwardBatch:
+    """One decode step of requests whose first `lens` tokens were prefilled (under `lora_ids`): a
+    new token each, its KV slot allocated."""
+    rows = [int(runner.req_to_token_pool.alloc()) for _ in lens]  # type: ignore[arg-type]
+    loc = runner.memory.alloc_extend(rows, [0] * len(rows), lens)
+    tokens = [3 + (i * 7) % 300 for n in lens for i in range(n)]
+    runner.forward(
+        make_forward_batch(ForwardMode.EXTEND, tokens, rows, [0] * len(rows), lens, loc, lora_ids=lora_ids)
+    )
+    seqs = [n + 1 for n in lens]
+    loc = runner.memory.alloc_extend(rows, lens, seqs)
+    return make_forward_batch(
+        ForwardMode.DECODE, [7 + i for i in range(len(rows))], rows, lens, seqs, loc, lora_ids=lora_ids
+    )
+
+
+@pytest.mark.skipif(not build.bf16_linear_available(), reason="no fused decode layer on this CPU")
+def test_the_fused_decode_layer_adds_each_rows_adapter_as_the_layers_do(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 with LoRA on: a decode step mixing the base model and three adapters runs as whole fused
+    layers (srt_decode_layer adding the deltas), within the fused layer's rounding of the same step op
+    by op; each adapter row moves, and a base row gets the bits it gets in a step of base rows."""
+    refs = tuple(LoraRef(name, str(tiny[name])) for name in ("qv8", "all16", "rows4"))
+    runner = ModelRunner(
+        RunnerConfig(model_dir=tiny["base"], dtype=torch.bfloat16, max_total_tokens=1024, lora_adapters=refs)
+    )
+    lens, ids = [5, 17, 9, 12], [0, 1, 2, 3]
+    fused_calls: list[int] = []
+    real = DecodeLayers.forward
+    monkeypatch.setattr(DecodeLayers, "forward", lambda *a, **k: (fused_calls.append(1), real(*a, **k))[1])
+    batch = decode_batch(runner, lens, ids)
+    assert runner.step_runner.can_run(batch)
+    fused = runner.forward(batch)
+    plain = runner.forward(decode_batch(runner, lens, [0] * 4))  # the same requests on the base model
+    assert fused_calls == [1, 1]
+    monkeypatch.setattr(runner.step_runner, "can_run", lambda batch: False)
+    layers = runner.forward(decode_batch(runner, lens, ids))
+    assert fused_calls == [1, 1]
+    scale = layers.abs().max().item()
+    assert (fused - layers).abs().max().item() < 0.02 * scale
+    assert torch.equal(fused[0], plain[0])
+    for row in (1, 2, 3):
+        assert (fused[row] - plain[row]).abs().max().item() > 0.05 * scale
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from model_executor.cpu.linear import PackedWeight, is_kernel_packed, packed_max
 from model_executor.cpu.moe import FusedExperts
 from model_executor.cpu.thread_governor import ThreadGovernor
 from model_executor.forward_batch import ForwardBatch
+from model_executor.lora.linear_method import LoraLinearMethod
 from model_executor.models.base import CausalLM, DecoderStack, PreNormLayer
 from model_executor.step_runner import StepRunner
 
@@ -80,6 +81,8 @@ def fusable(layer: PreNormLayer) -> bool:
 
 
 class CpuDecodeRunner(StepRunner):
+    takes_lora = True  # srt_decode_layer adds the adapters' deltas (cpu_lora.c) where their tables say
+
     def __init__(
         self,
         model: CausalLM,
@@ -114,8 +117,10 @@ class CpuDecodeRunner(StepRunner):
     def can_run(self, batch: ForwardBatch) -> bool:
         if self.stack is None or not batch.is_decode:
             return False
-        packed = self.layers().packed
-        return batch.batch_size <= (packed_max_rows() if packed else ops.fused_gemv_max_batch())
+        layers = self.layers()
+        if not layers.lora_tables_taken():
+            return False
+        return batch.batch_size <= (packed_max_rows() if layers.packed else ops.fused_gemv_max_batch())
 
     def prefill_in_kernels(self, batch: ForwardBatch) -> bool:
         """Whether a prefill runs wholly in our kernels, which share out whole outputs between
@@ -209,4 +214,14 @@ def decode_layer_weights(layer: PreNormLayer, kv_pool: KVPool) -> DecodeLayerWei
         on_route if layer.moe is not None else None,
         attn.sliding_window,
         attn.layer_id in kv_pool.window_layers,
+        lora_methods(layer),
     )
+
+
+def lora_methods(layer: PreNormLayer) -> list[LoraLinearMethod | None] | None:
+    """With LoRA on, the layer's qkv, o, gate_up and down methods (None for a mixture's MLP)."""
+    linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    methods = [None if linear is None else linear.linear_method for linear in linears]
+    if not isinstance(methods[0], LoraLinearMethod):
+        return None
+    return [m if isinstance(m, LoraLinearMethod) else None for m in methods]

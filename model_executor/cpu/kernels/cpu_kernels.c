@@ -1004,6 +1004,15 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
     return 0;
 }
 
+/* With LoRA (`lora`: for qkv, o, gate_up and down in turn, srt_lora_delta's table of the layer's
+ * adapters, or 0 for none, and its slots), the deltas of product i for the rows `lora_rows` gives a
+ * slot (NULL: none this step), added as LoraLinearMethod adds them op by op */
+#define LORA_TABLE(lora, i) ((lora) ? (const int64_t *)(intptr_t)(lora)[2 * (i)] : NULL)
+static void lora_add(const int32_t *lora_rows, const int64_t *lora, int i, const bf16 *x, int64_t m, int64_t k,
+                     void *out, int64_t out_f32, int64_t n) {
+    if (lora_rows && LORA_TABLE(lora, i)) srt_lora_delta(x, 0, m, k, out, out_f32, n, lora_rows, LORA_TABLE(lora, i), lora[2 * i + 1]);
+}
+
 /* One whole Llama-style decoder layer for a decode step on one rank (no tensor parallelism): the
  * Python glue of ~12 small calls per layer costs more than their arithmetic at this size. Without
  * packed weights (bf16, int8 with scales, or a GGUF weight's blocks by its 4 bits of `kinds`), at
@@ -1020,7 +1029,8 @@ static int residual_linear(const bf16 *x, int64_t m, const bf16 *w, const void *
  * hidden is bf16, or float32 with hidden_f32; the o and down products go to `out_f32` unrounded
  * where their weights are bf16_pack'd (residual_linear), else to `out`. Returns whether the layer's
  * output is out_f32 (1) or out (0). Scratch `qkv`, `attn`, `x`, `gate_up`, `act` are [m, ...]
- * buffers of the caller's. */
+ * buffers of the caller's. With `lora` each product adds its adapters' deltas (lora_add), and the
+ * MLP takes the gate_up product then the activation, as LoRA's layers do op by op. */
 int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual, int64_t first, const bf16 *ln1, const bf16 *ln2, float eps,
                       const bf16 *w_qkv, const bf16 *b_qkv, const bf16 *w_o, const bf16 *w_gate_up,
                       const bf16 *w_down, const void *p_qkv, const void *p_o, const void *p_gate_up,
@@ -1030,7 +1040,8 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
                       int64_t window, const bf16 *q_norm, const bf16 *k_norm, const int64_t *moe, int64_t *moe_ids,
-                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32) {
+                      const int32_t *lora_rows, const int64_t *lora, bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up,
+                      bf16 *act, bf16 *out, float *out_f32) {
     const int64_t qkv_size = (hq + 2 * hkv) * d;
     srt_rmsnorm(hidden, hidden_f32, first ? NULL : residual, ln1, x, residual, m, hidden_size, eps);
     if (p_v)
@@ -1038,6 +1049,7 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                          hidden_size);
     else
         layer_linear(x, m, w_qkv, p_qkv, s_qkv, KIND_OF(kinds, 0), b_qkv, qkv, qkv_size, hidden_size);
+    lora_add(lora_rows, lora, 0, x, m, hidden_size, qkv, 0, qkv_size);
     /* q and k heads sit side by side at the start of each qkv row: normalise (in place, each
      * value read before it is written) and rotate them in place */
     bf16 rotated[(hq + hkv) * d];
@@ -1052,13 +1064,18 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
     srt_decode_attention(qkv, qkv_size, qkv + hq * d, qkv_size, qkv + (hq + hkv) * d, qkv_size, k_cache, v_cache,
                          out_loc, req_to_token, rtt_stride, rows, seq_lens, attn, m, hq, hkv, d, scale, max_len, window, 0.0f);
     const int64_t o_f32 = residual_linear(attn, m, w_o, p_o, s_o, KIND_OF(kinds, 1), out, out_f32, hidden_size, hq * d);
+    lora_add(lora_rows, lora, 1, attn, m, hq * d, o_f32 ? (void *)out_f32 : (void *)out, o_f32, hidden_size);
     srt_rmsnorm(o_f32 ? (const void *)out_f32 : out, o_f32, residual, ln2, x, residual, m, hidden_size, eps);
     if (moe) {
         srt_moe_block(x, m, hidden_size, moe, moe_ids, out_f32);
         return 1;
     }
     const int64_t gate_up_kind = KIND_OF(kinds, 2);
-    if (p_gate_up && (gate_up_kind & KIND_TILES)) {
+    if (lora) { /* with LoRA on: the product, its adapters' deltas, then the activation, as op by op */
+        layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, gate_up_kind, NULL, gate_up, 2 * inter, hidden_size);
+        lora_add(lora_rows, lora, 2, x, m, hidden_size, gate_up, 0, 2 * inter);
+        srt_silu_mul(gate_up, act, m, inter);
+    } else if (p_gate_up && (gate_up_kind & KIND_TILES)) {
         srt_gguf_linear(x, m, (const uint8_t *)p_gate_up, gate_up_kind & 7, NULL, act, inter, hidden_size, 2);
     } else if (p_gate_up && gate_up_kind == GGUF_Q4_1) { /* packed: silu * up in the gate_up product's epilogue */
         srt_q4_linear_silu(x, m, (const uint8_t *)p_gate_up, act, inter, hidden_size);
@@ -1076,7 +1093,9 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
         layer_linear(x, m, w_gate_up, p_gate_up, s_gate_up, gate_up_kind, NULL, gate_up, 2 * inter, hidden_size);
         srt_silu_mul(gate_up, act, m, inter);
     }
-    return residual_linear(act, m, w_down, p_down, s_down, KIND_OF(kinds, 3), out, out_f32, hidden_size, inter);
+    const int64_t down_f32 = residual_linear(act, m, w_down, p_down, s_down, KIND_OF(kinds, 3), out, out_f32, hidden_size, inter);
+    lora_add(lora_rows, lora, 3, act, m, inter, down_f32 ? (void *)out_f32 : (void *)out, down_f32, hidden_size);
+    return down_f32;
 }
 
 /* k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i] for n tokens of `width` values each (kv heads x

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,6 +63,10 @@ class DecodeLayerWeights:
     window_pages: bool = (
         False  # its K/V in window pages: slots through the window table (mem_cache/window_pages.py)
     )
+    # with LoRA on: the linear methods of qkv, o, gate_up and down (lora/linear_method.py's
+    # LoraLinearMethod: its `table` for srt_lora_delta, its `batch.row_slots` for the step; None for
+    # a mixture's MLP), else None
+    lora: Sequence[Any | None] | None = None
 
 
 class DecodeLayers:
@@ -85,6 +90,30 @@ class DecodeLayers:
         # the most rows of a step with some weight on its GGUF blocks
         self.block_rows = max(map(gguf_max_rows, gguf), default=0) if self.packed else 0
         self._args: dict[int, list[tuple[tuple, tuple, tuple, tuple]]] = {}  # by rows (0: the bf16 copies)
+        # the tables, and each layer's array (None without LoRA)
+        self._lora: tuple[list[Any], list[torch.Tensor | None]] = ([], [None] * len(self.layers))
+
+    def lora_tables_taken(self) -> bool:
+        """Whether the kernel takes every adapter on every layer (a table for each method with one)."""
+        return all(
+            m is None or m.table is not None or not m.adapters for w in self.layers for m in w.lora or ()
+        )
+
+    def _lora_args(self) -> list[torch.Tensor | None]:
+        """Each layer's `lora` array for srt_decode_layer (table address and slots of qkv, o, gate_up
+        and down), made again when some layer's tables changed (an adapter loaded or unloaded); the
+        tables are held here, so that their addresses stay theirs."""
+        tables = [None if m is None else m.table for w in self.layers for m in w.lora or ()]
+        if len(tables) != len(self._lora[0]) or any(a is not b for a, b in zip(tables, self._lora[0])):
+            arrays: list[torch.Tensor | None] = []
+            for w in self.layers:
+                words = []
+                for m in w.lora or ():
+                    table = None if m is None else m.table
+                    words += [0, 0] if table is None else [table.data_ptr(), table.shape[0]]
+                arrays.append(torch.tensor(words, dtype=torch.int64) if w.lora is not None else None)
+            self._lora = (tables, arrays)
+        return self._lora[1]
 
     @property
     def q4(self) -> bool:
@@ -213,6 +242,9 @@ class DecodeLayers:
         routes = [
             torch.empty(m, w.moe_top_k, dtype=torch.int64) if w.moe is not None else None for w in self.layers
         ]
+        lora = self._lora_args()
+        qkv_lora = self.layers[0].lora[0] if self.layers[0].lora is not None else None
+        row_slots = None if qkv_lora is None else qkv_lora.batch.row_slots
         for i, (weights, kv, dims, extras) in enumerate(self.layer_args(m)):
             hidden_f32 = lib.srt_decode_layer(
                 hidden_ptr,
@@ -226,6 +258,8 @@ class DecodeLayers:
                 *dims,
                 *extras,
                 _p(routes[i]),
+                _p(row_slots),
+                _p(lora[i]),
                 *scratch_ptrs,
             )
             # each layer's MLP output (out_f32 where the down product stored its sums) is the next one's input

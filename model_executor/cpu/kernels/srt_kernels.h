@@ -46,7 +46,8 @@ int64_t srt_decode_layer(const void *hidden, int64_t hidden_f32, float *residual
                       int64_t rtt_stride, const int64_t *rows, const int64_t *seq_lens, int64_t max_len, int64_t m,
                       int64_t hidden_size, int64_t hq, int64_t hkv, int64_t d, int64_t inter, float scale,
                       int64_t window, const bf16 *q_norm, const bf16 *k_norm, const int64_t *moe, int64_t *moe_ids,
-                      bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up, bf16 *act, bf16 *out, float *out_f32);
+                      const int32_t *lora_rows, const int64_t *lora, bf16 *qkv, bf16 *attn, bf16 *x, bf16 *gate_up,
+                      bf16 *act, bf16 *out, float *out_f32);
 void srt_store_kv(const bf16 *k, int64_t k_stride, const bf16 *v, int64_t v_stride, bf16 *k_cache, bf16 *v_cache,
                   const int64_t *loc, int64_t n, int64_t width);
 void srt_argmax(const float *logits, int64_t rows, int64_t n, int64_t *out);
