@@ -131,11 +131,12 @@ class KVManager:
         first = have // t  # the block `have` falls in; its part before `have` is in the tree
         blocks = disk.read(disk.block_names(namespace, key, limit // t)[first:])
         n = disk.agree(len(blocks))
+        if n == 0:  # (first + n) * t may be short of `have`: nothing past the tree
+            return 0
         self.tree_cache.inc_lock_ref(match.last_node)
         pages = ((first + n) * t - have) // self.page_size
-        if pages:
-            self._ensure_free_pages(pages)
-            pages = min(pages, self.allocator.num_free_pages)
+        self._ensure_free_pages(pages)
+        pages = min(pages, self.allocator.num_free_pages)
         page_ids = self.allocator.alloc_pages(pages)
         self.tree_cache.dec_lock_ref(match.last_node)
         if not pages or page_ids is None:

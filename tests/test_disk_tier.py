@@ -200,6 +200,19 @@ def _serve(
     return h
 
 
+def test_a_prefix_partly_in_the_tree_and_not_on_disk_is_computed(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The tree holds the first 40 tokens (inside the first block) and the disk nothing past them:
+    the rest is computed, the outputs those of a server without the cache."""
+    plain = _serve(tiny_model_dirs["llama"], None, "plain")
+    h = _serve(tiny_model_dirs["llama"], tmp_path, "short", prompt=PROMPT[:40])
+    h.submit("long", PROMPT, GREEDY)
+    h.run_until_idle()
+    assert h.meta["long"]["cached_tokens"] == 40 and h.tokens["long"] == plain.tokens["plain"]
+    assert h.integrity_error() is None
+
+
 def test_a_new_scheduler_restores_the_prefix_with_recomputations_outputs(
     tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
