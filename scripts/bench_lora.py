@@ -14,10 +14,10 @@ configurations in turn, every other round in reverse (the machine is shared and 
 gives each one's median and its ratio to "base" (issue 61 asks the mixed batch to cost at most
 1.25x).
 
-`--llama` adds llama.cpp's server (llama_peer.py; one slot per row) on a bf16 GGUF of the same model
-and the same adapters converted by llama.cpp's convert_lora_to_gguf.py (`--llama-convert`, default
-beside the llama-server binary's source tree), each request naming its adapter in `lora`; it runs
-base rows and mixed rows the same way.
+`--llama` adds llama.cpp's server (llama_peer.py; one slot per row) on the bundled GGUF (or
+`--llama-gguf`) with the same adapters converted by llama.cpp's convert_lora_to_gguf.py
+(`--llama-convert`, default beside the llama-server binary's source tree), each request scaling its
+own adapter to 1 and the others to 0 in `lora`; it runs base rows and mixed rows the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from bench_clients import http_call  # noqa: E402
 from llama_peer import LlamaServer, llama_command  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from srt.default_model import default_model_path  # noqa: E402
 from srt.server_process import ServerProcess  # noqa: E402
 
 TARGETS = {
@@ -149,28 +150,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-server", default=None, help="llama.cpp server command (default: on PATH)")
     parser.add_argument("--llama-convert", default=None, help="llama.cpp's convert_lora_to_gguf.py")
     parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument(
+        "--llama-gguf", default=None, help="llama.cpp's base model (default: the bundled GGUF)"
+    )
     return parser.parse_args()
 
 
 def convert_for_llama(
     args: argparse.Namespace, model_dir: Path, folders: list[Path], work: Path
-) -> tuple[Path, list[Path]]:
-    """The base model as a bf16 GGUF and each adapter as a LoRA GGUF, by llama.cpp's own scripts."""
+) -> list[Path]:
+    """Each adapter as a LoRA GGUF, by llama.cpp's own convert_lora_to_gguf.py."""
     command = llama_command(args.llama_server)
     tree = Path(command[0]).resolve().parents[2]  # build/bin/llama-server -> the source tree
     convert = Path(args.llama_convert) if args.llama_convert else tree / "convert_lora_to_gguf.py"
-    base = work / "base-bf16.gguf"
-    hf = convert.parent / "convert_hf_to_gguf.py"
-    subprocess.run(
-        [sys.executable, str(hf), str(model_dir), "--outtype", "bf16", "--outfile", str(base)], check=True
-    )
     ggufs = []
     for folder in folders:
         out = work / f"{folder.name}.gguf"
         cmd = [sys.executable, str(convert), str(folder), "--base", str(model_dir), "--outtype", "f32"]
-        subprocess.run([*cmd, "--outfile", str(out)], check=True)
+        subprocess.run(
+            [*cmd, "--outfile", str(out)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         ggufs.append(out)
-    return base, ggufs
+    return ggufs
 
 
 def main() -> None:
@@ -194,9 +195,8 @@ def main() -> None:
         ("lora base rows", lora_flags, [None] * args.batch_size),
         ("lora mixed", lora_flags, list(mixed)),
     ]
-    llama: tuple[Path, list[Path]] | None = (
-        convert_for_llama(args, model_dir, folders, work) if args.llama else None
-    )
+    llama = convert_for_llama(args, model_dir, folders, work) if args.llama else None
+    llama_gguf = args.llama_gguf or default_model_path()
     rates: dict[str, list[float]] = {}
     for r in range(args.rounds):
         order = configs if r % 2 == 0 else configs[::-1]
@@ -207,11 +207,10 @@ def main() -> None:
             rates.setdefault(name, []).append(tokens / seconds)
             print(f"round {r + 1} {name}: {tokens / seconds:.1f} tok/s", flush=True)
         if llama is not None:
-            base_gguf, ggufs = llama
-            extra = [flag for g in ggufs for flag in ("--lora", str(g))]
+            extra = [flag for g in llama for flag in ("--lora", str(g))]
             with LlamaServer(
                 llama_command(args.llama_server),
-                str(base_gguf),
+                llama_gguf,
                 args.llama_threads,
                 parallel=args.batch_size,
                 extra=extra,
