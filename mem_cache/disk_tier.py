@@ -2,8 +2,9 @@
 a prefix's KV in whole blocks of `block_tokens` tokens, one file per block and rank, kept across
 restarts.
 
-- A block's file name is the rank's identity (the model's files, dtype, quantization, attention
-  backend, TP/PP shape and rank, page size, the pool's shape, `LAYOUT_VERSION`) and a hash of the
+- A block's file name is the rank's identity (the model's files, the host's CPU and GPU and torch,
+  dtype, quantization, attention backend, TP/PP shape and rank, page size, the pool's shape,
+  `LAYOUT_VERSION`) and a hash of the
   namespace and every token id from the prompt's start to the block's end, so a file of another
   model, shape, rank, adapter or weight version is never opened. The header repeats both and is
   checked on read.
@@ -13,8 +14,8 @@ restarts.
   (MIN) before any rank uses one (scheduler/kv_manager.py), so ranks never disagree on a hit.
 - Writes run on a background thread from copies taken once a prompt is computed and when its
   request ends; a full queue drops the write (the step never waits on the disk), and so does a
-  process that exits before the writer is done (a miss later, never a bad file). Each rank bounds its own files to its share of
-  `max_bytes`, the least recently used (written or read) deleted first.
+  process that exits before the writer is done (a miss later, never a bad file). Each rank bounds
+  its own files to its share of `max_bytes`, the least recently used (written or read) first out.
 """
 
 from __future__ import annotations
