@@ -579,8 +579,8 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 "--enable-lora",
                 action="store_true",
                 help="requests may name a LoRA adapter (lora_path, or OpenAI's model as base:adapter or the "
-                "adapter's name); on by itself with --lora-paths. Every batch then runs the model's layers op "
-                "by op (no fused decode layer, no CUDA graph), adapters or not",
+                "adapter's name); on by itself with --lora-paths. On CUDA every batch then runs the model's "
+                "layers op by op (no CUDA graph), adapters or not",
             ),
             _flag(
                 "--lora-paths",
