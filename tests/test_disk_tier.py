@@ -200,6 +200,20 @@ def _serve(
     return h
 
 
+@pytest.mark.parametrize(("page_size", "block", "restored"), [(4, 64, 128), (48, 96, 96)])
+def test_blocks_are_whole_pages(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path, page_size: int, block: int, restored: int
+) -> None:
+    """A block is 64 tokens rounded up to whole pages (96 with pages of 48): restored whole, the
+    outputs those of the cold server at the same page size."""
+    cold = _serve(tiny_model_dirs["llama"], tmp_path, "cold", page_size=page_size)
+    disk = cold.scheduler.kv.disk
+    assert disk is not None and disk.block_tokens == block
+    disk.flush()
+    warm = _serve(tiny_model_dirs["llama"], tmp_path, "warm", page_size=page_size)
+    assert warm.meta["warm"]["cached_tokens"] == restored and warm.tokens["warm"] == cold.tokens["cold"]
+
+
 def test_a_prefix_partly_in_the_tree_and_not_on_disk_is_computed(
     tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
