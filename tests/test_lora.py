@@ -490,6 +490,33 @@ def test_lora_paths_take_names_and_bare_folders(tiny: dict[str, Path]) -> None:
         parse_server_args(["--max-lora-rank", "8"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma3_adapters_on_every_linear_match_peft(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A tiny Gemma 3 (post-norm layers, sliding and global attention): an adapter on every linear
+    layer gives PeftModel's last logits in one prefill batch beside the base model (fp32: within
+    fp32's summation noise; bf16, the default path: within twice the distance of transformers' own
+    bf16 from its fp32)."""
+    base = make_tiny_model("gemma3", tmp_path / "gemma3")
+    adapter = make_adapter(base, tmp_path / "all8", ALL_LINEAR, 8, seed=13, b_std=0.1)
+    runner = ModelRunner(
+        RunnerConfig(
+            model_dir=base, dtype=dtype, max_total_tokens=512, lora_adapters=(LoraRef("all8", str(adapter)),)
+        )
+    )
+    batch_prompts = prompts(200, (9, 6), seed=14)
+    ours = prefill_logits(runner, batch_prompts, [1, 0])
+    with torch.no_grad():
+        for prompt, name, logits in zip(batch_prompts, (adapter, None), ours):
+            ref = peft_model(base, name)(torch.tensor([prompt])).logits[0, -1]
+            if dtype == torch.float32:
+                assert (logits - ref).abs().max().item() < 2e-4
+                continue
+            own = peft_model(base, name, torch.bfloat16)(torch.tensor([prompt])).logits[0, -1].float()
+            assert (logits - ref).abs().max().item() <= 2 * (own - ref).abs().max().item() + 1e-3
+        plain = peft_model(base, None)(torch.tensor([batch_prompts[0]])).logits[0, -1]
+        assert (ours[0] - plain).abs().max().item() > 0.05  # the adapter moves its row
+
+
 def test_moe_attention_adapters_run_and_experts_are_refused_by_name(tmp_path: Path) -> None:
     """A tiny Qwen3-MoE: an adapter on the attention matches PeftModel (fp32 logits); one on a
     mixture's experts is refused at load, naming them."""
