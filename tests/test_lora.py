@@ -345,11 +345,19 @@ def test_openai_model_selects_an_adapter_both_ways(tiny: dict[str, Path], tiny_s
 
 
 @pytest.mark.slow
-def test_tp2_gives_the_tokens_of_tp1(tiny: dict[str, Path], smollm2_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [["--tp-size", "2"], pytest.param(["--pp-size", "2"], marks=pytest.mark.slow, id="pp2")],
+    ids=str,
+)
+def test_tp2_and_pp2_give_the_tokens_of_tp1(
+    tiny: dict[str, Path], smollm2_dir: Path, layout: list[str]
+) -> None:
     """The adapters sharded as their layers (B's rows for column-parallel, A's columns for row-parallel,
-    added before the all-reduce) at TP=2 over gloo: the tokens of TP=1 and of PeftModel."""
+    added before the all-reduce) at TP=2 over gloo, or each stage's layers' at PP=2: one batch mixing
+    the base and three adapters gets the tokens of TP=1 and of PeftModel."""
     batch = prompts(320, (6, 11, 3, 20, 11, 8), seed=5)
-    with Server(*tiny_server_flags(tiny, smollm2_dir), "--tp-size", "2") as server:
+    with Server(*tiny_server_flags(tiny, smollm2_dir), *layout) as server:
         outs = generate_batch(server, batch, MIXED)
     assert [o["output_ids"] for o in outs] == reference_tokens(tiny, batch, MIXED)
 
