@@ -596,6 +596,20 @@ CLI_FLAGS: tuple[FlagGroup, ...] = (
                 help="the most distinct adapters one batch holds (the base model not counted)",
             ),
             _flag(
+                "--max-loaded-loras",
+                type=int,
+                default=None,
+                help="the most adapters loaded at once: past it a load unloads the first to leave by "
+                "--lora-eviction-policy, never a pinned one, once its requests finish (default: any number)",
+            ),
+            _flag(
+                "--lora-eviction-policy",
+                choices=["lru", "fifo"],
+                default=_default("lora_eviction_policy"),
+                help="which adapter leaves past --max-loaded-loras: lru, the least recently requested; fifo, "
+                "the first loaded",
+            ),
+            _flag(
                 "--max-lora-rank",
                 type=int,
                 default=None,

@@ -53,7 +53,7 @@ async def _sglang_call(request: Request, change: Change) -> Response:
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> Response:
     """SGLang's: {"lora_name", "lora_path", "pinned"?} loads the peft folder as that adapter on every
-    rank (`pinned` is accepted: srt keeps every adapter in memory)."""
+    rank (a pinned one never leaves under --max-loaded-loras: srt/lora_residency.py)."""
     return await _sglang_call(
         request,
         lambda tm, body: tm.load_lora_adapter(

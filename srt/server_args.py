@@ -117,6 +117,7 @@ POSITIVE_FIELDS: tuple[tuple[str, bool], ...] = (
     ("max_queued_requests", True),
     ("max_request_bytes", True),
     ("max_loras_per_batch", False),
+    ("max_loaded_loras", True),
     ("max_lora_rank", True),
     ("constrained_json_max_whitespace_cnt", True),
     ("req_waiting_timeout", True),
@@ -302,6 +303,8 @@ class ServerArgs:
     enable_lora: bool = False  # on by itself with --lora-paths (`lora_enabled`)
     lora_paths: tuple[str, ...] | None = None  # name=path, or a path named by its folder
     max_loras_per_batch: int = 8  # distinct adapters in one batch at most
+    max_loaded_loras: int | None = None  # adapters loaded at once at most (srt/lora_residency.py); None: any
+    lora_eviction_policy: str = "lru"  # which leaves past max_loaded_loras: lru or fifo
     max_lora_rank: int | None = None  # None: any rank
     lora_target_modules: tuple[str, ...] | None = None  # None: any of the model's linear layers
 
@@ -525,7 +528,7 @@ class ServerArgs:
         and what LoRA does not run with yet."""
         adapters = self.lora_adapters
         if not self.lora_enabled:
-            for name in ("max_lora_rank", "lora_target_modules"):
+            for name in ("max_lora_rank", "lora_target_modules", "max_loaded_loras"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"--{name.replace('_', '-')} needs --enable-lora (or --lora-paths)")
             return
@@ -537,6 +540,12 @@ class ServerArgs:
                 raise ValueError(f"--enable-lora does not run with {flag} in srt yet")
         for ref in adapters:
             check_adapter(ref, self.max_lora_rank, self.lora_target_modules)
+        bound = self.max_loaded_loras
+        if bound is not None and bound < max(self.max_loras_per_batch, len(adapters)):
+            raise ValueError(
+                f"--max-loaded-loras {bound} is below --max-loras-per-batch ({self.max_loras_per_batch}) "
+                f"or the {len(adapters)} adapter(s) of --lora-paths"
+            )
 
     def _check_hicache(self) -> None:
         """srt's hierarchical cache is the file backend's disk tier alone, under the radix cache."""

@@ -49,6 +49,7 @@ from srt.io_struct import (
 )
 from srt.logprob_meta import LogprobMeta
 from srt.lora_config import LoraRef, check_adapter
+from srt.lora_residency import LoraResidency
 from srt.memory_watch import (
     GIB,
     POLL_S,
@@ -89,6 +90,9 @@ class TokenizerManager:
         # the LoRA adapters requests may name (--lora-paths); None: LoRA off
         self.lora_names: dict[str, str] | None = (
             {ref.name: ref.path for ref in server_args.lora_adapters} if server_args.lora_enabled else None
+        )
+        self.lora_residency = LoraResidency(
+            server_args.max_loaded_loras, server_args.lora_eviction_policy, self.lora_names or ()
         )
         grammars = LazyGrammarBackend(
             server_args.grammar_backend,
@@ -342,6 +346,7 @@ class TokenizerManager:
             for i, req in enumerate(call.reqs)
         ]
         self.rid_to_state.update((s.rid, s) for s in states)
+        self.lora_residency.used(req.lora_path for req in call.reqs if req.lora_path)
         try:
             await self.weights.until_unpaused()
             await self.recovery.until_recovered(len(call.reqs))
@@ -481,7 +486,11 @@ class TokenizerManager:
             raise RequestError(str(reply.payload.get("message")), "lora_path")
         names[name] = path
         self.recovery.record_lora(name, path)
-        return reply.payload
+        self.lora_residency.loaded(name, pinned)
+        for victim in self.lora_residency.over_bound():  # --max-loaded-loras: the first to leave
+            logger.info("unloading LoRA adapter %r: more than --max-loaded-loras are loaded", victim)
+            await self.unload_lora_adapter(victim)
+        return {**reply.payload, "loaded_adapters": dict(names)}
 
     async def unload_lora_adapter(self, name: Any) -> dict[str, Any]:
         """Unloads the adapter `name`: new requests naming it are refused at once; the call returns
@@ -499,6 +508,7 @@ class TokenizerManager:
         if not reply.success:
             raise RequestError(str(reply.payload.get("message")), "lora_name")
         self.recovery.record_lora(name, None)
+        self.lora_residency.unloaded(name)
         return reply.payload
 
     def _lora_names(self, param: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from test_restart import streams_through_a_kill
 
 from srt.generate_parse import RequestError
 from srt.io_struct import ControlReply, TokenizedGenerateReq, UnloadLoraAdapterReq
+from srt.lora_residency import LoraResidency
 from srt.sampling_params import SamplingParams
 from srt.tokenizer_manager import TokenizerManager
 
@@ -362,3 +363,46 @@ def test_load_and_unload_50_times_while_requests_stream(tiny: dict[str, Path], s
     assert not errors, errors[:3]
     assert rss[4] > 100 * 2**20  # the scheduler's process, found
     assert rss[-1] <= rss[4] * 1.05, [r // 2**20 for r in rss]
+
+
+def test_the_residency_bound_picks_the_least_recently_used_or_first_loaded_unpinned_adapter() -> None:
+    lru = LoraResidency(2, "lru", ["a", "b"])
+    lru.used(["a", "unknown"])
+    lru.loaded("c", pinned=False)
+    assert lru.over_bound() == ["b"]  # a was asked for after b
+    fifo = LoraResidency(2, "fifo", ["a", "b"])
+    fifo.used(["a"])
+    fifo.loaded("c", pinned=False)
+    assert fifo.over_bound() == ["a"]
+    pinned = LoraResidency(1, "lru", [])
+    pinned.loaded("p", pinned=True)
+    pinned.loaded("q", pinned=False)
+    pinned.loaded("r", pinned=False)
+    assert pinned.over_bound() == ["q", "r"]  # p pinned: both others to fit one
+    pinned.unloaded("q")
+    assert pinned.over_bound() == ["r"] and LoraResidency(None, "lru", ["a", "b"]).over_bound() == []
+    with pytest.raises(ValueError, match="--lora-eviction-policy"):
+        LoraResidency(2, "random", [])
+
+
+@pytest.mark.slow
+def test_a_load_past_max_loaded_loras_unloads_the_least_recently_used_adapter(
+    tiny: dict[str, Path], smollm2_dir: Path
+) -> None:
+    """SGLang's --max-loaded-loras: with two allowed, loading a third unloads the adapter whose last
+    request is the oldest (never a pinned one), on every rank; its name is then a 400, the others
+    still serve."""
+    flags = [*runtime_flags(tiny, smollm2_dir), "--max-loaded-loras", "2", "--max-loras-per-batch", "2"]
+    with Server(*flags) as server:
+        body = {"lora_name": "all16", "lora_path": str(tiny["all16"]), "pinned": True}
+        assert post(server, "/load_lora_adapter", body).json()["success"]
+        one = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+        assert post(server, "/generate", {**one, "lora_path": "qv8"}).status_code == 200
+        reply = post(server, "/load_lora_adapter", {"lora_name": "rows4", "lora_path": str(tiny["rows4"])})
+        # all16 is pinned, so qv8 leaves though it was asked for after all16 was loaded
+        assert reply.json()["success"] and set(reply.json()["loaded_adapters"]) == {"all16", "rows4"}
+        assert set(model_ids(server)) == {"all16", "rows4"}
+        gone = post(server, "/generate", {**one, "lora_path": "qv8"})
+        assert gone.status_code == 400 and "qv8" in gone.text
+        for name in ("all16", "rows4"):
+            assert post(server, "/generate", {**one, "lora_path": name}).status_code == 200
