@@ -68,13 +68,21 @@ void srt_lora_delta(const void *x, int64_t x_f32, int64_t m, int64_t k, void *ou
     int64_t most = 0; /* the largest R, for the scratch */
     for (int64_t s = 0; s < slots; s++) most = table[s * LORA_SLOT_WORDS + 1] > most ? table[s * LORA_SLOT_WORDS + 1] : most;
     most += n; /* and a part's sums */
-#pragma omp parallel if (m > 1)
+    /* The adapter rows in order of their slot, so that the threads split the adapters between them
+     * and each reads an adapter's A and B once, its later rows from cache (a row's sums are its own
+     * whatever the order). */
+    int64_t *order = malloc((size_t)(m > 0 ? m : 1) * sizeof(int64_t)), count = 0;
+    for (int64_t s = 0; s < slots; s++) {
+        if (table[s * LORA_SLOT_WORDS + 1] == 0) continue;
+        for (int64_t i = 0; i < m; i++)
+            if (row_slot[i] == s) order[count++] = i;
+    }
+#pragma omp parallel if (count > 1)
     {
         float *xf = malloc((size_t)(k + most) * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) {
-            const int32_t s = row_slot[i];
-            if (s < 0 || s >= slots || table[s * LORA_SLOT_WORDS + 1] == 0) continue;
+        for (int64_t c = 0; c < count; c++) {
+            const int64_t i = order[c], s = row_slot[i];
             if (x_f32)
                 memcpy(xf, (const float *)x + i * k, (size_t)k * sizeof(float));
             else
@@ -84,4 +92,5 @@ void srt_lora_delta(const void *x, int64_t x_f32, int64_t m, int64_t k, void *ou
         }
         free(xf);
     }
+    free(order);
 }
