@@ -131,9 +131,7 @@ def layer_loras(k: int, seed: int) -> LoraLinearMethod:
 def deltas(
     method: LoraLinearMethod, ops: FusedOps, out: torch.Tensor, x: torch.Tensor, slots: list[int]
 ) -> torch.Tensor:
-    row_slots = torch.tensor(slots, dtype=torch.int32)
-    method.batch.row_slots = row_slots
-    method.batch.groups = [(s, (row_slots == s).nonzero().squeeze(1)) for s in sorted(set(slots) - {-1})]
+    method.batch.start(torch.tensor(slots, dtype=torch.int32))
     result = out.clone()
     ops.lora_delta(result, x, method)
     return result

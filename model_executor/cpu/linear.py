@@ -263,7 +263,7 @@ class PackedLinearMethod(LinearMethod):
 
 
 def packed_of(method: LinearMethod) -> PackedWeight | None:
-    """The packed weight a layer's linear method multiplies by (under LoRA's, the base method's), or
-    None (the weight as loaded)."""
-    base = getattr(method, "base", method)  # lora/linear_method.py's LoraLinearMethod wraps it
-    return base.packed if isinstance(base, PackedLinearMethod) else None
+    """The packed weight a layer's linear method multiplies by (LoRA's method: its base method's),
+    or None (the weight as loaded)."""
+    packed = method.packed_weight
+    return packed if isinstance(packed, PackedWeight) else None

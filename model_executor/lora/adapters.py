@@ -184,18 +184,11 @@ class LoraAdapters:
         """Tells the layers which of this step's token rows run under which adapter's slot."""
         ids = batch.lora_ids
         if not ids or not any(ids):
-            self.batch.row_slots, self.batch.groups = None, []
+            self.batch.start(None)
             return
-        device = batch.input_ids.device
         per_request = torch.tensor([self.slots.get(i, -1) if i else -1 for i in ids], dtype=torch.int32)
         lens = torch.tensor(batch.extend_seq_lens_cpu)
-        row_slots = torch.repeat_interleave(per_request, lens).to(device)
-        slots = sorted(set(per_request.tolist()) - {-1})
-        if len(slots) == 1 and bool((per_request == slots[0]).all()):
-            self.batch.groups = [(slots[0], None)]  # every row: no gather
-        else:
-            self.batch.groups = [(s, (row_slots == s).nonzero().squeeze(1)) for s in slots]
-        self.batch.row_slots = row_slots
+        self.batch.start(torch.repeat_interleave(per_request, lens).to(batch.input_ids.device))
 
 
 # the layers an adapter may target (a subclass of one, as the MoE's ReplicatedLinear, is not)

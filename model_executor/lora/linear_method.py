@@ -63,15 +63,34 @@ class LayerLora:
 
 @dataclass
 class LoraBatch:
-    """The step's rows of each adapter, set by LoraAdapters.begin before each forward and read by
-    every layer's LoraLinearMethod: each token row's slot (int32, -1 for the base model; None when
-    no row has an adapter), and (slot, token rows or None for all) in ascending slot."""
+    """The step's rows of each adapter, set by LoraAdapters.begin before each forward (`start`) and
+    read by every layer's LoraLinearMethod: each token row's slot (int32, -1 for the base model;
+    None when no row has an adapter)."""
 
     row_slots: torch.Tensor | None = None
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     # deterministic inference: the torch products of each row on its own (one-row matmuls), so its
     # bits never depend on the rows beside it, as a restart's replay needs (the kernel's always are)
     row_by_row: bool = False
+    _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
+
+    def start(self, row_slots: torch.Tensor | None) -> None:
+        """A new step's rows."""
+        self.row_slots, self._groups = row_slots, None
+
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, its token rows or None for all) in ascending slot, for the torch products: made
+        from row_slots at the step's first call (the kernel reads row_slots alone)."""
+        if self._groups is None:
+            rows = self.row_slots
+            groups: list[tuple[int, torch.Tensor | None]] = []
+            if rows is not None:
+                slots = [s for s in torch.unique(rows).tolist() if s != -1]
+                if len(slots) == 1 and bool((rows == slots[0]).all()):
+                    groups = [(slots[0], None)]  # every row: no gather
+                else:
+                    groups = [(s, (rows == s).nonzero().squeeze(1)) for s in slots]
+            self._groups = groups
+        return self._groups
 
 
 class LoraLinearMethod(LinearMethod):
@@ -113,7 +132,7 @@ class LoraLinearMethod(LinearMethod):
 
     def add_each(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """The torch products: one pair of matmuls per adapter of the step (or per row)."""
-        for slot, rows in self.batch.groups:
+        for slot, rows in self.batch.groups():
             lora = self.adapters.get(slot)
             if lora is None:
                 continue
