@@ -389,10 +389,12 @@ def test_the_residency_bound_picks_the_least_recently_used_or_first_loaded_unpin
 def test_a_load_past_max_loaded_loras_unloads_the_least_recently_used_adapter(
     tiny: dict[str, Path], smollm2_dir: Path
 ) -> None:
-    """SGLang's --max-loaded-loras: with two allowed, loading a third unloads the adapter whose last
+    """SGLang's --max-loaded-loras (default bf16 path): with two allowed, loading a third unloads the adapter whose last
     request is the oldest (never a pinned one), on every rank; its name is then a 400, the others
     still serve."""
-    flags = [*runtime_flags(tiny, smollm2_dir), "--max-loaded-loras", "2", "--max-loras-per-batch", "2"]
+    flags = runtime_flags(tiny, smollm2_dir)
+    del flags[flags.index("--dtype") : flags.index("--dtype") + 2]  # the default path: bf16, the kernels
+    flags += ["--max-loaded-loras", "2", "--max-loras-per-batch", "2"]
     with Server(*flags) as server:
         body = {"lora_name": "all16", "lora_path": str(tiny["all16"]), "pinned": True}
         assert post(server, "/load_lora_adapter", body).json()["success"]
